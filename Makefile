@@ -1,0 +1,30 @@
+# h3serve: `make demo` and `make test` are the whole set-up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROTOS := $(wildcard protos/h3serve/v1/*.proto)
+STUBS := $(PROTOS:.proto=_pb2.py)
+
+.PHONY: all demo test proto clean
+
+all: $(VENV)/.installed proto
+
+# torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+proto: $(STUBS)
+
+protos/h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos $<
+
+demo: all
+	$(VENV)/bin/h3serve demo --config docs/deploy/tiny-cpu.toml
+
+test: all
+	$(PY) -m pytest -q -rs
+
+clean:
+	rm -rf $(VENV) protos/h3serve/v1/*_pb2*.py protos/h3serve/v1/*_pb2*.pyi var

@@ -1,0 +1,178 @@
+"""The `h3serve` command: serve one service, start them all, generate, compare with diffusers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from services.common.config import SERVICES, DeployConfig, load_deploy, override
+
+
+def _serve(args) -> None:
+    config = load_deploy(args.config)
+    if args.service == "gateway":
+        from gateway.server import serve
+
+        serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir))
+        return
+    section = override(config.service(args.service), host=args.host, port=args.port, model_dir=args.model_dir,
+                       device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
+    module = __import__(f"services.{args.service}.server", fromlist=["serve"])
+    module.serve(section)
+
+
+def _up(args) -> None:
+    from services.launcher import ServiceGroup
+
+    config = load_deploy(args.config)
+    with ServiceGroup(config, args.config, args.log_dir):
+        print(f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
+              flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping", flush=True)
+
+
+def _request(args):
+    from h3serve.v1 import gateway_pb2
+
+    def given(name):
+        return getattr(args, name, None)
+
+    request = gateway_pb2.GenerateRequest(
+        prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
+        seconds=given("seconds") or 0.0, num_inference_steps=args.steps or 0, include_raw=bool(given("raw")))
+    if given("seed") is not None:
+        request.seed = args.seed
+    return request
+
+
+def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr):
+    """Run one generation through the gateway with a live progress line; returns (job, mp4 path)."""
+    from gateway.client import GatewayClient, describe_event
+
+    client = GatewayClient(address)
+    try:
+        final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
+                                                         flush=True))
+        print(file=stream)
+        if final.WhichOneof("kind") != "done":
+            raise SystemExit(f"job {final.job_id} {describe_event(final)}")
+        path = client.download(final.done.video.artifact_id, out)
+        if raw:
+            client.download(final.done.raw.artifact_id, raw)
+        return client.job(final.job_id), path
+    finally:
+        client.close()
+
+
+def print_timings(job, path: Path) -> None:
+    stages = "  ".join(f"{s.stage} {s.seconds:.2f} s" for s in job.stages)
+    print(f"video: {path.resolve()}\nstages: {stages}", flush=True)
+
+
+def _generate(args) -> None:
+    address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
+    job, path = generate(address, _request(args), args.out, args.raw)
+    print_timings(job, path)
+
+
+def _reference(args) -> None:
+    import numpy as np
+
+    from services.common.models import ModelSource
+    from services.reference import ReferenceRequest, run_reference
+
+    result = run_reference(ModelSource(args.model_dir), ReferenceRequest(
+        args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed), args.device, args.dtype)
+    np.savez(args.raw, **result)
+    print(f"reference: {Path(args.raw).resolve()}")
+
+
+def _write_tiny(args) -> None:
+    from services.common.tiny import write_tiny_model
+
+    print(write_tiny_model(args.directory).resolve())
+
+
+def _demo(args) -> None:
+    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything."""
+    from services.launcher import ServiceGroup
+
+    config = load_deploy(args.config)
+    log_dir = tempfile.mkdtemp(prefix="h3serve-demo-logs-")
+    started = time.perf_counter()
+    with ServiceGroup(config, args.config, log_dir):
+        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir})", flush=True)
+        job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), args.out, None)
+    print_timings(job, path)
+
+
+def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
+    p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
+    p.add_argument("--height", type=int, default=height)
+    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
+    p.add_argument("--out", help="where to save the MP4 (default: the server's file name, h3-<job>.mp4)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="h3serve", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run one service in the foreground")
+    p.add_argument("service", choices=[*SERVICES, "gateway"])
+    p.add_argument("--config", help="deployment TOML file")
+    for flag in ("host", "model-dir", "device", "dtype", "attention-backend", "data-dir"):
+        p.add_argument(f"--{flag}")
+    p.add_argument("--port", type=int)
+    p.set_defaults(run=_serve)
+
+    p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")
+    p.add_argument("--config")
+    p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.set_defaults(run=_up)
+
+    p = sub.add_parser("generate", help="generate one video through the gateway")
+    p.add_argument("--gateway", help="host:port (default: the config's gateway)")
+    p.add_argument("--config")
+    _add_request_args(p, steps=None)
+    p.add_argument("--num-frames", type=int)
+    p.add_argument("--seconds", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
+    p.set_defaults(run=_generate)
+
+    p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
+    p.add_argument("--model-dir", help="diffusers model directory (default: the tiny preset)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    _add_request_args(p, steps=50, height=768, width=1344)
+    p.add_argument("--num-frames", type=int, default=124)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--raw", required=True)
+    p.set_defaults(run=_reference)
+
+    p = sub.add_parser("write-tiny", help="save the built-in tiny model in the released diffusers layout")
+    p.add_argument("directory")
+    p.set_defaults(run=_write_tiny)
+
+    p = sub.add_parser("demo", help="up + one generation with the tiny model + stop")
+    p.add_argument("--config")
+    _add_request_args(p, steps=8, height=64, width=128)
+    p.set_defaults(run=_demo)
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Typed configuration for every h3serve process, read from one TOML deployment file.
+
+Each section ([encoder], [dit], [vae], [gateway]) maps onto a dataclass; command-line flags
+override single fields. `[model] dir` points every model service at a local diffusers model
+directory; empty means the built-in tiny preset.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelServiceConfig:
+    """One model service process (encoder, dit or vae)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model_dir: str = ""            # empty: tiny preset
+    device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
+    gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
+    dtype: str = "float32"
+    attention_backend: str = "native"  # diffusers attention backend, set explicitly at start (dit, vae)
+    cache_bytes: int = 256 << 20   # encoder embedding cache bound
+    max_prompt_chars: int = 8192   # encoder: longest prompt accepted
+    max_raw_bytes: int = 512 << 20  # vae: largest raw.npz payload include_raw may produce
+    threads: int = 0               # torch intra-op threads; 0: torch's default
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50050
+    data_dir: str = "var/gateway"     # SQLite database and artifacts
+    encoder: str = "127.0.0.1:50051"  # stage addresses
+    dit: str = "127.0.0.1:50052"
+    vae: str = "127.0.0.1:50053"
+    max_prompt_chars: int = 8192
+    max_steps: int = 200
+    default_steps: int = 50
+    encode_deadline_s: float = 600.0  # per stage call
+    denoise_deadline_s: float = 3600.0
+    decode_deadline_s: float = 1800.0
+    retry_attempts: int = 3           # tries for a stage call that fails UNAVAILABLE
+    retry_backoff_s: float = 0.5      # first back-off, doubled per try
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    encoder: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50051))
+    dit: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50052))
+    vae: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50053))
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+
+    def service(self, name: str):
+        return getattr(self, name)
+
+
+SERVICES = ("encoder", "dit", "vae")
+
+
+def _apply(section_obj, values: dict, where: str):
+    known = {f.name for f in fields(section_obj)}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    return replace(section_obj, **values)
+
+
+def load_deploy(path: str | Path | None) -> DeployConfig:
+    """Read a deployment file. `[model] dir` is the default model_dir of every model service."""
+    config = DeployConfig()
+    if path is None:
+        return config
+    data = tomllib.loads(Path(path).read_text())
+    unknown = set(data) - {"model", *SERVICES, "gateway"}
+    if unknown:
+        raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
+    model_dir = data.get("model", {}).get("dir", "")
+    updates = {}
+    for name in SERVICES:
+        section = {"model_dir": model_dir, **data.get(name, {})}
+        updates[name] = _apply(config.service(name), section, f"{path} [{name}]")
+    gateway = _apply(config.gateway, data.get("gateway", {}), f"{path} [gateway]")
+    addresses = {name: f"{updates[name].host}:{updates[name].port}" for name in SERVICES}
+    explicit = data.get("gateway", {})
+    gateway = replace(gateway, **{k: v for k, v in addresses.items() if k not in explicit})
+    return DeployConfig(gateway=gateway, **updates)
+
+
+def override(section, **flags):
+    """Apply command-line flags that were given (not None) to one config section."""
+    return replace(section, **{k: v for k, v in flags.items() if v is not None})

@@ -1,0 +1,61 @@
+"""gRPC server bootstrap shared by every h3serve process.
+
+Unlimited message sizes (tensors are chunked anyway, but a client's limits must not bite),
+the standard health service, server reflection, and a graceful stop on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+]
+GRACE_SECONDS = 5.0
+
+log = logging.getLogger("h3serve.server")
+
+
+def enable_reflection(server, service_full_names: list[str]) -> None:
+    reflection.enable_server_reflection([*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+
+def add_health_and_reflection(server, service_full_names: list[str]) -> health.HealthServicer:
+    """Register health (SERVING for "" and each service) and reflection; returns the health servicer."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ["", *service_full_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    enable_reflection(server, service_full_names)
+    return health_servicer
+
+
+def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16) -> None:
+    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    register(server)
+    health_servicer = add_health_and_reflection(server, service_full_names)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    server.start()
+    log.info("serving %s on %s", ", ".join(service_full_names), address)
+    stopped = threading.Event()
+
+    def stop(signum, _frame):
+        log.info("signal %d: stopping (grace %.0f s)", signum, GRACE_SECONDS)
+        health_servicer.enter_graceful_shutdown()
+        server.stop(GRACE_SECONDS).wait()
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    stopped.wait()

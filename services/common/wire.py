@@ -1,0 +1,138 @@
+"""Tensor wire codec: torch tensors <-> streams of `TensorChunk` messages.
+
+A tensor leaves as chunks of at most `CHUNK_BYTES`, so no gRPC message-size limit is ever
+reached. Sending views the tensor's storage as bytes (no copy besides the one protobuf makes
+per chunk); receiving writes the chunks into one preallocated buffer that `torch.frombuffer`
+wraps without copying. The content key (BLAKE2b-128 over dtype, shape and bytes) is checked
+on arrival, so a corrupted, truncated or mis-assembled stream is an error, never a tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from h3serve.v1 import tensor_pb2
+
+CHUNK_BYTES = 1 << 20
+
+_TO_WIRE = {
+    torch.float32: tensor_pb2.DTYPE_FLOAT32,
+    torch.float16: tensor_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: tensor_pb2.DTYPE_BFLOAT16,
+    torch.float64: tensor_pb2.DTYPE_FLOAT64,
+    torch.int64: tensor_pb2.DTYPE_INT64,
+    torch.int32: tensor_pb2.DTYPE_INT32,
+    torch.uint8: tensor_pb2.DTYPE_UINT8,
+    torch.bool: tensor_pb2.DTYPE_BOOL,
+}
+_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
+
+
+class WireError(ValueError):
+    """A tensor stream that cannot be turned back into the tensor that was sent."""
+
+
+def content_key(dtype: int, shape: Iterable[int], data) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{dtype}:{','.join(map(str, shape))}:".encode())
+    h.update(data)
+    return h.hexdigest()
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def encode(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> list[tensor_pb2.TensorChunk]:
+    """Split `tensor` into chunks. Little-endian hosts only (x86-64, aarch64)."""
+    if tensor.dtype not in _TO_WIRE:
+        raise WireError(f"tensor {name!r}: dtype {tensor.dtype} has no wire form")
+    dtype = _TO_WIRE[tensor.dtype]
+    data = _as_bytes(tensor)
+    head = tensor_pb2.Tensor(dtype=dtype, shape=list(tensor.shape), nbytes=data.nbytes,
+                             key=content_key(dtype, tensor.shape, data))
+    chunks = []
+    for offset in range(0, max(data.nbytes, 1), chunk_bytes):
+        piece = tensor_pb2.Tensor(data=bytes(data[offset:offset + chunk_bytes]))
+        if offset == 0:
+            piece.MergeFrom(head)
+        chunks.append(tensor_pb2.TensorChunk(name=name, tensor=piece, offset=offset))
+    return chunks
+
+
+class TensorAssembler:
+    """Collects chunks of any number of tensors, in stream order, and checks each one."""
+
+    def __init__(self) -> None:
+        self._done: dict[str, torch.Tensor] = {}
+        self._name: str | None = None
+        self._head: tensor_pb2.Tensor | None = None
+        self._buf: bytearray | None = None
+        self._filled = 0
+
+    def add(self, chunk: tensor_pb2.TensorChunk) -> None:
+        if chunk.offset == 0:
+            self._finish_current()
+            self._start(chunk)
+        elif chunk.name != self._name:
+            raise WireError(f"chunk of tensor {chunk.name!r} at offset {chunk.offset} arrived without its first chunk")
+        elif chunk.offset != self._filled:
+            raise WireError(f"tensor {chunk.name!r}: chunk at offset {chunk.offset}, expected {self._filled}")
+        data = chunk.tensor.data
+        if self._filled + len(data) > len(self._buf):
+            raise WireError(f"tensor {chunk.name!r}: more bytes than the {len(self._buf)} announced")
+        self._buf[self._filled:self._filled + len(data)] = data
+        self._filled += len(data)
+
+    def _start(self, chunk: tensor_pb2.TensorChunk) -> None:
+        head = chunk.tensor
+        if head.dtype not in _FROM_WIRE:
+            raise WireError(f"tensor {chunk.name!r}: unknown dtype {head.dtype}")
+        if chunk.name in self._done:
+            raise WireError(f"tensor {chunk.name!r} sent twice")
+        itemsize = torch.empty(0, dtype=_FROM_WIRE[head.dtype]).element_size()
+        expected = itemsize
+        for dim in head.shape:
+            expected *= dim
+        if expected != head.nbytes:
+            raise WireError(f"tensor {chunk.name!r}: shape {list(head.shape)} needs {expected} bytes, "
+                            f"header says {head.nbytes}")
+        self._name, self._head = chunk.name, head
+        self._buf, self._filled = bytearray(head.nbytes), 0
+
+    def _finish_current(self) -> None:
+        if self._name is None:
+            return
+        name, head, buf = self._name, self._head, self._buf
+        self._name = None
+        if self._filled != len(buf):
+            raise WireError(f"tensor {name!r} truncated: {self._filled} of {len(buf)} bytes arrived")
+        if content_key(head.dtype, head.shape, buf) != head.key:
+            raise WireError(f"tensor {name!r}: content key mismatch, the bytes were corrupted in transit")
+        dtype = _FROM_WIRE[head.dtype]
+        flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        self._done[name] = flat.reshape(tuple(head.shape))
+
+    def finish(self, *required: str) -> dict[str, torch.Tensor]:
+        """End of stream: check the last tensor and that every required name arrived."""
+        self._finish_current()
+        missing = [n for n in required if n not in self._done]
+        if missing:
+            raise WireError(f"stream ended without tensor(s) {', '.join(missing)}")
+        return self._done
+
+
+def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str, torch.Tensor]:
+    assembler = TensorAssembler()
+    for chunk in chunks:
+        assembler.add(chunk)
+    return assembler.finish(*required)
+
+
+def encode_many(tensors: dict[str, torch.Tensor]) -> Iterator[tensor_pb2.TensorChunk]:
+    for name, tensor in tensors.items():
+        yield from encode(name, tensor)

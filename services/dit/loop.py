@@ -1,0 +1,53 @@
+"""diffusers' MiniMax-H3 denoise loop with one more sub-block that observes every step.
+
+The observer runs after the scheduler update of each iteration, so it sees finished steps,
+and it is the cancellation point: raising from it ends the loop at a step boundary. The
+other sub-blocks are diffusers' own, so the numbers are exactly the reference pipeline's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from diffusers.modular_pipelines import ModularPipelineBlocks
+from diffusers.modular_pipelines.minimax_h3.denoise import (
+    MiniMaxH3DenoiseStep,
+    MiniMaxH3LoopDenoiser,
+    MiniMaxH3LoopSchedulerStep,
+)
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
+
+StepObserver = Callable[[int, int], None]
+"""Called as observer(step, total) after each forward; step is 1-based."""
+
+
+class StepObserverBlock(ModularPipelineBlocks):
+    model_name = "minimax-h3"
+
+    @property
+    def description(self) -> str:
+        return "Reports each finished denoise step to the serving loop, which may stop the loop here."
+
+    @property
+    def inputs(self) -> list[InputParam]:
+        return [
+            InputParam("step_observer", required=True, description="Callable (step, total) run after each step."),
+            InputParam("timesteps", required=True, description="Timesteps of the video schedule."),
+        ]
+
+    def __call__(self, components, block_state, i: int, t):
+        block_state.step_observer(i + 1, len(block_state.timesteps))
+        return components, block_state
+
+
+class ObservedDenoiseStep(MiniMaxH3DenoiseStep):
+    block_classes = [MiniMaxH3LoopDenoiser, MiniMaxH3LoopSchedulerStep, StepObserverBlock]
+    block_names = ["denoiser", "update", "observe"]
+
+
+def t2va_core_blocks() -> MiniMaxH3CoreDenoiseStep:
+    """The t2va core denoise blocks with the observed loop in place of diffusers' loop."""
+    core = MiniMaxH3CoreDenoiseStep()
+    core.sub_blocks["denoise"] = ObservedDenoiseStep()
+    return core

@@ -1,0 +1,103 @@
+"""`h3serve up`: start encoder, DiT, VAE and gateway as processes, wait until healthy, stop cleanly.
+
+Each model service sees only its own GPUs (CUDA_VISIBLE_DEVICES from its `gpus` setting).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import SERVICES, DeployConfig
+
+START_ORDER = (*SERVICES, "gateway")
+
+
+@dataclass
+class Running:
+    name: str
+    address: str
+    process: subprocess.Popen
+
+
+def is_serving(address: str, timeout: float = 1.0) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+class ServiceGroup:
+    def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
+                 names: tuple[str, ...] = START_ORDER) -> None:
+        self.config = config
+        self.names = names
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self.running: list[Running] = []
+
+    def _command(self, name: str) -> list[str]:
+        command = [sys.executable, "-m", "services.cli", "serve", name]
+        return command + (["--config", self.config_path] if self.config_path else [])
+
+    def _env(self, name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        if name != "gateway" and self.config.service(name).gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
+        return env
+
+    def start(self) -> None:
+        for name in self.names:
+            section = self.config.service(name) if name != "gateway" else self.config.gateway
+            output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
+            process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
+                                       stderr=subprocess.STDOUT if output else None)
+            self.running.append(Running(name, f"{section.host}:{section.port}", process))
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(self.running)
+        while pending:
+            for item in list(pending):
+                if item.process.poll() is not None:
+                    raise RuntimeError(f"{item.name} exited with code {item.process.returncode} during start-up")
+                if is_serving(item.address):
+                    pending.remove(item)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM in reverse start order (gateway first), then SIGKILL whatever outlives the grace."""
+        for item in reversed(self.running):
+            if item.process.poll() is None:
+                item.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for item in reversed(self.running):
+            try:
+                item.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                item.process.kill()
+                item.process.wait()
+        self.running.clear()
+
+    def __enter__(self) -> ServiceGroup:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,196 @@
+"""VAE service: latents -> validated video + audio, muxed into an MP4 that is streamed back in chunks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
+from services.common import errors, wire
+from services.common.config import ModelServiceConfig
+from services.common.runtime import load_model_service
+from services.common.server import run_server
+from services.vae import mux
+from services.vae.decode import COMPONENTS, DecodePlan, InvalidLatents, VaeDecoder
+from services.vae.validate import InvalidOutput, validate
+
+FILE_CHUNK_BYTES = 1 << 20
+TENSORS = ("latents", "audio_latents")
+
+log = logging.getLogger("h3serve.vae")
+
+Report = Callable[[vae_pb2.DecodeEvent], None]
+
+
+class BadStream(ValueError):
+    """A request stream that is not one DecodeSpec followed by tensor chunks."""
+
+
+class Cancelled(BaseException):
+    """The client went away; raised from a progress report to stop the decode early. A BaseException,
+    like KeyboardInterrupt, so diffusers' `except Exception` error logging lets it pass quietly."""
+
+
+@dataclass(frozen=True)
+class Output:
+    video: bytes                 # video.mp4
+    raw: bytes | None            # raw.npz, when asked for
+    summary: vae_pb2.DecodeSummary
+
+
+def receive(requests: Iterable[vae_pb2.DecodeInput]) -> tuple[vae_pb2.DecodeSpec, dict[str, torch.Tensor]]:
+    """Read the DecodeSpec and assemble the tensors; raises BadStream or wire.WireError."""
+    spec, assembler = None, wire.TensorAssembler()
+    for request in requests:
+        kind = request.WhichOneof("kind")
+        if kind == "spec" and spec is None:
+            spec = request.spec
+        elif kind == "chunk" and spec is not None:
+            assembler.add(request.chunk)
+        else:
+            raise BadStream(f"unexpected {kind or 'empty'} message: send one DecodeSpec, then the tensor chunks")
+    if spec is None:
+        raise BadStream("stream ended without a DecodeSpec")
+    tensors = assembler.finish(*TENSORS)
+    unknown = sorted(set(tensors) - set(TENSORS))
+    if unknown:
+        raise BadStream(f"unexpected tensor(s) {', '.join(unknown)}; send only {', '.join(TENSORS)}")
+    return spec, tensors
+
+
+def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
+    for offset in range(0, len(data), FILE_CHUNK_BYTES):
+        piece = data[offset:offset + FILE_CHUNK_BYTES]
+        yield vae_pb2.DecodeEvent(file=vae_pb2.FileChunk(name=name, offset=offset, data=piece))
+
+
+def summarize(plan: DecodePlan, video: bytes, raw: bytes | None, sample_rate: int) -> vae_pb2.DecodeSummary:
+    summary = vae_pb2.DecodeSummary(
+        sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=plan.frames / mux.FPS,
+        num_frames=plan.frames, height=plan.height, width=plan.width, fps=mux.FPS, sample_rate=sample_rate,
+        audio_channels=plan.audio_channels)
+    if raw is not None:
+        summary.raw_sha256, summary.raw_bytes = hashlib.sha256(raw).hexdigest(), len(raw)
+    return summary
+
+
+def raw_archive(frames: np.ndarray, audio: np.ndarray, sample_rate: int) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, frames=frames, audio=audio, sample_rate=np.int64(sample_rate))
+    return buffer.getvalue()
+
+
+def phase_reporter(report: Report, phase: int) -> Callable[[int, int], None]:
+    """A (done, total) progress callback that reports DecodeProgress events of `phase`."""
+    return lambda done, total: report(vae_pb2.DecodeEvent(
+        progress=vae_pb2.DecodeProgress(phase=phase, done=done, total=total)))
+
+
+def unless_cancelled(report: Report, context) -> Report:
+    """`report`, raising Cancelled once the client has gone, so the decode stops at its next step."""
+    def checked(event: vae_pb2.DecodeEvent) -> None:
+        if not context.is_active():
+            raise Cancelled()
+        report(event)
+    return checked
+
+
+def reported_in_thread(work: Callable[[Report], Output], name: str) -> Iterator[vae_pb2.DecodeEvent]:
+    """Run `work(report)` in a thread, yield the events it reports as they come, then return its result
+    (or raise its exception) as the value of `yield from`."""
+    events: queue.Queue = queue.Queue()
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = work(events.put)
+        except BaseException as exc:  # handed to the RPC thread, which maps it to a status
+            outcome["error"] = exc
+        finally:
+            events.put(None)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    while (event := events.get()) is not None:
+        yield event
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+class VaeServicer(vae_pb2_grpc.VAEServicer):
+    def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
+        self.decoder = decoder
+        self.model = model
+        self.config = config
+        self.requests_served = 0
+        self._lock = threading.Lock()  # one decode at a time: the block is not re-entrant, and frames are large
+
+    def Decode(self, request_iterator, context):
+        try:
+            spec, tensors = receive(request_iterator)
+            plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
+        except (BadStream, wire.WireError, InvalidLatents) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if spec.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
+                          f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
+        try:
+            output = yield from reported_in_thread(
+                lambda report: self._run(spec, tensors, plan, unless_cancelled(report, context)),
+                name=f"decode-{spec.job_id}")
+        except Cancelled:
+            log.info("job %s: cancelled by the client", spec.job_id)
+            return
+        except InvalidOutput as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:
+            log.exception("job %s: decode failed", spec.job_id)
+            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
+        yield from file_events("video.mp4", output.video)
+        if output.raw is not None:
+            yield from file_events("raw.npz", output.raw)
+        yield vae_pb2.DecodeEvent(summary=output.summary)
+
+    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan,
+             report: Report) -> Output:
+        with self._lock:
+            started = time.perf_counter()
+            decoded = self.decoder.decode(tensors["latents"], tensors["audio_latents"],
+                                          on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
+                                          on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO))
+            validate(decoded.frames, decoded.audio)
+            decoded_at = time.perf_counter()
+            video = mux.encode_mp4(decoded.frames, decoded.audio, decoded.sample_rate,
+                                   phase_reporter(report, vae_pb2.DECODE_PHASE_MUX))
+            muxed_at = time.perf_counter()
+            raw = raw_archive(decoded.frames, decoded.audio, decoded.sample_rate) if spec.include_raw else None
+            self.requests_served += 1
+        summary = summarize(plan, video, raw, decoded.sample_rate)
+        summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
+        log.info("job %s: decoded %d frames of %dx%d in %.2f s, muxed %d bytes in %.2f s", spec.job_id,
+                 plan.frames, plan.width, plan.height, summary.decode_seconds, summary.bytes, summary.mux_seconds)
+        return Output(video=video, raw=raw, summary=summary)
+
+    def Info(self, request, context):
+        return vae_pb2.VaeInfo(model=self.model, requests_served=self.requests_served,
+                               max_raw_bytes=self.config.max_raw_bytes)
+
+
+def serve(config: ModelServiceConfig) -> None:
+    components, model = load_model_service("vae", COMPONENTS, config)
+    components["vae"].set_attention_backend(config.attention_backend)
+    log.info("vae: attention backend %s", config.attention_backend)
+    servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
+    run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
+               [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address)
