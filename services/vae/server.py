@@ -21,7 +21,7 @@ from services.common.config import ModelServiceConfig
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
-from services.vae.decode import COMPONENTS, DecodePlan, InvalidLatents, VaeDecoder
+from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, VaeDecoder
 from services.vae.validate import InvalidOutput, validate
 
 FILE_CHUNK_BYTES = 1 << 20
@@ -74,11 +74,12 @@ def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
         yield vae_pb2.DecodeEvent(file=vae_pb2.FileChunk(name=name, offset=offset, data=piece))
 
 
-def summarize(plan: DecodePlan, video: bytes, raw: bytes | None, sample_rate: int) -> vae_pb2.DecodeSummary:
+def summarize(decoded: Decoded, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
+    num_frames, height, width = decoded.frames.shape[:3]
     summary = vae_pb2.DecodeSummary(
-        sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=plan.frames / mux.FPS,
-        num_frames=plan.frames, height=plan.height, width=plan.width, fps=mux.FPS, sample_rate=sample_rate,
-        audio_channels=plan.audio_channels)
+        sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=num_frames / mux.FPS,
+        num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=decoded.sample_rate,
+        audio_channels=decoded.audio.shape[0])
     if raw is not None:
         summary.raw_sha256, summary.raw_bytes = hashlib.sha256(raw).hexdigest(), len(raw)
     return summary
@@ -147,7 +148,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
         try:
             output = yield from reported_in_thread(
-                lambda report: self._run(spec, tensors, plan, unless_cancelled(report, context)),
+                lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
                 name=f"decode-{spec.job_id}")
         except Cancelled:
             log.info("job %s: cancelled by the client", spec.job_id)
@@ -162,8 +163,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             yield from file_events("raw.npz", output.raw)
         yield vae_pb2.DecodeEvent(summary=output.summary)
 
-    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan,
-             report: Report) -> Output:
+    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
         with self._lock:
             started = time.perf_counter()
             decoded = self.decoder.decode(tensors["latents"], tensors["audio_latents"],
@@ -176,10 +176,11 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             muxed_at = time.perf_counter()
             raw = raw_archive(decoded.frames, decoded.audio, decoded.sample_rate) if spec.include_raw else None
             self.requests_served += 1
-        summary = summarize(plan, video, raw, decoded.sample_rate)
+        summary = summarize(decoded, video, raw)
         summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
         log.info("job %s: decoded %d frames of %dx%d in %.2f s, muxed %d bytes in %.2f s", spec.job_id,
-                 plan.frames, plan.width, plan.height, summary.decode_seconds, summary.bytes, summary.mux_seconds)
+                 summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
+                 summary.mux_seconds)
         return Output(video=video, raw=raw, summary=summary)
 
     def Info(self, request, context):

@@ -1,0 +1,258 @@
+"""The VAE service over real gRPC on loopback, running the tiny real VAEs."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+
+import av
+import grpc
+import numpy as np
+import pytest
+import torch
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
+
+from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
+from services.common import wire
+from services.common.config import ModelServiceConfig
+from services.common.server import GRPC_OPTIONS
+from services.common.tiny import TINY_REVISION, build_component
+from services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
+from services.vae.validate import InvalidOutput, validate
+from services.vae.server import VaeServicer
+
+LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
+AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz
+NUM_FRAMES, HEIGHT, WIDTH, NUM_SAMPLES = 124, 32, 64, 165600
+MODEL = common_pb2.ModelInfo(model_revision=TINY_REVISION, source="tiny", device="cpu", dtype="float32",
+                             components=COMPONENTS)
+VIDEO, AUDIO, MUX = vae_pb2.DECODE_PHASE_VIDEO, vae_pb2.DECODE_PHASE_AUDIO, vae_pb2.DECODE_PHASE_MUX
+
+
+def fresh_components() -> tuple:
+    return build_component("vae"), build_component("audio_vae")
+
+
+def make_latents() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"latents": torch.randn(LATENTS_SHAPE, generator=generator),
+            "audio_latents": torch.randn(AUDIO_SHAPE, generator=generator)}
+
+
+@contextmanager
+def vae_service(vae, audio_vae, config: ModelServiceConfig = ModelServiceConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
+    """A VaeServicer over `vae`/`audio_vae` on a gRPC server bound to loopback; yields a stub to it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    vae_pb2_grpc.add_VAEServicer_to_server(VaeServicer(VaeDecoder(vae, audio_vae), MODEL, config), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
+            yield vae_pb2_grpc.VAEStub(channel)
+    finally:
+        server.stop(None)
+
+
+def requests(tensors: dict[str, torch.Tensor], include_raw: bool = False,
+             chunk_bytes: int = wire.CHUNK_BYTES) -> list[vae_pb2.DecodeInput]:
+    chunks = [chunk for name, tensor in tensors.items() for chunk in wire.encode(name, tensor, chunk_bytes)]
+    spec = vae_pb2.DecodeSpec(job_id="test", include_raw=include_raw)
+    return [vae_pb2.DecodeInput(spec=spec), *(vae_pb2.DecodeInput(chunk=chunk) for chunk in chunks)]
+
+
+def failure(stub: vae_pb2_grpc.VAEStub, inputs: list[vae_pb2.DecodeInput]) -> tuple[grpc.RpcError, list]:
+    """Run a Decode that must fail; returns its error and the events that came before it."""
+    events = []
+    with pytest.raises(grpc.RpcError) as caught:
+        for event in stub.Decode(iter(inputs)):
+            events.append(event)
+    return caught.value, events
+
+
+def files_of(events: list[vae_pb2.DecodeEvent]) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    for event in events:
+        if event.HasField("file"):
+            received = files.setdefault(event.file.name, b"")
+            assert event.file.offset == len(received), "file chunks must arrive in order, without gaps"
+            files[event.file.name] = received + event.file.data
+    return files
+
+
+@pytest.fixture(scope="module")
+def components():
+    return fresh_components()
+
+
+@pytest.fixture(scope="module")
+def stub(components):
+    with vae_service(*components) as stub:
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def latents():
+    return make_latents()
+
+
+@pytest.fixture(scope="module")
+def events(stub, latents):
+    """The one successful decode on the module's server, with the raw archive."""
+    return list(stub.Decode(iter(requests(latents, include_raw=True))))
+
+
+def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
+    video = files_of(events)["video.mp4"]
+    summary = events[-1].summary
+    assert (summary.sha256, summary.bytes) == (hashlib.sha256(video).hexdigest(), len(video))
+    assert (summary.num_frames, summary.height, summary.width, summary.fps) == (NUM_FRAMES, HEIGHT, WIDTH, 24)
+    assert (summary.sample_rate, summary.audio_channels, summary.duration_s) == (32000, 2, NUM_FRAMES / 24)
+    with av.open(io.BytesIO(video)) as container:
+        (stream,), (sound,) = container.streams.video, container.streams.audio
+        assert (stream.codec_context.name, stream.average_rate) == ("h264", 24)
+        assert (stream.width, stream.height) == (WIDTH, HEIGHT)
+        assert (sound.codec_context.name, sound.channels, sound.sample_rate) == ("aac", 2, 32000)
+        assert sum(1 for _ in container.decode(stream)) == NUM_FRAMES
+
+
+@pytest.mark.fidelity
+def test_raw_output_is_bit_identical_to_the_in_process_block(events, components, latents):
+    raw = files_of(events)["raw.npz"]
+    assert (events[-1].summary.raw_sha256, events[-1].summary.raw_bytes) == (hashlib.sha256(raw).hexdigest(),
+                                                                              len(raw))
+    pipe = MiniMaxH3DecodeStep().init_pipeline()
+    pipe.update_components(vae=components[0], audio_vae=components[1])
+    expected = pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
+    archive = np.load(io.BytesIO(raw))
+    assert archive["frames"].shape == (NUM_FRAMES, HEIGHT, WIDTH, 3)
+    assert archive["audio"].shape == (2, NUM_SAMPLES)
+    assert np.array_equal(archive["frames"], expected["videos"][0])
+    assert np.array_equal(archive["audio"], expected["audio"][0].numpy())
+    assert int(archive["sample_rate"]) == expected["sampling_rate"] == 32000
+
+
+def test_events_arrive_in_phase_order(events):
+    progress = [(e.progress.phase, e.progress.done, e.progress.total) for e in events if e.HasField("progress")]
+    # 37 latent frames are 7 temporal chunks; a 32x64 frame is one tile. 124 frames are 6 seconds begun.
+    assert progress == ([(VIDEO, i, 7) for i in range(1, 8)] + [(AUDIO, 1, 1)] + [(MUX, i, 6) for i in range(1, 7)])
+    kinds = [e.WhichOneof("kind") for e in events]
+    files = [e.file.name for e in events if e.HasField("file")]
+    assert kinds == ["progress"] * len(progress) + ["file"] * len(files) + ["summary"]
+    assert files == sorted(files, key=["video.mp4", "raw.npz"].index)
+
+
+def test_info_reports_the_served_requests(stub, events):
+    info = stub.Info(common_pb2.InfoRequest())
+    assert info.requests_served == 1  # the `events` decode is the only one that succeeds on this server
+    assert info.max_raw_bytes == ModelServiceConfig().max_raw_bytes
+    assert info.model.model_revision == TINY_REVISION
+
+
+def test_constant_video_fails_precondition(latents):
+    vae, audio_vae = fresh_components()
+    with torch.no_grad():  # the last layer then emits zeros, so every pixel is the ImageNet mean
+        vae.decoder.proj_out.weight.zero_()
+        vae.decoder.proj_out.bias.zero_()
+    with vae_service(vae, audio_vae) as stub:
+        error, _ = failure(stub, requests(latents))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details().startswith("video: constant")
+
+
+def test_nan_audio_fails_precondition(latents):
+    vae, audio_vae = fresh_components()
+    with torch.no_grad():
+        audio_vae.decoder.conv_post.weight_v.fill_(float("nan"))
+    with vae_service(vae, audio_vae) as stub:
+        error, _ = failure(stub, requests(latents))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.details() == f"audio: {2 * NUM_SAMPLES} of {2 * NUM_SAMPLES} samples are NaN or infinite"
+
+
+def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
+    inputs = requests(latents, chunk_bytes=4096)
+    last_latents_chunk = max(i for i, r in enumerate(inputs) if r.HasField("chunk") and r.chunk.name == "latents")
+    assert last_latents_chunk > 2  # several chunks, so dropping one leaves a partial tensor
+    error, events = failure(stub, inputs[:last_latents_chunk] + inputs[last_latents_chunk + 1:])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'latents' truncated" in error.details()
+    assert events == []
+
+
+def test_include_raw_over_the_limit_is_refused_before_decoding(components, latents):
+    raw_bytes = 4 * (NUM_FRAMES * HEIGHT * WIDTH * 3 + 2 * NUM_SAMPLES)
+    with vae_service(*components, ModelServiceConfig(max_raw_bytes=raw_bytes - 1)) as stub:
+        error, events = failure(stub, requests(latents, include_raw=True))
+        assert stub.Info(common_pb2.InfoRequest()).requests_served == 0
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details().startswith("include_raw:")
+    assert f"{raw_bytes} bytes" in error.details() and f"{raw_bytes - 1} bytes" in error.details()
+    assert events == []
+
+
+def test_cancelled_decode_stops_and_frees_the_service(components, latents):
+    with vae_service(*components) as stub:
+        call = stub.Decode(iter(requests(latents)))
+        assert next(call).progress.phase == VIDEO
+        call.cancel()
+        # The next decode waits for the cancelled one to let go of the model; only it counts as served.
+        assert list(stub.Decode(iter(requests(latents))))[-1].HasField("summary")
+        assert stub.Info(common_pb2.InfoRequest()).requests_served == 1
+    assert not components[0].decoder._forward_hooks  # the progress hook is gone, also after the cancelled run
+
+
+def test_progress_total_counts_spatial_tiles():
+    vae, audio_vae = fresh_components()
+    vae.enable_tiling(32, 32, 16, 16)  # 48 px high: 2 tile rows; 80 px wide: 4 tile columns
+    latents = torch.randn(1, 24, 7, 3, 5, generator=torch.Generator().manual_seed(1))  # one temporal chunk
+    calls = []
+    decoded = VaeDecoder(vae, audio_vae).decode(latents, torch.zeros(2, 32, 4),
+                                                on_video=lambda *p: calls.append(p), on_audio=lambda *p: None)
+    assert calls == [(i, 8) for i in range(1, 9)]
+    assert decoded.frames.shape[:3] == pixel_geometry(vae, latents.shape) == (22, 48, 80)
+
+
+# validate.py
+
+def _frames() -> np.ndarray:
+    return np.random.default_rng(0).random((3, 4, 5, 3), dtype=np.float32)
+
+
+def _audio() -> np.ndarray:
+    return np.random.default_rng(1).uniform(-1, 1, (2, 100)).astype(np.float32)
+
+
+def test_validate_accepts_varied_finite_output():
+    validate(_frames(), _audio())
+
+
+def test_validate_accepts_a_video_that_varies_in_one_channel_only():
+    frames = np.zeros((3, 4, 5, 3), dtype=np.float32)
+    frames[1, 2, 3, 2] = 0.5
+    validate(frames, _audio())
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_validate_rejects_non_finite_frames(value):
+    frames = _frames()
+    frames[2, 1, 0, 1] = value
+    with pytest.raises(InvalidOutput, match=r"^video: 1 of 180 frame values are NaN or infinite$"):
+        validate(frames, _audio())
+
+
+@pytest.mark.parametrize("color", [(0.0, 0.0, 0.0), (0.485, 0.456, 0.406)])
+def test_validate_rejects_a_constant_video(color):
+    frames = np.broadcast_to(np.array(color, dtype=np.float32), (3, 4, 5, 3))
+    with pytest.raises(InvalidOutput, match=r"^video: constant, every pixel of all 3 frames is \("):
+        validate(frames, _audio())
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_validate_rejects_non_finite_audio(value):
+    audio = _audio()
+    audio[1, 7] = value
+    with pytest.raises(InvalidOutput, match=r"^audio: 1 of 200 samples are NaN or infinite$"):
+        validate(_frames(), audio)
