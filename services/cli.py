@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from services.common.config import SERVICES, DeployConfig, load_deploy, override
+from services.common.config import SERVICES, load_deploy, override
 
 
 def _serve(args) -> None:

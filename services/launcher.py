@@ -55,17 +55,28 @@ class ServiceGroup:
             env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
         return env
 
+    def _spawn(self, name: str) -> Running:
+        section = self.config.service(name) if name != "gateway" else self.config.gateway
+        output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
+        process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
+                                   stderr=subprocess.STDOUT if output else None)
+        return Running(name, f"{section.host}:{section.port}", process)
+
     def start(self) -> None:
-        for name in self.names:
-            section = self.config.service(name) if name != "gateway" else self.config.gateway
-            output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
-            process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
-                                       stderr=subprocess.STDOUT if output else None)
-            self.running.append(Running(name, f"{section.host}:{section.port}", process))
+        self.running.extend(self._spawn(name) for name in self.names)
+
+    def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stop one service with `signum` (SIGKILL simulates a crash), start it again, wait until healthy."""
+        index = next(i for i, item in enumerate(self.running) if item.name == name)
+        old = self.running[index].process
+        old.send_signal(signum)
+        old.wait(30)
+        self.running[index] = self._spawn(name)
+        self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
-        pending = list(self.running)
+        pending = [item for item in self.running if not is_serving(item.address)]
         while pending:
             for item in list(pending):
                 if item.process.poll() is not None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +17,7 @@ import torch
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 from services.common import errors, wire
 from services.common.config import ModelServiceConfig
+from services.common.pump import pump
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
@@ -106,28 +106,6 @@ def unless_cancelled(report: Report, context) -> Report:
     return checked
 
 
-def reported_in_thread(work: Callable[[Report], Output], name: str) -> Iterator[vae_pb2.DecodeEvent]:
-    """Run `work(report)` in a thread, yield the events it reports as they come, then return its result
-    (or raise its exception) as the value of `yield from`."""
-    events: queue.Queue = queue.Queue()
-    outcome: dict = {}
-
-    def target() -> None:
-        try:
-            outcome["result"] = work(events.put)
-        except BaseException as exc:  # handed to the RPC thread, which maps it to a status
-            outcome["error"] = exc
-        finally:
-            events.put(None)
-
-    threading.Thread(target=target, name=name, daemon=True).start()
-    while (event := events.get()) is not None:
-        yield event
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
-
-
 class VaeServicer(vae_pb2_grpc.VAEServicer):
     def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
         self.decoder = decoder
@@ -147,9 +125,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                           f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
         try:
-            output = yield from reported_in_thread(
-                lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
-                name=f"decode-{spec.job_id}")
+            output = yield from pump(lambda report: self._run(spec, tensors, unless_cancelled(report, context)))
         except Cancelled:
             log.info("job %s: cancelled by the client", spec.job_id)
             return

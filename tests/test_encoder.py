@@ -1,0 +1,83 @@
+"""The encoder's exact embedding cache: byte bound, LRU order, immutability, and hits that run no model."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from services.common import wire
+from services.common.config import ModelServiceConfig
+from services.common.models import ModelSource
+from services.encoder.cache import ByteLRU
+from services.encoder.runner import COMPONENTS, TextEncoderRunner
+from services.encoder.server import EncoderServicer
+
+
+def test_eviction_keeps_the_byte_bound_in_lru_order():
+    cache = ByteLRU(100)
+    cache.put(("r", "a"), "A", 40)
+    cache.put(("r", "b"), "B", 40)
+    assert cache.get(("r", "a")) == "A"  # a is now the most recently used
+    cache.put(("r", "c"), "C", 40)
+    stats = cache.stats()
+    assert cache.get(("r", "b")) is None and cache.get(("r", "a")) == "A" and cache.get(("r", "c")) == "C"
+    assert (stats.entries, stats.bytes, stats.evictions) == (2, 80, 1)
+
+
+def test_a_value_larger_than_the_bound_is_not_kept():
+    cache = ByteLRU(100)
+    cache.put(("r", "a"), "A", 60)
+    cache.put(("r", "huge"), "H", 101)
+    assert cache.get(("r", "huge")) is None and cache.get(("r", "a")) == "A"
+    assert cache.stats().bytes == 60
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    model = common_pb2.ModelInfo(model_revision="tiny-v1")
+    servicer = EncoderServicer(TextEncoderRunner(ModelSource(None).load(COMPONENTS, "cpu", "float32")), model,
+                               ModelServiceConfig(cache_bytes=10_000, max_prompt_chars=100))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield encoder_pb2_grpc.EncoderStub(channel)
+    server.stop(None)
+
+
+def encode(stub, prompt):
+    replies = list(stub.Encode(encoder_pb2.EncodeRequest(prompt=prompt)))
+    tensors = wire.decode([r.chunk for r in replies[:-1]], "prompt_embeds", "text_token_tags")
+    return tensors, replies[-1].summary
+
+
+def test_a_hit_runs_no_model_and_returns_the_same_tensors(encoder):
+    first, miss = encode(encoder, "a quiet harbour at dawn")
+    runs = encoder.Info(common_pb2.InfoRequest()).model_runs
+    original = first["prompt_embeds"].clone()
+    first["prompt_embeds"].add_(1.0)  # a caller mutating what it got must not change the cache
+    again, hit = encode(encoder, "a quiet harbour at dawn")
+    assert (miss.cache_hit, hit.cache_hit) == (False, True)
+    assert encoder.Info(common_pb2.InfoRequest()).model_runs == runs
+    assert torch.equal(again["prompt_embeds"], original)
+    assert again["text_token_tags"].tolist() == [1] * again["text_token_tags"].numel()
+
+
+def test_eviction_in_the_service_respects_its_byte_bound(encoder):
+    for i in range(40):
+        encode(encoder, f"prompt number {i} with some extra words to take room")
+    info = encoder.Info(common_pb2.InfoRequest())
+    assert info.cache_bytes <= info.cache_capacity_bytes == 10_000
+    assert info.cache_evictions > 0
+
+
+@pytest.mark.parametrize("prompt,needle", [("", "must not be empty"), ("x" * 101, "at most 100")])
+def test_bad_prompts_are_refused(encoder, prompt, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        encode(encoder, prompt)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
