@@ -32,10 +32,12 @@ class GatewayClient:
         return self.stub.GetJob(gateway_pb2.GetJobRequest(job_id=job_id))
 
     def download(self, artifact_id: str, path: str | Path | None = None) -> Path:
-        """Save an artifact; `path` defaults to the server's file name in the current directory."""
+        """Save an artifact; `path` is a file, or a directory for the server's file name (default: cwd)."""
         stream = self.stub.DownloadArtifact(gateway_pb2.DownloadArtifactRequest(artifact_id=artifact_id))
         first = next(stream)
-        target = Path(path or first.file_name)
+        target = Path(path or ".")
+        if target.is_dir():
+            target = target / first.file_name
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as file:
             file.write(first.data)

@@ -109,7 +109,9 @@ def _demo(args) -> None:
     started = time.perf_counter()
     with ServiceGroup(config, args.config, log_dir):
         print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir})", flush=True)
-        job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), args.out, None)
+        out = Path(args.out or "out")
+        out.mkdir(parents=True, exist_ok=True)
+        job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), out, None)
     print_timings(job, path)
 
 
@@ -118,7 +120,8 @@ def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None
     p.add_argument("--height", type=int, default=height)
     p.add_argument("--width", type=int, default=width)
     p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
-    p.add_argument("--out", help="where to save the MP4 (default: the server's file name, h3-<job>.mp4)")
+    p.add_argument("--out", help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory;"
+                                 " the demo uses out/)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,7 +6,6 @@ import signal
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 

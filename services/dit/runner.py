@@ -33,9 +33,10 @@ class DenoiseRunner:
     def run(self, job: DenoiseJob, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor,
             observer: StepObserver) -> dict[str, torch.Tensor]:
         # Noise is drawn on the CPU from the request's generator, as the reference pipeline does,
-        # so a seed means the same video on every device.
+        # so a seed means the same video on every device. The packed layout is built on the CPU
+        # too, from CPU row tags (as the text-encoder block returns them).
         out = self.pipe(
-            prompt_embeds=prompt_embeds.to(self.device), text_token_tags=text_token_tags.to(self.device),
+            prompt_embeds=prompt_embeds.to(self.device), text_token_tags=text_token_tags.cpu(),
             height=job.height, width=job.width, num_frames=job.num_frames,
             num_inference_steps=job.num_inference_steps, generator=torch.Generator().manual_seed(job.seed),
             step_observer=observer, output=["latents", "audio_latents"],

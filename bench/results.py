@@ -1,0 +1,52 @@
+"""bench/results.json (one record per measurement) and the BENCHMARKS.md table made from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    device: str
+    world_size: int
+    dtype: str
+    seconds: float
+    baseline_seconds: float
+    ratio: float              # baseline_seconds / seconds, both from the same run
+    peak_gib: float
+    command: str
+    date: str
+    variant: str
+    baseline: str
+    software: str
+
+    def key(self) -> tuple:
+        return self.name, self.device, self.world_size, self.dtype, self.variant
+
+
+HEADER = """# Benchmarks
+
+Every row was produced by the command in its row, with the in-process diffusers baseline measured
+in the same run (ratio = baseline seconds / our seconds; above 1 means faster than diffusers).
+Generated from `bench/results.json` by the benchmark scripts; do not edit by hand.
+
+| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def update_results(records: list[Record], results_path: str, markdown_path: str) -> None:
+    """Replace records with the same key, keep the rest, rewrite both files."""
+    path = Path(results_path)
+    existing = [Record(**r) for r in json.loads(path.read_text())] if path.exists() else []
+    fresh = {r.key() for r in records}
+    merged = [r for r in existing if r.key() not in fresh] + records
+    path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
+    rows = "".join(
+        f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {r.peak_gib:.1f} | {r.software} | `{r.command}` |\n"
+        for r in merged)
+    Path(markdown_path).write_text(HEADER + rows)

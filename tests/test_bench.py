@@ -1,0 +1,20 @@
+"""The benchmark harness itself, in its --quick CPU mode (the GPU numbers come from real runs)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import dit_step
+
+
+def test_quick_dit_step_writes_consistent_records(tmp_path):
+    results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
+    args = ["--quick", "--repeats", "1", "--write", "--results", str(results), "--markdown", str(markdown)]
+    dit_step.main(args)
+    dit_step.main(args)  # a second run replaces its records instead of appending
+    records = json.loads(results.read_text())
+    assert [r["name"] for r in records] == ["dit_step_32x64x124"]
+    record = records[0]
+    assert record["ratio"] == record["baseline_seconds"] / record["seconds"] > 0
+    assert record["device"] == "cpu" and record["dtype"] == "float32" and "--quick" in record["command"]
+    assert "| dit_step_32x64x124 | cpu | float32 |" in markdown.read_text()
