@@ -226,13 +226,13 @@ def _audio() -> np.ndarray:
 
 
 def test_validate_accepts_varied_finite_output():
-    validate(_frames(), _audio())
+    assert validate(_frames(), _audio()) is None  # raises InvalidOutput when it refuses
 
 
 def test_validate_accepts_a_video_that_varies_in_one_channel_only():
     frames = np.zeros((3, 4, 5, 3), dtype=np.float32)
     frames[1, 2, 3, 2] = 0.5
-    validate(frames, _audio())
+    assert validate(frames, _audio()) is None
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
