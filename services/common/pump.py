@@ -15,6 +15,14 @@ from typing import Any
 _END = object()
 
 
+class ClientGone(BaseException):
+    """The RPC's client went away; raised from a progress callback to stop model work early.
+
+    A BaseException, like KeyboardInterrupt, so diffusers' `except Exception` error logging lets it
+    pass quietly.
+    """
+
+
 def pump(work: Callable[[Callable[[Any], None]], Any]) -> Generator[Any, None, Any]:
     """`work(emit)` runs on a thread; every `emit(event)` is yielded here in order."""
     events: queue.Queue = queue.Queue()

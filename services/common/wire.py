@@ -133,6 +133,29 @@ def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str
     return assembler.finish(*required)
 
 
+def read_spec_stream(messages: Iterable, required: tuple[str, ...]) -> tuple[object, dict[str, torch.Tensor]]:
+    """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
+
+    Returns the spec and exactly the `required` tensors; anything else is a WireError.
+    """
+    spec, assembler = None, TensorAssembler()
+    for message in messages:
+        kind = message.WhichOneof("kind")
+        if kind == "spec" and spec is None:
+            spec = message.spec
+        elif kind == "chunk" and spec is not None:
+            assembler.add(message.chunk)
+        else:
+            raise WireError(f"unexpected {kind or 'empty'} message: send one spec, then the tensor chunks")
+    if spec is None:
+        raise WireError("stream ended without a spec")
+    tensors = assembler.finish(*required)
+    unknown = sorted(set(tensors) - set(required))
+    if unknown:
+        raise WireError(f"unexpected tensor(s) {', '.join(unknown)}; send only {', '.join(required)}")
+    return spec, tensors
+
+
 def encode_many(tensors: dict[str, torch.Tensor]) -> Iterator[tensor_pb2.TensorChunk]:
     for name, tensor in tensors.items():
         yield from encode(name, tensor)

@@ -16,29 +16,13 @@ from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
 from services.common import wire
 from services.common.config import ModelServiceConfig
 from services.common.errors import describe
-from services.common.pump import pump
+from services.common.pump import ClientGone, pump
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.dit.runner import COMPONENTS, DenoiseJob, DenoiseRunner, StepClock
 
 log = logging.getLogger("h3serve.dit")
 INPUT_TENSORS = ("prompt_embeds", "text_token_tags")
-
-
-class Cancelled(Exception):
-    """The client went away; the loop stops at a step boundary."""
-
-
-def read_request(request_iterator) -> tuple[dit_pb2.DenoiseSpec, dict]:
-    first = next(request_iterator, None)
-    if first is None or not first.HasField("spec"):
-        raise ValueError("the first message must be a DenoiseSpec")
-    assembler = wire.TensorAssembler()
-    for message in request_iterator:
-        if not message.HasField("chunk"):
-            raise ValueError("only tensor chunks may follow the DenoiseSpec")
-        assembler.add(message.chunk)
-    return first.spec, assembler.finish(*INPUT_TENSORS)
 
 
 def job_from_spec(spec: dit_pb2.DenoiseSpec) -> DenoiseJob:
@@ -58,7 +42,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
     def Denoise(self, request_iterator, context):
         try:
-            spec, tensors = read_request(request_iterator)
+            spec, tensors = wire.read_spec_stream(request_iterator, INPUT_TENSORS)
             job = job_from_spec(spec)
         except ValueError as exc:  # WireError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -66,7 +50,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         context.add_callback(cancelled.set)
         try:
             summary = yield from pump(lambda emit: self._run(spec.job_id, job, tensors, cancelled, emit))
-        except Cancelled:
+        except ClientGone:
             log.info("job %s: cancelled by the client at a step boundary", spec.job_id)
             return
         except ValueError as exc:  # the model's own validation of the request
@@ -80,7 +64,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         waited = time.perf_counter()
         while not self._lock.acquire(timeout=0.1):
             if cancelled.is_set():
-                raise Cancelled
+                raise ClientGone
         try:
             queue_seconds = time.perf_counter() - waited
             started = time.perf_counter()
@@ -90,7 +74,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 emit(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(step=step, total=total, seconds=clock.lap())))
                 self.steps_served += 1
                 if cancelled.is_set():
-                    raise Cancelled
+                    raise ClientGone
 
             latents = self.runner.run(job, tensors["prompt_embeds"], tensors["text_token_tags"], observe)
             for chunk in wire.encode_many(latents):

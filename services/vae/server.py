@@ -7,7 +7,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -17,7 +17,7 @@ import torch
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 from services.common import errors, wire
 from services.common.config import ModelServiceConfig
-from services.common.pump import pump
+from services.common.pump import ClientGone, pump
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
@@ -32,40 +32,11 @@ log = logging.getLogger("h3serve.vae")
 Report = Callable[[vae_pb2.DecodeEvent], None]
 
 
-class BadStream(ValueError):
-    """A request stream that is not one DecodeSpec followed by tensor chunks."""
-
-
-class Cancelled(BaseException):
-    """The client went away; raised from a progress report to stop the decode early. A BaseException,
-    like KeyboardInterrupt, so diffusers' `except Exception` error logging lets it pass quietly."""
-
-
 @dataclass(frozen=True)
 class Output:
     video: bytes                 # video.mp4
     raw: bytes | None            # raw.npz, when asked for
     summary: vae_pb2.DecodeSummary
-
-
-def receive(requests: Iterable[vae_pb2.DecodeInput]) -> tuple[vae_pb2.DecodeSpec, dict[str, torch.Tensor]]:
-    """Read the DecodeSpec and assemble the tensors; raises BadStream or wire.WireError."""
-    spec, assembler = None, wire.TensorAssembler()
-    for request in requests:
-        kind = request.WhichOneof("kind")
-        if kind == "spec" and spec is None:
-            spec = request.spec
-        elif kind == "chunk" and spec is not None:
-            assembler.add(request.chunk)
-        else:
-            raise BadStream(f"unexpected {kind or 'empty'} message: send one DecodeSpec, then the tensor chunks")
-    if spec is None:
-        raise BadStream("stream ended without a DecodeSpec")
-    tensors = assembler.finish(*TENSORS)
-    unknown = sorted(set(tensors) - set(TENSORS))
-    if unknown:
-        raise BadStream(f"unexpected tensor(s) {', '.join(unknown)}; send only {', '.join(TENSORS)}")
-    return spec, tensors
 
 
 def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
@@ -98,10 +69,10 @@ def phase_reporter(report: Report, phase: int) -> Callable[[int, int], None]:
 
 
 def unless_cancelled(report: Report, context) -> Report:
-    """`report`, raising Cancelled once the client has gone, so the decode stops at its next step."""
+    """`report`, raising ClientGone once the client has gone, so the decode stops at its next step."""
     def checked(event: vae_pb2.DecodeEvent) -> None:
         if not context.is_active():
-            raise Cancelled()
+            raise ClientGone()
         report(event)
     return checked
 
@@ -116,9 +87,9 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
     def Decode(self, request_iterator, context):
         try:
-            spec, tensors = receive(request_iterator)
+            spec, tensors = wire.read_spec_stream(request_iterator, TENSORS)
             plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
-        except (BadStream, wire.WireError, InvalidLatents) as exc:
+        except (wire.WireError, InvalidLatents) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if spec.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -126,7 +97,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
         try:
             output = yield from pump(lambda report: self._run(spec, tensors, unless_cancelled(report, context)))
-        except Cancelled:
+        except ClientGone:
             log.info("job %s: cancelled by the client", spec.job_id)
             return
         except InvalidOutput as exc:
