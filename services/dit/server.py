@@ -100,4 +100,5 @@ def serve(config: ModelServiceConfig) -> None:
     log.info("attention backend: %s", config.attention_backend)
     servicer = DiTServicer(DenoiseRunner(components), model, config.attention_backend)
     run_server(lambda server: dit_pb2_grpc.add_DiTServicer_to_server(servicer, server),
-               [dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name], config.address)
+               [dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name], config.address,
+               tls=(config.tls_cert, config.tls_key))
