@@ -2,8 +2,9 @@
 
 Health is never a remembered flag alone: `probe` asks the replica's gRPC health service when the last
 answer is older than HEALTH_TTL_S. Routing uses the last known health (a failed call marks a replica
-down at once, a successful probe or call brings it back) and picks the healthy replica with the fewest
-calls in flight; when every replica looks down it still tries one, so a call fails with the real error.
+down at once; a down replica is probed again before routing, and a successful probe or call brings it
+back) and picks the healthy replica with the fewest calls in flight; when every replica looks down it
+still tries one, so a call fails with the real error.
 """
 
 from __future__ import annotations
@@ -78,8 +79,12 @@ class ReplicaSet:
         for replica in self.replicas:
             await replica.channel.close()
 
-    def pick(self, tried: set[str]) -> Replica:
-        """The least-loaded healthy replica not yet tried by this call; else the one that failed longest ago."""
+    async def pick(self, tried: set[str]) -> Replica:
+        """The least-loaded healthy replica not yet tried by this call; else the one that failed longest ago.
+        Replicas marked down are probed again first (at most once per HEALTH_TTL_S), so a replica that came
+        back rejoins the routing."""
+        stale = [r for r in self.replicas if not r.healthy and time.monotonic() - r.probed_at > HEALTH_TTL_S]
+        await asyncio.gather(*(replica.probe() for replica in stale))
         fresh = [r for r in self.replicas if r.address not in tried] or self.replicas
         healthy = [r for r in fresh if r.healthy]
         if healthy:

@@ -88,7 +88,7 @@ class StageClients:
         )
         async for attempt in retrying:
             with attempt:
-                replica = replicas.pick(tried)
+                replica = await replicas.pick(tried)
                 tried.add(replica.address)
                 record.tries, record.replica = record.tries + 1, replica.address
                 return await self._try(replica, once)
