@@ -65,6 +65,18 @@ class CapacityTable:
 
     limits: dict
 
+    def __post_init__(self):
+        known = {workflow_name(value) for value in common_pb2.Workflow.values() if value}
+        for workflow, canvases in self.limits.items():
+            if workflow not in known:
+                raise ValueError(f"capacity: unknown workflow {workflow!r}; known: {', '.join(sorted(known))}")
+            for canvas, limit in canvases.items():
+                sides = canvas.split("x")
+                if canvas != ANY_CANVAS and not (len(sides) == 2 and all(side.isdigit() for side in sides)):
+                    raise ValueError(f"capacity.{workflow}: canvas keys are \"HxW\" or \"*\", got {canvas!r}")
+                if not isinstance(limit, int) or limit <= 0:
+                    raise ValueError(f"capacity.{workflow}.{canvas}: rows must be a positive integer, got {limit!r}")
+
     def limit(self, workflow: int, height: int, width: int) -> int | None:
         canvases = self.limits.get(workflow_name(workflow), {})
         return canvases.get(canvas_key(height, width), canvases.get(ANY_CANVAS))

@@ -30,10 +30,12 @@ class Watchdog:
                              f"known: {', '.join(STALL_DEFAULTS)}")
         self.phase = ""
         self._last = time.monotonic()
+        self._changed = asyncio.Event()  # wakes `run` to re-read the phase and its limit
 
     def progress(self, phase: str) -> None:
         """A progress event of `phase` (which also becomes the current phase): its clock starts again."""
         self.phase, self._last = phase, time.monotonic()
+        self._changed.set()
 
     async def run(self, phase: str, call: Awaitable):
         """Await `call` in `phase`; cancel it and raise Stuck when the current phase goes quiet too long."""
@@ -46,8 +48,11 @@ class Watchdog:
                     task.cancel()
                     await asyncio.gather(task, return_exceptions=True)
                     raise Stuck(self.phase, self.limits[self.phase])
-                done, _ = await asyncio.wait({task}, timeout=remaining)
-                if done:
+                self._changed.clear()
+                woken = asyncio.ensure_future(self._changed.wait())
+                done, _ = await asyncio.wait({task, woken}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                woken.cancel()
+                if task in done:
                     return task.result()
         finally:
             if not task.done():
