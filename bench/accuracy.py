@@ -6,6 +6,8 @@ The yardstick is an fp32 forward of the same weights on the same inputs: bf16 ea
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -35,24 +37,31 @@ def forward_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> 
     return torch.cat([t.detach().float().flatten().cpu() for t in out])
 
 
-def fp32_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.Tensor:
-    """The same forward with every weight upcast to fp32 (no TF32), then the weights put back.
+@contextmanager
+def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` with every weight in fp32 (no TF32), then put the weights back.
 
     bf16 -> fp32 -> bf16 is exact, so the model is unchanged afterwards. Needs room for an fp32
     copy of the weights (123 GiB for the released transformer: fits one H200).
     """
-    dtypes = {name: p.dtype for name, p in transformer.named_parameters()}
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
     precision = torch.get_float32_matmul_precision()
-    transformer.float()
+    model.float()
     torch.set_float32_matmul_precision("highest")
     try:
-        return forward_output(transformer, inputs)
+        yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        for name, p in transformer.named_parameters():
+        for name, p in model.named_parameters():
             p.data = p.data.to(dtypes[name])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def fp32_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.Tensor:
+    """The captured forward with every weight upcast to fp32."""
+    with upcast_to_fp32(transformer):
+        return forward_output(transformer, inputs)
 
 
 def rel_l2(value: torch.Tensor, reference: torch.Tensor) -> float:

@@ -6,7 +6,7 @@ directly on the GPU; `--quick`: the tiny preset on CPU), the same inputs and the
 of them and includes the layout and noise set-up, exactly what a request pays.
 
 The baseline (diffusers, native attention, eager) is timed first at every size; then each
-`--variants` entry of the service's fast path (services/dit/fastpath.py) is applied to the same
+`--variants` entry of the service's fast path (services/common/fastpath.py) is applied to the same
 transformer and timed. Variants are applied in order and may only add to the previous one
 (compile and fp8 cannot be undone in place), e.g. `native,flash4,flash4+compile,flash4+compile+fp8`.
 With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
@@ -24,52 +24,26 @@ import datetime
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
+from bench.common import Size, device_label, full_size, software, timed
 from bench.results import Record, update_results
-from services.dit import fastpath
-from services.dit.fastpath import FastPath
+from services.common import fastpath
+from services.common.fastpath import FastPath
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
 os.environ.setdefault("TQDM_DISABLE", "1")  # diffusers' loop bar would be timed on one side only
 
 
-@dataclass(frozen=True)
-class Size:
-    height: int
-    width: int
-    frames: int
-
-    @classmethod
-    def parse(cls, text: str) -> "Size":
-        height, width, frames = (int(v) for v in text.split("x"))
-        return cls(height, width, frames)
-
-    def __str__(self) -> str:
-        return f"{self.height}x{self.width}x{self.frames}"
-
-
 def full_size_transformer(device: str, dtype: torch.dtype):
     """The released transformer config with random weights, built in place on `device`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = MiniMaxH3Transformer3DModel().eval()
-    finally:
-        torch.set_default_dtype(previous)
-    for name in model._keep_in_fp32_modules:  # as from_pretrained keeps them
-        for module_name, module in model.named_modules():
-            if module_name.split(".")[-1] == name or module_name == name:
-                module.float()
-    return model
+    return full_size(MiniMaxH3Transformer3DModel, device, dtype)
 
 
 def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
@@ -91,16 +65,6 @@ def baseline_pipeline(parts: dict):
     pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
     pipe.update_components(**parts)
     return pipe
-
-
-def timed(fn, device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
 
 
 class Workload:
@@ -206,19 +170,6 @@ def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, 
         variant=f"service runner, fast path {fast.describe()}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
         software=software(), **errors)
-
-
-def device_label(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"1x{torch.cuda.get_device_name().replace('NVIDIA ', '')}"
-    return "cpu"
-
-
-def software() -> str:
-    import diffusers
-
-    cuda = f", CUDA {torch.version.cuda}" if torch.cuda.is_available() else ""
-    return f"torch {torch.__version__}, diffusers {diffusers.__version__}{cuda}"
 
 
 def main(argv: list[str] | None = None) -> list[Record]:

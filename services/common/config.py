@@ -22,11 +22,22 @@ class ModelServiceConfig:
     device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
     gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
     dtype: str = "float32"
-    attention_backend: str = "native"  # diffusers attention backend, set explicitly at start (dit, vae)
+    attention_backend: str = "native"  # dit, vae: a diffusers attention backend, or "flash4" (FlashAttention 4)
     cache_bytes: int = 256 << 20   # encoder embedding cache bound
     max_prompt_chars: int = 8192   # encoder: longest prompt accepted
     max_raw_bytes: int = 512 << 20  # vae: largest raw.npz payload include_raw may produce
     threads: int = 0               # torch intra-op threads; 0: torch's default
+    compile: bool = False          # dit, vae: torch.compile the repeated blocks (services/common/fastpath.py)
+    fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
+    tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+
+    def fast_path(self):
+        """The services/common/fastpath.FastPath these fields select (imported here: it needs torch)."""
+        from services.common.fastpath import FastPath
+
+        if self.fp8 and self.dtype != "bfloat16":
+            raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {self.dtype!r}")
+        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8)
 
     @property
     def address(self) -> str:

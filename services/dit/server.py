@@ -13,7 +13,7 @@ import time
 import grpc
 
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
-from services.common import wire
+from services.common import fastpath, wire
 from services.common.config import ModelServiceConfig
 from services.common.errors import describe
 from services.common.pump import ClientGone, pump
@@ -96,8 +96,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
 def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("dit", COMPONENTS, config)
-    components["transformer"].set_attention_backend(config.attention_backend)
-    log.info("attention backend: %s", config.attention_backend)
+    fastpath.apply(components["transformer"], config.fast_path())
     servicer = DiTServicer(DenoiseRunner(components), model, config.attention_backend)
     run_server(lambda server: dit_pb2_grpc.add_DiTServicer_to_server(servicer, server),
                [dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name], config.address)

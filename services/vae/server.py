@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
-from services.common import errors, wire
+from services.common import errors, fastpath, wire
 from services.common.config import ModelServiceConfig
 from services.common.pump import ClientGone, pump
 from services.common.runtime import load_model_service
@@ -23,6 +23,7 @@ from services.common.server import run_server
 from services.vae import mux
 from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, VaeDecoder
 from services.vae.validate import InvalidOutput, validate
+from services.vae.tiles import batch_tiles
 
 FILE_CHUNK_BYTES = 1 << 20
 TENSORS = ("latents", "audio_latents")
@@ -137,8 +138,8 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
 def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("vae", COMPONENTS, config)
-    components["vae"].set_attention_backend(config.attention_backend)
-    log.info("vae: attention backend %s", config.attention_backend)
+    fastpath.apply(components["vae"], config.fast_path())
+    batch_tiles(components["vae"], config.tile_batch)
     servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address)

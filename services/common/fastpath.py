@@ -1,15 +1,15 @@
-"""The DiT's fast path: attention kernel, regional compile and fp8 weights, each chosen by config.
+"""The fast path of the DiT and the video VAE: attention kernel, regional compile, fp8 weights.
 
-Applied once to a loaded transformer, before any parallelism wraps it. Every option leaves the
-math of the released model alone; what each one costs in accuracy is measured by
-`bench/dit_step.py` against an fp32 forward of the same weights (see BENCHMARKS.md).
+Each option is chosen by config and applied once to a loaded model, before any parallelism wraps
+it. None changes the math of the released model; what each costs in accuracy is measured by
+`bench/dit_step.py` and `bench/vae_decode.py` against fp32 (see BENCHMARKS.md).
 
 - `attention = "flash4"`: FlashAttention 4 (the `flash-attn-4` package, Hopper and newer),
   installed locally and bound to diffusers' `flash_4_hub` backend, so nothing is downloaded.
   It runs as an opaque custom op, which keeps the compiled blocks whole (fullgraph).
 - `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
-- `fp8`: dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks; the AdaLN
-  projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
+- `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
+  the AdaLN projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-log = logging.getLogger("h3serve.dit.fastpath")
+log = logging.getLogger("h3serve.fastpath")
 FLASH4 = "flash4"
 
 
@@ -34,19 +34,19 @@ class FastPath:
         return "+".join([self.attention, *extras])
 
 
-def apply(transformer: torch.nn.Module, fast: FastPath) -> None:
+def apply(model: torch.nn.Module, fast: FastPath) -> None:
     """Set the attention kernel, quantise, then compile (compile must see the final modules)."""
-    set_attention(transformer, fast.attention)
+    set_attention(model, fast.attention)
     if fast.fp8:
-        quantize_fp8(transformer)
+        quantize_fp8(model)
     if fast.compile:
-        transformer.compile_repeated_blocks(fullgraph=True)
-    log.info("fast path: %s", fast.describe())
+        model.compile_repeated_blocks(fullgraph=True)
+    log.info("%s fast path: %s", type(model).__name__, fast.describe())
 
 
-def set_attention(transformer: torch.nn.Module, backend: str) -> None:
+def set_attention(model: torch.nn.Module, backend: str) -> None:
     if backend != FLASH4:
-        transformer.set_attention_backend(backend)
+        model.set_attention_backend(backend)
         return
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -54,7 +54,7 @@ def set_attention(transformer: torch.nn.Module, backend: str) -> None:
     # diffusers' own setter insists on the `kernels` hub client for this backend; the kernel is
     # already bound, so set the processors directly.
     name = AttentionBackendName.FLASH_4_HUB
-    for module in transformer.modules():
+    for module in model.modules():
         processor = getattr(module, "processor", None)
         if processor is not None and hasattr(processor, "_attention_backend"):
             processor._attention_backend = name
@@ -97,6 +97,7 @@ def _(q, k, v, scale):
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> None:
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
