@@ -17,10 +17,12 @@ import torch
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 from services.common import errors, wire
 from services.common.config import ModelServiceConfig
+from services.common.media import MediaError, MediaPreparer, read_media_stream
 from services.common.pump import ClientGone, pump
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
+from services.vae.conditions import ConditionEncoder
 from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, VaeDecoder
 from services.vae.validate import InvalidOutput, validate
 
@@ -80,6 +82,8 @@ def unless_cancelled(report: Report, context) -> Report:
 class VaeServicer(vae_pb2_grpc.VAEServicer):
     def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
         self.decoder = decoder
+        self.conditions = ConditionEncoder(decoder.vae, decoder.audio_vae)
+        self.media = MediaPreparer(config.geometry)
         self.model = model
         self.config = config
         self.requests_served = 0
@@ -129,6 +133,39 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                  summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
                  summary.mux_seconds)
         return Output(video=video, raw=raw, summary=summary)
+
+    def EncodeConditions(self, request_iterator, context):
+        try:
+            spec, assets = read_media_stream(request_iterator)
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            summary, tensors = yield from pump(
+                lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)))
+        except ClientGone:
+            log.info("job %s: condition encode cancelled by the client", spec.job_id)
+            return
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            log.exception("job %s: condition encode failed", spec.job_id)
+            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
+        for chunk in wire.encode_many(tensors):
+            yield vae_pb2.ConditionEvent(chunk=chunk)
+        yield vae_pb2.ConditionEvent(summary=summary)
+
+    def _encode_conditions(self, spec, assets, report: Report):
+        def progress(done: int, total: int) -> None:
+            report(vae_pb2.ConditionEvent(progress=vae_pb2.ConditionProgress(done=done, total=total)))
+
+        with self._lock:
+            started = time.perf_counter()
+            conditions = self.conditions.encode(self.media.prepare(spec, assets), progress)
+        summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started,
+                                           keyframe_anchors=conditions.keyframe_anchors,
+                                           references=conditions.references)
+        log.info("job %s: encoded %d conditions in %.2f s", spec.job_id, len(assets), summary.seconds)
+        return summary, conditions.tensors
 
     def Info(self, request, context):
         return vae_pb2.VaeInfo(model=self.model, requests_served=self.requests_served,
