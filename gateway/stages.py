@@ -81,10 +81,14 @@ class StageClients:
         return await self._retrying(call)
 
     async def denoise(self, job_id: str, request: gateway_pb2.ResolvedRequest, embeds: Chunks,
-                      on_step: Callable[[dit_pb2.StepProgress], Awaitable[None]]) -> Denoised:
+                      on_step: Callable[[dit_pb2.StepProgress], Awaitable[None]],
+                      extra: dit_pb2.DenoiseSpec | None = None) -> Denoised:
+        """`embeds`: every input tensor's chunks; `extra`: workflow fields (keyframe anchors, reference manifest)."""
         spec = dit_pb2.DenoiseSpec(
             job_id=job_id, workflow=request.workflow, height=request.height, width=request.width,
             num_frames=request.num_frames, num_inference_steps=request.num_inference_steps, seed=request.seed)
+        if extra is not None:
+            spec.MergeFrom(extra)
         inputs = [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in embeds)]
 
         async def call() -> Denoised:

@@ -18,6 +18,7 @@ from services.common.models import ModelSource
 
 T2VA_COMPONENTS = ["text_encoder", "tokenizer", "processor", "transformer", "scheduler", "audio_scheduler",
                    "vae", "audio_vae"]
+ROWS = ("num_condition_video_rows", "num_condition_audio_rows")  # packed rows of keyframes / references
 KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
 
 
@@ -52,6 +53,7 @@ def run_reference(source: ModelSource, request: ReferenceRequest, device: str = 
     out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
                num_inference_steps=request.num_inference_steps,
                generator=torch.Generator().manual_seed(request.seed), output_type="np",
-               output=["videos", "audio", "sampling_rate"], **request.media_inputs())
+               output=["videos", "audio", "sampling_rate", *ROWS], **request.media_inputs())
     return {"frames": out["videos"][0], "audio": out["audio"][0].cpu().numpy(),
-            "sample_rate": np.asarray(out["sampling_rate"])}
+            "sample_rate": np.asarray(out["sampling_rate"]),
+            "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS])}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,14 +86,14 @@ def read_media_stream(messages: Iterable[media_pb2.MediaInput]) -> tuple[media_p
     return spec, [MediaAsset(item, bytes(data)) for item, data in zip(spec.items, buffers)]
 
 
-def media_inputs(spec: media_pb2.MediaSpec, assets: Iterable[tuple[str, bytes]],
-                 chunk_bytes: int = 1 << 20) -> Iterable[media_pb2.MediaInput]:
-    """The request stream for `spec`: the spec, then each (asset_id, bytes) in chunks."""
+def media_inputs(spec: media_pb2.MediaSpec, chunks: Callable[[str], Iterable[bytes]]) -> Iterator[media_pb2.MediaInput]:
+    """The request stream for `spec`: the spec, then each item's bytes as `chunks(asset_id)` yields them."""
     yield media_pb2.MediaInput(spec=spec)
-    for asset_id, data in assets:
-        for offset in range(0, len(data), chunk_bytes):
-            yield media_pb2.MediaInput(chunk=media_pb2.MediaChunk(
-                asset_id=asset_id, offset=offset, data=data[offset:offset + chunk_bytes]))
+    for item in spec.items:
+        offset = 0
+        for data in chunks(item.asset_id):
+            yield media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id=item.asset_id, offset=offset, data=data))
+            offset += len(data)
 
 
 def _to_model_rate(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
