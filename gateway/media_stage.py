@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2, tensor_pb2, vae_pb2
 from gateway.asset_store import AssetStore
-from gateway.stages import Encoded, StageClients
+from gateway.stages import Encoded, StageClients, relay
 from services.common.media import media_inputs
 
 ROLES = {"first_frame": media_pb2.MEDIA_ROLE_FIRST_FRAME, "last_frame": media_pb2.MEDIA_ROLE_LAST_FRAME}
@@ -81,17 +81,9 @@ async def _conditions(stages: StageClients, assets: AssetStore, spec: media_pb2.
     request_spec.prompt = ""  # the VAE has no use for it
 
     async def call() -> Conditions:
-        result = Conditions()
-        async for event in stages.vae.EncodeConditions(media_inputs(request_spec, assets.chunks),
-                                                       timeout=stages.config.encode_deadline_s):
-            kind = event.WhichOneof("kind")
-            if kind == "progress":
-                await on_progress(event.progress)
-            elif kind == "chunk":
-                result.chunks.append(event.chunk)
-            else:
-                result.summary = event.summary
-        return result
+        stream = stages.vae.EncodeConditions(media_inputs(request_spec, assets.chunks),
+                                             timeout=stages.config.encode_deadline_s)
+        return Conditions(*await relay(stream, "progress", on_progress))
 
     return await stages._retrying(call)
 

@@ -216,14 +216,70 @@ def test_request_over_capacity_is_refused_at_submit_with_the_numbers(client, fil
                              "+ 414 audio), over this deployment's capacity of 1,000 rows (max_rows)")
 
 
-def test_cli_uploads_keyframes_and_generates(media_stack, files, tmp_path):
+def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_model_dir, tmp_path):
+    """`generate --first-frame --last-frame` uploads and runs; `reference` with the same files, the deployment's
+    geometry (--config) and the model directory writes the same frames and waveform."""
     import subprocess
     import sys
 
+    media = ["--prompt", "<Picture 2> at dusk", "--first-frame", str(files["wide"]), "--last-frame", str(files["tall"]),
+             "--steps", "3", "--seed", "2"]
     out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--gateway",
-                          f"127.0.0.1:{media_stack[1]['gateway']}", "--prompt", "<Picture 2> at dusk",
-                          "--first-frame", str(files["wide"]), "--last-frame", str(files["tall"]), "--steps", "3",
-                          "--seed", "2", "--out", str(tmp_path / "fl.mp4")], capture_output=True, text=True, check=True)
+                          f"127.0.0.1:{media_stack[1]['gateway']}", *media, "--out", str(tmp_path / "fl.mp4"),
+                          "--raw", str(tmp_path / "served.npz")], capture_output=True, text=True, check=True)
     assert (tmp_path / "fl.mp4").stat().st_size > 0
     assert "stages: encode" in out.stdout and "condition" in out.stdout
+    subprocess.run([sys.executable, "-m", "services.cli", "reference", "--model-dir", str(tiny_model_dir),
+                    "--config", str(media_stack[0] / "deploy.toml"), *media, "--raw", str(tmp_path / "ref.npz")],
+                   capture_output=True, check=True)
+    served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")
+    assert served["frames"].shape == (124, 32, 64, 3)
+    assert np.array_equal(served["frames"], reference["frames"]) and np.array_equal(served["audio"], reference["audio"])
 
+def _stub(media_stack, name: str, module, service: str):
+    return getattr(module, f"{service}Stub")(grpc.insecure_channel(f"127.0.0.1:{media_stack[1][name]}"))
+
+
+def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files):
+    from h3serve.v1 import dit_pb2, encoder_pb2_grpc, vae_pb2_grpc
+
+    encoder = _stub(media_stack, "encoder", encoder_pb2_grpc, "Encoder")
+    vae = _stub(media_stack, "vae", vae_pb2_grpc, "VAE")
+    data = files["voice"].read_bytes()
+    item = media_pb2.MediaItem(asset_id="a", kind=media_pb2.ASSET_KIND_AUDIO, role=media_pb2.MEDIA_ROLE_REFERENCE,
+                               bytes=len(data))
+    spec = media_pb2.MediaSpec(workflow=common_pb2.WORKFLOW_REF2VA, height=32, width=64, num_frames=124,
+                               items=[item], prompt="a voice")
+    chunk = media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id="a", data=data))
+    cases = [
+        ([chunk], "unexpected chunk message: send one spec, then the assets' chunks"),
+        ([media_pb2.MediaInput(spec=spec)], f"asset 'a' truncated: 0 of {len(data)} bytes arrived"),
+        # Complete and well formed, but the model's own rule refuses audio on its own.
+        ([media_pb2.MediaInput(spec=spec), chunk], "An audio reference has to be paired with at least one image or "
+                                                   "video reference"),
+    ]
+    for stub, rpc in ((encoder, "EncodeMedia"), (vae, "EncodeConditions")):
+        for messages, reason in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                list(getattr(stub, rpc)(iter(messages)))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (rpc, err.value.details())
+            assert err.value.details().startswith(reason), (rpc, err.value.details())
+
+    dit = _stub(media_stack, "dit", dit_pb2_grpc, "DiT")
+    fl2va = dit_pb2.DenoiseSpec(workflow=common_pb2.WORKFLOW_FL2VA, height=32, width=64, num_frames=124,
+                                num_inference_steps=2, keyframe_anchors=["first"])
+    with pytest.raises(grpc.RpcError) as err:
+        list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=fl2va)])))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "condition_latents.0" in err.value.details()
+
+
+def test_a_repeated_conditioned_request_hits_the_encoder_cache(client, files):
+    request = gateway_pb2.GenerateRequest(prompt="<Picture 1> waves, cache probe", height=32, width=64,
+                                          num_inference_steps=2, first_frame=client.upload(files["tall"]).asset_id)
+    hits = []
+    for seed in (1, 2):
+        request.seed = seed
+        _, events = generate(client, request)
+        hits += [e.encoding.cache_hit for e in events if e.HasField("encoding")]
+    assert hits == [False, True]

@@ -99,20 +99,30 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
-        try:
-            output = yield from pump(lambda report: self._run(spec, tensors, unless_cancelled(report, context)))
-        except ClientGone:
-            log.info("job %s: cancelled by the client", spec.job_id)
+        output = yield from self._pumped(
+            spec.job_id, "decode", lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
+            context, InvalidOutput, grpc.StatusCode.FAILED_PRECONDITION)
+        if output is None:
             return
-        except InvalidOutput as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:
-            log.exception("job %s: decode failed", spec.job_id)
-            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
         yield from file_events("video.mp4", output.video)
         if output.raw is not None:
             yield from file_events("raw.npz", output.raw)
         yield vae_pb2.DecodeEvent(summary=output.summary)
+
+    @staticmethod
+    def _pumped(job_id: str, what: str, work, context, refused: type[Exception], code: grpc.StatusCode):
+        """`work` through `pump`; None when the client left. `refused` errors end the RPC with `code`,
+        anything else with INTERNAL and the error's end."""
+        try:
+            return (yield from pump(work))
+        except ClientGone:
+            log.info("job %s: %s cancelled by the client", job_id, what)
+            return None
+        except refused as exc:
+            context.abort(code, str(exc))
+        except Exception as exc:
+            log.exception("job %s: %s failed", job_id, what)
+            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
 
     def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
         with self._lock:
@@ -139,17 +149,13 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             spec, assets = read_media_stream(request_iterator)
         except MediaError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        try:
-            summary, tensors = yield from pump(
-                lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)))
-        except ClientGone:
-            log.info("job %s: condition encode cancelled by the client", spec.job_id)
+        result = yield from self._pumped(
+            spec.job_id, "condition encode",
+            lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)),
+            context, MediaError, grpc.StatusCode.INVALID_ARGUMENT)
+        if result is None:
             return
-        except MediaError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:
-            log.exception("job %s: condition encode failed", spec.job_id)
-            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
+        summary, tensors = result
         for chunk in wire.encode_many(tensors):
             yield vae_pb2.ConditionEvent(chunk=chunk)
         yield vae_pb2.ConditionEvent(summary=summary)
