@@ -18,9 +18,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], **gateway) -> Path:
-    """A deployment file: every section on loopback, the gateway's extra keys from `gateway`."""
-    lines = [f'[model]\ndir = "{model_dir}"']
+def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,
+                 **gateway) -> Path:
+    """A deployment file: every section on loopback, extra [model] keys from `model`, the gateway's from `gateway`."""
+    lines = [f'[model]\ndir = "{model_dir}"' + "".join(f"\n{key} = {value!r}" for key, value in (model or {}).items())]
     for name in ("encoder", "dit", "vae"):
         lines.append(f"[{name}]\nport = {ports[name]}")
     extra = "".join(f"\n{key} = {value!r}".replace("'", '"') for key, value in gateway.items())
