@@ -22,7 +22,9 @@ import grpc
 
 from h3serve.v1 import dit_pb2, gateway_pb2, vae_pb2
 from gateway.artifacts import ArtifactStore
+from gateway.asset_store import AssetStore
 from gateway.events import EventHub
+from gateway.media_stage import encode_inputs
 from gateway.metrics import STAGES, GatewayMetrics
 from gateway.retention import Retention
 from gateway.stage_queue import StageQueue
@@ -37,6 +39,7 @@ S = gateway_pb2
 
 
 T = TypeVar("T")
+VAE_ENCODE = "vae-encode"
 
 
 class StageFailed(Exception):
@@ -72,10 +75,13 @@ class StepTimes:
 
 class JobRunner:
     def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, stages: StageClients,
-                 artifacts: ArtifactStore, metrics: GatewayMetrics) -> None:
+                 artifacts: ArtifactStore, metrics: GatewayMetrics, assets: AssetStore | None = None) -> None:
         self.store, self.hub, self.stages, self.artifacts, self.metrics = store, hub, stages, artifacts, metrics
+        self.assets = assets
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
+        # One queue per stage; "vae-encode" (fl2va/ref2va conditioning) runs on the VAE replicas.
         self.queues = {stage: StageQueue(stage, len(config.replicas(stage))) for stage in STAGES}
+        self.queues[VAE_ENCODE] = StageQueue(VAE_ENCODE, len(config.replicas("vae")))
         self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
@@ -161,10 +167,12 @@ class JobRunner:
         return result
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
-        watchdog = Watchdog(self.stall_s)
-        encoded = await self._stage(job_id, attempt, "encoder",
-                                    lambda call: self.stages.encode(job_id, request.prompt, watchdog, call))
+        inputs = await encode_inputs(self.stages, self.assets, job_id, request, self._condition_progress(job_id),
+                                     lambda stage, work: self._stage(job_id, attempt, stage, work), self.stall_s)
+        encoded = inputs.encoded
         self.store.set_stage_seconds(job_id, "encode", encoded.summary.seconds)
+        if inputs.conditions is not None:
+            self.store.set_stage_seconds(job_id, "condition", inputs.conditions.seconds)
         self.hub.emit(job_id, encoding=S.Encoding(cache_hit=encoded.summary.cache_hit,
                                                   seconds=encoded.summary.seconds))
 
@@ -174,14 +182,20 @@ class JobRunner:
             self.hub.emit(job_id, denoising=steps.event(step))
 
         denoised = await self._stage(job_id, attempt, "dit", lambda call: self.stages.denoise(
-            job_id, request, encoded.chunks, on_step, watchdog, call))
+            job_id, request, inputs.chunks, on_step, Watchdog(self.stall_s), call, inputs.spec))
         self.store.set_stage_seconds(job_id, "denoise", denoised.summary.seconds)
 
         decoded = await self._stage(job_id, attempt, "vae", lambda call: self.stages.decode(
-            job_id, request.include_raw, denoised.chunks, self._decode_progress(job_id), watchdog, call))
+            job_id, request.include_raw, denoised.chunks, self._decode_progress(job_id), Watchdog(self.stall_s), call))
         self.store.set_stage_seconds(job_id, "decode", decoded.summary.decode_seconds)
         self.store.set_stage_seconds(job_id, "mux", decoded.summary.mux_seconds)
         self._complete(job_id, decoded)
+
+    def _condition_progress(self, job_id: str):
+        async def on_progress(progress: vae_pb2.ConditionProgress) -> None:
+            self.hub.emit(job_id, conditioning=S.Conditioning(done=progress.done, total=progress.total))
+
+        return on_progress
 
     def _decode_progress(self, job_id: str):
         video_total = 0

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import grpc
 
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 from grpc_health.v1 import health_pb2_grpc
 from gateway.admission import CapacityTable
 from gateway.artifacts import ArtifactStore
+from gateway.asset_store import AssetStore
+from gateway.assets import AssetLimits, AssetRefused
 from gateway.auth import BearerTokenInterceptor
+from gateway.conditioning import OverCapacity, resolve_media
 from gateway.events import EventHub
 from gateway.health import StageHealth
 from gateway.jobs import JobRunner
@@ -51,20 +54,23 @@ def _digest(request: gateway_pb2.GenerateRequest) -> str:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
-                 health: StageHealth) -> None:
+                 health: StageHealth, assets: AssetStore) -> None:
         self.config, self.limits = config, RequestLimits.from_config(config)
         self.capacity = CapacityTable(config.capacity)
-        self.store, self.hub, self.runner, self.health = store, hub, runner, health
+        self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
 
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
             request_id = _request_id(request.request_id)
-            resolved = resolve(request, self.limits)
-            self.capacity.admit(resolved)
+            resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry,
+                                     self.config.max_rows)
+            self.capacity.admit(resolved, condition_rows=resolved.condition_rows)
             job, created = self.store.submit(
                 uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
                 first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
+        except OverCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -151,6 +157,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                           for r in replicas.replicas])
         return info
 
+    async def UploadAsset(self, request_iterator, context):
+        try:
+            asset = await self.assets.upload(request_iterator, asyncio.to_thread)
+        except AssetRefused as exc:
+            await context.abort(exc.code, exc.message)
+        log.info("asset %s (%s, %s, %d bytes)%s", asset.asset_id[:16], media_pb2.AssetKind.Name(asset.kind),
+                 asset.format, asset.bytes, " already stored" if asset.deduplicated else "")
+        return asset
+
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
         job = self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
         if job is None:
@@ -183,14 +198,16 @@ async def serve_async(config: GatewayConfig) -> None:
     metrics = GatewayMetrics()
     hub = EventHub(store)
     stages = StageClients(config, metrics)
-    runner = JobRunner(config, store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), metrics)
+    assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
+    runner = JobRunner(config, store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), metrics, assets)
     metrics.watch(store.count_by_state, lambda: {name: queue.depth for name, queue in runner.queues.items()})
     service_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     health = StageHealth(stages, [service_name])
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, health), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, health, assets),
+                                                   server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [service_name])
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)

@@ -8,7 +8,7 @@ above all) is final at once. Each try runs under the watchdog of its phase.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -16,7 +16,8 @@ from typing import TypeVar
 import grpc
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from h3serve.v1 import dit_pb2, dit_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, tensor_pb2, vae_pb2, vae_pb2_grpc
+from h3serve.v1 import (dit_pb2, dit_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, media_pb2, tensor_pb2,
+                        vae_pb2, vae_pb2_grpc)
 from gateway.metrics import STAGES, GatewayMetrics
 from gateway.replicas import Replica, ReplicaSet
 from gateway.watchdog import Stuck, Watchdog
@@ -43,6 +44,21 @@ class CallRecord:
     replica: str = ""
     bytes_in: int = 0
     bytes_out: int = 0
+async def relay(stream, progress: str, on_progress) -> tuple[Chunks, object]:
+    """Read a stage's event stream: `progress` events go to `on_progress`, tensor chunks are kept in order,
+    the final summary is returned with them."""
+    chunks, summary = [], None
+    async for event in stream:
+        kind = event.WhichOneof("kind")
+        if kind == progress:
+            await on_progress(getattr(event, kind))
+        elif kind == "chunk":
+            chunks.append(event.chunk)
+        else:
+            summary = event.summary
+    return chunks, summary
+
+
 @dataclass
 class Encoded:
     chunks: Chunks
@@ -77,7 +93,7 @@ class StageClients:
         for replicas in self.replicas.values():
             await replicas.close()
 
-    async def _call(self, stage: str, record: CallRecord, once: Callable[[Replica], Awaitable[T]]) -> T:
+    async def call(self, stage: str, record: CallRecord, once: Callable[[Replica], Awaitable[T]]) -> T:
         """Run `once` on a replica; retry transient failures on the next replica with back-off."""
         replicas, tried = self.replicas[stage], set()
         retrying = AsyncRetrying(
@@ -116,19 +132,28 @@ class StageClients:
 
     async def encode(self, job_id: str, prompt: str, watchdog: Watchdog, record: CallRecord) -> Encoded:
         record.bytes_in = len(prompt.encode("utf-8"))
+        request = encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id)
+        return await self._encode(lambda stub: stub.Encode(request, timeout=self.config.encode_deadline_s),
+                                  watchdog, record)
 
+    async def encode_media(self, requests: Callable[[], Iterator[media_pb2.MediaInput]], bytes_in: int,
+                           watchdog: Watchdog, record: CallRecord) -> Encoded:
+        """fl2va / ref2va: the prompt with its keyframes / references (`requests()` opens a fresh input stream)."""
+        record.bytes_in = bytes_in
+        return await self._encode(lambda stub: stub.EncodeMedia(requests(), timeout=self.config.encode_deadline_s),
+                                  watchdog, record)
+
+    async def _encode(self, open_call, watchdog: Watchdog, record: CallRecord) -> Encoded:
         async def stream(replica: Replica) -> Encoded:
             chunks, summary = [], None
-            call = encoder_pb2_grpc.EncoderStub(replica.channel).Encode(
-                encoder_pb2.EncodeRequest(prompt=prompt, job_id=job_id), timeout=self.config.encode_deadline_s)
-            async for reply in call:
+            async for reply in open_call(encoder_pb2_grpc.EncoderStub(replica.channel)):
                 if reply.HasField("chunk"):
                     chunks.append(reply.chunk)
                 else:
                     summary = reply.summary
             return Encoded(chunks, summary)
 
-        encoded = await self._call("encoder", record, lambda replica: watchdog.run("encode", stream(replica)))
+        encoded = await self.call("encoder", record, lambda replica: watchdog.run("encode", stream(replica)))
         record.bytes_out = _payload(encoded.chunks)
         self._moved("encoder", record)
         hit = encoded.summary.cache_hit
@@ -136,31 +161,48 @@ class StageClients:
         self.metrics.cache.labels("hit" if hit else "miss").inc()
         return encoded
 
+    async def encode_conditions(self, requests: Callable[[], Iterator[media_pb2.MediaInput]], bytes_in: int,
+                                on_progress: Callable[[vae_pb2.ConditionProgress], Awaitable[None]],
+                                watchdog: Watchdog, record: CallRecord) -> tuple[Chunks, vae_pb2.ConditionSummary]:
+        """fl2va / ref2va: keyframes / references to conditioning latents on a VAE replica."""
+        record.bytes_in = bytes_in
+
+        async def progress(event: vae_pb2.ConditionProgress) -> None:
+            watchdog.progress("encode")
+            await on_progress(event)
+
+        async def stream(replica: Replica):
+            call = vae_pb2_grpc.VAEStub(replica.channel).EncodeConditions(
+                requests(), timeout=self.config.encode_deadline_s)
+            return await relay(call, "progress", progress)
+
+        chunks, summary = await self.call("vae", record, lambda replica: watchdog.run("encode", stream(replica)))
+        record.bytes_out = _payload(chunks)
+        self._moved("vae", record)
+        return chunks, summary
+
     async def denoise(self, job_id: str, request: gateway_pb2.ResolvedRequest, embeds: Chunks,
                       on_step: Callable[[dit_pb2.StepProgress], Awaitable[None]], watchdog: Watchdog,
-                      record: CallRecord) -> Denoised:
+                      record: CallRecord, extra: dit_pb2.DenoiseSpec | None = None) -> Denoised:
+        """`embeds`: every input tensor's chunks; `extra`: workflow fields (keyframe anchors, reference manifest)."""
         spec = dit_pb2.DenoiseSpec(
             job_id=job_id, workflow=request.workflow, height=request.height, width=request.width,
             num_frames=request.num_frames, num_inference_steps=request.num_inference_steps, seed=request.seed)
+        if extra is not None:
+            spec.MergeFrom(extra)
         inputs = [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in embeds)]
         record.bytes_in = _payload(embeds)
 
-        async def stream(replica: Replica) -> Denoised:
-            result = Denoised([], None)
-            call = dit_pb2_grpc.DiTStub(replica.channel).Denoise(iter(inputs), timeout=self.config.denoise_deadline_s)
-            async for event in call:
-                kind = event.WhichOneof("kind")
-                if kind == "step":
-                    watchdog.progress("denoise")
-                    self.metrics.step_seconds.observe(event.step.seconds)
-                    await on_step(event.step)
-                elif kind == "chunk":
-                    result.chunks.append(event.chunk)
-                else:
-                    result.summary = event.summary
-            return result
+        async def step(progress: dit_pb2.StepProgress) -> None:
+            watchdog.progress("denoise")
+            self.metrics.step_seconds.observe(progress.seconds)
+            await on_step(progress)
 
-        denoised = await self._call("dit", record, lambda replica: watchdog.run("denoise", stream(replica)))
+        async def stream(replica: Replica) -> Denoised:
+            call = dit_pb2_grpc.DiTStub(replica.channel).Denoise(iter(inputs), timeout=self.config.denoise_deadline_s)
+            return Denoised(*await relay(call, "step", step))
+
+        denoised = await self.call("dit", record, lambda replica: watchdog.run("denoise", stream(replica)))
         record.bytes_out = _payload(denoised.chunks)
         self._moved("dit", record)
         return denoised
@@ -186,7 +228,7 @@ class StageClients:
                     result.summary = event.summary
             return result
 
-        decoded = await self._call("vae", record, lambda replica: watchdog.run("decode", stream(replica)))
+        decoded = await self.call("vae", record, lambda replica: watchdog.run("decode", stream(replica)))
         record.bytes_out = sum(len(data) for data in decoded.files.values())
         self._moved("vae", record)
         return decoded

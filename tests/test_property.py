@@ -79,7 +79,7 @@ def test_malformed_lookups_get_a_clear_status(stub, job_id, after_seq, page_size
 def test_an_oversized_request_is_refused_and_the_server_keeps_serving(stub):
     api, channel = stub
     with pytest.raises(grpc.RpcError) as err:
-        api.Submit(S.GenerateRequest(prompt="x" * (2 << 20)), timeout=30)
+        api.Submit(S.GenerateRequest(prompt="x" * (5 << 20)), timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with pytest.raises(grpc.RpcError) as err:
         api.GetJob(S.GetJobRequest(job_id="still-here"), timeout=30)

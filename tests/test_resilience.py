@@ -135,7 +135,7 @@ def test_tls_on_every_server_and_a_bearer_token(stack, tmp_path, certificate):
     cert, key = certificate
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
     config = write_config(tmp_path / "tls.toml", str(stack.model_dir), tmp_path / "tls", ports,
-                          model_keys=dict(tls_cert=str(cert), tls_key=str(key)), auth_token="s3cret",
+                          service_keys=dict(tls_cert=str(cert), tls_key=str(key)), auth_token="s3cret",
                           tls_cert=str(cert), tls_key=str(key), stage_tls_ca=str(cert))
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path)), \
             grpc.secure_channel(f"127.0.0.1:{ports['gateway']}",
