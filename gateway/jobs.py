@@ -40,6 +40,7 @@ S = gateway_pb2
 
 T = TypeVar("T")
 VAE_ENCODE = "vae-encode"
+REPLICAS_OF = {VAE_ENCODE: "vae"}  # a stage that runs on another stage's replicas
 
 
 class StageFailed(Exception):
@@ -81,7 +82,7 @@ class JobRunner:
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
         # One queue per stage; "vae-encode" (fl2va/ref2va conditioning) runs on the VAE replicas.
         self.queues = {stage: StageQueue(stage, len(config.replicas(stage))) for stage in STAGES}
-        self.queues[VAE_ENCODE] = StageQueue(VAE_ENCODE, len(config.replicas("vae")))
+        self.queues[VAE_ENCODE] = StageQueue(VAE_ENCODE, len(config.replicas(REPLICAS_OF[VAE_ENCODE])))
         self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()

@@ -21,7 +21,7 @@ from gateway.auth import BearerTokenInterceptor
 from gateway.conditioning import OverCapacity, resolve_media
 from gateway.events import EventHub
 from gateway.health import StageHealth
-from gateway.jobs import JobRunner
+from gateway.jobs import REPLICAS_OF, JobRunner
 from gateway.metrics import GatewayMetrics
 from gateway.request import InvalidRequest, RequestLimits, resolve
 from gateway.stages import StageClients
@@ -147,8 +147,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         info = gateway_pb2.GatewayInfo(
             unfinished_jobs=counts.get(gateway_pb2.JOB_STATE_QUEUED, 0) + counts.get(gateway_pb2.JOB_STATE_RUNNING, 0),
             max_unfinished_jobs=self.config.max_unfinished_jobs, serving=serving)
-        for stage, replicas in stages.replicas.items():
-            queue = self.runner.queues[stage]
+        for stage, queue in self.runner.queues.items():
+            replicas = stages.replicas[REPLICAS_OF.get(stage, stage)]
             info.stages.add(
                 stage=stage, queue_depth=queue.depth, busy_workers=queue.busy, workers=queue.workers,
                 cache_hit_rate=stages.cache_hit_rate() if stage == "encoder" else 0.0,

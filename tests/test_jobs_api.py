@@ -126,10 +126,11 @@ def test_info_reports_each_stage(stack, client):
     client.generate(S.GenerateRequest(prompt="info probe", seed=1, **SMALL))
     info = client.stub.Info(common_pb2.InfoRequest())
     assert info.serving and info.max_unfinished_jobs == 64
-    assert [s.stage for s in info.stages] == ["encoder", "dit", "vae"]
+    assert [s.stage for s in info.stages] == ["encoder", "dit", "vae", "vae-encode"]
     for stage in info.stages:
+        replica = stack.address("vae" if stage.stage == "vae-encode" else stage.stage)
         assert stage.workers == 1 and stage.queue_depth == 0
-        assert [(r.address, r.healthy) for r in stage.replicas] == [(stack.address(stage.stage), True)]
+        assert [(r.address, r.healthy) for r in stage.replicas] == [(replica, True)]
         assert stage.replicas[0].calls >= 1
     assert 0.0 <= info.stages[0].cache_hit_rate <= 1.0
 
