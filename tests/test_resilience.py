@@ -106,10 +106,19 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
                                                       num_inference_steps=4)) for i in range(2)]
             used = [client.job(final.job_id).stage_records[0].replica for final in warm]
             assert used == replicas, "least-loaded routing spreads the first two encodes"
-            process(a, "encoder").kill()
-            process(a, "encoder").wait(30)
-            final = client.generate(S.GenerateRequest(prompt="after the kill", seed=9, height=32, width=64,
-                                                      num_inference_steps=4))
+            # Replica a stalls, takes the next encode (it looks healthy and ties on load), and dies with the
+            # call in flight: the encode moves to replica b and the job does not fail.
+            encoder_a = process(a, "encoder")
+            os.kill(encoder_a.pid, signal.SIGSTOP)
+            job = client.stub.Submit(S.GenerateRequest(prompt="during the kill", seed=9, height=32, width=64,
+                                                       num_inference_steps=4))
+            deadline = time.monotonic() + 60
+            while client.stub.Info(common_pb2.InfoRequest()).stages[0].replicas[0].in_flight != 1:
+                assert time.monotonic() < deadline, "the encode never reached replica a"
+                time.sleep(0.1)
+            encoder_a.kill()
+            encoder_a.wait(30)
+            final = list(client.stub.Watch(S.WatchRequest(job_id=job.job_id)))[-1]
             assert final.HasField("done"), final
             record = client.job(final.job_id).stage_records[0]
             assert (record.stage, record.tries, record.replica) == ("encoder", 2, replicas[1])
