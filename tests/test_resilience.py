@@ -55,7 +55,9 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
         client = GatewayClient(address)
         dit = process(services, "dit")
         try:
-            job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, **SMALL))
+            # Long enough (40 steps at 128x224) that the DiT is still denoising when it is stopped.
+            job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224,
+                                                       num_inference_steps=40))
             stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
             next(e for e in stream if e.HasField("denoising"))
             stream.cancel()
