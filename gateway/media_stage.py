@@ -33,6 +33,18 @@ class DenoiseInputs:
     conditions: vae_pb2.ConditionSummary | None = None
 
 
+async def _both(first: Awaitable, second: Awaitable) -> list:
+    """Both results; when one fails the other is cancelled, so no stage call outlives its job's attempt."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def media_spec(job_id: str, request: gateway_pb2.ResolvedRequest, assets: AssetStore) -> media_pb2.MediaSpec:
     spec = media_pb2.MediaSpec(job_id=job_id, workflow=request.workflow, height=request.height,
                                width=request.width, num_frames=request.num_frames, prompt=request.prompt)
@@ -58,7 +70,7 @@ async def encode_inputs(stages: StageClients, assets: AssetStore | None, job_id:
     conditions_spec.CopyFrom(spec)
     conditions_spec.prompt = ""  # the VAE has no use for it
     media_bytes = sum(item.bytes for item in spec.items)
-    encoded, (chunks, summary) = await asyncio.gather(
+    encoded, (chunks, summary) = await _both(
         run_stage("encoder", lambda record: stages.encode_media(
             lambda: media_inputs(spec, assets.chunks), media_bytes, Watchdog(stall_s), record)),
         run_stage("vae-encode", lambda record: stages.encode_conditions(

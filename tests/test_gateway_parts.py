@@ -236,3 +236,27 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(store, tmp_path):
     assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
     assert store.artifact("mid-video") is None and [a.artifact_id for a in store.get_job("new").artifacts] == [
         "new-video"]
+
+
+def test_a_failed_half_of_the_media_encode_cancels_the_other():
+    from gateway.media_stage import _both
+
+    async def scenario():
+        cancelled = asyncio.Event()
+
+        async def slow():
+            try:
+                await asyncio.Event().wait()
+            finally:
+                cancelled.set()
+
+        async def failing():
+            await asyncio.sleep(0)
+            raise Stuck("encode", 1.0)
+
+        with pytest.raises(Stuck):
+            await _both(slow(), failing())
+        assert cancelled.is_set()
+        assert await _both(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
+
+    run(scenario())
