@@ -27,6 +27,14 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def wait_forever(cancelled: asyncio.Event) -> None:
+    """A call that never answers; `cancelled` is set when it is cancelled."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        cancelled.set()
+
+
 # Stage queues.
 
 def test_stage_queue_is_fifo_and_a_cancelled_waiter_leaves_it():
@@ -76,15 +84,8 @@ def test_stage_queue_runs_as_many_as_it_has_workers():
 def test_watchdog_cancels_a_silent_call_and_names_its_phase():
     async def scenario():
         cancelled = asyncio.Event()
-
-        async def silent():
-            try:
-                await asyncio.Event().wait()
-            finally:
-                cancelled.set()
-
         with pytest.raises(Stuck) as err:
-            await Watchdog({"encode": 0.2}).run("encode", silent())
+            await Watchdog({"encode": 0.2}).run("encode", wait_forever(cancelled))
         assert str(err.value) == "stuck in encode for 0.2 s" and cancelled.is_set()
 
     run(scenario())
@@ -244,18 +245,12 @@ def test_a_failed_half_of_the_media_encode_cancels_the_other():
     async def scenario():
         cancelled = asyncio.Event()
 
-        async def slow():
-            try:
-                await asyncio.Event().wait()
-            finally:
-                cancelled.set()
-
         async def failing():
             await asyncio.sleep(0)
             raise Stuck("encode", 1.0)
 
         with pytest.raises(Stuck):
-            await _both(slow(), failing())
+            await _both(wait_forever(cancelled), failing())
         assert cancelled.is_set()
         assert await _both(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
 
