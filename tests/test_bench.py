@@ -33,3 +33,26 @@ def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     assert [r["variant"] for r in records] == ["VAE service decoder, native", "VAE service decoder, native+tiles=2"]
     # fp32 weights: the decode is its own fp32 reference.
     assert all(r["name"] == "vae_decode_32x64x22" and r["rel_err_fp32"] == 0.0 for r in records)
+
+
+def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
+    from bench import e2e
+
+    results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
+    [comparison] = e2e.main(["--quick", "--repeats", "1", "--out", str(tmp_path / "run"), "--write",
+                             "--results", str(results), "--markdown", str(markdown)])
+    # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte.
+    assert comparison.same_output
+    served, in_process = comparison.served, comparison.in_process
+    assert all(served.stages[s] > 0 and in_process.stages[s] > 0 for s in e2e.STAGES)
+    # The client's time spans every stage the gateway recorded for the job, plus the transport between them.
+    assert served.transport > 0
+    records = json.loads(results.read_text())
+    name = "e2e_32x64x124_4steps"
+    assert [r["name"] for r in records] == [name, *(f"{name}_{s}" for s in (*e2e.STAGES, "transport"))]
+    total = records[0]
+    assert (total["seconds"], total["baseline_seconds"]) == (served.seconds, in_process.seconds)
+    assert total["ratio"] == in_process.seconds / served.seconds
+    assert [r["seconds"] for r in records[1:5]] == [served.stages[s] for s in e2e.STAGES]
+    assert f"| {name} | cpu | float32 |" in markdown.read_text()
+    assert {p.name for p in (tmp_path / "run").glob("*.mp4")} == {"in-process-32x64x124.mp4", "served-32x64x124.mp4"}
