@@ -18,7 +18,9 @@ One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer 
 of `--repeats`. Both MP4s of the last run are
 compared (sha256): with the default fast paths the split is bit-identical to the pipeline.
 
-    python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, < 10 min
+    python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, ~6 min
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side in-process   # two calls of
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write   # < 10 min
     python -m bench.e2e --quick                                                 # CPU smoke test
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import json
 import multiprocessing
 import socket
 import statistics
@@ -34,7 +37,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -210,13 +213,36 @@ def through_services(sizes: list[Size], args, device: str, work: Path, out: Path
         raise
 
 
+def setup(args) -> dict:
+    """What a saved baseline must share with the services run it is compared with."""
+    return {"sizes": args.sizes, "steps": args.steps, "warmup_steps": args.warmup_steps, "dtype": args.dtype,
+            "model_dir": args.model_dir}
+
+
+def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup(args), "command": args.command,
+                                "sides": {str(size): asdict(side) for size, side in sides.items()}}, indent=1))
+
+
+def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
+    """The in-process medians a `--side in-process` run saved, and its command; refused for another setup."""
+    if not path.exists():
+        raise SystemExit(f"--side services: no baseline at {path}; run with --side in-process first")
+    saved = json.loads(path.read_text())
+    if saved["setup"] != setup(args):
+        raise SystemExit(f"--side services: the baseline in {path} was measured with {saved['setup']}, "
+                         f"this run is {setup(args)}")
+    return {Size.parse(size): Side(**side) for size, side in saved["sides"].items()}, saved["command"]
+
+
 def print_logs(work: Path, lines: int = 30) -> None:
     for log in sorted(work.glob("*.log")):
         print(f"--- last {lines} lines of {log.name}", file=sys.stderr)
         print("\n".join(log.read_text(errors="replace").splitlines()[-lines:]), file=sys.stderr)
 
 
-def records(comparison: Comparison, args, device: str) -> list[Record]:
+def records(comparison: Comparison, args, device: str, command: str) -> list[Record]:
     """The end-to-end record, then one per stage (transport: what neither side spends in a stage)."""
     name = f"e2e_{comparison.size}_{args.steps}steps"
     ours, base = comparison.served, comparison.in_process
@@ -224,7 +250,7 @@ def records(comparison: Comparison, args, device: str) -> list[Record]:
     rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
     rows.append((f"{name}_transport", ours.transport, base.transport))
     common = dict(
-        device=device_label(device), world_size=1, dtype=args.dtype, peak_gib=ours.used_gib, command=args.command,
+        device=device_label(device), world_size=1, dtype=args.dtype, peak_gib=ours.used_gib, command=command,
         date=datetime.date.today().isoformat(), software=software(),
         variant=f"gRPC services (encoder, DiT, VAE, gateway; one device), DiT {args.dit}, VAE {args.vae}",
         baseline="diffusers MiniMaxH3Blocks in process + the same MP4 mux")
@@ -256,6 +282,10 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
     p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
     p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
+    p.add_argument("--side", choices=("both", "in-process", "services"), default="both",
+                   help="one side per call when both do not fit in one: in-process saves its medians to "
+                        "--baseline-file, services compares with them (the same machine, the same options)")
+    p.add_argument("--baseline-file", default="var/e2e-baseline.json")
     p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
     p.add_argument("--results", default="bench/results.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
@@ -268,12 +298,22 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="h3serve-e2e-") as scratch:
         work = Path(args.out or scratch)
         work.mkdir(parents=True, exist_ok=True)
-        baseline = in_process(sizes, args, device, work)
+        baseline_file, command = Path(args.baseline_file), args.command
+        if args.side == "services":
+            baseline, baseline_command = load_baseline(baseline_file, args)
+            command = f"{baseline_command}; {args.command}"
+        else:
+            baseline = in_process(sizes, args, device, work)
+        if args.side == "in-process":
+            save_baseline(baseline_file, args, baseline)
+            print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
+            return []
         served = through_services(sizes, args, device, work, work)
     comparisons = [Comparison(size, baseline[size], served[size]) for size in sizes]
     print_table(comparisons)
     if args.write:
-        update_results([r for c in comparisons for r in records(c, args, device)], args.results, args.markdown)
+        update_results([r for c in comparisons for r in records(c, args, device, command)], args.results,
+                       args.markdown)
     return comparisons
 
 

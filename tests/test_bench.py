@@ -56,3 +56,24 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     assert [r["seconds"] for r in records[1:5]] == [served.stages[s] for s in e2e.STAGES]
     assert f"| {name} | cpu | float32 |" in markdown.read_text()
     assert {p.name for p in (tmp_path / "run").glob("*.mp4")} == {"in-process-32x64x124.mp4", "served-32x64x124.mp4"}
+
+
+def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(tmp_path):
+    import argparse
+
+    import pytest
+
+    from bench import e2e
+    from bench.common import Size
+
+    args = argparse.Namespace(sizes="32x64x124", steps=4, warmup_steps=2, dtype="float32", model_dir="",
+                              command="python -m bench.e2e --quick --side in-process")
+    side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)
+    path = tmp_path / "baseline.json"
+    with pytest.raises(SystemExit, match="no baseline at .*; run with --side in-process first"):
+        e2e.load_baseline(path, args)
+    e2e.save_baseline(path, args, {Size(32, 64, 124): side})
+    assert e2e.load_baseline(path, args) == ({Size(32, 64, 124): side}, args.command)
+    args.steps = 50
+    with pytest.raises(SystemExit, match="measured with .*'steps': 4.*this run is .*'steps': 50"):
+        e2e.load_baseline(path, args)
