@@ -77,3 +77,22 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
     args.steps = 50
     with pytest.raises(SystemExit, match="measured with .*'steps': 4.*this run is .*'steps': 50"):
         e2e.load_baseline(path, args)
+
+
+def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):
+    import argparse
+
+    from bench import e2e
+    from services.common.config import load_deploy
+    from services.common.fastpath import FastPath
+
+    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
+                              vae="native+compile+tiles=28")
+    config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    services = [config.encoder, config.dit, config.vae]
+    assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
+    assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
+    assert config.dit.fast_path() == FastPath("flash4", compile=True, fp8=True)
+    assert config.vae.fast_path() == FastPath("native", compile=True) and config.vae.tile_batch == 28
+    assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
+    assert config.gateway.data_dir == str(tmp_path / "gateway")
