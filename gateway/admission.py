@@ -3,8 +3,12 @@
 Peak DiT memory grows with the packed-sequence length (field notes: ~11.2 GB + 6.2e-4 GB/row on one
 card), so the deployment states, per workflow and canvas, the most rows its DiT replicas take. A request
 over that is refused at submit with the frame ceiling that does fit, instead of failing after minutes
-in the queue. `packed_rows` is the one place that counts rows; conditioning workflows pass their extra
-rows (keyframes, references) through `condition_rows`.
+in the queue. `packed_rows` is the one place that counts rows: text rows (`gateway/text_rows.py`: prompt,
+labels and the vision tokens of keyframes / references), conditioning rows (`gateway/conditioning.py`) and
+the generated audio and video. Besides the table, `max_rows` bounds every request.
+
+Every refusal is `OverCapacity`, answered INVALID_ARGUMENT: the same request is refused again by this
+deployment, so a client must change it (the message gives the frame ceiling) rather than retry it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ PIXELS_PER_ROW_EDGE = 32       # VAE 16x spatial compression x transformer patch
 AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz
 AUDIO_CHANNELS = 2             # stereo runs as a batch of two mono rows
 ANY_CANVAS = "*"
+
+
+class OverCapacity(InvalidRequest):
+    """The request is valid but needs more DiT rows than the deployment admits."""
 
 
 @dataclass(frozen=True)
@@ -43,12 +51,6 @@ def audio_latents(num_frames: int) -> int:
     return round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND)
 
 
-def text_rows_bound(prompt: str) -> int:
-    """An upper bound on the prompt's token rows known before encoding: a byte-level BPE tokenizer (Qwen's)
-    emits at most one token per UTF-8 byte."""
-    return len(prompt.encode("utf-8"))
-
-
 def packed_rows(height: int, width: int, num_frames: int, text_rows: int, condition_rows: int = 0) -> Rows:
     """Rows of the packed sequence: text, 2 x audio latents, latent frames x rows per frame, conditioning."""
     return Rows(text=text_rows, audio=AUDIO_CHANNELS * audio_latents(num_frames),
@@ -61,9 +63,10 @@ def canvas_key(height: int, width: int) -> str:
 
 @dataclass(frozen=True)
 class CapacityTable:
-    """{workflow name ("t2va"): {"HxW" or "*": max rows}} from the deployment file."""
+    """{workflow name ("t2va"): {"HxW" or "*": max rows}} from the deployment file, and `max_rows` for any request."""
 
     limits: dict
+    max_rows: int | None = None
 
     def __post_init__(self):
         known = {workflow_name(value) for value in common_pb2.Workflow.values() if value}
@@ -87,21 +90,31 @@ class CapacityTable:
                    if packed_rows(height, width, f, text_rows, condition_rows).total <= limit]
         return fitting[-1] if fitting else None
 
-    def admit(self, request: gateway_pb2.ResolvedRequest, condition_rows: int = 0) -> Rows:
-        """The request's rows; InvalidRequest("num_frames", ...) naming the ceiling when they do not fit."""
-        text = text_rows_bound(request.prompt)
-        rows = packed_rows(request.height, request.width, request.num_frames, text, condition_rows)
-        limit = self.limit(request.workflow, request.height, request.width)
-        if limit is None or rows.total <= limit:
-            return rows
+    def admit(self, request: gateway_pb2.ResolvedRequest) -> Rows:
+        """The request's rows (its `text_rows` and `condition_rows` counted); OverCapacity naming the frame ceiling
+        when they exceed max_rows or the table's limit for its workflow and canvas."""
+        rows = packed_rows(request.height, request.width, request.num_frames, request.text_rows,
+                           request.condition_rows)
         canvas = canvas_key(request.height, request.width)
-        ceiling = self.max_frames(limit, request.height, request.width, text, condition_rows)
-        allowed = (f"{canvas} allows at most {ceiling} frames here" if ceiling else
-                   f"{canvas} allows no video here, not even {VALID_NUM_FRAMES[0]} frames")
-        raise InvalidRequest("num_frames", f"{allowed}: {request.num_frames} frames need {rows.total:,} packed rows "
-                                           f"(text <= {rows.text}, audio {rows.audio}, video {rows.video}, "
-                                           f"conditioning {rows.condition}), this deployment's "
-                                           f"{workflow_name(request.workflow)} capacity at {canvas} is {limit:,}")
+        limits = [(self.max_rows, "max_rows"),
+                  (self.limit(request.workflow, request.height, request.width),
+                   f"{workflow_name(request.workflow)} capacity at {canvas}")]
+        for limit, name in limits:
+            if limit is not None and rows.total > limit:
+                raise self._refusal(request, rows, limit, name)
+        return rows
+
+    def _refusal(self, request: gateway_pb2.ResolvedRequest, rows: Rows, limit: int, name: str) -> OverCapacity:
+        canvas = canvas_key(request.height, request.width)
+        ceiling = self.max_frames(limit, request.height, request.width, rows.text, rows.condition)
+        if ceiling:
+            field, allowed = "num_frames", f"{canvas} allows at most {ceiling} frames here"
+        else:
+            field = "references" if request.references else "height"
+            allowed = f"{canvas} allows no video here, not even {VALID_NUM_FRAMES[0]} frames"
+        return OverCapacity(field, f"{allowed}: {request.num_frames} frames need {rows.total:,} packed rows "
+                                   f"(text {rows.text}, audio {rows.audio}, video {rows.video}, conditioning "
+                                   f"{rows.condition}), this deployment's {name} is {limit:,}")
 
     def table(self, text_rows: int) -> list[tuple[str, str, int, int | None]]:
         """(workflow, canvas, max rows, max frames for a prompt of `text_rows` rows) for every configured entry."""

@@ -1,5 +1,5 @@
 """fl2va / ref2va requests at the gateway: keyframes and references resolved against the stored assets,
-prompt labels checked, and every DiT row they cost counted before anything runs.
+prompt labels checked, and every conditioning row they cost counted before anything runs.
 
 The rules are MiniMax-H3's own (diffusers' resize and reference set-up blocks), restated without the
 model: a keyframe sets the canvas by its aspect ratio; an image reference is upscaled to its own short
@@ -36,10 +36,6 @@ MIN_VIDEO_FRAMES = FRAMES_PER_CHUNK + LATENTS_PER_CHUNK  # 22 at 24 fps: the sho
 AUDIO_HOP = 800  # samples per audio latent at 32 kHz
 MODEL_SAMPLE_RATE = 32000
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
-
-
-class OverCapacity(InvalidRequest):
-    """The request is valid but needs more DiT rows than the deployment admits."""
 
 
 @dataclass(frozen=True)
@@ -193,9 +189,10 @@ def _check_labels(prompt: str, resolved: gateway_pb2.ResolvedRequest) -> None:
 
 
 def resolve_media(req: gateway_pb2.GenerateRequest, resolved: gateway_pb2.ResolvedRequest,
-                  lookup: Callable[[str], gateway_pb2.Asset | None], geometry: ModelGeometry,
-                  max_rows: int) -> gateway_pb2.ResolvedRequest:
-    """Complete `resolved` (from request.resolve) with keyframes / references, the canvas and the row count."""
+                  lookup: Callable[[str], gateway_pb2.Asset | None],
+                  geometry: ModelGeometry) -> gateway_pb2.ResolvedRequest:
+    """Complete `resolved` (from request.resolve) with keyframes / references, the canvas and the conditioning rows
+    (admission counts them against the capacity: gateway/admission.py)."""
     if resolved.workflow == common_pb2.WORKFLOW_FL2VA:
         _keyframes(req, resolved, lookup, geometry)
     elif resolved.workflow == common_pb2.WORKFLOW_REF2VA:
@@ -208,13 +205,11 @@ def resolve_media(req: gateway_pb2.GenerateRequest, resolved: gateway_pb2.Resolv
         resolved.height, resolved.width = canvas_for_aspect(16, 9, geometry.canvas_short_edge,
                                                             geometry.canvas_max_pixels)
     _check_labels(resolved.prompt, resolved)
-    rows = conditioning_rows(resolved, {r.asset_id: lookup(r.asset_id) for r in resolved.references}, geometry)
-    resolved.condition_rows, resolved.total_rows = rows.condition, rows.total
-    if rows.total > max_rows:
-        raise OverCapacity("references" if rows.condition else "height",
-                           f"needs {rows.total:,} DiT rows (conditioning {rows.condition_video:,} video + "
-                           f"{rows.condition_audio:,} audio, generated {rows.generated_video:,} video + "
-                           f"{rows.generated_audio:,} audio), over this deployment's capacity of {max_rows:,} rows "
-                           f"(max_rows)")
+    resolved.condition_rows = conditioning_rows(resolved, referenced_assets(resolved, lookup), geometry).condition
     return resolved
 
+
+def referenced_assets(resolved: gateway_pb2.ResolvedRequest,
+                      lookup: Callable[[str], gateway_pb2.Asset | None]) -> dict[str, gateway_pb2.Asset]:
+    """The stored assets a resolved ref2va request's references name, by id."""
+    return {r.asset_id: lookup(r.asset_id) for r in resolved.references}

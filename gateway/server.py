@@ -18,13 +18,14 @@ from gateway.artifacts import ArtifactStore
 from gateway.asset_store import AssetStore
 from gateway.assets import AssetLimits, AssetRefused
 from gateway.auth import BearerTokenInterceptor
-from gateway.conditioning import OverCapacity, resolve_media
+from gateway.conditioning import referenced_assets, resolve_media
 from gateway.events import EventHub
 from gateway.health import StageHealth
 from gateway.jobs import REPLICAS_OF, JobRunner
 from gateway.metrics import GatewayMetrics
 from gateway.request import InvalidRequest, RequestLimits, resolve
 from gateway.stages import StageClients
+from gateway.text_rows import TextRows
 from gateway.store import JobStore, QueueFull, RequestIdConflict
 from services.common import logs
 from services.common.config import GatewayConfig
@@ -54,24 +55,23 @@ def _digest(request: gateway_pb2.GenerateRequest) -> str:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
-                 health: StageHealth, assets: AssetStore) -> None:
+                 health: StageHealth, assets: AssetStore, text_rows: TextRows) -> None:
         self.config, self.limits = config, RequestLimits.from_config(config)
-        self.capacity = CapacityTable(config.capacity)
+        self.capacity = CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
+        self.text_rows = text_rows
 
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
             request_id = _request_id(request.request_id)
-            resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry,
-                                     self.config.max_rows)
-            self.capacity.admit(resolved, condition_rows=resolved.condition_rows)
+            resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry)
+            resolved.text_rows = self.text_rows(resolved, referenced_assets(resolved, self.assets.get))
+            resolved.total_rows = self.capacity.admit(resolved).total
             job, created = self.store.submit(
                 uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
                 first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
-        except OverCapacity as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except InvalidRequest as exc:
+        except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -192,6 +192,14 @@ async def _retention_loop(runner: JobRunner) -> None:
         await asyncio.sleep(RETENTION_PERIOD_S)
 
 
+def _load_text_rows(config: GatewayConfig) -> TextRows:
+    try:
+        return TextRows.load(config.model_dir, config.geometry)
+    except Exception as exc:
+        raise RuntimeError(f"[gateway] model_dir {config.model_dir or '(tiny preset)'!r}: admission counts text rows "
+                           f"with the model's tokenizer and processor, which did not load: {exc}") from exc
+
+
 async def serve_async(config: GatewayConfig) -> None:
     data_dir = Path(config.data_dir)
     store = JobStore(str(data_dir / "jobs.sqlite"))
@@ -200,14 +208,15 @@ async def serve_async(config: GatewayConfig) -> None:
     stages = StageClients(config, metrics)
     assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
     runner = JobRunner(config, store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), metrics, assets)
+    text_rows = await asyncio.to_thread(_load_text_rows, config)
     metrics.watch(store.count_by_state, lambda: {name: queue.depth for name, queue in runner.queues.items()})
     service_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     health = StageHealth(stages, [service_name])
     interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, health, assets),
-                                                   server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(
+        GatewayServicer(config, store, hub, runner, health, assets, text_rows), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [service_name])
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)

@@ -16,7 +16,8 @@ def _serve(args) -> None:
     if args.service == "gateway":
         from gateway.server import serve
 
-        serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir))
+        serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir,
+                       model_dir=args.model_dir))
         return
     section = override(config.service(args.service), host=args.host, port=args.port, model_dir=args.model_dir,
                        device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)

@@ -55,14 +55,17 @@ def reference_pipeline(source: ModelSource, with_references: bool = False, devic
 
 
 def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
-    """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate and condition rows."""
+    """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate, and the rows diffusers
+    packed: condition rows (video, audio), text rows (the text encoder's output) and the whole sequence."""
     out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
                num_inference_steps=request.num_inference_steps,
                generator=torch.Generator().manual_seed(request.seed), output_type="np",
-               output=["videos", "audio", "sampling_rate", *ROWS], **request.media_inputs())
+               output=["videos", "audio", "sampling_rate", *ROWS, "text_token_tags", "token_tags"],
+               **request.media_inputs())
     return {"frames": out["videos"][0], "audio": out["audio"][0].cpu().numpy(),
             "sample_rate": np.asarray(out["sampling_rate"]),
-            "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS])}
+            "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS]),
+            "text_rows": np.asarray(len(out["text_token_tags"])), "packed_rows": np.asarray(len(out["token_tags"]))}
 
 
 def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",

@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from gateway.admission import CapacityTable, Rows, packed_rows, text_rows_bound
-from gateway.request import InvalidRequest
+from gateway.admission import CapacityTable, OverCapacity, Rows, packed_rows
 from h3serve.v1 import common_pb2, gateway_pb2
 
 
@@ -22,37 +21,56 @@ def test_rows_match_the_model_layout():
     assert packed_rows(768, 1344, 345, 0) == Rows(text=0, audio=1150, video=102 * 1008)
 
 
-def test_text_rows_bound_counts_utf8_bytes():
-    assert text_rows_bound("abc") == 3 and text_rows_bound("é") == 2 and text_rows_bound("狐") == 3
-
-
-def _request(height, width, num_frames, prompt="a fox", workflow=common_pb2.WORKFLOW_T2VA):
-    return gateway_pb2.ResolvedRequest(prompt=prompt, height=height, width=width, num_frames=num_frames,
-                                       num_inference_steps=8, seed=1, workflow=workflow)
+def _request(height, width, num_frames, text_rows=5, workflow=common_pb2.WORKFLOW_T2VA, condition_rows=0):
+    return gateway_pb2.ResolvedRequest(prompt="a fox", height=height, width=width, num_frames=num_frames,
+                                       num_inference_steps=8, seed=1, workflow=workflow, text_rows=text_rows,
+                                       condition_rows=condition_rows)
 
 
 def test_capacity_refuses_with_the_frame_ceiling():
     table = CapacityTable({"t2va": {"768x1344": 200_000, "*": 60_000}})
     assert table.admit(_request(768, 1344, 345)).total == 1150 + 102 * 1008 + 5
     # Any other canvas falls back to "*"; 1344x768 has 1008 rows per latent frame like 768x1344.
-    with pytest.raises(InvalidRequest) as err:
+    with pytest.raises(OverCapacity) as err:
         table.admit(_request(1344, 768, 345))
     message = err.value.message
     assert message.startswith("num_frames: 1344x768 allows at most 192 frames here: 345 frames need 103,971 "
                               "packed rows"), message
     assert "capacity at 1344x768 is 60,000" in message
     assert packed_rows(1344, 768, 192, 5).total <= 60_000 < packed_rows(1344, 768, 209, 5).total
-    with pytest.raises(InvalidRequest, match="allows no video here, not even 124 frames"):
+    with pytest.raises(OverCapacity, match="^height: 768x1344 allows no video here, not even 124 frames"):
         CapacityTable({"t2va": {"768x1344": 1000}}).admit(_request(768, 1344, 124))
     assert CapacityTable({}).admit(_request(768, 1344, 345)).total > 0, "no table: no limit"
 
 
 def test_conditioning_rows_count_against_capacity():
     table = CapacityTable({"fl2va": {"768x1344": 40_000}})
-    request = _request(768, 1344, 124, prompt="x" * 100, workflow=common_pb2.WORKFLOW_FL2VA)
-    assert table.admit(request, condition_rows=1008).total == 38_818
-    with pytest.raises(InvalidRequest, match="conditioning 4032"):
-        table.admit(request, condition_rows=4 * 1008)
+    request = _request(768, 1344, 124, text_rows=100, workflow=common_pb2.WORKFLOW_FL2VA, condition_rows=1008)
+    assert table.admit(request).total == 38_818
+    request.condition_rows = 4 * 1008
+    with pytest.raises(OverCapacity, match="conditioning 4032"):
+        table.admit(request)
+
+
+def test_text_rows_count_against_capacity():
+    # The vision tokens of keyframes / references are text rows: a request whose text alone is large is refused.
+    table = CapacityTable({"t2va": {"480x832": 16_000}})
+    assert table.admit(_request(480, 832, 124, text_rows=1156)).total == 16_000
+    with pytest.raises(OverCapacity, match=r"^height: 480x832 allows no video here.*\(text 1157, "):
+        table.admit(_request(480, 832, 124, text_rows=1157))
+
+
+def test_max_rows_bounds_every_workflow_and_canvas():
+    table = CapacityTable({"t2va": {"*": 10**6}}, max_rows=40_000)
+    request = _request(768, 1344, 124, workflow=common_pb2.WORKFLOW_REF2VA)
+    assert table.admit(request).total == 37_715
+    request.num_frames = 141
+    with pytest.raises(OverCapacity) as err:
+        table.admit(request)
+    # 141 frames: 42 latent frames x 1008 rows.
+    assert err.value.message == ("num_frames: 768x1344 allows at most 124 frames here: 141 frames need 42,811 packed "
+                                 "rows (text 5, audio 470, video 42336, conditioning 0), this deployment's max_rows "
+                                 "is 40,000")
 
 
 @pytest.mark.parametrize("limits", [{"t3va": {"*": 1}}, {"t2va": {"768*1344": 1}}, {"t2va": {"*": 0}},

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.conditioning import OverCapacity, resolve_media
+from gateway.admission import CapacityTable, OverCapacity
+from gateway.conditioning import resolve_media
 from gateway.request import InvalidRequest, RequestLimits, resolve
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 from services.common.config import ModelGeometry
@@ -21,10 +22,10 @@ ASSETS = {
 }
 
 
-def _resolve(max_rows: int = 10**9, **fields) -> gateway_pb2.ResolvedRequest:
+def _resolve(**fields) -> gateway_pb2.ResolvedRequest:
     fields.setdefault("prompt", "a scene")
     request = gateway_pb2.GenerateRequest(**fields)
-    return resolve_media(request, resolve(request, RequestLimits()), ASSETS.get, ModelGeometry(), max_rows)
+    return resolve_media(request, resolve(request, RequestLimits()), ASSETS.get, ModelGeometry())
 
 
 def _refs(*names: str) -> list[gateway_pb2.ReferenceInput]:
@@ -88,8 +89,20 @@ def test_refusals_name_the_field_and_the_rule(field, fields, reason):
 def test_admission_counts_reference_rows_and_refuses_with_the_numbers():
     # At the released geometry a 16:9 image reference is upscaled to 2048x3648: 7,296 rows.
     resolved = _resolve(references=_refs("wide"), height=480, width=832)
-    assert resolved.condition_rows == 7296 and resolved.total_rows == 7296 + 37 * 390 + 414
+    resolved.text_rows = 7
+    assert resolved.condition_rows == 7296
+    assert CapacityTable({}, max_rows=10**6).admit(resolved).total == 7 + 7296 + 37 * 390 + 414
+    two = _resolve(references=_refs("wide", "tall"), height=480, width=832)
+    two.text_rows = 7
     with pytest.raises(OverCapacity) as err:
-        _resolve(max_rows=20_000, references=_refs("wide", "tall"), height=480, width=832)
-    assert err.value.message == ("references: needs 29,436 DiT rows (conditioning 14,592 video + 0 audio, generated "
-                                 "14,430 video + 414 audio), over this deployment's capacity of 20,000 rows (max_rows)")
+        CapacityTable({}, max_rows=20_000).admit(two)
+    assert err.value.message == ("references: 480x832 allows no video here, not even 124 frames: 124 frames need "
+                                 "29,443 packed rows (text 7, audio 414, video 14430, conditioning 14592), this "
+                                 "deployment's max_rows is 20,000")
+    with pytest.raises(OverCapacity) as err:  # a ceiling that fits: the same format as the capacity table's
+        CapacityTable({}, max_rows=40_000).admit(_resolve(references=_refs("wide"), height=480, width=832,
+                                                          num_frames=345))
+    # 260 frames: 77 latent frames x 390 + 2 x 433 audio + 7,296 = 38,192 rows; 277 frames would be 40,200.
+    assert err.value.message == ("num_frames: 480x832 allows at most 260 frames here: 345 frames need 48,226 packed "
+                                 "rows (text 0, audio 1150, video 39780, conditioning 7296), this deployment's "
+                                 "max_rows is 40,000")

@@ -34,7 +34,7 @@ def run(client, **fields):
 
 @pytest.mark.fidelity
 def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
-    final, _ = run(client, **SMALL, seed=1234, include_raw=True)
+    final, events = run(client, **SMALL, seed=1234, include_raw=True)
     assert final.WhichOneof("kind") == "done", final
     served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "served.npz"))
 
@@ -44,6 +44,8 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
     assert served["frames"].shape == (124, 32, 64, 3) and served["audio"].shape == (2, 165600)
     assert np.array_equal(served["frames"], expected["frames"])
     assert np.array_equal(served["audio"], expected["audio"])
+    accepted = events[0].accepted.request
+    assert (accepted.text_rows, accepted.total_rows) == (int(expected["text_rows"]), int(expected["packed_rows"]))
 
     cli_out = tmp_path / "reference.npz"
     subprocess.run([sys.executable, "-m", "services.cli", "reference", "--model-dir", str(stack.model_dir),

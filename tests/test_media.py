@@ -70,6 +70,9 @@ def assert_matches_diffusers(client, tmp_path, final, events, reference: Referen
     accepted = events[0].accepted.request
     assert accepted.condition_rows == int(expected["condition_rows"].sum()) > 0, \
         "the gateway counted exactly the rows diffusers packed"
+    # The text rows include every vision token of the keyframes / references: the gateway predicted them at submit.
+    assert accepted.text_rows == int(expected["text_rows"]) > len(accepted.prompt.encode())
+    assert accepted.total_rows == int(expected["packed_rows"])
 
 
 @pytest.mark.fidelity

@@ -88,8 +88,9 @@ class GatewayConfig:
     max_video_pixels: int = 3840 * 2160  # per frame
     max_video_seconds: float = 60.0
     max_audio_seconds: float = 60.0
-    max_rows: int = 200_000           # admission: condition rows + generated video and audio rows per request
+    max_rows: int = 200_000           # admission: packed DiT rows per request (text, conditioning, generated)
     geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
+    model_dir: str = ""               # from [model] dir: admission counts text rows with its tokenizer and processor
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     max_unfinished_jobs: int = 64     # queue bound: queued + running jobs; beyond it Submit is RESOURCE_EXHAUSTED
     max_attempts: int = 2             # runs of one job: re-runs after a gateway restart or a stalled stage
@@ -162,7 +163,8 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
         if "workflows" in section:
             section["workflows"] = tuple(section["workflows"])
         updates[name] = _apply(config.service(name), section, f"{path} [{name}]")
-    gateway = _apply(config.gateway, {"geometry": geometry, **data.get("gateway", {})}, f"{path} [gateway]")
+    gateway = _apply(config.gateway, {"geometry": geometry, "model_dir": model_dir, **data.get("gateway", {})},
+                     f"{path} [gateway]")
     addresses = {name: f"{updates[name].host}:{updates[name].port}" for name in SERVICES}
     explicit = data.get("gateway", {})
     gateway = replace(gateway, **{k: v for k, v in addresses.items() if k not in explicit})
