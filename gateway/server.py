@@ -24,6 +24,7 @@ from gateway.health import StageHealth
 from gateway.jobs import REPLICAS_OF, JobRunner
 from gateway.metrics import GatewayMetrics
 from gateway.request import InvalidRequest, RequestLimits, resolve
+from gateway.served_workflows import ServedWorkflows, WorkflowNotServed
 from gateway.stages import StageClients
 from gateway.text_rows import TextRows
 from gateway.store import JobStore, QueueFull, RequestIdConflict
@@ -60,12 +61,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.capacity = CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
         self.text_rows = text_rows
+        self.workflows = ServedWorkflows(runner.stages.replicas["dit"])
 
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
             request_id = _request_id(request.request_id)
             resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry)
+            await self.workflows.check(resolved.workflow)
             resolved.text_rows = self.text_rows(resolved, referenced_assets(resolved, self.assets.get))
             resolved.total_rows = self.capacity.admit(resolved).total
             job, created = self.store.submit(
@@ -73,6 +76,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
         except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except WorkflowNotServed as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestIdConflict as exc:
