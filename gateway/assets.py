@@ -36,7 +36,9 @@ def invalid(name: str, reason: str) -> AssetRefused:
 
 
 def over_limit(name: str, what: str, value, limit, setting: str) -> AssetRefused:
-    return AssetRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+    """INVALID_ARGUMENT like every over-limit refusal: the same file is refused again (RESOURCE_EXHAUSTED is only
+    the retryable full queue)."""
+    return AssetRefused(grpc.StatusCode.INVALID_ARGUMENT,
                         f"asset {name!r}: {what} {value}, over the limit of {limit} ({setting})")
 
 

@@ -64,7 +64,7 @@ def test_a_file_over_its_kinds_byte_limit_is_refused_while_streaming(tmp_path):
     path = image(tmp_path / "big.png", 200, 200)
     with pytest.raises(AssetRefused) as err:
         _upload(tmp_path, path, AssetLimits(max_image_bytes=10_000))
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, "over a limit: not retryable"
     assert err.value.message == ("asset 'big.png': size more than 10000 bytes, over the limit of 10000 bytes "
                                  "(max_image_bytes)")
     assert not list((tmp_path / "store" / "tmp").iterdir()), "the spooled part is removed"

@@ -167,7 +167,7 @@ def test_invalid_assets_are_refused_with_the_reason(client, files, tmp_path):
     assert err.details().startswith("asset 'cut.mp4': not a decodable mp4 file")
 
     err = _refused(client, files["long"])
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details() == ("asset 'long.wav': audio duration past 4.5 s, over the limit of 4.5 s "
                              "(max_audio_seconds)")
 
@@ -215,11 +215,13 @@ def test_request_over_capacity_is_refused_at_submit_with_the_numbers(client, fil
     for _ in range(3):
         request.references.add(asset_id=client.upload(files["short"]).asset_id)
     err = _generate_refused(client, request)
-    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, "over capacity: the same request is refused again"
     # 48x32 image at a 64 short edge -> 96x64 -> 6 rows; 3 x 4 s of audio -> 3 x 2 x 160 rows;
-    # generated 37 latent frames x 2 rows + 2 x 207 audio rows.
-    assert err.details() == ("references: needs 1,454 DiT rows (conditioning 6 video + 960 audio, generated 74 video "
-                             "+ 414 audio), over this deployment's capacity of 1,000 rows (max_rows)")
+    # generated 37 latent frames x 2 rows + 2 x 207 audio rows; text: the 11-byte prompt, "<Picture 1>: " (13) and
+    # a vision block of 6 + 2 rows (96x64 in 32-pixel merged patches), three "<Audio j>: " (11 each).
+    assert err.details() == ("references: 32x64 allows no video here, not even 124 frames: 124 frames need 1,519 "
+                             "packed rows (text 65, audio 414, video 74, conditioning 966), this deployment's "
+                             "max_rows is 1,000")
 
 
 def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_model_dir, tmp_path):
