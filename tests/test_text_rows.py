@@ -108,3 +108,29 @@ def test_fl2va_keyframes_count_what_diffusers_encodes(processor, keyframes):
     counted = TextRows(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
                        VisionGeometry.of(processor), GEOMETRY)(request, {})
     assert counted == rows
+
+
+def test_stock_qwen3_vl_limits_give_the_models_vision_token_counts():
+    """With Qwen3-VL's released processor limits (patch 16, merge 2, 65,536..16,777,216 pixels) a 768x1344 keyframe
+    is 1008 vision tokens and a 16:9 image reference at its 2048 short edge (2048x3648) 7296, as the real processor
+    says."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, size={"shortest_edge": 65536,
+                                                                        "longest_edge": 16777216})
+    vision = VisionGeometry.of(SimpleNamespace(image_processor=image, video_processor=Qwen3VLVideoProcessor()))
+    for (height, width), tokens in (((768, 1344), 1008), ((2048, 3648), 7296), ((3648, 2048), 7296)):
+        grid = image(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"][0]
+        assert vision.image_tokens(height, width) == int(grid.prod()) // 4 == tokens
+
+
+def test_the_gateway_does_not_start_without_the_models_tokenizer(tmp_path):
+    from gateway.server import _load_text_rows
+    from services.common.config import GatewayConfig
+
+    with pytest.raises(RuntimeError, match=r"^\[gateway\] model_dir '.*missing': admission counts text rows with "
+                                           r"the model's tokenizer and processor, which did not load: "):
+        _load_text_rows(GatewayConfig(model_dir=str(tmp_path / "missing")))
