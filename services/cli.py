@@ -151,7 +151,7 @@ def _capacity(args) -> None:
     if not rows:
         print("no capacity table in this deployment: every valid request is admitted ([gateway] capacity)")
         return
-    print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames (text <= {args.text_rows} rows)")
+    print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames (text {args.text_rows} rows, no conditioning)")
     for workflow, canvas, limit, frames in rows:
         shown = "-" if canvas == "*" else (frames or "none fit")
         print(f"{workflow:<9} {canvas:<10} {limit:>9,}  {shown}")
