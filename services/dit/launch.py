@@ -1,0 +1,73 @@
+"""`h3serve serve dit`: check the configuration here, then become torchrun for the group's ranks.
+
+torchrun (torch.distributed.run) is the group's launcher: it starts `world_size / nnodes`
+ranks on this node, and when any rank exits it stops the others and starts them all again,
+at most `max_restarts` times (each rank waits its back-off first, services/dit/rank.py).
+Errors that a restart cannot fix (the layout, an unusable attention backend) fail here, once,
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from services.common import tiny
+from services.common.config import DiTConfig
+from services.common.models import DTYPES
+from services.dit import attention
+from services.dit.parallel import Layout
+
+# Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def torchrun_argv(config: DiTConfig) -> list[str]:
+    per_node = config.world_size // config.nnodes
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
+            f"--max-restarts={config.max_restarts}"]
+    if config.nnodes == 1:
+        argv.append("--standalone")  # a local rendezvous on a free port
+    else:
+        argv += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
+                 f"--rdzv-id={config.rdzv_id}"]
+    return argv + ["-m", "services.dit.rank", json.dumps(asdict(config))]
+
+
+def transformer_shape(model_dir: str) -> tuple[int, int]:
+    """(attention heads, head dim) of the transformer that will be served."""
+    if not model_dir:
+        return tiny.TRANSFORMER["num_attention_heads"], tiny.TRANSFORMER["attention_head_dim"]
+    config = json.loads((Path(model_dir) / "transformer" / "config.json").read_text())
+    return config.get("num_attention_heads", 56), config.get("attention_head_dim", 128)
+
+
+def check(config: DiTConfig) -> Layout:
+    """Fail now, with the reason, on what no restart can fix."""
+    layout = Layout.from_config(config)
+    if config.nnodes > 1 and not config.rdzv_endpoint:
+        raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    attention.check(config.attention_backend, *transformer_shape(config.model_dir), device, DTYPES[config.dtype])
+    return layout
+
+
+def launch(config: DiTConfig) -> None:
+    """Replace this process with torchrun, so the launcher's signals reach the agent directly."""
+    try:
+        check(config)
+    except (ValueError, attention.BackendUnusable) as exc:
+        raise SystemExit(f"h3serve serve dit: {exc}") from exc
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    argv = torchrun_argv(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
