@@ -76,13 +76,19 @@ class ControlPlane:
         return values
 
 
+@dataclass(frozen=True)
+class RankStats:
+    peak_bytes: int     # peak memory during the last job
+    steps_served: int   # steps this rank has run since it joined
+
+
 @dataclass
 class Outcome:
-    """How one job ended, the same on every rank; `peaks` is each rank's peak memory in bytes."""
+    """How one job ended, the same on every rank; `ranks` holds every rank's stats after it."""
 
     latents: dict[str, torch.Tensor] | None = None
     invalid: ValueError | None = None
-    peaks: list[int] = field(default_factory=list)
+    ranks: list[RankStats] = field(default_factory=list)
 
     @property
     def cancelled(self) -> bool:
@@ -96,11 +102,13 @@ class GroupMember:
                  max_math_tokens: int) -> None:
         self.control, self.runner, self.device = control, runner, device
         self.backend, self.max_math_tokens = backend, max_math_tokens
+        self.steps_served = 0
 
     def run(self, message: Message, on_step: Callable[[int, int], None], wants_stop: Callable[[], bool]) -> Outcome:
         job, tensors = message.job, message.tensors
 
         def observe(step: int, total: int) -> None:
+            self.steps_served += 1
             on_step(step, total)
             if self.control.any(wants_stop()):
                 raise Cancelled
@@ -116,7 +124,7 @@ class GroupMember:
             pass
         except ValueError as exc:  # the request's own fault, raised alike on every rank
             outcome.invalid = exc
-        outcome.peaks = self.control.gather(parallel.peak_memory_bytes(self.device))
+        outcome.ranks = self.control.gather(RankStats(parallel.peak_memory_bytes(self.device), self.steps_served))
         return outcome
 
 
@@ -173,8 +181,8 @@ class Driver:
         self.inbox: queue.Queue[Ticket] = queue.Queue()
         self.broken: str | None = None
         self.current: Ticket | None = None
-        self.requests_served = self.steps_served = 0
-        self.last_peaks: list[int] = []
+        self.requests_served = 0
+        self.ranks: list[RankStats] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="dit-group", daemon=True).start()
 
@@ -185,6 +193,10 @@ class Driver:
                 raise JobFailed(grpc.StatusCode.UNAVAILABLE, self.broken)
             self.inbox.put(ticket)
         return ticket
+
+    @property
+    def steps_served(self) -> int:
+        return self.member.steps_served
 
     @property
     def busy(self) -> bool:
@@ -230,10 +242,9 @@ class Driver:
         def on_step(step: int, total: int) -> None:
             ticket.events.put(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(step=step, total=total,
                                                                              seconds=clock.lap())))
-            self.steps_served += 1
 
         outcome = self.member.run(ticket.message, on_step, ticket.cancelled.is_set)
-        self.last_peaks = outcome.peaks
+        self.ranks = outcome.ranks
         if outcome.invalid is not None:
             ticket.events.put(JobFailed(grpc.StatusCode.INVALID_ARGUMENT, describe(outcome.invalid, lines=1)))
             return

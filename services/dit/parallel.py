@@ -67,7 +67,7 @@ def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
     if device.type == "cuda":
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("cpu:gloo", timeout=timeout)  # "cpu" in the name keeps diffusers off CUDA
     return dist.new_group(backend="gloo", timeout=timeout)
 
 

@@ -64,8 +64,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         if driver is not None:
             info.requests_served, info.steps_served, info.busy = driver.requests_served, driver.steps_served, \
                 driver.busy
-            for rank, peak in zip(info.ranks, driver.last_peaks):
-                rank.peak_bytes = peak
+            for rank, stats in zip(info.ranks, driver.ranks):
+                rank.peak_bytes, rank.steps_served = stats.peak_bytes, stats.steps_served
         return info
 
 
