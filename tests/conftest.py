@@ -18,12 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], **gateway) -> Path:
-    """A deployment file: every section on loopback, the gateway's extra keys from `gateway`."""
+def toml_values(values: dict) -> str:
+    return "".join(f"\n{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}".replace("'", '"')
+                   for key, value in values.items())
+
+
+def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], dit: dict | None = None,
+                 **gateway) -> Path:
+    """A deployment file: every section on loopback, extra [dit] keys from `dit`, the gateway's from `gateway`."""
     lines = [f'[model]\ndir = "{model_dir}"']
     for name in ("encoder", "dit", "vae"):
-        lines.append(f"[{name}]\nport = {ports[name]}")
-    extra = "".join(f"\n{key} = {value!r}".replace("'", '"') for key, value in gateway.items())
+        lines.append(f"[{name}]\nport = {ports[name]}" + (toml_values(dit or {}) if name == "dit" else ""))
+    extra = toml_values(gateway)
     lines.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{data_dir}"{extra}')
     path.write_text("\n\n".join(lines) + "\n")
     return path

@@ -231,7 +231,7 @@ class Driver:
                 self.current = None
         except BaseException as exc:  # a rank died, a collective timed out, or a bug: the group is gone
             self.fail(f"DiT group of {self.member.control.world_size} rank(s) broke and restarts: "
-                      f"{describe(exc, lines=2)}")
+                      f"{describe(exc, lines=1)}")
 
     def _serve(self, ticket: Ticket) -> None:
         queue_seconds = time.perf_counter() - ticket.submitted

@@ -64,11 +64,24 @@ def rank_device(config_device: str) -> torch.device:
 def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
     """The compute group (NCCL next to gloo on GPUs, gloo on CPU) and a gloo control group; returns the latter."""
     timeout = timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group("cpu:gloo", timeout=timeout)  # "cpu" in the name keeps diffusers off CUDA
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"  # "cpu" keeps diffusers off CUDA
+    dist.init_process_group(backend, store=attempt_store(timeout), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
     return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's store, with keys private to this restart.
+
+    After a restart the ranks meet in the same store, where the dead attempt's keys (the old
+    ranks' addresses) still lie: a new rank could read one and wait on a dead port.
+    """
+    rank, restart = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"h3serve-dit/attempt-{restart}", store)
 
 
 def prepare_transformer(transformer, layout: Layout, backend: str, device: torch.device,

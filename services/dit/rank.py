@@ -10,6 +10,7 @@ rank outlives its group.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -55,6 +56,15 @@ class Endpoint:
         self.exit_code = 1
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+
+    def start_group(self, config: DiTConfig, restart: int) -> None:
+        try:
+            member, info = join(config, 0, restart)
+        except BaseException as exc:
+            log.error("rank 0 could not join the DiT group: %s", describe(exc))
+            self.broken(f"start-up failed on rank 0: {describe(exc, lines=1)}")
+            return
+        self.ready(Driver(member, config.heartbeat_s, self.broken), info)
 
     def ready(self, driver: Driver, info: dit_pb2.DiTInfo) -> None:
         info.restarts, info.max_restarts = self.view.info.restarts, self.view.info.max_restarts
@@ -113,21 +123,18 @@ def main(argv: list[str] | None = None) -> None:
     config = DiTConfig(**json.loads((sys.argv[1:] if argv is None else argv)[0]))
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     logs.setup(f"dit[{rank}]")
-    endpoint = Endpoint(config, restart) if rank == 0 else None
+    if rank == 0:
+        endpoint = Endpoint(config, restart)
+        threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()
+        endpoint.wait_and_exit()  # the main thread stays free, so a signal is handled even while joining
     try:
-        member, info = join(config, rank, restart)
+        member, _ = join(config, rank, restart)
     except BaseException as exc:
         log.error("rank %d could not join the DiT group: %s", rank, describe(exc))
-        if endpoint is not None:
-            endpoint.broken(f"start-up failed on rank 0: {describe(exc, lines=1)}")
-            endpoint.wait_and_exit()
         raise
-    if endpoint is None:
-        follow(member)  # returns only by an exception: the group broke
-        return
-    endpoint.ready(Driver(member, config.heartbeat_s, endpoint.broken), info)
-    endpoint.wait_and_exit()
+    follow(member)  # returns only by an exception: the group broke
 
 
 if __name__ == "__main__":
