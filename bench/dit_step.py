@@ -45,15 +45,15 @@ class Size:
         return f"{self.height}x{self.width}x{self.frames}"
 
 
-def full_size_transformer(device: str, dtype: torch.dtype):
-    """The released transformer config with random weights, built in place on `device`."""
+def full_size_transformer(device: str, dtype: torch.dtype, config: dict | None = None):
+    """The released transformer config (or `config`) with random weights, built in place on `device`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MiniMaxH3Transformer3DModel().eval()
+            model = MiniMaxH3Transformer3DModel(**(config or {})).eval()
     finally:
         torch.set_default_dtype(previous)
     for name in model._keep_in_fp32_modules:  # as from_pretrained keeps them

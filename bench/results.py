@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -22,6 +22,7 @@ class Record:
     variant: str
     baseline: str
     software: str
+    rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -47,6 +48,12 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
     path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
     rows = "".join(
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
-        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {r.peak_gib:.1f} | {r.software} | `{r.command}` |\n"
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {r.software} | `{r.command}` |\n"
         for r in merged)
     Path(markdown_path).write_text(HEADER + rows)
+
+
+def _peak(record: Record) -> str:
+    if len(record.rank_peaks_gib) > 1:
+        return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
+    return f"{record.peak_gib:.1f}"
