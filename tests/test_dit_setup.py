@@ -1,0 +1,84 @@
+"""DiT group set-up decided before any rank starts: layout, torchrun command, attention backend checks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from services.common.config import DiTConfig
+from services.common.tiny import build_component
+from services.dit import attention
+from services.dit.launch import check, torchrun_argv
+from services.dit.parallel import Layout
+from services.dit.runner import DenoiseJob, DenoiseRunner
+
+CPU = torch.device("cpu")
+
+
+def test_layout_defaults_to_ulysses_over_all_ranks_and_fsdp_only_with_ranks_to_shard_over():
+    assert Layout.from_config(DiTConfig(world_size=4)) == Layout(4, 4, 1, False)
+    assert Layout.from_config(DiTConfig(world_size=4, ring_degree=4, fsdp=True)) == Layout(4, 1, 4, True)
+    assert Layout.from_config(DiTConfig(world_size=1, fsdp=True)) == Layout(1, 1, 1, False)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(world_size=4, ulysses_degree=2, ring_degree=2), "hybrid"),
+    (dict(world_size=4, ulysses_degree=3), "must equal world_size 4"),
+    (dict(world_size=3, nnodes=2), "multiple of nnodes"),
+    (dict(world_size=2, nnodes=2), "rdzv_endpoint"),
+])
+def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, message):
+    with pytest.raises(ValueError, match=message):
+        check(DiTConfig(**fields))
+
+
+def test_torchrun_command_single_node_and_multi_node():
+    single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
+    assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
+    assert single[-3:-1] == ["-m", "services.dit.rank"] and json.loads(single[-1])["world_size"] == 2
+    multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
+    assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
+            "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("_native_cudnn", "No viable backend"),   # cuDNN attention has no CPU kernel
+    ("flash", "flash-attn"),                  # package not installed
+    ("flash_hub", "downloads its kernel"),    # never downloads at run time
+    ("no_such_backend", "not a valid AttentionBackendName"),
+])
+def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
+    with pytest.raises(attention.BackendUnusable, match=reason) as err:
+        attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32)
+    assert repr(name) in str(err.value)
+
+
+def test_a_usable_backend_passes_the_probe_and_is_set_on_every_processor():
+    transformer = build_component("transformer")
+    attention.set_backend(transformer, "_native_math", CPU, torch.float32)
+    backends = {m.processor._attention_backend for m in transformer.modules() if hasattr(m, "processor")}
+    assert {str(b.value) for b in backends} == {"_native_math"}
+    attention.set_backend(transformer, "native", CPU, torch.float32)
+
+
+def test_native_on_a_gpu_may_not_use_the_math_kernel_above_the_limit():
+    gpu = torch.device("cuda")  # only the decision is tested here; the GPU run is the benchmark's
+    assert isinstance(attention.no_math_kernel("native", gpu, 5000, limit=4096), contextlib.AbstractContextManager)
+    assert not isinstance(attention.no_math_kernel("native", gpu, 5000, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("native", gpu, 4096, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("_native_cudnn", gpu, 5000, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("native", CPU, 5000, limit=4096), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("height,width,frames", [(32, 64, 124), (64, 96, 141)])
+def test_packed_length_is_the_transformers_sequence_length(height, width, frames):
+    transformer = build_component("transformer")
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["token_tags"].shape[0]), with_kwargs=True)
+    parts = {"transformer": transformer, **{n: build_component(n) for n in ("scheduler", "audio_scheduler")}}
+    DenoiseRunner(parts).run(DenoiseJob(height, width, frames, 2, 0), torch.zeros(1, 9, 32),
+                             torch.ones(9, dtype=torch.int64), lambda step, total: None)
+    assert seen == [attention.packed_length(9, height, width, frames)]
