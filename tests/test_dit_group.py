@@ -87,16 +87,22 @@ def test_t2va_with_two_dit_ranks_decodes_to_the_in_process_frames(group, tmp_pat
     assert {r.steps_served for r in info.ranks} == {info.steps_served} and info.steps_served >= 7
 
 
+class AtStep:
+    """A gateway event callback that runs `action(event)` once, when denoise step `step` arrives."""
+
+    def __init__(self, step: int, action) -> None:
+        self.step, self.action, self.fired = step, action, threading.Event()
+
+    def __call__(self, event) -> None:
+        if event.HasField("denoising") and event.denoising.step == self.step and not self.fired.is_set():
+            self.fired.set()
+            self.action(event)
+
+
 def test_cancel_stops_both_ranks_at_the_same_step_and_the_next_job_runs(group):
     before = group.info().steps_served
-    seen = threading.Event()
-
-    def on_event(event):
-        if event.HasField("denoising") and event.denoising.step == 2 and not seen.is_set():
-            seen.set()
-            group.gateway.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=event.job_id))
-
-    final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, **LONG, seed=4), on_event)
+    cancel = AtStep(2, lambda e: group.gateway.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=e.job_id)))
+    final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, **LONG, seed=4), cancel)
     assert final.WhichOneof("kind") == "cancelled"
     info = group.idle_info()
     ran = info.steps_served - before
@@ -167,16 +173,10 @@ def test_a_killed_rank_fails_the_request_unavailable_and_the_group_comes_back(gr
 
 def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
     ranks = group.info().ranks
-    killed = threading.Event()
-
-    def on_event(event):
-        if event.HasField("denoising") and event.denoising.step == 2 and not killed.is_set():
-            killed.set()
-            os.kill(ranks[1].pid, signal.SIGKILL)
-
+    kill = AtStep(2, lambda e: os.kill(ranks[1].pid, signal.SIGKILL))
     final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, height=64, width=128,
-                                                               num_inference_steps=30, seed=6), on_event)
-    assert killed.is_set()
+                                                               num_inference_steps=30, seed=6), kill)
+    assert kill.fired.is_set()
     assert final.WhichOneof("kind") == "done", final
     assert group.gateway.job(final.job_id).state == gateway_pb2.JOB_STATE_SUCCEEDED
     assert group.info().state == "serving"
