@@ -224,9 +224,11 @@ class Driver:
                 except queue.Empty:
                     self.member.control.broadcast(Message(IDLE))
                     continue
-                if ticket.cancelled.is_set():
-                    continue
-                self.current = ticket
+                with self._lock:  # a failure in between must not miss this ticket
+                    if self.broken or ticket.cancelled.is_set():
+                        ticket.events.put(JobFailed(grpc.StatusCode.UNAVAILABLE, self.broken or "cancelled"))
+                        continue
+                    self.current = ticket
                 self._serve(ticket)
                 self.current = None
         except BaseException as exc:  # a rank died, a collective timed out, or a bug: the group is gone
