@@ -56,6 +56,12 @@ def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
     assert repr(name) in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["_native_math", "flex"])
+def test_a_score_matrix_materialising_backend_is_refused_on_a_gpu(name):
+    with pytest.raises(attention.BackendUnusable, match="materialises the S x S score matrix"):
+        attention.check(name, heads=56, head_dim=128, device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
 def test_a_usable_backend_passes_the_probe_and_is_set_on_every_processor():
     transformer = build_component("transformer")
     attention.set_backend(transformer, "_native_math", CPU, torch.float32)

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 log = logging.getLogger("h3serve.dit.attention")
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 PROBE_TOKENS = 256
+MATERIALISING = ("_native_math", "flex")  # S x S scores in memory (flex: without torch.compile)
 
 
 class BackendUnusable(RuntimeError):
@@ -41,6 +42,10 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
         dispatch_attention_fn,
     )
 
+    if device.type == "cuda" and name in MATERIALISING:
+        raise BackendUnusable(f"attention backend {name!r} materialises the S x S score matrix, which a long "
+                              "packed sequence cannot afford on a GPU; use a fused backend (_native_cudnn, "
+                              "_native_flash, flash, sage, or native, which is kept off MATH)")
     if name.endswith("_hub"):
         raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
                               "does; install the kernel locally and use its local backend name")
