@@ -32,7 +32,7 @@ from services.reference import ReferenceRequest, run_reference
 pytestmark = pytest.mark.distributed
 PROMPT = "two foxes share a sandwich"
 TOLERANCE = 1e-5
-DIT2 = dict(world_size=2, fsdp=True, heartbeat_s=1.0, restart_backoff_s=1.0, max_restarts=4)
+DIT2 = dict(world_size=2, fsdp=True, heartbeat_s=1.0, restart_backoff_s=1.0, max_restarts=5, collective_timeout_s=10.0)
 LONG = dict(height=256, width=448, num_frames=124, num_inference_steps=60)
 
 
@@ -169,6 +169,23 @@ def test_a_killed_rank_fails_the_request_unavailable_and_the_group_comes_back(gr
     after = group.info()
     assert after.state == "serving" and after.restarts == before.restarts + 1
     assert not {r.pid for r in after.ranks} & {r.pid for r in before.ranks}, "every rank was replaced"
+
+
+def test_a_hung_rank_times_out_the_collective_and_the_group_comes_back(group):
+    before = group.info()
+    health = HealthLog(group.address)
+    hung = before.ranks[1].pid
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            for event in group.dit.Denoise(iter(denoise_inputs(60)), timeout=120):
+                if event.HasField("step") and event.step.step == 2:
+                    os.kill(hung, signal.SIGSTOP)
+    finally:
+        os.kill(hung, signal.SIGCONT)  # so it can take the launcher's SIGTERM
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+    assert "timed out" in err.value.details().lower(), err.value.details()
+    health.wait_serving_again(timeout=180)
+    assert group.info().restarts == before.restarts + 1
 
 
 def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
