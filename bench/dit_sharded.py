@@ -201,7 +201,14 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
     layout = layout_of(args)
     parallel.prepare_transformer(parts["transformer"], layout, args.attention_backend, device, dtype)
     member = GroupMember(control, DenoiseRunner(parts), device, args.attention_backend, max_math_tokens=4096)
-    seconds, outcome = timed_steps(lambda m, obs: member.run(m, obs, lambda: False), device, message, warm)
+
+    def group_run(m, observe):
+        outcome = member.run(m, observe, lambda: False)
+        if outcome.invalid is not None:  # raised alike on every rank
+            raise RuntimeError(f"the group cannot run {layout.split} here: {outcome.invalid}")
+        return outcome
+
+    seconds, outcome = timed_steps(group_run, device, message, warm)
     peaks = [round(r.peak_bytes / 2**30, 2) for r in outcome.ranks]
     split = "1 rank" if layout.world_size == 1 else f"{layout.split}, {'FSDP2' if layout.fsdp else 'replicated'}"
     return Record(

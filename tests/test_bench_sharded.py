@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from bench import dit_sharded
 
@@ -32,3 +33,16 @@ def test_quick_check_compares_every_split_with_one_rank():
     for row in rows:
         assert "error" not in row, row
         assert row["latents_max_abs"] <= 1e-5 and row["audio_latents_max_abs"] <= 1e-5, row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_nccl_two_ranks_match_one_rank_on_a_mid_size_model():
+    exact = dit_sharded.main(["--check", "--world-size", "2"])  # fp32, native: Ulysses; ring needs an LSE kernel
+    for row in exact[:2]:
+        assert row["latents_max_rel"] <= 1e-4 and row["audio_latents_max_rel"] <= 1e-4, row
+    assert all("return_lse" in row["error"] for row in exact[2:]), exact[2:]
+    bf16 = dit_sharded.main(["--check", "--world-size", "2", "--dtype", "bfloat16", "--attention-backend",
+                             "_native_cudnn"])
+    for row in bf16:
+        assert "error" not in row and row["latents_max_rel"] <= 2e-2, row
