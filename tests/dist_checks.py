@@ -30,10 +30,16 @@ VARIANTS = [parallel.Layout(2, 2, 1, False), parallel.Layout(2, 1, 2, False),
             parallel.Layout(2, 2, 1, True), parallel.Layout(2, 1, 2, True)]
 
 
-def components() -> dict:
+def components(dtype: torch.dtype = torch.float32) -> dict:
+    """The tiny preset; in bf16 its fp32-pinned modules stay fp32, as a released checkpoint loads."""
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    return {"transformer": build_component("transformer"), "scheduler": MiniMaxH3Scheduler(shift=12.0),
+    transformer = build_component("transformer")
+    if dtype != torch.float32:
+        transformer.to(dtype)
+        for name in transformer._keep_in_fp32_modules:
+            getattr(transformer, name).float()
+    return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
             "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 
 
@@ -42,9 +48,9 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
     return {"prompt_embeds": embeds, "text_token_tags": torch.ones(tokens, dtype=torch.int64)}
 
 
-def member_for(control: ControlPlane, layout: parallel.Layout) -> GroupMember:
-    parts = components()
-    parallel.prepare_transformer(parts["transformer"], layout, "native", CPU, torch.float32)
+def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32) -> GroupMember:
+    parts = components(dtype)
+    parallel.prepare_transformer(parts["transformer"], layout, "native", CPU, dtype)
     return GroupMember(control, DenoiseRunner(parts), CPU, "native", max_math_tokens=4096)
 
 
@@ -81,8 +87,13 @@ def main(out_path: str) -> None:
             report["latents"][name] = max_diff(outcome.latents, reference)
             report["applied"][name] = applied(member)
 
-    member = member_for(control, VARIANTS[0])
+    # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
     message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None
+    mixed = run(member_for(control, VARIANTS[2], torch.bfloat16), message)
+    reference = DenoiseRunner(components(torch.bfloat16)).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
+    report["mixed_dtype_fsdp"] = max_diff(mixed.latents, reference)
+
+    member = member_for(control, VARIANTS[0])
     cancelled = run(member, message, stop_at=2)
     after = run(member, message)
     report["cancel"] = {"cancelled": cancelled.cancelled, "steps": [r.steps_served for r in cancelled.ranks],

@@ -38,3 +38,9 @@ def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(report
     assert cancel["cancelled"] and cancel["steps"] == [2, 2]
     assert cancel["steps_after"] == [6, 6], "the next request ran all 4 steps on both ranks"
     assert cancel["next_matches"] <= TOLERANCE
+
+
+@pytest.mark.distributed
+def test_fsdp_shards_bf16_blocks_next_to_fp32_pinned_modules(report):
+    # production dtypes: FSDP2 accepts the mix and the result agrees to bf16 precision (fp32 is exact above)
+    assert report["mixed_dtype_fsdp"] <= 2e-2
