@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -35,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-from bench.dit_step import TEXT_TOKENS, Size, full_size_transformer, software
+from bench.common import Size, full_size, software
+from bench.dit_step import TEXT_TOKENS, full_size_transformer
 from bench.results import Record, update_results
+from services.common.fastpath import FastPath
 
 MID_SIZE = dict(  # the released structure at a size one GPU runs in seconds: real head dim, real channels
     num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_layers=4, num_refiner_layers=1,
@@ -142,13 +145,15 @@ class StepTimer:
 
 
 def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, config: dict | None = None):
+    from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.schedulers import MiniMaxH3Scheduler
 
     from services.common.tiny import TRANSFORMER
 
     if args.quick or config is not None:
         torch.manual_seed(0)  # the same weights on every rank: drawn on the CPU, then moved
-        transformer = full_size_transformer("cpu", dtype, config or TRANSFORMER).to(device)
+        sized = functools.partial(MiniMaxH3Transformer3DModel, **(config or TRANSFORMER))
+        transformer = full_size(sized, "cpu", dtype).to(device)
     else:
         transformer = full_size_transformer(str(device), dtype)
     return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
@@ -184,13 +189,13 @@ def timed_steps(run, device: torch.device, message, warm_message) -> tuple[float
 
 
 def measure(size: Size, args: argparse.Namespace, control, device: torch.device) -> Record:
-    from services.dit import attention, parallel
+    from services.dit import parallel
     from services.dit.group import GroupMember
     from services.dit.runner import DenoiseRunner
 
     dtype = getattr(torch, args.dtype)
     parts = components(args, device, dtype)
-    attention.set_backend(parts["transformer"], args.attention_backend, device, dtype)  # the baseline's too
+    parallel.ready_model(parts["transformer"], FastPath(args.attention_backend), device, dtype)  # the baseline's too
     text_dim = parts["transformer"].config.text_dim
     message, warm = job_message(size, args.forwards, text_dim), job_message(size, 2, text_dim)
     baseline = 0.0
@@ -199,7 +204,7 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
         baseline, _ = timed_steps(lambda m, obs: runner.run(m.job, *m.tensors.values(), obs), device, message, warm)
     control.any(False)  # the other ranks wait here for the baseline
     layout = layout_of(args)
-    parallel.prepare_transformer(parts["transformer"], layout, args.attention_backend, device, dtype)
+    parallel.parallelize(parts["transformer"], layout, device)
     member = GroupMember(control, DenoiseRunner(parts), device, args.attention_backend, max_math_tokens=4096)
 
     def group_run(m, observe):
@@ -238,7 +243,8 @@ def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]
         for fsdp in (False, True):
             layout = layout_of(args, split, fsdp)
             parts = components(args, device, dtype, config)
-            parallel.prepare_transformer(parts["transformer"], layout, args.attention_backend, device, dtype)
+            parallel.prepare_transformer(parts["transformer"], layout, FastPath(args.attention_backend), device,
+                                         dtype)
             member = GroupMember(control, DenoiseRunner(parts), device, args.attention_backend, 4096)
             outcome = member.run(message, lambda step, total: None, lambda: False)
             row = {"variant": f"{layout.split}, {'FSDP2' if fsdp else 'replicated'}", "size": str(size),

@@ -1,13 +1,19 @@
-"""DiT step time: diffusers' in-process core denoise step vs the DiT service's runner.
+"""DiT step time and accuracy: diffusers' in-process core denoise step vs the DiT service's runner.
 
 Both run in one process, on the same transformer (full released size, random weights built
-directly on the GPU; `--quick`: the tiny preset on CPU), the same inputs and the same seed,
-alternating so drift hits both alike. A "step" is one transformer forward plus the scheduler
-updates; each timed call runs `--forwards` of them and includes the layout and noise set-up,
-exactly what a request pays. Prints a table; with --write, updates bench/results.json and
+directly on the GPU; `--quick`: the tiny preset on CPU), the same inputs and the same seed. A
+"step" is one transformer forward plus the scheduler updates; each timed call runs `--forwards`
+of them and includes the layout and noise set-up, exactly what a request pays.
+
+The baseline (diffusers, native attention, eager) is timed first at every size; then each
+`--variants` entry of the service's fast path (services/common/fastpath.py) is applied to the same
+transformer and timed. Variants are applied in order and may only add to the previous one
+(compile and fp8 cannot be undone in place), e.g. `native,flash4,flash4+compile,flash4+compile+fp8`.
+With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
+and inputs (and with bf16 eager). Prints a table; `--write` updates bench/results.json and
 BENCHMARKS.md.
 
-    python -m bench.dit_step --sizes 768x1344x124,480x832x124 --write     # on a GPU
+    python -m bench.dit_step --sizes 480x832x124 --variants native,flash4+compile --errors --write
     python -m bench.dit_step --quick                                        # CPU smoke test
 """
 
@@ -18,49 +24,26 @@ import datetime
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
+from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
+from bench.common import Size, device_label, full_size, software, timed
 from bench.results import Record, update_results
+from services.common import fastpath
+from services.common.fastpath import FastPath
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
 os.environ.setdefault("TQDM_DISABLE", "1")  # diffusers' loop bar would be timed on one side only
 
 
-@dataclass(frozen=True)
-class Size:
-    height: int
-    width: int
-    frames: int
-
-    @classmethod
-    def parse(cls, text: str) -> "Size":
-        height, width, frames = (int(v) for v in text.split("x"))
-        return cls(height, width, frames)
-
-    def __str__(self) -> str:
-        return f"{self.height}x{self.width}x{self.frames}"
-
-
-def full_size_transformer(device: str, dtype: torch.dtype, config: dict | None = None):
-    """The released transformer config (or `config`) with random weights, built in place on `device`."""
+def full_size_transformer(device: str, dtype: torch.dtype):
+    """The released transformer config with random weights, built in place on `device`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = MiniMaxH3Transformer3DModel(**(config or {})).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    for name in model._keep_in_fp32_modules:  # as from_pretrained keeps them
-        for module_name, module in model.named_modules():
-            if module_name.split(".")[-1] == name or module_name == name:
-                module.float()
-    return model
+    return full_size(MiniMaxH3Transformer3DModel, device, dtype)
 
 
 def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
@@ -84,61 +67,109 @@ def baseline_pipeline(parts: dict):
     return pipe
 
 
-def timed(fn, device: str) -> float:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+class Workload:
+    """One size: its inputs, the baseline and our runner, both on the shared transformer."""
+
+    def __init__(self, size: Size, parts: dict, args, device: str) -> None:
+        self.size, self.args, self.device = size, args, device
+        transformer = parts["transformer"]
+        self.embeds = torch.randn(1, TEXT_TOKENS, transformer.config.text_dim,
+                                  generator=torch.Generator().manual_seed(0)).to(device, transformer.dtype)
+        self.tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)  # the layout is built on the CPU
+        self.baseline, self.ours = baseline_pipeline(parts), DenoiseRunner(parts)
+        self.job = DenoiseJob(size.height, size.width, size.frames, args.forwards + 1, seed=0)
+
+    def run_baseline(self, steps: int | None = None) -> None:
+        self.baseline(prompt_embeds=self.embeds, text_token_tags=self.tags, height=self.size.height,
+                      width=self.size.width, num_frames=self.size.frames,
+                      num_inference_steps=steps or self.job.num_inference_steps,
+                      generator=torch.Generator().manual_seed(0), output=["latents", "audio_latents"])
+
+    def run_ours(self) -> None:
+        self.ours.run(self.job, self.embeds, self.tags, lambda step, total: None)
+
+    def seconds_per_step(self, fn) -> tuple[float, float]:
+        """(median s/step, peak GiB) after one warm-up call (kernels, allocator, compile)."""
+        with torch.no_grad():
+            fn()
+            if self.device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            times = [timed(fn, self.device) / self.args.forwards for _ in range(self.args.repeats)]
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else 0.0
+        return statistics.median(times), round(peak, 2)
 
 
-def measure(size: Size, parts: dict, args, device: str) -> Record:
-    text_dim = parts["transformer"].config.text_dim
-    embeds = torch.randn(1, TEXT_TOKENS, text_dim, generator=torch.Generator().manual_seed(0)).to(
-        device, parts["transformer"].dtype)
-    tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)  # the layout is built on the CPU
-    job = DenoiseJob(size.height, size.width, size.frames, args.forwards + 1, seed=0)
-    baseline, ours = baseline_pipeline(parts), DenoiseRunner(parts)
+@dataclass
+class Accuracy:
+    """The fp32 and bf16-eager outputs of one captured forward, and distances to them."""
 
-    def run_baseline():
-        baseline(prompt_embeds=embeds, text_token_tags=tags, height=size.height, width=size.width,
-                 num_frames=size.frames, num_inference_steps=job.num_inference_steps,
-                 generator=torch.Generator().manual_seed(0), output=["latents", "audio_latents"])
+    inputs: tuple
+    fp32: torch.Tensor
+    bf16: torch.Tensor
 
-    def run_ours():
-        ours.run(job, embeds, tags, lambda step, total: None)
+    @classmethod
+    def measure(cls, workload: Workload, transformer) -> "Accuracy":
+        inputs = capture_forward(transformer, lambda: workload.run_baseline(steps=2))
+        return cls(inputs, fp32_output(transformer, inputs), forward_output(transformer, inputs))
 
-    with torch.no_grad():
-        run_baseline(), run_ours()  # warm-up: kernels, allocator, autotuning
-        if device.startswith("cuda"):
-            torch.cuda.reset_peak_memory_stats()
-        times = {"baseline": [], "ours": []}
-        for _ in range(args.repeats):
-            times["baseline"].append(timed(run_baseline, device) / args.forwards)
-            times["ours"].append(timed(run_ours, device) / args.forwards)
-    seconds, baseline_seconds = statistics.median(times["ours"]), statistics.median(times["baseline"])
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    def of(self, transformer, lossy: bool) -> dict:
+        out = forward_output(transformer, self.inputs)
+        return {"rel_err_fp32": rel_l2(out, self.fp32), "bf16_rel_err_fp32": rel_l2(self.bf16, self.fp32),
+                "rel_err_bf16": rel_l2(out, self.bf16) if lossy else None}
+
+
+class FastPathLadder:
+    """Applies the --variants in order to one transformer; each may only add compile or fp8."""
+
+    def __init__(self, transformer) -> None:
+        self.transformer, self.compiled, self.quantized = transformer, False, False
+
+    def step_to(self, fast: FastPath) -> None:
+        if (self.compiled and not fast.compile) or (self.quantized and not fast.fp8):
+            raise SystemExit(f"--variants: {fast.describe()} would undo compile or fp8; list it earlier")
+        fastpath.set_attention(self.transformer, fast.attention)
+        if fast.fp8 and not self.quantized:
+            fastpath.quantize_fp8(self.transformer)
+            self.quantized = True
+        if fast.compile and not self.compiled:
+            self.transformer.compile_repeated_blocks(fullgraph=True)
+            self.compiled = True
+
+
+def parse_variant(text: str) -> FastPath:
+    attention, *flags = text.split("+")
+    unknown = set(flags) - {"compile", "fp8"}
+    if unknown:
+        raise SystemExit(f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: compile, fp8)")
+    return FastPath(attention=attention, compile="compile" in flags, fp8="fp8" in flags)
+
+
+def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
+    transformer = parts["transformer"]
+    workloads = [Workload(size, parts, args, device) for size in sizes]
+    accuracy = {w.size: Accuracy.measure(w, transformer) for w in workloads} if args.errors else {}
+    baseline = {w.size: w.seconds_per_step(w.run_baseline) for w in workloads}
+    ladder, records = FastPathLadder(transformer), []
+    for fast in (parse_variant(v) for v in args.variants.split(",")):
+        ladder.step_to(fast)
+        for w in workloads:
+            seconds, peak = w.seconds_per_step(w.run_ours)
+            errors = accuracy[w.size].of(transformer, lossy=fast.fp8) if w.size in accuracy else {}
+            records.append(record(w.size, fast, seconds, baseline[w.size][0], peak, errors, args, device))
+            print(f"  {w.size} {fast.describe()}: {seconds:.4f} s/step vs {baseline[w.size][0]:.4f} {errors}",
+                  flush=True)
+    return records
+
+
+def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, peak: float, errors: dict,
+           args, device: str) -> Record:
     return Record(
         name=f"dit_step_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
-        seconds=seconds, baseline_seconds=baseline_seconds, ratio=baseline_seconds / seconds,
-        peak_gib=round(peak, 2), command=args.command,
-        date=datetime.date.today().isoformat(), variant="service runner (diffusers native attention)",
-        baseline="diffusers MiniMaxH3CoreDenoiseStep, in process", software=software())
-
-
-def device_label(device: str) -> str:
-    if device.startswith("cuda"):
-        return f"1x{torch.cuda.get_device_name().replace('NVIDIA ', '')}"
-    return "cpu"
-
-
-def software() -> str:
-    import diffusers
-
-    cuda = f", CUDA {torch.version.cuda}" if torch.cuda.is_available() else ""
-    return f"torch {torch.__version__}, diffusers {diffusers.__version__}{cuda}"
+        seconds=seconds, baseline_seconds=baseline_seconds, ratio=baseline_seconds / seconds, peak_gib=peak,
+        command=args.command, date=datetime.date.today().isoformat(),
+        variant=f"service runner, fast path {fast.describe()}",
+        baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
+        software=software(), **errors)
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -148,6 +179,8 @@ def main(argv: list[str] | None = None) -> list[Record]:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--forwards", type=int, default=2, help="transformer forwards per timed call")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", default="native", help="fast paths to time, in order, e.g. native,flash4+compile")
+    p.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
     p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
     p.add_argument("--results", default="bench/results.json")
     p.add_argument("--markdown", default="BENCHMARKS.md")
@@ -157,10 +190,13 @@ def main(argv: list[str] | None = None) -> list[Record]:
         args.sizes, args.dtype = "32x64x124", "float32"
     device = "cpu" if args.quick else "cuda"
     parts = components(args.quick, device, getattr(torch, args.dtype))
-    records = [measure(Size.parse(s), parts, args, device) for s in args.sizes.split(",")]
-    print(f"{'measurement':28} {'device':10} {'ours s':>9} {'diffusers s':>12} {'ratio':>7} {'peak GiB':>9}")
+    records = run([Size.parse(s) for s in args.sizes.split(",")], parts, args, device)
+    print(f"{'measurement':24} {'variant':44} {'ours s':>8} {'diffusers s':>11} {'ratio':>6} {'peak GiB':>8} "
+          f"{'err/fp32':>9} {'bf16/fp32':>9}")
     for r in records:
-        print(f"{r.name:28} {r.device:10} {r.seconds:9.4f} {r.baseline_seconds:12.4f} {r.ratio:7.3f} {r.peak_gib:9.2f}")
+        err = f"{r.rel_err_fp32:9.2e} {r.bf16_rel_err_fp32:9.2e}" if r.rel_err_fp32 is not None else ""
+        print(f"{r.name:24} {r.variant:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
+              f"{r.peak_gib:8.2f} {err}")
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

@@ -22,6 +22,12 @@ class Record:
     variant: str
     baseline: str
     software: str
+    # Accuracy, relative L2 of the forward output against an fp32 forward of the same weights and
+    # inputs (None: not measured): this variant's, bf16 eager's (the yardstick), and this
+    # variant's against bf16 eager (reported for the lossy fp8 option).
+    rel_err_fp32: float | None = None
+    bf16_rel_err_fp32: float | None = None
+    rel_err_bf16: float | None = None
     rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
 
     def key(self) -> tuple:
@@ -34,8 +40,8 @@ Every row was produced by the command in its row, with the in-process diffusers 
 in the same run (ratio = baseline seconds / our seconds; above 1 means faster than diffusers).
 Generated from `bench/results.json` by the benchmark scripts; do not edit by hand.
 
-| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | software | command |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | err vs fp32 (bf16 eager) | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -48,7 +54,8 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
     path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
     rows = "".join(
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
-        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {r.software} | `{r.command}` |\n"
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {accuracy(r)} | {r.software} | "
+        f"`{r.command}` |\n"
         for r in merged)
     Path(markdown_path).write_text(HEADER + rows)
 
@@ -57,3 +64,10 @@ def _peak(record: Record) -> str:
     if len(record.rank_peaks_gib) > 1:
         return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
     return f"{record.peak_gib:.1f}"
+
+
+def accuracy(r: Record) -> str:
+    if r.rel_err_fp32 is None:
+        return ""
+    text = f"{r.rel_err_fp32:.2e} ({r.bf16_rel_err_fp32:.2e})"
+    return text if r.rel_err_bf16 is None else f"{text}; {r.rel_err_bf16:.2e} vs bf16"

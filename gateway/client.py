@@ -28,6 +28,17 @@ class GatewayClient:
             last = event
         return last
 
+    def upload(self, path: str | Path, chunk_bytes: int = 1 << 20) -> gateway_pb2.Asset:
+        """Upload one image, video or audio file; returns the stored asset (the same id for the same bytes)."""
+        def chunks():
+            with open(path, "rb") as file:
+                first = True
+                while (data := file.read(chunk_bytes)) or first:
+                    yield gateway_pb2.UploadAssetChunk(file_name=Path(path).name if first else "", data=data)
+                    first = False
+
+        return self.stub.UploadAsset(chunks(), wait_for_ready=True)
+
     def job(self, job_id: str) -> gateway_pb2.Job:
         return self.stub.GetJob(gateway_pb2.GetJobRequest(job_id=job_id))
 
@@ -53,6 +64,8 @@ def describe_event(event: gateway_pb2.JobEvent) -> str:
     if kind == "accepted":
         r = value.request
         return f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, {r.num_inference_steps} steps, seed {r.seed}"
+    if kind == "conditioning":
+        return f"encoding keyframes / references {value.done}/{value.total}"
     if kind == "encoding":
         return f"encoded ({'cache hit' if value.cache_hit else 'cache miss'}) in {value.seconds:.2f} s"
     if kind == "denoising":

@@ -15,7 +15,9 @@ import grpc
 
 from h3serve.v1 import dit_pb2, gateway_pb2, vae_pb2
 from gateway.artifacts import ArtifactStore
+from gateway.asset_store import AssetStore
 from gateway.events import EventHub
+from gateway.media_stage import encode_inputs
 from gateway.stages import StageClients
 from gateway.store import JobStore
 from services.common.errors import describe, tail
@@ -42,8 +44,9 @@ class StepTimes:
 
 
 class JobRunner:
-    def __init__(self, store: JobStore, hub: EventHub, stages: StageClients, artifacts: ArtifactStore) -> None:
-        self.store, self.hub, self.stages, self.artifacts = store, hub, stages, artifacts
+    def __init__(self, store: JobStore, hub: EventHub, stages: StageClients, artifacts: ArtifactStore,
+                 assets: AssetStore | None = None) -> None:
+        self.store, self.hub, self.stages, self.artifacts, self.assets = store, hub, stages, artifacts, assets
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -89,8 +92,11 @@ class JobRunner:
             self.hub.emit(job_id, **terminal)
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
-        encoded = await self.stages.encode(job_id, request.prompt)
+        inputs = await encode_inputs(self.stages, self.assets, job_id, request, self._condition_progress(job_id))
+        encoded = inputs.encoded
         self.store.set_stage_seconds(job_id, "encode", encoded.summary.seconds)
+        if inputs.conditions is not None:
+            self.store.set_stage_seconds(job_id, "condition", inputs.conditions.seconds)
         self.hub.emit(job_id, encoding=S.Encoding(cache_hit=encoded.summary.cache_hit,
                                                   seconds=encoded.summary.seconds))
 
@@ -99,7 +105,7 @@ class JobRunner:
         async def on_step(step: dit_pb2.StepProgress) -> None:
             self.hub.emit(job_id, denoising=steps.event(step))
 
-        denoised = await self.stages.denoise(job_id, request, encoded.chunks, on_step)
+        denoised = await self.stages.denoise(job_id, request, inputs.chunks, on_step, inputs.spec)
         self.store.set_stage_seconds(job_id, "denoise", denoised.summary.seconds)
 
         decoded = await self.stages.decode(job_id, request.include_raw, denoised.chunks,
@@ -107,6 +113,12 @@ class JobRunner:
         self.store.set_stage_seconds(job_id, "decode", decoded.summary.decode_seconds)
         self.store.set_stage_seconds(job_id, "mux", decoded.summary.mux_seconds)
         self._complete(job_id, decoded)
+
+    def _condition_progress(self, job_id: str):
+        async def on_progress(progress: vae_pb2.ConditionProgress) -> None:
+            self.hub.emit(job_id, conditioning=S.Conditioning(done=progress.done, total=progress.total))
+
+        return on_progress
 
     def _decode_progress(self, job_id: str):
         video_total = 0

@@ -70,7 +70,8 @@ def _aspect_ok(width: float, height: float) -> bool:
     return height <= MAX_ASPECT * width and width <= MAX_ASPECT * height
 
 
-def canvas_for_aspect(aspect_width: float, aspect_height: float) -> tuple[int, int]:
+def canvas_for_aspect(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
+                      max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[int, int]:
     """(height, width) MiniMax-H3 generates on for an aspect ratio: the short edge at 768, the area capped at the
     pixel budget, both axes rounded to the nearest multiple of 32 (diffusers' resolve_canvas_size)."""
     if aspect_width <= 0 or aspect_height <= 0 or not _aspect_ok(aspect_width, aspect_height):
@@ -79,12 +80,12 @@ def canvas_for_aspect(aspect_width: float, aspect_height: float) -> tuple[int, i
     ratio = aspect_width / aspect_height
     # Same operations in the same order as diffusers, so float rounding cannot tip a side to another multiple.
     if ratio >= 1:
-        height, width = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE * ratio
+        height, width = float(short_edge), short_edge * ratio
     else:
-        height, width = CANVAS_SHORT_EDGE / ratio, float(CANVAS_SHORT_EDGE)
+        height, width = short_edge / ratio, float(short_edge)
     area = width * height
-    if area > CANVAS_MAX_PIXELS:
-        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
+    if area > max_pixels:
+        scale = (max_pixels / area) ** 0.5
         height, width = height * scale, width * scale
     # Python's round (half to even), as diffusers uses.
     return tuple(max(CANVAS_MULTIPLE, round(side / CANVAS_MULTIPLE) * CANVAS_MULTIPLE) for side in (height, width))
@@ -101,11 +102,15 @@ def _prompt(prompt: str, limits: RequestLimits) -> str:
     return prompt  # verbatim: whitespace is part of what the encoder sees
 
 
-def _workflow(workflow: int) -> int:
-    if workflow in (common_pb2.WORKFLOW_UNSPECIFIED, common_pb2.WORKFLOW_T2VA):
-        return common_pb2.WORKFLOW_T2VA
-    name = common_pb2.Workflow.Name(workflow) if workflow in common_pb2.Workflow.values() else str(workflow)
-    raise InvalidRequest("workflow", f"{name} is not served by this version; only t2va")
+def _workflow(req: gateway_pb2.GenerateRequest) -> int:
+    """The requested workflow, or the one its media imply: references -> ref2va, a keyframe -> fl2va."""
+    if req.workflow == common_pb2.WORKFLOW_UNSPECIFIED:
+        if req.references:
+            return common_pb2.WORKFLOW_REF2VA
+        return common_pb2.WORKFLOW_FL2VA if req.first_frame or req.last_frame else common_pb2.WORKFLOW_T2VA
+    if req.workflow in common_pb2.Workflow.values():
+        return req.workflow
+    raise InvalidRequest("workflow", f"unknown value {req.workflow}; one of T2VA, FL2VA, REF2VA")
 
 
 def _canvas(height: int, width: int) -> tuple[int, int]:
@@ -167,7 +172,7 @@ def _steps(steps: int, limits: RequestLimits) -> int:
 def resolve(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> gateway_pb2.ResolvedRequest:
     """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one."""
     prompt = _prompt(req.prompt, limits)
-    workflow = _workflow(req.workflow)
+    workflow = _workflow(req)
     height, width = _canvas(req.height, req.width)
     num_frames = _num_frames(req.num_frames, req.seconds)
     steps = _steps(req.num_inference_steps, limits)

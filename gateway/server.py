@@ -11,8 +11,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 from gateway.artifacts import ArtifactStore
+from gateway.asset_store import AssetStore
+from gateway.assets import AssetLimits, AssetRefused
+from gateway.conditioning import OverCapacity, resolve_media
 from gateway.events import EventHub
 from gateway.jobs import JobRunner
 from gateway.request import InvalidRequest, RequestLimits, resolve
@@ -28,13 +31,18 @@ RESTART_REASON = "the gateway restarted while this job was in flight; submit it 
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner) -> None:
+    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
+                 assets: AssetStore) -> None:
         self.limits = RequestLimits.from_config(config)
-        self.store, self.hub, self.runner = store, hub, runner
+        self.config = config
+        self.store, self.hub, self.runner, self.assets = store, hub, runner, assets
 
     async def Generate(self, request, context):
         try:
-            resolved = resolve(request, self.limits)
+            resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry,
+                                     self.config.max_rows)
+        except OverCapacity as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         job_id = uuid.uuid4().hex[:16]
@@ -69,6 +77,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     chunk.file_name, chunk.total_bytes, first = artifact.file_name, artifact.bytes, False
                 yield chunk
 
+    async def UploadAsset(self, request_iterator, context):
+        try:
+            asset = await self.assets.upload(request_iterator, asyncio.to_thread)
+        except AssetRefused as exc:
+            await context.abort(exc.code, exc.message)
+        log.info("asset %s (%s, %s, %d bytes)%s", asset.asset_id[:16], media_pb2.AssetKind.Name(asset.kind),
+                 asset.format, asset.bytes, " already stored" if asset.deduplicated else "")
+        return asset
+
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
         job = self.store.get_job(job_id)
         if job is None:
@@ -84,9 +101,10 @@ async def serve_async(config: GatewayConfig) -> None:
         log.warning("marked %d interrupted job(s) failed: %s", len(interrupted), ", ".join(interrupted))
     hub = EventHub(store)
     stages = StageClients(config)
-    runner = JobRunner(store, hub, stages, ArtifactStore(str(data_dir / "artifacts")))
+    assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
+    runner = JobRunner(store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), assets)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner), server)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, assets), server)
     service_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

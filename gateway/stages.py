@@ -25,6 +25,21 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TRANSIENT
 
 
+async def relay(stream, progress: str, on_progress) -> tuple[Chunks, object]:
+    """Read a stage's event stream: `progress` events go to `on_progress`, tensor chunks are kept in order,
+    the final summary is returned with them."""
+    chunks, summary = [], None
+    async for event in stream:
+        kind = event.WhichOneof("kind")
+        if kind == progress:
+            await on_progress(getattr(event, kind))
+        elif kind == "chunk":
+            chunks.append(event.chunk)
+        else:
+            summary = event.summary
+    return chunks, summary
+
+
 @dataclass
 class Encoded:
     chunks: Chunks
@@ -81,23 +96,19 @@ class StageClients:
         return await self._retrying(call)
 
     async def denoise(self, job_id: str, request: gateway_pb2.ResolvedRequest, embeds: Chunks,
-                      on_step: Callable[[dit_pb2.StepProgress], Awaitable[None]]) -> Denoised:
+                      on_step: Callable[[dit_pb2.StepProgress], Awaitable[None]],
+                      extra: dit_pb2.DenoiseSpec | None = None) -> Denoised:
+        """`embeds`: every input tensor's chunks; `extra`: workflow fields (keyframe anchors, reference manifest)."""
         spec = dit_pb2.DenoiseSpec(
             job_id=job_id, workflow=request.workflow, height=request.height, width=request.width,
             num_frames=request.num_frames, num_inference_steps=request.num_inference_steps, seed=request.seed)
+        if extra is not None:
+            spec.MergeFrom(extra)
         inputs = [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in embeds)]
 
         async def call() -> Denoised:
-            result = Denoised([], None)
-            async for event in self.dit.Denoise(iter(inputs), timeout=self.config.denoise_deadline_s):
-                kind = event.WhichOneof("kind")
-                if kind == "step":
-                    await on_step(event.step)
-                elif kind == "chunk":
-                    result.chunks.append(event.chunk)
-                else:
-                    result.summary = event.summary
-            return result
+            stream = self.dit.Denoise(iter(inputs), timeout=self.config.denoise_deadline_s)
+            return Denoised(*await relay(stream, "step", on_step))
 
         return await self._retrying(call)
 

@@ -57,12 +57,16 @@ def _request(args):
     return request
 
 
-def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr):
-    """Run one generation through the gateway with a live progress line; returns (job, mp4 path)."""
+def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None):
+    """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
+
+    `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
+    """
     from gateway.client import GatewayClient, describe_event
 
     client = GatewayClient(address)
     try:
+        _attach_media(client, request, media)
         final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
                                                          flush=True))
         print(file=stream)
@@ -76,6 +80,26 @@ def generate(address: str, request, out: str | None, raw: str | None, stream=sys
         client.close()
 
 
+class _OrderedMedia(argparse.Action):
+    """Collects --first-frame / --last-frame / --ref-* as (flag, path) pairs in command-line order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.media = [*(getattr(namespace, "media", None) or []), (self.dest, value)]
+
+
+def _attach_media(client, request, media) -> None:
+    from h3serve.v1 import media_pb2
+
+    kinds = {"ref_image": media_pb2.ASSET_KIND_IMAGE, "ref_video": media_pb2.ASSET_KIND_VIDEO,
+             "ref_audio": media_pb2.ASSET_KIND_AUDIO}
+    for flag, path in media or []:
+        asset = client.upload(path)
+        if flag in kinds:
+            request.references.add(asset_id=asset.asset_id, kind=kinds[flag])
+        else:
+            setattr(request, flag, asset.asset_id)
+
+
 def print_timings(job, path: Path) -> None:
     stages = "  ".join(f"{s.stage} {s.seconds:.2f} s" for s in job.stages)
     print(f"video: {path.resolve()}\nstages: {stages}", flush=True)
@@ -83,7 +107,7 @@ def print_timings(job, path: Path) -> None:
 
 def _generate(args) -> None:
     address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
-    job, path = generate(address, _request(args), args.out, args.raw)
+    job, path = generate(address, _request(args), args.out, args.raw, media=args.media)
     print_timings(job, path)
 
 
@@ -93,8 +117,11 @@ def _reference(args) -> None:
     from services.common.models import ModelSource
     from services.reference import ReferenceRequest, run_reference
 
+    frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
+    references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
     result = run_reference(ModelSource(args.model_dir), ReferenceRequest(
-        args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed), args.device, args.dtype)
+        args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed, references=references, **frames),
+        args.device, args.dtype, load_deploy(args.config).gateway.geometry)
     np.savez(args.raw, **result)
     print(f"reference: {Path(args.raw).resolve()}")
 
@@ -129,6 +156,16 @@ def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None
                                  " the demo uses out/)")
 
 
+def _add_media_args(p: argparse.ArgumentParser) -> None:
+    for flag, what in (("first-frame", "fl2va: image the video starts from"),
+                       ("last-frame", "fl2va: image the video ends on"),
+                       ("ref-image", "ref2va: an image reference, <Picture i> in the prompt (repeatable)"),
+                       ("ref-video", "ref2va: a video reference (its sound too), <Video k> (repeatable)"),
+                       ("ref-audio", "ref2va: an audio reference, <Audio j> (repeatable)")):
+        p.add_argument(f"--{flag}", action=_OrderedMedia, metavar="FILE", help=what)
+    p.set_defaults(media=[])
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="h3serve", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -155,16 +192,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
+    _add_media_args(p)
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
     p.add_argument("--model-dir", help="diffusers model directory (default: the tiny preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    _add_request_args(p, steps=50, height=768, width=1344)
+    _add_request_args(p, steps=50)
     p.add_argument("--num-frames", type=int, default=124)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
+    p.add_argument("--config", help="deployment TOML whose [model] pipeline configs (geometry) to apply")
+    _add_media_args(p)
     p.set_defaults(run=_reference)
 
     p = sub.add_parser("write-tiny", help="save the built-in tiny model in the released diffusers layout")

@@ -23,10 +23,11 @@ def toml_values(values: dict) -> str:
                    for key, value in values.items())
 
 
-def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], dit: dict | None = None,
-                 **gateway) -> Path:
-    """A deployment file: every section on loopback, extra [dit] keys from `dit`, the gateway's from `gateway`."""
-    lines = [f'[model]\ndir = "{model_dir}"']
+def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,
+                 dit: dict | None = None, **gateway) -> Path:
+    """A deployment file: every section on loopback; extra [model], [dit] and [gateway] keys from
+    `model`, `dit` and `gateway`."""
+    lines = [f'[model]\ndir = "{model_dir}"' + toml_values(model or {})]
     for name in ("encoder", "dit", "vae"):
         lines.append(f"[{name}]\nport = {ports[name]}" + (toml_values(dit or {}) if name == "dit" else ""))
     extra = toml_values(gateway)

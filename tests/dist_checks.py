@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from h3serve.v1 import common_pb2
+from services.common.fastpath import FastPath
 from services.common.tiny import build_component
 from services.dit import parallel
 from services.dit.group import JOB, ControlPlane, GroupMember, Message
@@ -50,7 +52,7 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
 
 def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32) -> GroupMember:
     parts = components(dtype)
-    parallel.prepare_transformer(parts["transformer"], layout, "native", CPU, dtype)
+    parallel.prepare_transformer(parts["transformer"], layout, FastPath("native"), CPU, dtype)
     return GroupMember(control, DenoiseRunner(parts), CPU, "native", max_math_tokens=4096)
 
 
@@ -67,7 +69,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def applied(member: GroupMember) -> dict:
-    transformer = member.runner.pipe.transformer
+    transformer = member.runner.pipes[common_pb2.WORKFLOW_T2VA].transformer
     sharded = all(isinstance(p, DTensor) for p in transformer.transformer_blocks.parameters())
     split = any(getattr(m.processor, "_parallel_config", None) is not None
                 for m in transformer.modules() if hasattr(m, "processor"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import torch
 from services.common.config import DiTConfig
 from services.common.tiny import build_component
 from services.dit import attention
-from services.dit.launch import check, torchrun_argv
+from services.common import fastpath
+from services.dit.launch import check, decode_config, torchrun_argv
 from services.dit.parallel import Layout
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
@@ -38,7 +38,7 @@ def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, messag
 def test_torchrun_command_single_node_and_multi_node():
     single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
     assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
-    assert single[-3:-1] == ["-m", "services.dit.rank"] and json.loads(single[-1])["world_size"] == 2
+    assert single[-3:-1] == ["-m", "services.dit.rank"] and decode_config(single[-1]).world_size == 2
     multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
     assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
             "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi
@@ -64,10 +64,11 @@ def test_a_score_matrix_materialising_backend_is_refused_on_a_gpu(name):
 
 def test_a_usable_backend_passes_the_probe_and_is_set_on_every_processor():
     transformer = build_component("transformer")
-    attention.set_backend(transformer, "_native_math", CPU, torch.float32)
+    attention.check_model(transformer, "_native_math", CPU, torch.float32)
+    fastpath.set_attention(transformer, "_native_math")
     backends = {m.processor._attention_backend for m in transformer.modules() if hasattr(m, "processor")}
     assert {str(b.value) for b in backends} == {"_native_math"}
-    attention.set_backend(transformer, "native", CPU, torch.float32)
+    fastpath.set_attention(transformer, "native")
 
 
 def test_native_on_a_gpu_may_not_use_the_math_kernel_above_the_limit():

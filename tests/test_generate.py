@@ -128,7 +128,9 @@ BAD_REQUESTS = [
     ("seconds", dict(seconds=20.0)),
     ("num_inference_steps", dict(num_inference_steps=1)),
     ("num_inference_steps", dict(num_inference_steps=100000)),
-    ("workflow", dict(workflow=common_pb2.WORKFLOW_FL2VA)),
+    ("first_frame", dict(workflow=common_pb2.WORKFLOW_FL2VA)),
+    ("references", dict(workflow=common_pb2.WORKFLOW_REF2VA)),
+    ("first_frame", dict(first_frame="f" * 64)),
 ]
 
 

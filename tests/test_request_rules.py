@@ -189,7 +189,12 @@ def test_workflow():
     assert _resolve().workflow == common_pb2.WORKFLOW_T2VA
     assert _resolve(workflow=common_pb2.WORKFLOW_T2VA).workflow == common_pb2.WORKFLOW_T2VA
     for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
-        assert "not served by this version; only t2va" in _refused("workflow", workflow=workflow)
+        assert _resolve(workflow=workflow).workflow == workflow
+    # Unspecified: what the media imply, as diffusers' Auto blocks choose.
+    assert _resolve(first_frame="a").workflow == common_pb2.WORKFLOW_FL2VA
+    assert _resolve(last_frame="a").workflow == common_pb2.WORKFLOW_FL2VA
+    assert _resolve(references=[gateway_pb2.ReferenceInput(asset_id="a")]).workflow == common_pb2.WORKFLOW_REF2VA
+    assert "unknown value 7" in _refused("workflow", workflow=7)
 
 
 def test_seed():

@@ -13,6 +13,23 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class ModelGeometry:
+    """MiniMax-H3's pipeline configs (`[model]` keys next to `dir`): the released values by default.
+
+    The stages apply them to diffusers' blocks (`update_components`) and the gateway resolves canvases
+    and counts conditioning rows with the same numbers; tests shrink them to keep references small.
+    """
+
+    canvas_short_edge: int = 768
+    canvas_max_pixels: int = 768 * 1344
+    reference_image_short_edge: int = 2048
+
+    def pipeline_configs(self) -> dict[str, int]:
+        return {"canvas_short_edge": self.canvas_short_edge, "canvas_max_pixels": self.canvas_max_pixels,
+                "reference_image_short_edge": self.reference_image_short_edge}
+
+
+@dataclass(frozen=True)
 class ModelServiceConfig:
     """One model service process (encoder, dit or vae)."""
 
@@ -22,11 +39,24 @@ class ModelServiceConfig:
     device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
     gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
     dtype: str = "float32"
-    attention_backend: str = "native"  # diffusers attention backend, set explicitly at start (dit, vae)
+    attention_backend: str = "native"  # dit, vae: a diffusers attention backend, or "flash4" (FlashAttention 4)
     cache_bytes: int = 256 << 20   # encoder embedding cache bound
     max_prompt_chars: int = 8192   # encoder: longest prompt accepted
     max_raw_bytes: int = 512 << 20  # vae: largest raw.npz payload include_raw may produce
     threads: int = 0               # torch intra-op threads; 0: torch's default
+    workflows: tuple[str, ...] = ("t2va", "fl2va", "ref2va")  # dit: served workflows (decides the partitions loaded)
+    geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
+    compile: bool = False          # dit, vae: torch.compile the repeated blocks (services/common/fastpath.py)
+    fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
+    tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+
+    def fast_path(self):
+        """The services/common/fastpath.FastPath these fields select (imported here: it needs torch)."""
+        from services.common.fastpath import FastPath
+
+        if self.fp8 and self.dtype != "bfloat16":
+            raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {self.dtype!r}")
+        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8)
 
     @property
     def address(self) -> str:
@@ -70,6 +100,15 @@ class GatewayConfig:
     decode_deadline_s: float = 1800.0
     retry_attempts: int = 3           # tries for a stage call that fails UNAVAILABLE
     retry_backoff_s: float = 0.5      # first back-off, doubled per try
+    max_image_bytes: int = 20 << 20   # UploadAsset limits, per asset
+    max_video_bytes: int = 100 << 20
+    max_audio_bytes: int = 30 << 20
+    max_image_pixels: int = 8192 * 8192
+    max_video_pixels: int = 3840 * 2160  # per frame
+    max_video_seconds: float = 60.0
+    max_audio_seconds: float = 60.0
+    max_rows: int = 200_000           # admission: condition rows + generated video and audio rows per request
+    geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
 
 
 @dataclass(frozen=True)
@@ -103,12 +142,16 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
     unknown = set(data) - {"model", *SERVICES, "gateway"}
     if unknown:
         raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
-    model_dir = data.get("model", {}).get("dir", "")
+    model = dict(data.get("model", {}))
+    model_dir = model.pop("dir", "")
+    geometry = _apply(ModelGeometry(), model, f"{path} [model]")
     updates = {}
     for name in SERVICES:
-        section = {"model_dir": model_dir, **data.get(name, {})}
+        section = {"model_dir": model_dir, "geometry": geometry, **data.get(name, {})}
+        if "workflows" in section:
+            section["workflows"] = tuple(section["workflows"])
         updates[name] = _apply(config.service(name), section, f"{path} [{name}]")
-    gateway = _apply(config.gateway, data.get("gateway", {}), f"{path} [gateway]")
+    gateway = _apply(config.gateway, {"geometry": geometry, **data.get("gateway", {})}, f"{path} [gateway]")
     addresses = {name: f"{updates[name].host}:{updates[name].port}" for name in SERVICES}
     explicit = data.get("gateway", {})
     gateway = replace(gateway, **{k: v for k, v in addresses.items() if k not in explicit})

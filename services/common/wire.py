@@ -10,7 +10,7 @@ on arrival, so a corrupted, truncated or mis-assembled stream is an error, never
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -133,10 +133,12 @@ def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str
     return assembler.finish(*required)
 
 
-def read_spec_stream(messages: Iterable, required: tuple[str, ...]) -> tuple[object, dict[str, torch.Tensor]]:
+def read_spec_stream(messages: Iterable, required: tuple[str, ...] | Callable[[object], tuple[str, ...]]
+                     ) -> tuple[object, dict[str, torch.Tensor]]:
     """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
 
-    Returns the spec and exactly the `required` tensors; anything else is a WireError.
+    Returns the spec and exactly the `required` tensors (a tuple, or a function of the spec that gives
+    it); anything else is a WireError.
     """
     spec, assembler = None, TensorAssembler()
     for message in messages:
@@ -149,6 +151,8 @@ def read_spec_stream(messages: Iterable, required: tuple[str, ...]) -> tuple[obj
             raise WireError(f"unexpected {kind or 'empty'} message: send one spec, then the tensor chunks")
     if spec is None:
         raise WireError("stream ended without a spec")
+    if callable(required):
+        required = required(spec)
     tensors = assembler.finish(*required)
     unknown = sorted(set(tensors) - set(required))
     if unknown:

@@ -15,6 +15,8 @@ import logging
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from services.common import fastpath
+
 log = logging.getLogger("h3serve.dit.attention")
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 PROBE_TOKENS = 256
@@ -25,11 +27,10 @@ class BackendUnusable(RuntimeError):
     """The configured attention backend cannot run here; the message says why."""
 
 
-def set_backend(transformer, name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Check `name` here, then set it on every attention processor (and as diffusers' global default)."""
+def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """`check` with this transformer's head shape (services/common/fastpath.py then sets the backend)."""
     heads, head_dim = transformer.config.num_attention_heads, transformer.config.attention_head_dim
     check(name, heads, head_dim, device, dtype)
-    transformer.set_attention_backend(name)
     log.info("attention backend %s: usable on %s with %s (heads %d, head dim %d)", name, _describe(device), dtype,
              heads, head_dim)
 
@@ -48,10 +49,14 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
                               "_native_flash, flash, sage, or native, which is kept off MATH)")
     if name.endswith("_hub"):
         raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
-                              "does; install the kernel locally and use its local backend name")
+                              "does; install the kernel locally and use its local backend name (e.g. flash4)")
     try:
-        backend = AttentionBackendName(name)
-        _check_attention_backend_requirements(backend)
+        if name == fastpath.FLASH4:  # bound to diffusers' flash_4_hub backend locally, never downloaded
+            fastpath.bind_flash4()
+            backend = AttentionBackendName.FLASH_4_HUB
+        else:
+            backend = AttentionBackendName(name)
+            _check_attention_backend_requirements(backend)
     except (RuntimeError, ValueError, ImportError) as exc:
         raise BackendUnusable(f"attention backend {name!r}: {exc}") from exc
     q, k, v = (torch.randn(1, PROBE_TOKENS, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
@@ -72,8 +77,14 @@ def no_math_kernel(name: str, device: torch.device, tokens: int, limit: int):
     return sdpa_kernel(FUSED)
 
 
-def packed_length(text_tokens: int, height: int, width: int, num_frames: int) -> int:
-    """Rows of the t2va packed sequence: text + stereo audio latents + video patches (docs §3.3)."""
+def condition_rows(inputs: dict) -> int:
+    """Packed rows of fl2va / ref2va conditioning: latent frames x 2x2 patches, plus reference audio rows."""
+    video = sum(t.shape[2] * (t.shape[3] // 2) * (t.shape[4] // 2) for t in inputs.get("condition_latents", []))
+    return video + sum(t.shape[0] for t in inputs.get("audio_condition_latents", []))
+
+
+def packed_length(text_tokens: int, height: int, width: int, num_frames: int, conditioning_rows: int = 0) -> int:
+    """Rows of the packed sequence: text + conditioning + stereo audio latents + video patches (docs §3.3)."""
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
         align_num_frames,
         audio_latent_num_frames,
@@ -82,7 +93,7 @@ def packed_length(text_tokens: int, height: int, width: int, num_frames: int) ->
 
     num_frames = align_num_frames(max(num_frames, 1), 17, 5)  # as the blocks align it
     video_rows = video_latent_num_frames(num_frames, 17, 5) * (height // 32) * (width // 32)
-    return text_tokens + 2 * audio_latent_num_frames(num_frames) + video_rows
+    return text_tokens + conditioning_rows + 2 * audio_latent_num_frames(num_frames) + video_rows
 
 
 def _describe(device: torch.device) -> str:

@@ -27,6 +27,7 @@ from services.common import wire
 from services.common.errors import describe
 from services.dit import attention, parallel
 from services.dit.runner import DenoiseJob, DenoiseRunner, StepClock
+from services.dit.workflows import Conditioning
 
 log = logging.getLogger("h3serve.dit.group")
 IDLE, JOB = "idle", "job"
@@ -46,7 +47,8 @@ class Message:
 
     kind: str
     job: DenoiseJob | None = None
-    tensors: dict[str, torch.Tensor] | None = None
+    tensors: dict[str, torch.Tensor] | None = None  # prompt_embeds, text_token_tags
+    conditioning: Conditioning | None = None          # fl2va / ref2va inputs
 
 
 class Cancelled(BaseException):
@@ -89,6 +91,7 @@ class Outcome:
     latents: dict[str, torch.Tensor] | None = None
     invalid: ValueError | None = None
     ranks: list[RankStats] = field(default_factory=list)
+    condition_rows: tuple[int, int] = (0, 0)  # packed (video, audio) rows of keyframes / references
 
     @property
     def cancelled(self) -> bool:
@@ -116,10 +119,12 @@ class GroupMember:
         parallel.reset_peak_memory(self.device)
         outcome = Outcome()
         try:
-            embeds = tensors["prompt_embeds"]
-            tokens = attention.packed_length(embeds.shape[1], job.height, job.width, job.num_frames)
+            embeds, conditioning = tensors["prompt_embeds"], message.conditioning or Conditioning()
+            tokens = attention.packed_length(embeds.shape[1], job.height, job.width, job.num_frames,
+                                             attention.condition_rows(conditioning.inputs))
             with attention.no_math_kernel(self.backend, self.device, tokens, self.max_math_tokens):
-                outcome.latents = self.runner.run(job, embeds, tensors["text_token_tags"], observe)
+                outcome.latents = self.runner.run(job, embeds, tensors["text_token_tags"], observe, conditioning)
+            outcome.condition_rows = self.runner.condition_rows
         except Cancelled:
             pass
         except ValueError as exc:  # the request's own fault, raised alike on every rank
@@ -186,8 +191,10 @@ class Driver:
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="dit-group", daemon=True).start()
 
-    def submit(self, job_id: str, job: DenoiseJob, tensors: dict[str, torch.Tensor]) -> Ticket:
-        ticket = Ticket(job_id, Message(JOB, job, tensors))
+    def submit(self, job_id: str, job: DenoiseJob, tensors: dict[str, torch.Tensor],
+               conditioning: Conditioning) -> Ticket:
+        text = {name: tensors[name] for name in ("prompt_embeds", "text_token_tags")}
+        ticket = Ticket(job_id, Message(JOB, job, text, conditioning))
         with self._lock:
             if self.broken:
                 raise JobFailed(grpc.StatusCode.UNAVAILABLE, self.broken)
@@ -260,6 +267,8 @@ class Driver:
         seconds, steps = time.perf_counter() - started, ticket.message.job.num_inference_steps - 1
         log.info("job %s: %d steps in %.2f s on %d rank(s) (waited %.2f s)", ticket.job_id, steps, seconds,
                  self.member.control.world_size, queue_seconds)
+        video_rows, audio_rows = outcome.condition_rows
         ticket.events.put(dit_pb2.DenoiseEvent(summary=dit_pb2.DenoiseSummary(
-            seconds=seconds, queue_seconds=queue_seconds, steps=steps)))
+            seconds=seconds, queue_seconds=queue_seconds, steps=steps, condition_video_rows=video_rows,
+            condition_audio_rows=audio_rows)))
         ticket.events.put(_END)

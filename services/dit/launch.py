@@ -9,10 +9,11 @@ before any rank starts.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from services.common import tiny
 from services.common.config import DiTConfig
 from services.common.models import DTYPES
 from services.dit import attention
+from services.dit import workflows as wf
 from services.dit.parallel import Layout
 
 # Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
@@ -36,14 +38,23 @@ def torchrun_argv(config: DiTConfig) -> list[str]:
     else:
         argv += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
                  f"--rdzv-id={config.rdzv_id}"]
-    return argv + ["-m", "services.dit.rank", json.dumps(asdict(config))]
+    return argv + ["-m", "services.dit.rank", encode_config(config)]
 
 
-def transformer_shape(model_dir: str) -> tuple[int, int]:
-    """(attention heads, head dim) of the transformer that will be served."""
+def encode_config(config: DiTConfig) -> str:
+    """The resolved config as one argument for every rank (nested dataclasses and all)."""
+    return base64.b64encode(pickle.dumps(config)).decode()
+
+
+def decode_config(text: str) -> DiTConfig:
+    return pickle.loads(base64.b64decode(text))
+
+
+def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
+    """(attention heads, head dim) of the transformer partition that will be served."""
     if not model_dir:
         return tiny.TRANSFORMER["num_attention_heads"], tiny.TRANSFORMER["attention_head_dim"]
-    config = json.loads((Path(model_dir) / "transformer" / "config.json").read_text())
+    config = json.loads((Path(model_dir) / partition / "config.json").read_text())
     return config.get("num_attention_heads", 56), config.get("attention_head_dim", 128)
 
 
@@ -52,10 +63,13 @@ def check(config: DiTConfig) -> Layout:
     layout = Layout.from_config(config)
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+    partition = wf.partitions(wf.served(config.workflows))[0]
+    config.fast_path()  # fp8 without bf16 is refused here
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
-    attention.check(config.attention_backend, *transformer_shape(config.model_dir), device, DTYPES[config.dtype])
+    attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
+                    DTYPES[config.dtype])
     return layout
 
 

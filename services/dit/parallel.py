@@ -1,8 +1,9 @@
 """How the transformer is spread over the group: FSDP2 weight sharding and diffusers' context parallelism.
 
 `prepare_transformer` is the one place a loaded transformer is readied for serving, in this
-order: attention backend (context parallelism wraps the backend, so it must be chosen first),
-then weight sharding, then the sequence split. Every rank runs the same forward; the packed
+order: the fast path (services/common/fastpath.py: attention backend, fp8, compile; context
+parallelism wraps the backend, so it must be chosen first), then weight sharding, then the
+sequence split. Every rank runs the same forward; the packed
 sequence is split after it is built (diffusers' `_cp_plan`) and gathered at the output heads.
 """
 
@@ -16,7 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.common import fastpath
 from services.common.config import DiTConfig
+from services.common.fastpath import FastPath
 from services.dit import attention, gloo_shims
 
 log = logging.getLogger("h3serve.dit.parallel")
@@ -84,10 +87,21 @@ def attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"h3serve-dit/attempt-{restart}", store)
 
 
-def prepare_transformer(transformer, layout: Layout, backend: str, device: torch.device,
+def prepare_transformer(transformer, layout: Layout, fast: FastPath, device: torch.device,
                         dtype: torch.dtype) -> None:
-    """After load, before the first request: backend, then sharding, then the sequence split."""
-    attention.set_backend(transformer, backend, device, dtype)
+    """After load, before the first request: the fast path (attention backend first), then the parallelism."""
+    ready_model(transformer, fast, device, dtype)
+    parallelize(transformer, layout, device)
+
+
+def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype) -> None:
+    """The backend is checked on this device (the reason if it cannot run), then the fast path applied."""
+    attention.check_model(transformer, fast.attention, device, dtype)
+    fastpath.apply(transformer, fast)
+
+
+def parallelize(transformer, layout: Layout, device: torch.device) -> None:
+    """Weight sharding, then the sequence split (context parallelism wraps the backend already set)."""
     if layout.world_size == 1:
         return
     if device.type == "cpu":

@@ -1,4 +1,4 @@
-"""One rank of the DiT group, as torchrun starts it: `python -m services.dit.rank '<DiTConfig as JSON>'`.
+"""One rank of the DiT group, as torchrun starts it: `python -m services.dit.rank <DiTConfig, encoded>`.
 
 Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start clients get
 "starting" with the reason instead of a closed port. Every rank then waits its restart
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -29,8 +28,10 @@ from services.common.models import DTYPES
 from services.common.runtime import load_model_service
 from services.common.server import GRACE_SECONDS, set_serving, start_server
 from services.dit import parallel
+from services.dit import workflows as wf
 from services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
-from services.dit.runner import COMPONENTS, DenoiseRunner
+from services.dit.launch import decode_config
+from services.dit.runner import DenoiseRunner
 from services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 
 log = logging.getLogger("h3serve.dit.rank")
@@ -49,6 +50,7 @@ class Endpoint:
         state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
         self.view = GroupView(state=state)
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
+        self.view.info.workflows.extend(wf.served(config.workflows))  # Denoise checks requests against them
         servicer = DiTServicer(self.view)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
                                                 [SERVICE_NAME], config.address, serving=False)
@@ -68,6 +70,7 @@ class Endpoint:
 
     def ready(self, driver: Driver, info: dit_pb2.DiTInfo) -> None:
         info.restarts, info.max_restarts = self.view.info.restarts, self.view.info.max_restarts
+        info.workflows.extend(self.view.info.workflows)
         self.view.info, self.view.driver, self.view.state = info, driver, "serving"
         set_serving(self.health, [SERVICE_NAME], True)
         log.info("DiT group of %d rank(s) is serving", info.world_size)
@@ -100,16 +103,18 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     layout = parallel.Layout.from_config(config)
     device = parallel.rank_device(config.device)
     control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
-    components, model = load_model_service("dit", COMPONENTS, replace(config, device=str(device)))
-    parallel.prepare_transformer(components["transformer"], layout, config.attention_backend, device,
-                                 DTYPES[config.dtype])
-    member = GroupMember(control, DenoiseRunner(components), device, config.attention_backend,
+    served = wf.served(config.workflows)
+    loaded = wf.partitions(served)
+    components, model = load_model_service("dit", [*loaded, *wf.SCHEDULERS], replace(config, device=str(device)))
+    for partition in loaded:
+        parallel.prepare_transformer(components[partition], layout, config.fast_path(), device, DTYPES[config.dtype])
+    member = GroupMember(control, DenoiseRunner(components, tuple(served)), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
     info = dit_pb2.DiTInfo(
         model=model, attention_backend=config.attention_backend, world_size=layout.world_size,
         ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp=layout.fsdp,
-        compute_backend="nccl" if device.type == "cuda" else "gloo",
+        compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded,
         ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks])
     return member, info
 
@@ -120,7 +125,7 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = DiTConfig(**json.loads((sys.argv[1:] if argv is None else argv)[0]))
+    config = decode_config((sys.argv[1:] if argv is None else argv)[0])
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack

@@ -14,22 +14,24 @@ import grpc
 
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
 from services.common import wire
+from services.dit import workflows as wf
 from services.dit.group import Driver, JobFailed
 from services.dit.runner import DenoiseJob
 
-INPUT_TENSORS = ("prompt_embeds", "text_token_tags")
 SERVICE_NAME = dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name
 
 
-def job_from_spec(spec: dit_pb2.DenoiseSpec) -> DenoiseJob:
-    if spec.workflow not in (common_pb2.WORKFLOW_UNSPECIFIED, common_pb2.WORKFLOW_T2VA):
-        raise ValueError(f"workflow: {common_pb2.Workflow.Name(spec.workflow)} is not served by this DiT (t2va only)")
-    return DenoiseJob(spec.height, spec.width, spec.num_frames, spec.num_inference_steps, spec.seed)
+def job_from_spec(spec: dit_pb2.DenoiseSpec, served: list[int]) -> DenoiseJob:
+    workflow = spec.workflow or common_pb2.WORKFLOW_T2VA
+    if workflow not in served:
+        names = ", ".join(common_pb2.Workflow.Name(w) for w in served)
+        raise ValueError(f"workflow: {common_pb2.Workflow.Name(workflow)} is not served by this DiT (serves {names})")
+    return DenoiseJob(spec.height, spec.width, spec.num_frames, spec.num_inference_steps, spec.seed, workflow)
 
 
 @dataclass
 class GroupView:
-    """What Info reports about the group; `info` holds the fields known once the group is up."""
+    """What Info reports about the group; `info` holds the configured workflows, then the group's fields."""
 
     state: str = "starting"
     info: dit_pb2.DiTInfo = field(default_factory=dit_pb2.DiTInfo)
@@ -42,15 +44,16 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
     def Denoise(self, request_iterator, context):
         try:
-            spec, tensors = wire.read_spec_stream(request_iterator, INPUT_TENSORS)
-            job = job_from_spec(spec)
+            spec, tensors = wire.read_spec_stream(request_iterator, wf.tensor_names)
+            job = job_from_spec(spec, list(self.view.info.workflows))
+            conditioning = wf.Conditioning.from_spec(spec, tensors)
         except ValueError as exc:  # WireError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         driver = self.view.driver
         try:
             if driver is None:
                 raise JobFailed(grpc.StatusCode.UNAVAILABLE, f"the DiT group is {self.view.state}")
-            ticket = driver.submit(spec.job_id, job, tensors)
+            ticket = driver.submit(spec.job_id, job, tensors, conditioning)
             context.add_callback(ticket.cancel)
             yield from ticket.stream()
         except JobFailed as failed:

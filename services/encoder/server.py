@@ -10,6 +10,7 @@ import grpc
 from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 from services.common import wire
 from services.common.config import ModelServiceConfig
+from services.common.media import MediaError, MediaPreparer, read_media_stream
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.encoder.cache import ByteLRU
@@ -24,20 +25,41 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.model = model
         self.config = config
         self.cache = ByteLRU(config.cache_bytes)
+        self.media = MediaPreparer(config.geometry)
 
-    def Encode(self, request, context):
-        started = time.perf_counter()
-        prompt = request.prompt
+    def _check_prompt(self, prompt: str, context) -> None:
         if not prompt.strip():
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
         if len(prompt) > self.config.max_prompt_chars:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars} allowed")
-        key = (self.model.model_revision, prompt)
+
+    def Encode(self, request, context):
+        self._check_prompt(request.prompt, context)
+        yield from self._cached(request.job_id, (self.model.model_revision, request.prompt),
+                                lambda: self.runner.encode(request.prompt))
+
+    def EncodeMedia(self, request_iterator, context):
+        """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
+        try:
+            spec, assets = read_media_stream(request_iterator)
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._check_prompt(spec.prompt, context)
+        key = (self.model.model_revision, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
+               tuple((item.role, item.asset_id) for item in spec.items))
+        try:
+            yield from self._cached(spec.job_id, key,
+                                    lambda: self.runner.encode_media(spec.prompt, self.media.prepare(spec, assets)))
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _cached(self, job_id: str, key: tuple, encode):
+        started = time.perf_counter()
         chunks = self.cache.get(key)
         hit = chunks is not None
         if not hit:
-            tensors = self.runner.encode(prompt)
+            tensors = encode()
             chunks = list(wire.encode_many(tensors))
             self.cache.put(key, chunks, sum(t.nbytes for t in tensors.values()))
         for chunk in chunks:
@@ -46,7 +68,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         yield encoder_pb2.EncodeReply(summary=encoder_pb2.EncodeSummary(
             cache_hit=hit, seconds=time.perf_counter() - started,
             model_revision=self.model.model_revision, num_tokens=num_tokens))
-        log.info("job %s: encoded %d tokens (%s) in %.3f s", request.job_id, num_tokens,
+        log.info("job %s: encoded %d tokens (%s) in %.3f s", job_id, num_tokens,
                  "cache hit" if hit else "cache miss", time.perf_counter() - started)
 
     def Info(self, request, context):

@@ -1,7 +1,8 @@
 """Runs diffusers' MiniMax-H3 decode block (video VAE, then audio VAE) and reports its progress.
 
 The block call itself is the one the in-process pipeline makes, so the output is bit-identical to it;
-progress comes from a forward hook on the video decoder, whose calls are counted up front.
+progress comes from a forward hook on the video decoder, counting the tiles it decodes (known up
+front). With `tile_batch > 1` (services/vae/tiles.py) one decoder call decodes several tiles.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DecodePlan:
     channels: int
     audio_channels: int
     audio_samples: int
-    decoder_calls: int  # video-decoder forwards: temporal chunks x spatial tiles
+    decoder_tiles: int  # what the video decoder decodes: temporal chunks x spatial tiles
 
     @property
     def raw_bytes(self) -> int:
@@ -68,9 +69,9 @@ def pixel_geometry(vae, latents_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return frames, latent_height * ratio, latent_width * ratio
 
 
-def decoder_calls(vae, latents_shape: tuple[int, ...]) -> int:
-    """How often `AutoencoderKLMiniMaxH3._decode` calls `vae.decoder` for one latent video: once per
-    temporal chunk and, with tiling on, per spatial tile of `_decode_clip`."""
+def decoder_tiles(vae, latents_shape: tuple[int, ...]) -> int:
+    """How many inputs `AutoencoderKLMiniMaxH3._decode` gives `vae.decoder` for one latent video: one
+    per temporal chunk and, with tiling on, per spatial tile of `_decode_clip`."""
     num_latent_frames, latent_height, latent_width = latents_shape[2:]
     token_drop = vae.config.token_drop
     chunks = math.ceil((num_latent_frames + token_drop) / vae.tokens_chunk_size) - int(token_drop > 0)
@@ -90,16 +91,16 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, 
 
 
 @contextmanager
-def _calls_reported(module: torch.nn.Module, total: int, on_call: Progress) -> Iterator[None]:
-    """Report every forward of `module` as (calls so far, total) while the block runs."""
+def _tiles_reported(decoder: torch.nn.Module, total: int, on_call: Progress) -> Iterator[None]:
+    """Report every forward of the video decoder as (tiles so far, total) while the block runs."""
     done = 0
 
-    def hook(*_) -> None:
+    def hook(module, args, output) -> None:
         nonlocal done
-        done += 1
+        done += output.shape[0]  # a batch of tiles (latents are one video)
         on_call(done, total)
 
-    handle = module.register_forward_hook(hook)
+    handle = decoder.register_forward_hook(hook)
     try:
         yield
     finally:
@@ -126,13 +127,13 @@ class VaeDecoder:
         return DecodePlan(frames=frames, height=height, width=width, channels=self.vae.config.out_channels,
                           audio_channels=MINIMAX_H3_AUDIO_CHANNELS,
                           audio_samples=audio_latents.shape[-1] * self.audio_vae.hop_length,
-                          decoder_calls=decoder_calls(self.vae, latents.shape))
+                          decoder_tiles=decoder_tiles(self.vae, latents.shape))
 
     def decode(self, latents: torch.Tensor, audio_latents: torch.Tensor,
                on_video: Progress, on_audio: Progress) -> Decoded:
-        total = self.plan(latents, audio_latents).decoder_calls
+        total = self.plan(latents, audio_latents).decoder_tiles
         device = self.vae.device
-        with _calls_reported(self.vae.decoder, total, on_video):
+        with _tiles_reported(self.vae.decoder, total, on_video):
             out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),
                             output_type="np", output=["videos", "audio", "sampling_rate"])
         on_audio(1, 1)  # the block runs the audio VAE after the last video-decoder call

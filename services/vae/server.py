@@ -15,14 +15,17 @@ import numpy as np
 import torch
 
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
-from services.common import errors, wire
+from services.common import errors, fastpath, wire
 from services.common.config import ModelServiceConfig
+from services.common.media import MediaError, MediaPreparer, read_media_stream
 from services.common.pump import ClientGone, pump
 from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
+from services.vae.conditions import ConditionEncoder
 from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, VaeDecoder
 from services.vae.validate import InvalidOutput, validate
+from services.vae.tiles import batch_tiles
 
 FILE_CHUNK_BYTES = 1 << 20
 TENSORS = ("latents", "audio_latents")
@@ -80,6 +83,8 @@ def unless_cancelled(report: Report, context) -> Report:
 class VaeServicer(vae_pb2_grpc.VAEServicer):
     def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
         self.decoder = decoder
+        self.conditions = ConditionEncoder(decoder.vae, decoder.audio_vae)
+        self.media = MediaPreparer(config.geometry)
         self.model = model
         self.config = config
         self.requests_served = 0
@@ -95,20 +100,30 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
-        try:
-            output = yield from pump(lambda report: self._run(spec, tensors, unless_cancelled(report, context)))
-        except ClientGone:
-            log.info("job %s: cancelled by the client", spec.job_id)
+        output = yield from self._pumped(
+            spec.job_id, "decode", lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
+            context, InvalidOutput, grpc.StatusCode.FAILED_PRECONDITION)
+        if output is None:
             return
-        except InvalidOutput as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except Exception as exc:
-            log.exception("job %s: decode failed", spec.job_id)
-            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
         yield from file_events("video.mp4", output.video)
         if output.raw is not None:
             yield from file_events("raw.npz", output.raw)
         yield vae_pb2.DecodeEvent(summary=output.summary)
+
+    @staticmethod
+    def _pumped(job_id: str, what: str, work, context, refused: type[Exception], code: grpc.StatusCode):
+        """`work` through `pump`; None when the client left. `refused` errors end the RPC with `code`,
+        anything else with INTERNAL and the error's end."""
+        try:
+            return (yield from pump(work))
+        except ClientGone:
+            log.info("job %s: %s cancelled by the client", job_id, what)
+            return None
+        except refused as exc:
+            context.abort(code, str(exc))
+        except Exception as exc:
+            log.exception("job %s: %s failed", job_id, what)
+            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
 
     def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
         with self._lock:
@@ -130,6 +145,35 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                  summary.mux_seconds)
         return Output(video=video, raw=raw, summary=summary)
 
+    def EncodeConditions(self, request_iterator, context):
+        try:
+            spec, assets = read_media_stream(request_iterator)
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        result = yield from self._pumped(
+            spec.job_id, "condition encode",
+            lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)),
+            context, MediaError, grpc.StatusCode.INVALID_ARGUMENT)
+        if result is None:
+            return
+        summary, tensors = result
+        for chunk in wire.encode_many(tensors):
+            yield vae_pb2.ConditionEvent(chunk=chunk)
+        yield vae_pb2.ConditionEvent(summary=summary)
+
+    def _encode_conditions(self, spec, assets, report: Report):
+        def progress(done: int, total: int) -> None:
+            report(vae_pb2.ConditionEvent(progress=vae_pb2.ConditionProgress(done=done, total=total)))
+
+        with self._lock:
+            started = time.perf_counter()
+            conditions = self.conditions.encode(self.media.prepare(spec, assets), progress)
+        summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started,
+                                           keyframe_anchors=conditions.keyframe_anchors,
+                                           references=conditions.references)
+        log.info("job %s: encoded %d conditions in %.2f s", spec.job_id, len(assets), summary.seconds)
+        return summary, conditions.tensors
+
     def Info(self, request, context):
         return vae_pb2.VaeInfo(model=self.model, requests_served=self.requests_served,
                                max_raw_bytes=self.config.max_raw_bytes)
@@ -137,8 +181,8 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
 def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("vae", COMPONENTS, config)
-    components["vae"].set_attention_backend(config.attention_backend)
-    log.info("vae: attention backend %s", config.attention_backend)
+    fastpath.apply(components["vae"], config.fast_path())
+    batch_tiles(components["vae"], config.tile_batch)
     servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address)

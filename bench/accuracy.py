@@ -1,0 +1,78 @@
+"""How far a DiT forward is from fp32: capture one forward's inputs, replay them, compare.
+
+The yardstick is an fp32 forward of the same weights on the same inputs: bf16 eager is itself
+~1.4e-2 away from it, so a variant is judged by its own distance next to bf16 eager's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+
+
+def capture_forward(transformer: torch.nn.Module, run: Callable[[], object]) -> tuple[tuple, dict]:
+    """The (args, kwargs) of the first transformer forward that `run` makes, cloned."""
+    captured: dict = {}
+
+    def hook(module, args, kwargs):
+        if not captured:
+            captured["args"], captured["kwargs"] = _clone((args, kwargs))
+
+    handle = transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return captured["args"], captured["kwargs"]
+
+
+def forward_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.Tensor:
+    """Video and audio outputs of one forward, flattened into one float32 CPU vector."""
+    args, kwargs = inputs
+    with torch.no_grad():
+        out = transformer(*args, **{**kwargs, "return_dict": False})
+    return torch.cat([t.detach().float().flatten().cpu() for t in out])
+
+
+@contextmanager
+def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` with every weight in fp32 (no TF32), then put the weights back.
+
+    bf16 -> fp32 -> bf16 is exact, so the model is unchanged afterwards. Needs room for an fp32
+    copy of the weights (123 GiB for the released transformer: fits one H200).
+    """
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    precision = torch.get_float32_matmul_precision()
+    model.float()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        for name, p in model.named_parameters():
+            p.data = p.data.to(dtypes[name])
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def fp32_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> torch.Tensor:
+    """The captured forward with every weight upcast to fp32."""
+    with upcast_to_fp32(transformer):
+        return forward_output(transformer, inputs)
+
+
+def rel_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value - reference).norm() / reference.norm())
+
+
+def _clone(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_clone(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _clone(v) for k, v in tree.items()}
+    return tree

@@ -1,0 +1,165 @@
+"""Video + audio VAE decode time and accuracy: diffusers' in-process decode block vs the VAE service's decoder.
+
+Both run in one process on the same VAEs (full released size, random weights built on the GPU;
+`--quick`: the tiny preset on CPU) and the same latents of a `--sizes` video. The timed call is
+the whole decode block: video VAE (tiled as released), audio VAE, frames to numpy, exactly what
+the service pays before muxing. The baseline is timed first; then each `--variants` entry is
+applied in order, each only adding to the one before (compile cannot be undone in place):
+`attention[+compile][+tiles=N]`, e.g. `native,native+tiles=28,flash4+compile+tiles=28`, where
+`tiles=N` decodes N spatial tiles per decoder call (services/vae/tiles.py). With `--errors`, the
+frames of every run are compared with an fp32 decode of the same weights.
+
+    python -m bench.vae_decode --sizes 768x1344x124 --variants native,native+tiles=28 --errors --write
+    python -m bench.vae_decode --quick                                        # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from bench.accuracy import rel_l2, upcast_to_fp32
+from bench.common import Size, device_label, full_size, software, timed
+from bench.results import Record, update_results
+from services.common import fastpath
+from services.common.fastpath import FastPath
+from services.vae.decode import VaeDecoder, pixel_geometry
+from services.vae.tiles import batch_tiles
+
+AUDIO_LATENTS_PER_FRAME = 207 / 124  # 124 frames come with 207 audio latents
+
+
+@dataclass(frozen=True)
+class VaeVariant:
+    fast: FastPath
+    tile_batch: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "VaeVariant":
+        attention, *flags = text.split("+")
+        tiles = [int(f.split("=", 1)[1]) for f in flags if f.startswith("tiles=")]
+        unknown = [f for f in flags if f != "compile" and not f.startswith("tiles=")]
+        if unknown:
+            raise SystemExit(f"--variants: unknown option(s) {unknown} in {text!r} (known: compile, tiles=N)")
+        return cls(FastPath(attention=attention, compile="compile" in flags), tiles[0] if tiles else 1)
+
+    def describe(self) -> str:
+        return self.fast.describe() + (f"+tiles={self.tile_batch}" if self.tile_batch > 1 else "")
+
+
+def vaes(quick: bool, device: str, dtype: torch.dtype) -> tuple:
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+    if quick:
+        from services.common.tiny import build_component
+
+        return build_component("vae"), build_component("audio_vae")
+    return full_size(AutoencoderKLMiniMaxH3, device, dtype), full_size(AutoencoderKLMiniMaxH3Audio, device, dtype)
+
+
+def latents_for(size: Size, vae, audio_vae) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random latents that decode to `size` (5n + 2 latent frames, as the DiT produces them)."""
+    ratio = vae.spatial_compression_ratio
+    chunk, kept = vae.tokens_chunk_size, vae.tokens_chunk_size - vae.config.token_drop
+    latent_frames = next(chunk * n + kept for n in range(1, 1000)
+                         if pixel_geometry(vae, (1, 1, chunk * n + kept, 1, 1))[0] == size.frames)
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(1, vae.config.latent_channels, latent_frames, size.height // ratio,
+                          size.width // ratio, generator=generator)
+    audio = torch.randn(2, audio_vae.config.latent_channels, round(size.frames * AUDIO_LATENTS_PER_FRAME),
+                        generator=generator)
+    return latents, audio
+
+
+def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
+    from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
+
+    latents, audio = latents_for(size, vae, audio_vae)
+    block = MiniMaxH3DecodeStep().init_pipeline()
+    block.update_components(vae=vae, audio_vae=audio_vae)
+    ours = VaeDecoder(vae, audio_vae)
+
+    def baseline() -> torch.Tensor:
+        out = block(latents=latents.to(device), audio_latents=audio.to(device), output_type="np", output=["videos"])
+        return torch.from_numpy(out["videos"][0])
+
+    def decode() -> torch.Tensor:
+        return torch.from_numpy(ours.decode(latents, audio, lambda *_: None, lambda *_: None).frames)
+
+    reference = None
+    if args.errors:
+        with upcast_to_fp32(vae):
+            reference = baseline()
+    base_seconds, _, base_frames = measure(baseline, args, device)
+    records, compiled = [], False
+    for variant in (VaeVariant.parse(v) for v in args.variants.split(",")):
+        if compiled and not variant.fast.compile:
+            raise SystemExit(f"--variants: {variant.describe()} would undo compile; list it earlier")
+        fastpath.set_attention(vae, variant.fast.attention)
+        if variant.fast.compile and not compiled:
+            vae.compile_repeated_blocks(fullgraph=True)
+            compiled = True
+        batch_tiles(vae, variant.tile_batch)
+        seconds, peak, frames = measure(decode, args, device)
+        errors = {} if reference is None else {"rel_err_fp32": rel_l2(frames, reference),
+                                               "bf16_rel_err_fp32": rel_l2(base_frames, reference)}
+        print(f"  {size} {variant.describe()}: {seconds:.3f} s vs {base_seconds:.3f} {errors}", flush=True)
+        records.append(Record(
+            name=f"vae_decode_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
+            seconds=seconds, baseline_seconds=base_seconds, ratio=base_seconds / seconds, peak_gib=peak,
+            command=args.command, date=datetime.date.today().isoformat(),
+            variant=f"VAE service decoder, {variant.describe()}",
+            baseline="diffusers MiniMaxH3DecodeStep (native attention, tile by tile), in process",
+            software=software(), **errors))
+    return records
+
+
+def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor]:
+    """(median seconds, peak GiB, frames of the last call) after one warm-up call."""
+    last: dict[str, torch.Tensor] = {}
+
+    def call() -> None:
+        last["frames"] = fn()
+
+    with torch.no_grad():
+        call()
+        if device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        times = [timed(call, device) for _ in range(args.repeats)]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
+    return statistics.median(times), round(peak, 2), last["frames"]
+
+
+def main(argv: list[str] | None = None) -> list[Record]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
+    p.add_argument("--sizes", default="768x1344x124")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--variants", default="native", help="decoder fast paths to time, in order")
+    p.add_argument("--errors", action="store_true", help="also compare the frames with an fp32 decode")
+    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
+    p.add_argument("--results", default="bench/results.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    args = p.parse_args(argv)
+    args.command = " ".join(["python -m bench.vae_decode", *(sys.argv[1:] if argv is None else argv)])
+    if args.quick:
+        args.sizes, args.dtype = "32x64x22", "float32"
+    device = "cpu" if args.quick else "cuda"
+    vae, audio_vae = vaes(args.quick, device, getattr(torch, args.dtype))
+    records = [r for s in args.sizes.split(",") for r in run(Size.parse(s), vae, audio_vae, args, device)]
+    for r in records:
+        print(f"{r.name:26} {r.variant:48} {r.seconds:8.3f} s  diffusers {r.baseline_seconds:8.3f} s  "
+              f"ratio {r.ratio:6.3f}  peak {r.peak_gib:6.2f} GiB")
+    if args.write:
+        update_results(records, args.results, args.markdown)
+    return records
+
+
+if __name__ == "__main__":
+    main()

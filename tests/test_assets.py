@@ -1,0 +1,148 @@
+"""Asset validation by content, the upload store's limits, and the gateway's conditioning arithmetic.
+
+The arithmetic is checked against diffusers' own functions and against the row counts recorded in the
+diffusers brief for the released geometry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.asset_store import AssetStore
+from gateway.assets import AssetLimits, AssetRefused, inspect, sniff
+from gateway.conditioning import conditioning_rows, image_reference_canvas
+from gateway.request import canvas_for_aspect
+from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
+from media_files import audio, image, mp4
+
+IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
+
+FORMATS = [  # file name, maker, expected (kind, format)
+    ("a.png", lambda p: image(p, 40, 30), (IMAGE, "png")),
+    ("a.jpg", lambda p: image(p, 40, 30, fmt="JPEG"), (IMAGE, "jpeg")),
+    ("a.webp", lambda p: image(p, 40, 30, fmt="WEBP"), (IMAGE, "webp")),
+    ("a.mp4", lambda p: mp4(p, 64, 36, 24), (VIDEO, "mp4")),
+    ("a.mov", lambda p: mp4(p, 64, 36, 24, container="mov"), (VIDEO, "mov")),
+    ("a.webm", lambda p: mp4(p, 64, 36, 24, container="webm", codec="libvpx-vp9", audio_rate=48000), (VIDEO, "webm")),
+    ("a.wav", lambda p: audio(p, 1.0), (AUDIO, "wav")),
+    ("a.flac", lambda p: audio(p, 1.0, container="flac", codec="flac"), (AUDIO, "flac")),
+    ("a.mp3", lambda p: audio(p, 1.0, container="mp3", codec="libmp3lame"), (AUDIO, "mp3")),
+    ("a.aac", lambda p: audio(p, 1.0, container="adts", codec="aac"), (AUDIO, "aac")),
+    ("a.m4a", lambda p: audio(p, 1.0, container="ipod", codec="aac"), (AUDIO, "m4a")),
+    ("a.ogg", lambda p: audio(p, 1.0, rate=48000, container="ogg", codec="libopus"), (AUDIO, "ogg")),
+]
+
+
+@pytest.mark.parametrize("name,make,expected", FORMATS, ids=[f[0] for f in FORMATS])
+def test_each_supported_format_is_recognised_by_content(tmp_path, name, make, expected):
+    path = make(tmp_path / name)
+    fmt = sniff(path.read_bytes()[:16])
+    asset = inspect(str(path), name, fmt, path.stat().st_size, AssetLimits())
+    assert (asset.kind, asset.format) == expected
+    if asset.kind == AUDIO:
+        assert asset.has_audio and asset.duration_s == pytest.approx(1.0, abs=0.1)
+    if asset.kind == VIDEO:
+        assert (asset.width, asset.height, asset.num_frames, asset.fps, asset.has_audio) == (64, 36, 24, 24.0, True)
+
+
+async def _chunks(data: bytes, size: int, name: str):
+    for offset in range(0, len(data), size):
+        yield gateway_pb2.UploadAssetChunk(file_name=name if offset == 0 else "", data=data[offset:offset + size])
+
+
+def _upload(tmp_path: Path, path: Path, limits: AssetLimits, chunk: int = 4096):
+    store = AssetStore(str(tmp_path / "store"), limits)
+    return store, asyncio.run(store.upload(_chunks(path.read_bytes(), chunk, path.name), asyncio.to_thread))
+
+
+def test_a_file_over_its_kinds_byte_limit_is_refused_while_streaming(tmp_path):
+    path = image(tmp_path / "big.png", 200, 200)
+    with pytest.raises(AssetRefused) as err:
+        _upload(tmp_path, path, AssetLimits(max_image_bytes=10_000))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.message == ("asset 'big.png': size more than 10000 bytes, over the limit of 10000 bytes "
+                                 "(max_image_bytes)")
+    assert not list((tmp_path / "store" / "tmp").iterdir()), "the spooled part is removed"
+
+
+def test_pixel_and_duration_limits_name_the_limit(tmp_path):
+    with pytest.raises(AssetRefused) as err:
+        _upload(tmp_path, image(tmp_path / "wide.png", 300, 100), AssetLimits(max_image_pixels=20_000))
+    assert err.value.message == ("asset 'wide.png': image of 300x100 = 30000 pixels, over the limit of 20000 "
+                                 "(max_image_pixels)")
+    with pytest.raises(AssetRefused) as err:
+        _upload(tmp_path, mp4(tmp_path / "long.mp4", 64, 36, 48), AssetLimits(max_video_seconds=1.5))
+    assert err.value.message == ("asset 'long.mp4': video duration past 1.5 s, over the limit of 1.5 s "
+                                 "(max_video_seconds)")
+
+
+def test_an_upload_is_stored_under_its_sha256(tmp_path):
+    import hashlib
+
+    path = audio(tmp_path / "a.wav", 0.5)
+    store, asset = _upload(tmp_path, path, AssetLimits())
+    assert asset.asset_id == hashlib.sha256(path.read_bytes()).hexdigest() and not asset.deduplicated
+    assert b"".join(store.chunks(asset.asset_id)) == path.read_bytes()
+    assert store.get(asset.asset_id) == asset
+    assert store.get("../../etc/passwd") is None
+
+
+_ids = itertools.count()
+
+
+def _asset(kind, **fields) -> gateway_pb2.Asset:
+    return gateway_pb2.Asset(asset_id=f"asset-{next(_ids)}", kind=kind, **fields)
+
+
+def _rows(request: gateway_pb2.ResolvedRequest, *assets: gateway_pb2.Asset):
+    for asset in assets:
+        request.references.add(asset_id=asset.asset_id, kind=asset.kind, has_audio=asset.has_audio)
+    return conditioning_rows(request, {a.asset_id: a for a in assets})
+
+
+def test_rows_match_the_released_geometry_examples_of_the_brief():
+    ref2va = dict(workflow=common_pb2.WORKFLOW_REF2VA, height=768, width=1344, num_frames=124)
+    # A 40x30 image reference is upscaled to 2720x2048: 5,440 rows.
+    assert _rows(gateway_pb2.ResolvedRequest(**ref2va), _asset(IMAGE, width=40, height=30)).condition_video == 5440
+    # A 36x64 video reference goes onto 768x1344 and 12 latent frames: 12,096 rows.
+    video = _asset(VIDEO, width=64, height=36, num_frames=48, fps=24.0)
+    assert _rows(gateway_pb2.ResolvedRequest(**ref2va), video).condition_video == 12096
+    # The packed ref2va example: a 16:9 image, a 5 s 16:9 video with sound, a 3 s audio; with 100 text tokens
+    # the sequence is 83,056 rows, 44,592 of them conditioning video and 654 reference audio.
+    rows = _rows(gateway_pb2.ResolvedRequest(**ref2va), _asset(IMAGE, width=1920, height=1080),
+                 _asset(VIDEO, width=1920, height=1080, num_frames=124, fps=24.0, has_audio=True, sample_rate=32000,
+                        audio_samples=165600, duration_s=5.2),
+                 _asset(AUDIO, has_audio=True, sample_rate=32000, audio_samples=96000, duration_s=3.0))
+    assert (rows.condition_video, rows.condition_audio, 100 + rows.total) == (44592, 654, 83056)
+    # fl2va with both keyframes at 768x1344: 1008 rows each.
+    fl2va = gateway_pb2.ResolvedRequest(workflow=common_pb2.WORKFLOW_FL2VA, height=768, width=1344, num_frames=124,
+                                        first_frame="a", last_frame="b")
+    assert conditioning_rows(fl2va, {}).condition_video == 2016
+
+
+@pytest.mark.parametrize("short_edge,max_pixels", [(768, 768 * 1344), (32, 2048), (480, 480 * 832)])
+def test_canvas_rule_matches_diffusers(short_edge, max_pixels):
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    for width in range(30, 400, 7):
+        for height in (width // 4 + 1, width // 2, width, 2 * width, 4 * width - 1):
+            assert canvas_for_aspect(width, height, short_edge, max_pixels) == \
+                resolve_canvas_size(width, height, 32, short_edge, max_pixels), (width, height)
+
+
+def test_image_reference_canvas_matches_diffusers_setup_block(tmp_path):
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+    from PIL import Image
+
+    pipe = MiniMaxH3Ref2VASetupStep().init_pipeline()
+    pipe.update_components(reference_image_short_edge=96)
+    for width, height in ((40, 30), (30, 40), (100, 27), (33, 33), (1920, 1080)):
+        out = pipe(references=[MiniMaxH3ImageReference(image=Image.new("RGB", (width, height)))], height=32,
+                   width=64, num_frames=124, output="normalized_references")
+        assert out[0].image.size[::-1] == image_reference_canvas(width, height, 96), (width, height)

@@ -1,0 +1,33 @@
+"""The fast-path options refuse what cannot run here, at start and with the reason."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from services.common import fastpath
+from services.common.config import ModelServiceConfig
+from services.common.fastpath import FastPath
+from services.common.tiny import build_component
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn-4 is installed here")
+def test_flash4_without_its_package_fails_with_the_reason():
+    with pytest.raises(RuntimeError, match="attention backend 'flash4' needs the flash-attn-4 package"):
+        fastpath.apply(build_component("transformer"), FastPath(attention="flash4"))
+
+
+def test_an_unknown_attention_backend_is_refused_by_name():
+    with pytest.raises(ValueError, match="backend='no-such-kernel'"):
+        fastpath.apply(build_component("vae"), FastPath(attention="no-such-kernel"))
+
+
+def test_fp8_needs_bf16_weights():
+    with pytest.raises(ValueError, match='fp8 needs dtype = "bfloat16"'):
+        ModelServiceConfig(fp8=True).fast_path()
+    assert ModelServiceConfig(dtype="bfloat16", fp8=True, compile=True).fast_path().describe() == "native+compile+fp8"
+
+
+def test_the_default_fast_path_is_diffusers_native_eager():
+    assert ModelServiceConfig().fast_path() == FastPath(attention="native", compile=False, fp8=False)
