@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from h3serve.v1 import common_pb2
+from h3serve.v1 import common_pb2, media_pb2
 from services.common.fastpath import FastPath
 from services.common.tiny import build_component
 from services.dit import parallel
+from services.dit import workflows as wf
 from services.dit.group import JOB, ControlPlane, GroupMember, Message
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
@@ -32,16 +33,16 @@ VARIANTS = [parallel.Layout(2, 2, 1, False), parallel.Layout(2, 1, 2, False),
             parallel.Layout(2, 2, 1, True), parallel.Layout(2, 1, 2, True)]
 
 
-def components(dtype: torch.dtype = torch.float32) -> dict:
+def components(dtype: torch.dtype = torch.float32, partition: str = "transformer") -> dict:
     """The tiny preset; in bf16 its fp32-pinned modules stay fp32, as a released checkpoint loads."""
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    transformer = build_component("transformer")
+    transformer = build_component(partition)
     if dtype != torch.float32:
         transformer.to(dtype)
         for name in transformer._keep_in_fp32_modules:
             getattr(transformer, name).float()
-    return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
+    return {partition: transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
             "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 
 
@@ -50,10 +51,25 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
     return {"prompt_embeds": embeds, "text_token_tags": torch.ones(tokens, dtype=torch.int64)}
 
 
-def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32) -> GroupMember:
-    parts = components(dtype)
-    parallel.prepare_transformer(parts["transformer"], layout, FastPath("native"), CPU, dtype)
-    return GroupMember(control, DenoiseRunner(parts), CPU, "native", max_math_tokens=4096)
+def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32,
+               workflow: int = common_pb2.WORKFLOW_T2VA) -> GroupMember:
+    partition = wf.PARTITIONS[workflow]
+    parts = components(dtype, partition)
+    parallel.prepare_transformer(parts[partition], layout, FastPath("native"), CPU, dtype)
+    return GroupMember(control, DenoiseRunner(parts, (workflow,)), CPU, "native", max_math_tokens=4096)
+
+
+def conditioned(workflow: int) -> tuple[DenoiseJob, wf.Conditioning]:
+    """An fl2va (first keyframe) or ref2va (one image reference) request with random conditioning latents."""
+    latents = [torch.randn(1, 24, 1, 2, 4, generator=torch.Generator().manual_seed(workflow))]
+    if workflow == common_pb2.WORKFLOW_FL2VA:
+        inputs = {"keyframe_anchors": ("first",), "condition_latents": latents}
+    else:
+        image = wf.stand_in(media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_IMAGE))
+        inputs = {"normalized_references": [image], "condition_latents": latents, "audio_condition_latents": []}
+    job = DenoiseJob(JOB_SPEC.height, JOB_SPEC.width, JOB_SPEC.num_frames, JOB_SPEC.num_inference_steps,
+                     JOB_SPEC.seed, workflow)
+    return job, wf.Conditioning(inputs)
 
 
 def run(member: GroupMember, message: Message | None, stop_at: int = 0):
@@ -88,6 +104,17 @@ def main(out_path: str) -> None:
             name = f"{layout.split} fsdp={layout.fsdp} S={tokens + 488}"
             report["latents"][name] = max_diff(outcome.latents, reference)
             report["applied"][name] = applied(member)
+
+    report["workflows"] = {}
+    for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
+        job, conditioning = conditioned(workflow)
+        reference = DenoiseRunner(components(partition=wf.PARTITIONS[workflow]), (workflow,)).run(
+            job, *inputs(11).values(), lambda s, t: None, conditioning)
+        for layout in VARIANTS[:2]:
+            message = Message(JOB, job, inputs(11), conditioning) if control.rank == 0 else None
+            outcome = run(member_for(control, layout, workflow=workflow), message)
+            name = f"{common_pb2.Workflow.Name(workflow)} {layout.split}"
+            report["workflows"][name] = max_diff(outcome.latents, reference)
 
     # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
     message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None

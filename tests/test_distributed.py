@@ -44,3 +44,11 @@ def test_cancel_stops_every_rank_at_the_same_step_and_the_group_serves_on(report
 def test_fsdp_shards_bf16_blocks_next_to_fp32_pinned_modules(report):
     # production dtypes: FSDP2 accepts the mix and the result agrees to bf16 precision (fp32 is exact above)
     assert report["mixed_dtype_fsdp"] <= 2e-2
+
+
+@pytest.mark.distributed
+def test_fl2va_and_ref2va_conditioning_rows_split_like_the_rest(report):
+    assert set(report["workflows"]) == {f"WORKFLOW_{w} {split}" for w in ("FL2VA", "REF2VA")
+                                        for split in ("ulysses 2", "ring 2")}
+    for name, diff in report["workflows"].items():
+        assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
