@@ -29,7 +29,7 @@ def enable_reflection(server, service_full_names: list[str]) -> None:
 
 
 def add_health_and_reflection(server, service_full_names: list[str], serving: bool = True) -> health.HealthServicer:
-    """Register health (SERVING, or NOT_SERVING, for "" and each service) and reflection; returns the health servicer."""
+    """Register health (SERVING or NOT_SERVING, for "" and each service) and reflection; returns the servicer."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     set_serving(health_servicer, service_full_names, serving)
