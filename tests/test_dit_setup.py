@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import contextlib
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import free_port
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
+from services.common import fastpath, wire
 from services.common.config import DiTConfig
+from services.common.server import start_server
 from services.common.tiny import build_component
 from services.dit import attention
-from services.common import fastpath
 from services.dit.launch import check, decode_config, torchrun_argv
 from services.dit.parallel import Layout
 from services.dit.runner import DenoiseJob, DenoiseRunner
+from services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 
 CPU = torch.device("cpu")
 
@@ -89,3 +95,27 @@ def test_packed_length_is_the_transformers_sequence_length(height, width, frames
     DenoiseRunner(parts).run(DenoiseJob(height, width, frames, 2, 0), torch.zeros(1, 9, 32),
                              torch.ones(9, dtype=torch.int64), lambda step, total: None)
     assert seen == [attention.packed_length(9, height, width, frames)]
+
+
+def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailable_with_the_reason():
+    view = GroupView(state="restarting (restart 1 of 3)")
+    view.info.workflows.append(common_pb2.WORKFLOW_T2VA)
+    address = f"127.0.0.1:{free_port()}"
+    server, _ = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(view), s),
+                             [SERVICE_NAME], address, serving=False)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            dit = dit_pb2_grpc.DiTStub(channel)
+            assert dit.Info(common_pb2.InfoRequest()).state == "restarting (restart 1 of 3)"
+            tensors = {"prompt_embeds": torch.zeros(1, 4, 32), "text_token_tags": torch.ones(4, dtype=torch.int64)}
+            inputs = [dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
+                                                                    num_inference_steps=3)),
+                      *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
+            with pytest.raises(grpc.RpcError) as err:
+                list(dit.Denoise(iter(inputs), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == "the DiT group is restarting (restart 1 of 3)"
+    finally:
+        server.stop(0)
