@@ -56,7 +56,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", choices=["ulysses", "ring"], default="ulysses", help="how the sequence is split")
     p.add_argument("--sizes", default="768x1344x124")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (timing), float32 (--check, --quick)")
-    p.add_argument("--attention-backend", default="native")
+    p.add_argument("--attention-backend", default="native", help="a diffusers backend name, or flash4")
+    p.add_argument("--compile", action="store_true", help="regional torch.compile (the fast path) before the split")
     p.add_argument("--forwards", type=int, default=4, help="forwards in the timed request (steps timed: one less)")
     p.add_argument("--quick", action="store_true", help="tiny preset, CPU, gloo, 2 ranks: a smoke test")
     p.add_argument("--check", action="store_true", help="latents of N ranks vs 1 rank for every split and FSDP")
@@ -195,7 +196,8 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
 
     dtype = getattr(torch, args.dtype)
     parts = components(args, device, dtype)
-    parallel.ready_model(parts["transformer"], FastPath(args.attention_backend), device, dtype)  # the baseline's too
+    fast = FastPath(attention=args.attention_backend, compile=args.compile)
+    parallel.ready_model(parts["transformer"], fast, device, dtype)  # the baseline runs on it too
     text_dim = parts["transformer"].config.text_dim
     message, warm = job_message(size, args.forwards, text_dim), job_message(size, 2, text_dim)
     baseline = 0.0
@@ -220,7 +222,7 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
         name=f"dit_sharded_{size}", device=device_label(device, layout.world_size), world_size=layout.world_size,
         dtype=args.dtype, seconds=seconds, baseline_seconds=baseline, ratio=baseline / seconds,
         peak_gib=max(peaks), rank_peaks_gib=peaks, command=args.command, date=datetime.date.today().isoformat(),
-        variant=f"group: {split}, {args.attention_backend} attention",
+        variant=f"group: {split}, {fast.describe()}",
         baseline="service runner on 1 GPU, whole model (= diffusers core denoise step)", software=software())
 
 

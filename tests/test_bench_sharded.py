@@ -19,7 +19,7 @@ def test_quick_sharded_bench_writes_a_record_per_size_with_each_ranks_peak(tmp_p
     [record] = json.loads(results.read_text())
     assert (record["name"], record["device"], record["world_size"], record["dtype"]) == \
         ("dit_sharded_32x64x124", "2xcpu", 2, "float32")
-    assert record["variant"] == "group: ulysses 2, replicated, native attention"
+    assert record["variant"] == "group: ulysses 2, replicated, native"
     assert record["seconds"] > 0 and record["ratio"] == record["baseline_seconds"] / record["seconds"]
     assert len(record["rank_peaks_gib"]) == 2 and record["peak_gib"] == max(record["rank_peaks_gib"])
     assert record["command"].startswith("python -m bench.dit_sharded --quick")

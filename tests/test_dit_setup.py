@@ -41,6 +41,11 @@ def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, messag
         check(DiTConfig(**fields))
 
 
+def test_more_ranks_than_visible_gpus_fail_before_any_rank_starts():
+    with pytest.raises(ValueError, match="GPU"):
+        check(DiTConfig(world_size=torch.cuda.device_count() + 1, device="cuda"))
+
+
 def test_torchrun_command_single_node_and_multi_node():
     single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
     assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]

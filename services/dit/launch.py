@@ -66,8 +66,12 @@ def check(config: DiTConfig) -> Layout:
     partition = wf.partitions(wf.served(config.workflows))[0]
     config.fast_path()  # fp8 without bf16 is refused here
     device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+    if device.type == "cuda":
+        per_node, visible = config.world_size // config.nnodes, torch.cuda.device_count()
+        if per_node > visible:
+            raise ValueError(f"world_size {config.world_size} puts {per_node} ranks on this node, one per GPU, "
+                             f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})")
+        device = torch.device("cuda", device.index or 0)
     attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
                     DTYPES[config.dtype])
     return layout
