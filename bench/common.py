@@ -1,4 +1,4 @@
-"""What every benchmark shares: sizes, full-size random models on the GPU, timing, labels."""
+"""What every benchmark shares: sizes, timing, labels (full-size random models: services/common/random_full.py)."""
 
 from __future__ import annotations
 
@@ -21,23 +21,6 @@ class Size:
 
     def __str__(self) -> str:
         return f"{self.height}x{self.width}x{self.frames}"
-
-
-def full_size(model_class, device: str, dtype: torch.dtype):
-    """`model_class` at its released (default) config with random weights, built in place on
-    `device` in `dtype`; parameters named in `_keep_in_fp32_modules` are fp32, as loading keeps them."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_class().eval()
-    finally:
-        torch.set_default_dtype(previous)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, param in model.named_parameters():
-        if keep & set(name.split(".")):
-            param.data = param.data.float()
-    return model
 
 
 def timed(fn, device: str) -> float:

@@ -29,21 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
-from bench.common import Size, device_label, full_size, software, timed
+from bench.common import Size, device_label, software, timed
 from bench.results import Record, update_results
-from services.common import fastpath
+from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
 os.environ.setdefault("TQDM_DISABLE", "1")  # diffusers' loop bar would be timed on one side only
-
-
-def full_size_transformer(device: str, dtype: torch.dtype):
-    """The released transformer config with random weights, built in place on `device`."""
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    return full_size(MiniMaxH3Transformer3DModel, device, dtype)
 
 
 def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
@@ -54,7 +47,7 @@ def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
 
         transformer = build_component("transformer")
     else:
-        transformer = full_size_transformer(device, dtype)
+        transformer = random_full.build_component("transformer", device, dtype)
     return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
             "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 

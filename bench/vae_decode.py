@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from bench.accuracy import rel_l2, upcast_to_fp32
-from bench.common import Size, device_label, full_size, software, timed
+from bench.common import Size, device_label, software, timed
 from bench.results import Record, update_results
-from services.common import fastpath
+from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
 from services.vae.decode import VaeDecoder, pixel_geometry
 from services.vae.tiles import batch_tiles
@@ -53,13 +53,11 @@ class VaeVariant:
 
 
 def vaes(quick: bool, device: str, dtype: torch.dtype) -> tuple:
-    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
-
     if quick:
         from services.common.tiny import build_component
 
         return build_component("vae"), build_component("audio_vae")
-    return full_size(AutoencoderKLMiniMaxH3, device, dtype), full_size(AutoencoderKLMiniMaxH3Audio, device, dtype)
+    return random_full.build_component("vae", device, dtype), random_full.build_component("audio_vae", device, dtype)
 
 
 def latents_for(size: Size, vae, audio_vae) -> tuple[torch.Tensor, torch.Tensor]:

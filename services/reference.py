@@ -43,13 +43,19 @@ class ReferenceRequest:
                 for name, path in frames.items() if path}
 
 
-def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",
-                  dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()) -> dict[str, np.ndarray]:
+def reference_pipeline(source: ModelSource, with_references: bool = False, device: str = "cpu",
+                       dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()):
+    """diffusers' MiniMaxH3Blocks on `source`'s components (`transformer_ref` too for ref2va), reusable."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
-    names = [*T2VA_COMPONENTS, "transformer_ref"] if request.references else T2VA_COMPONENTS
+    names = [*T2VA_COMPONENTS, "transformer_ref"] if with_references else T2VA_COMPONENTS
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(**source.load(names, device, dtype), **geometry.pipeline_configs())
+    return pipe
+
+
+def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
+    """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate and condition rows."""
     out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
                num_inference_steps=request.num_inference_steps,
                generator=torch.Generator().manual_seed(request.seed), output_type="np",
@@ -57,3 +63,9 @@ def run_reference(source: ModelSource, request: ReferenceRequest, device: str = 
     return {"frames": out["videos"][0], "audio": out["audio"][0].cpu().numpy(),
             "sample_rate": np.asarray(out["sampling_rate"]),
             "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS])}
+
+
+def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",
+                  dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()) -> dict[str, np.ndarray]:
+    pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
+    return run_pipeline(pipe, request)

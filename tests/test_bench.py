@@ -33,3 +33,66 @@ def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     assert [r["variant"] for r in records] == ["VAE service decoder, native", "VAE service decoder, native+tiles=2"]
     # fp32 weights: the decode is its own fp32 reference.
     assert all(r["name"] == "vae_decode_32x64x22" and r["rel_err_fp32"] == 0.0 for r in records)
+
+
+def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
+    from bench import e2e
+
+    results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
+    [comparison] = e2e.main(["--quick", "--repeats", "1", "--out", str(tmp_path / "run"), "--write",
+                             "--results", str(results), "--markdown", str(markdown)])
+    # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte.
+    assert comparison.same_output
+    served, in_process = comparison.served, comparison.in_process
+    assert all(served.stages[s] > 0 and in_process.stages[s] > 0 for s in e2e.STAGES)
+    # The client's time spans every stage the gateway recorded for the job, plus the transport between them.
+    assert served.transport > 0
+    records = json.loads(results.read_text())
+    name = "e2e_32x64x124_4steps"
+    assert [r["name"] for r in records] == [name, *(f"{name}_{s}" for s in (*e2e.STAGES, "transport"))]
+    total = records[0]
+    assert (total["seconds"], total["baseline_seconds"]) == (served.seconds, in_process.seconds)
+    assert total["ratio"] == in_process.seconds / served.seconds
+    assert [r["seconds"] for r in records[1:5]] == [served.stages[s] for s in e2e.STAGES]
+    assert f"| {name} | cpu | float32 |" in markdown.read_text()
+    assert {p.name for p in (tmp_path / "run").glob("*.mp4")} == {"in-process-32x64x124.mp4", "served-32x64x124.mp4"}
+
+
+def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(tmp_path):
+    import argparse
+
+    import pytest
+
+    from bench import e2e
+    from bench.common import Size
+
+    args = argparse.Namespace(sizes="32x64x124", steps=4, warmup_steps=2, dtype="float32", model_dir="",
+                              command="python -m bench.e2e --quick --side in-process")
+    side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)
+    path = tmp_path / "baseline.json"
+    with pytest.raises(SystemExit, match="no baseline at .*; run with --side in-process first"):
+        e2e.load_baseline(path, args)
+    e2e.save_baseline(path, args, {Size(32, 64, 124): side})
+    assert e2e.load_baseline(path, args) == ({Size(32, 64, 124): side}, args.command)
+    args.steps = 50
+    with pytest.raises(SystemExit, match="measured with .*'steps': 4.*this run is .*'steps': 50"):
+        e2e.load_baseline(path, args)
+
+
+def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):
+    import argparse
+
+    from bench import e2e
+    from services.common.config import load_deploy
+    from services.common.fastpath import FastPath
+
+    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
+                              vae="native+compile+tiles=28")
+    config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    services = [config.encoder, config.dit, config.vae]
+    assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
+    assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
+    assert config.dit.fast_path() == FastPath("flash4", compile=True, fp8=True)
+    assert config.vae.fast_path() == FastPath("native", compile=True) and config.vae.tile_batch == 28
+    assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
+    assert config.gateway.data_dir == str(tmp_path / "gateway")

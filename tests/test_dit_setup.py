@@ -16,7 +16,7 @@ from services.common.config import DiTConfig
 from services.common.server import start_server
 from services.common.tiny import build_component
 from services.dit import attention
-from services.dit.launch import check, decode_config, torchrun_argv
+from services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
 from services.dit.parallel import Layout
 from services.dit.runner import DenoiseJob, DenoiseRunner
 from services.dit.server import SERVICE_NAME, DiTServicer, GroupView
@@ -44,6 +44,12 @@ def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, messag
 def test_more_ranks_than_visible_gpus_fail_before_any_rank_starts():
     with pytest.raises(ValueError, match="GPU"):
         check(DiTConfig(world_size=torch.cuda.device_count() + 1, device="cuda"))
+
+
+def test_the_checked_head_shape_is_the_served_transformers(tiny_model_dir):
+    assert transformer_shape("", "transformer") == (2, 16)
+    assert transformer_shape(str(tiny_model_dir), "transformer_ref") == (2, 16)
+    assert transformer_shape("random:full", "transformer") == (56, 128)
 
 
 def test_torchrun_command_single_node_and_multi_node():

@@ -14,14 +14,15 @@ from typing import Any
 
 import torch
 
-from services.common import tiny
+from services.common import random_full, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """`model_dir=None` selects the tiny preset."""
+    """`model_dir=None` selects the tiny preset; `random_full.SOURCE` ("random:full") the released sizes with
+    random weights, built on the device (benchmarks)."""
 
     model_dir: str | None = None
 
@@ -33,6 +34,8 @@ class ModelSource:
         """Identifies the weights: part of every cache key derived from model outputs."""
         if self.model_dir is None:
             return tiny.TINY_REVISION
+        if self.model_dir == random_full.SOURCE:
+            return random_full.REVISION
         digest = hashlib.sha256()
         root = Path(self.model_dir)
         for path in sorted(root.rglob("*")):
@@ -47,6 +50,8 @@ class ModelSource:
         """Load the named pipeline components onto `device` in `dtype` (fp32-pinned modules stay fp32)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if self.model_dir == random_full.SOURCE:
+            return random_full.build(names, device, DTYPES[dtype])  # already on the device
         if self.model_dir is None:
             if dtype != "float32":
                 raise ValueError("the tiny preset is built in float32 only; use a model directory for other dtypes")

@@ -35,7 +35,7 @@ SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_en
                   "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def _seeded(name: str):
+def seeded(name: str):
     """Seed torch's global RNG from the component name, so weights do not depend on build order."""
     torch.manual_seed(zlib.crc32(name.encode()))
 
@@ -65,25 +65,34 @@ def build_processor(tokenizer):
     return Qwen3VLProcessor(image_processor=image, tokenizer=tokenizer, video_processor=video)
 
 
-def build_text_encoder(tokenizer):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+TEXT_ENCODER_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=51, num_attention_heads=2, num_key_value_heads=1,
+    head_dim=16, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+)
+TEXT_ENCODER_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[1],
+)
+
+
+def qwen3_vl_config(tokenizer, text: dict, vision: dict):
+    """A Qwen3-VL config whose vision token ids are `tokenizer`'s (the byte-level one has its own ids)."""
+    from transformers import Qwen3VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=51,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
-            rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [4, 2, 2],
-                             "mrope_interleaved": True},
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
-            temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=64, deepstack_visual_indexes=[1],
-        ),
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
-    _seeded("text_encoder")
+
+
+def build_text_encoder(tokenizer):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    config = qwen3_vl_config(tokenizer, {"vocab_size": len(tokenizer), **TEXT_ENCODER_TEXT}, TEXT_ENCODER_VISION)
+    seeded("text_encoder")
     return Qwen3VLForConditionalGeneration(config).eval()
 
 
@@ -93,13 +102,13 @@ def build_component(name: str):
     from diffusers.schedulers import MiniMaxH3Scheduler
 
     if name in ("transformer", "transformer_ref"):
-        _seeded(name)
+        seeded(name)
         return MiniMaxH3Transformer3DModel(**TRANSFORMER).eval()
     if name == "vae":
-        _seeded(name)
+        seeded(name)
         return AutoencoderKLMiniMaxH3(**VAE).eval()
     if name == "audio_vae":
-        _seeded(name)
+        seeded(name)
         return AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE).eval()
     if name == "scheduler":
         return MiniMaxH3Scheduler(shift=12.0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from services.common import tiny
+from services.common import random_full, tiny
 from services.common.config import DiTConfig
 from services.common.models import DTYPES
 from services.dit import attention
@@ -26,6 +26,7 @@ from services.dit import workflows as wf
 from services.dit.parallel import Layout
 
 # Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
+RELEASED_SHAPE = (56, 128)  # attention heads, head dim: MiniMaxH3Transformer3DModel's defaults, the released ones
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -54,8 +55,10 @@ def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     """(attention heads, head dim) of the transformer partition that will be served."""
     if not model_dir:
         return tiny.TRANSFORMER["num_attention_heads"], tiny.TRANSFORMER["attention_head_dim"]
+    if model_dir == random_full.SOURCE:
+        return RELEASED_SHAPE
     config = json.loads((Path(model_dir) / partition / "config.json").read_text())
-    return config.get("num_attention_heads", 56), config.get("attention_head_dim", 128)
+    return config.get("num_attention_heads", RELEASED_SHAPE[0]), config.get("attention_head_dim", RELEASED_SHAPE[1])
 
 
 def check(config: DiTConfig) -> Layout:

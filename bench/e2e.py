@@ -1,0 +1,321 @@
+"""End to end on one machine: a request through the real gRPC services vs diffusers' in-process pipeline.
+
+Both sides run the same t2va request (prompt, size, steps, seed) on the same weights: full released
+sizes with random weights built on the GPU (`[model] dir = "random:full"`, services/common/random_full.py;
+`--quick`: the tiny preset on CPU). The prompt is 256 bytes, 256 tokens with the byte-level tokenizer.
+
+1. In process (the baseline): diffusers' `MiniMaxH3Blocks` (encode, denoise, decode), then the VAE
+   service's own MP4 muxer, written to a file. Stage times come from its top-level blocks
+   (bench/stage_clock.py). It runs in a child process, so when it ends the device is free again: the
+   two sides never hold the GPU at the same time.
+2. Services: encoder, DiT, VAE and gateway started as separate processes by `ServiceGroup` from a
+   deployment file written here (every model service on the same device; the encoder cache is off so
+   every request encodes), with the `--dit` / `--vae` fast paths (default: native, as diffusers). Each
+   request is timed at the client from `Generate` to the downloaded MP4; stage times are the gateway's
+   job record (`GetJob`), and transport is what the client saw beyond them.
+
+One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
+of `--repeats`. The MP4s of the last runs are compared (sha256) and the result printed: with the default
+fast paths the split computes exactly what the pipeline computes (on CPU the test checks it).
+
+    python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, ~6 min
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side in-process   # two calls of
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write   # < 10 min
+    python -m bench.e2e --quick                                                 # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import multiprocessing
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.common import Size, device_label, software
+from bench.dit_step import parse_variant
+from bench.results import Record, update_results
+from bench.stage_clock import StageClock
+from bench.vae_decode import VaeVariant
+from services.common.config import load_deploy
+from services.common.models import ModelSource
+from services.reference import ReferenceRequest, reference_pipeline, run_pipeline
+from services.vae.mux import encode_mp4
+
+PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
+          "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
+          "breath steaming, then bounds away over a ridge as black crows call above.")
+SEED = 1234
+STAGES = ("encode", "denoise", "decode", "mux")
+PIPELINE_STAGES = {"text_encoder": "encode", "denoise": "denoise", "decode": "decode"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One request: seconds at the client (or around the pipeline), its stages, the MP4's sha256."""
+
+    seconds: float
+    stages: dict[str, float]
+    digest: str
+
+    @property
+    def transport(self) -> float:
+        return self.seconds - sum(self.stages.get(s, 0.0) for s in STAGES)
+
+
+@dataclass(frozen=True)
+class Side:
+    """The median over repeats of one side at one size, and the device memory in use after its runs."""
+
+    seconds: float
+    stages: dict[str, float]
+    transport: float
+    digest: str
+    used_gib: float
+
+    @classmethod
+    def of(cls, runs: list[Run], used_gib: float) -> "Side":
+        stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
+        return cls(statistics.median(r.seconds for r in runs), stages,
+                   statistics.median(r.transport for r in runs), runs[-1].digest, used_gib)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    size: Size
+    in_process: Side
+    served: Side
+
+    @property
+    def same_output(self) -> bool:
+        return self.in_process.digest == self.served.digest
+
+
+def device_used_gib(device: str) -> float:
+    """Device memory in use by every process (the services' caching allocators hold their peaks)."""
+    if not device.startswith("cuda"):
+        return 0.0
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free) / 2**30, 2)
+
+
+def repeated(once, args) -> list[Run]:
+    """`once(steps)` for warm-up (kernels, allocator, compile: the same shapes with fewer steps), then timed."""
+    once(args.warmup_steps)
+    return [once(args.steps) for _ in range(args.repeats)]
+
+
+def in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+    """The baseline, in a process of its own: when it exits, the device is free for the services."""
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+        sides = pool.submit(_in_process, sizes, args, device, out).result()
+    print(f"in process done: {device_used_gib(device)} GiB in use on the device", flush=True)
+    return sides
+
+
+def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+    pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
+    clock = StageClock(pipe, PIPELINE_STAGES, device)
+
+    def once(size: Size, steps: int) -> Run:
+        clock.reset()
+        started = time.perf_counter()
+        result = run_pipeline(pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED))
+        muxed = time.perf_counter()
+        video = encode_mp4(result["frames"], result["audio"], int(result["sample_rate"]), lambda *_: None)
+        (out / f"in-process-{size}.mp4").write_bytes(video)
+        done = time.perf_counter()
+        return Run(done - started, {**clock.seconds, "mux": done - muxed}, hashlib.sha256(video).hexdigest())
+
+    sides = {}
+    for size in sizes:
+        print(f"in process {size}: warm-up + {args.repeats} runs", flush=True)
+        runs = repeated(lambda steps: once(size, steps), args)
+        sides[size] = Side.of(runs, device_used_gib(device))
+    return sides
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deployment(args, device: str, work: Path) -> Path:
+    """Every service on `device`, loopback ports, the encoder cache off, the fast paths from --dit / --vae."""
+    dit, vae = parse_variant(args.dit), VaeVariant.parse(args.vae)
+    common = f'device = "{device}"\ndtype = "{args.dtype}"\nport = '
+    text = (f'[model]\ndir = "{args.model_dir or ""}"\n\n'
+            f"[encoder]\n{common}{free_port()}\ncache_bytes = 0\n\n"
+            f'[dit]\n{common}{free_port()}\nworkflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
+            f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n\n"
+            f'[vae]\n{common}{free_port()}\nattention_backend = "{vae.fast.attention}"\n'
+            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n\n"
+            f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n')
+    path = work / "deploy.toml"
+    path.write_text(text)
+    return path
+
+
+def served_once(client, size: Size, steps: int, out: Path) -> Run:
+    from gateway.client import describe_event
+    from h3serve.v1 import gateway_pb2
+
+    request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width,
+                                          num_frames=size.frames, num_inference_steps=steps, seed=SEED)
+    events = []
+    started = time.perf_counter()
+    final = client.generate(request, events.append)
+    if final.WhichOneof("kind") != "done":
+        raise RuntimeError(f"job {final.job_id} {describe_event(final)}")
+    path = client.download(final.done.video.artifact_id, out / f"served-{size}.mp4")
+    seconds = time.perf_counter() - started
+    hits = [e.encoding.cache_hit for e in events if e.WhichOneof("kind") == "encoding"]
+    if hits != [False]:
+        raise RuntimeError(f"job {final.job_id}: expected one encoder run (cache off), got cache hits {hits}")
+    stages = {s.stage: s.seconds for s in client.job(final.job_id).stages}
+    return Run(seconds, stages, hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def through_services(sizes: list[Size], args, device: str, work: Path) -> dict[Size, Side]:
+    from gateway.client import GatewayClient
+    from services.launcher import ServiceGroup
+
+    config_path = deployment(args, device, work)
+    config = load_deploy(config_path)
+    started = time.perf_counter()
+    try:
+        with ServiceGroup(config, str(config_path), log_dir=str(work)):
+            print(f"services healthy in {time.perf_counter() - started:.1f} s", flush=True)
+            client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
+            try:
+                sides = {}
+                for size in sizes:
+                    print(f"services {size}: warm-up + {args.repeats} runs", flush=True)
+                    runs = repeated(lambda steps: served_once(client, size, steps, work), args)
+                    sides[size] = Side.of(runs, device_used_gib(device))
+                return sides
+            finally:
+                client.close()
+    except BaseException:
+        print_logs(work)
+        raise
+
+
+def setup(args) -> dict:
+    """What a saved baseline must share with the services run it is compared with."""
+    return {"sizes": args.sizes, "steps": args.steps, "warmup_steps": args.warmup_steps, "dtype": args.dtype,
+            "model_dir": args.model_dir}
+
+
+def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"setup": setup(args), "command": args.command,
+                                "sides": {str(size): asdict(side) for size, side in sides.items()}}, indent=1))
+
+
+def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
+    """The in-process medians a `--side in-process` run saved, and its command; refused for another setup."""
+    if not path.exists():
+        raise SystemExit(f"--side services: no baseline at {path}; run with --side in-process first")
+    saved = json.loads(path.read_text())
+    if saved["setup"] != setup(args):
+        raise SystemExit(f"--side services: the baseline in {path} was measured with {saved['setup']}, "
+                         f"this run is {setup(args)}")
+    return {Size.parse(size): Side(**side) for size, side in saved["sides"].items()}, saved["command"]
+
+
+def print_logs(work: Path, lines: int = 30) -> None:
+    for log in sorted(work.glob("*.log")):
+        print(f"--- last {lines} lines of {log.name}", file=sys.stderr)
+        print("\n".join(log.read_text(errors="replace").splitlines()[-lines:]), file=sys.stderr)
+
+
+def records(comparison: Comparison, args, device: str, command: str) -> list[Record]:
+    """The end-to-end record, then one per stage (transport: what neither side spends in a stage)."""
+    name = f"e2e_{comparison.size}_{args.steps}steps"
+    ours, base = comparison.served, comparison.in_process
+    rows = [(name, ours.seconds, base.seconds)]
+    rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
+    rows.append((f"{name}_transport", ours.transport, base.transport))
+    common = dict(
+        device=device_label(device), world_size=1, dtype=args.dtype, peak_gib=ours.used_gib, command=command,
+        date=datetime.date.today().isoformat(), software=software(),
+        variant=f"gRPC services (encoder, DiT, VAE, gateway; one device), DiT {args.dit}, VAE {args.vae}",
+        baseline="diffusers MiniMaxH3Blocks in process + the same MP4 mux")
+    return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
+            for n, s, b in rows]
+
+
+def print_table(comparisons: list[Comparison]) -> None:
+    print(f"{'size':16} {'':12} {'e2e s':>8} " + " ".join(f"{s:>8}" for s in (*STAGES, "transport"))
+          + f" {'GiB used':>9}")
+    for c in comparisons:
+        for label, side in (("in process", c.in_process), ("services", c.served)):
+            print(f"{str(c.size):16} {label:12} {side.seconds:8.3f} "
+                  + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES) + f" {side.transport:8.3f}"
+                  + f" {side.used_gib:9.2f}")
+        print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
+              f"(in process / services; same MP4: {c.same_output})")
+
+
+def main(argv: list[str] | None = None) -> list[Comparison]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
+    p.add_argument("--sizes", default="768x1344x124,480x832x124")
+    p.add_argument("--steps", type=int, default=4, help="num_inference_steps (N gives N-1 DiT forwards)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=2, help="num_inference_steps of the warm-up request")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
+    p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
+    p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
+    p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
+    p.add_argument("--side", choices=("both", "in-process", "services"), default="both",
+                   help="one side per call when both do not fit in one: in-process saves its medians to "
+                        "--baseline-file, services compares with them (the same machine, the same options)")
+    p.add_argument("--baseline-file", default="var/e2e-baseline.json")
+    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
+    p.add_argument("--results", default="bench/results.json")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    args = p.parse_args(argv)
+    args.command = " ".join(["python -m bench.e2e", *(sys.argv[1:] if argv is None else argv)])
+    if args.quick:
+        args.sizes, args.dtype, args.model_dir = "32x64x124", "float32", ""
+    device = "cpu" if args.quick else "cuda"
+    sizes = [Size.parse(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="h3serve-e2e-") as scratch:
+        work = Path(args.out or scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        baseline_file, command = Path(args.baseline_file), args.command
+        if args.side == "services":
+            baseline, baseline_command = load_baseline(baseline_file, args)
+            command = f"{baseline_command}; {args.command}"
+        else:
+            baseline = in_process(sizes, args, device, work)
+        if args.side == "in-process":
+            save_baseline(baseline_file, args, baseline)
+            print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
+            return []
+        served = through_services(sizes, args, device, work)
+    comparisons = [Comparison(size, baseline[size], served[size]) for size in sizes]
+    print_table(comparisons)
+    if args.write:
+        update_results([r for c in comparisons for r in records(c, args, device, command)], args.results,
+                       args.markdown)
+    return comparisons
+
+
+if __name__ == "__main__":
+    main()
