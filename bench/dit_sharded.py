@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Size, full_size, software
-from bench.dit_step import TEXT_TOKENS, full_size_transformer
+from bench.common import Size, software
+from bench.dit_step import TEXT_TOKENS
 from bench.results import Record, update_results
+from services.common import random_full
 from services.common.fastpath import FastPath
 
 MID_SIZE = dict(  # the released structure at a size one GPU runs in seconds: real head dim, real channels
@@ -154,9 +155,9 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     if args.quick or config is not None:
         torch.manual_seed(0)  # the same weights on every rank: drawn on the CPU, then moved
         sized = functools.partial(MiniMaxH3Transformer3DModel, **(config or TRANSFORMER))
-        transformer = full_size(sized, "cpu", dtype).to(device)
-    else:
-        transformer = full_size_transformer(str(device), dtype)
+        transformer = random_full.build_in_place(sized, "cpu", dtype).to(device)
+    else:  # released size, built on this rank's GPU, seeded alike on every rank
+        transformer = random_full.build_component("transformer", str(device), dtype)
     return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
             "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
 
