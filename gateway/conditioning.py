@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from h3serve.v1 import common_pb2, gateway_pb2
+from gateway.admission import packed_rows, rows_per_latent_frame
 from gateway.assets import AUDIO, IMAGE, KIND_NAMES, VIDEO
 from gateway.request import (
     CANVAS_MULTIPLE,
@@ -32,7 +33,6 @@ from services.common.config import ModelGeometry
 MAX_PER_KIND = {IMAGE: 9, VIDEO: 3, AUDIO: 3}
 MAX_REFERENCES = 12
 MIN_VIDEO_FRAMES = FRAMES_PER_CHUNK + LATENTS_PER_CHUNK  # 22 at 24 fps: the shortest clip the video VAE encodes
-AUDIO_LATENTS_PER_SECOND = 40
 AUDIO_HOP = 800  # samples per audio latent at 32 kHz
 MODEL_SAMPLE_RATE = 32000
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
@@ -56,10 +56,6 @@ class Rows:
     @property
     def total(self) -> int:
         return self.condition + self.generated_video + self.generated_audio
-
-
-def _rows_per_frame(height: int, width: int) -> int:
-    return (height // CANVAS_MULTIPLE) * (width // CANVAS_MULTIPLE)
 
 
 def image_reference_canvas(width: int, height: int, short_edge: int) -> tuple[int, int]:
@@ -89,22 +85,21 @@ def conditioning_rows(request: gateway_pb2.ResolvedRequest, assets: Mapping[str,
     video = audio = 0
     if request.workflow == common_pb2.WORKFLOW_FL2VA:
         video = sum(bool(k) for k in (request.first_frame, request.last_frame)) * \
-            _rows_per_frame(request.height, request.width)
+            rows_per_latent_frame(request.height, request.width)
     for reference in request.references:
         asset = assets[reference.asset_id]
         if asset.kind == IMAGE:
-            video += _rows_per_frame(*image_reference_canvas(asset.width, asset.height,
+            video += rows_per_latent_frame(*image_reference_canvas(asset.width, asset.height,
                                                              geometry.reference_image_short_edge))
         elif asset.kind == VIDEO:
             frames = video_reference_frames(asset, request.num_frames)
             snapped = max(1, (frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
             canvas = canvas_for_aspect(asset.width, asset.height, geometry.canvas_short_edge, geometry.canvas_max_pixels)
-            video += latent_frames(snapped) * _rows_per_frame(*canvas)
+            video += latent_frames(snapped) * rows_per_latent_frame(*canvas)
         if asset.has_audio:
             audio += soundtrack_rows(asset, request.num_frames)
-    generated_audio = 2 * round(request.num_frames / FPS * AUDIO_LATENTS_PER_SECOND)
-    return Rows(video, audio, latent_frames(request.num_frames) * _rows_per_frame(request.height, request.width),
-                generated_audio)
+    generated = packed_rows(request.height, request.width, request.num_frames, text_rows=0)
+    return Rows(video, audio, generated.video, generated.audio)
 
 
 def _asset(lookup: Callable[[str], gateway_pb2.Asset | None], field: str, asset_id: str) -> gateway_pb2.Asset:

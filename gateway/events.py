@@ -27,18 +27,21 @@ class EventHub:
 
     def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
         """Persist one event (e.g. `denoising=Denoising(...)`) and hand it to the job's watchers."""
-        event = self.store.append_event(job_id, gateway_pb2.JobEvent(**kind))
-        for queue in self._watchers.get(job_id, ()):
+        return self.publish(self.store.append_event(job_id, gateway_pb2.JobEvent(**kind)))
+
+    def publish(self, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+        """Hand an already stored event to the job's watchers."""
+        for queue in self._watchers.get(event.job_id, ()):
             queue.put_nowait(event)
         return event
 
-    async def watch(self, job_id: str) -> AsyncIterator[gateway_pb2.JobEvent]:
-        """Every event of the job from the first, live until its terminal event."""
+    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[gateway_pb2.JobEvent]:
+        """Every event of the job after `after_seq`, stored ones first, live until its terminal event."""
         queue: asyncio.Queue = asyncio.Queue()
         self._watchers[job_id].add(queue)
         try:
-            last = 0
-            for event in self.store.events(job_id):
+            last = after_seq
+            for event in self.store.events(job_id, after_seq):
                 last = event.seq
                 yield event
                 if is_terminal(event):

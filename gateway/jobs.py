@@ -1,15 +1,22 @@
 """Runs a job through the stages: encoder -> DiT -> VAE, turning stage progress into JobEvents.
 
+Each stage has its own queue and workers (`StageQueue`), so jobs overlap across stages. Every pass
+through a stage is recorded (queued, started, finished, replica, bytes). A stalled stage makes the
+job run again from the start (same seed, same result) while attempts remain.
+
 Every job ends in exactly one terminal state, written to the store with its terminal event.
-That is guaranteed by `_run`'s handlers and a final check, not by any single signal: a job
-that somehow escaped them is still marked FAILED (the field notes' ghost "running" job).
+That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the
+expected errors is still marked FAILED (the field notes' ghost "running" job).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -18,12 +25,36 @@ from gateway.artifacts import ArtifactStore
 from gateway.asset_store import AssetStore
 from gateway.events import EventHub
 from gateway.media_stage import encode_inputs
-from gateway.stages import StageClients
+from gateway.metrics import STAGES, GatewayMetrics
+from gateway.retention import Retention
+from gateway.stage_queue import StageQueue
+from gateway.stages import CallRecord, StageClients
 from gateway.store import JobStore
+from gateway.watchdog import Stuck, Watchdog
+from services.common.config import GatewayConfig
 from services.common.errors import describe, tail
 
 log = logging.getLogger("h3serve.gateway.jobs")
 S = gateway_pb2
+
+
+T = TypeVar("T")
+VAE_ENCODE = "vae-encode"
+REPLICAS_OF = {VAE_ENCODE: "vae"}  # a stage that runs on another stage's replicas
+
+
+class StageFailed(Exception):
+    """A stage call ended with a gRPC error; the message names the stage and the replica."""
+
+    def __init__(self, stage: str, replica: str, error: grpc.aio.AioRpcError):
+        self.code = error.code()
+        super().__init__(f"{stage} ({replica}): {error.details() or error.code().name}")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return tail(f"{exc.code().name}: {exc.details()}")
+    return tail(str(exc) or type(exc).__name__)
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -44,9 +75,15 @@ class StepTimes:
 
 
 class JobRunner:
-    def __init__(self, store: JobStore, hub: EventHub, stages: StageClients, artifacts: ArtifactStore,
-                 assets: AssetStore | None = None) -> None:
-        self.store, self.hub, self.stages, self.artifacts, self.assets = store, hub, stages, artifacts, assets
+    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, stages: StageClients,
+                 artifacts: ArtifactStore, metrics: GatewayMetrics, assets: AssetStore | None = None) -> None:
+        self.store, self.hub, self.stages, self.artifacts, self.metrics = store, hub, stages, artifacts, metrics
+        self.assets = assets
+        self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
+        # One queue per stage; "vae-encode" (fl2va/ref2va conditioning) runs on the VAE replicas.
+        self.queues = {stage: StageQueue(stage, len(config.replicas(stage))) for stage in STAGES}
+        self.queues[VAE_ENCODE] = StageQueue(VAE_ENCODE, len(config.replicas(REPLICAS_OF[VAE_ENCODE])))
+        self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -65,34 +102,74 @@ class JobRunner:
         return True
 
     async def shutdown(self) -> None:
-        """Stop in-flight jobs without a verdict: a restart finds them interrupted and says so."""
+        """Stop in-flight jobs without a verdict: a restart finds them interrupted and runs them again."""
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         try:
-            self.store.set_state(job_id, S.JOB_STATE_RUNNING)
-            await self._pipeline(job_id, request)
+            while attempt := self.store.start_attempt(job_id):
+                if await self._attempt(job_id, request, attempt):
+                    return
         except asyncio.CancelledError:
             if job_id not in self._cancel_requested:
-                raise  # gateway shutdown: left in flight, failed explicitly at the next start
+                raise  # gateway shutdown: left in flight, run again at the next start
             self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason="cancelled by CancelJob"))
-        except grpc.aio.AioRpcError as exc:
-            self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code(), exc.details() or str(exc)))
+        except StageFailed as exc:
+            self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except Exception as exc:
             log.exception("job %s failed", job_id)
             self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.INTERNAL, describe(exc)))
         finally:
             self._cancel_requested.discard(job_id)
 
+    async def _attempt(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> bool:
+        """One run from the start; False when it stalled and the job was queued for another attempt."""
+        try:
+            await self._pipeline(job_id, request, attempt)
+            return True
+        except Stuck as exc:
+            self.metrics.stalls.labels(exc.phase).inc()
+            log.warning("job %s attempt %d: %s", job_id, attempt, exc)
+            event = self.store.retry_or_fail(job_id, self.max_attempts, str(exc), grpc.StatusCode.DEADLINE_EXCEEDED)
+            if event is None:
+                return True
+            self.hub.publish(event)
+            if event.HasField("failed"):
+                return True
+            self.metrics.job_retries.labels("stall").inc()
+            return False
+
     def _finish(self, job_id: str, state: int, **terminal) -> None:
         error = terminal.get("failed")
         if self.store.set_state(job_id, state, error):
             self.hub.emit(job_id, **terminal)
 
-    async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
-        inputs = await encode_inputs(self.stages, self.assets, job_id, request, self._condition_progress(job_id))
+    async def _stage(self, job_id: str, attempt: int, stage: str, work: Callable[[CallRecord], Awaitable[T]]) -> T:
+        """Wait for a worker of `stage`, run `work`, and record the pass."""
+        record_id = self.store.stage_enqueued(job_id, attempt, stage)
+        waited = time.monotonic()
+        async with self.queues[stage].worker():
+            started = time.monotonic()
+            self.metrics.queue_seconds.labels(stage).observe(started - waited)
+            self.store.stage_update(record_id, started=time.time())
+            call = CallRecord()
+            try:
+                result = await work(call)
+            except BaseException as exc:
+                self.store.stage_update(record_id, replica=call.replica, tries=call.tries, error=_reason(exc))
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise StageFailed(stage, call.replica, exc) from exc
+                raise
+            self.store.stage_update(record_id, finished=time.time(), replica=call.replica, tries=call.tries,
+                                    bytes_in=call.bytes_in, bytes_out=call.bytes_out)
+            self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
+        return result
+
+    async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
+        inputs = await encode_inputs(self.stages, self.assets, job_id, request, self._condition_progress(job_id),
+                                     lambda stage, work: self._stage(job_id, attempt, stage, work), self.stall_s)
         encoded = inputs.encoded
         self.store.set_stage_seconds(job_id, "encode", encoded.summary.seconds)
         if inputs.conditions is not None:
@@ -105,11 +182,12 @@ class JobRunner:
         async def on_step(step: dit_pb2.StepProgress) -> None:
             self.hub.emit(job_id, denoising=steps.event(step))
 
-        denoised = await self.stages.denoise(job_id, request, inputs.chunks, on_step, inputs.spec)
+        denoised = await self._stage(job_id, attempt, "dit", lambda call: self.stages.denoise(
+            job_id, request, inputs.chunks, on_step, Watchdog(self.stall_s), call, inputs.spec))
         self.store.set_stage_seconds(job_id, "denoise", denoised.summary.seconds)
 
-        decoded = await self.stages.decode(job_id, request.include_raw, denoised.chunks,
-                                           self._decode_progress(job_id))
+        decoded = await self._stage(job_id, attempt, "vae", lambda call: self.stages.decode(
+            job_id, request.include_raw, denoised.chunks, self._decode_progress(job_id), Watchdog(self.stall_s), call))
         self.store.set_stage_seconds(job_id, "decode", decoded.summary.decode_seconds)
         self.store.set_stage_seconds(job_id, "mux", decoded.summary.mux_seconds)
         self._complete(job_id, decoded)
@@ -146,3 +224,4 @@ class JobRunner:
         if video.sha256 != decoded.summary.sha256:
             raise RuntimeError(f"video.mp4 arrived with sha256 {video.sha256}, the VAE sent {decoded.summary.sha256}")
         self._finish(job_id, S.JOB_STATE_SUCCEEDED, done=done)
+        self.retention.enforce()

@@ -3,27 +3,26 @@
 Both stages get the assets' stored (compressed) bytes and normalise them themselves. The VAE's
 conditioning latents are relayed to the DiT with the prompt embeddings, as chunks the gateway never
 decodes, together with what the DiT's spec needs (keyframe anchors or the reference manifest).
-t2va jobs take the plain encode call.
+t2va jobs take the plain encode call. Each call runs as a pass of its stage ("encoder", "vae-encode")
+through `run_stage`, the job runner's queue, record and watchdog wrapper.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2, tensor_pb2, vae_pb2
 from gateway.asset_store import AssetStore
-from gateway.stages import Encoded, StageClients, relay
+from gateway.stages import CallRecord, Encoded, StageClients
+from gateway.watchdog import Watchdog
 from services.common.media import media_inputs
 
+# run_stage(stage name, work(record) -> awaitable result) -> the result
+StageRunner = Callable[[str, Callable[[CallRecord], Awaitable]], Awaitable]
+
 ROLES = {"first_frame": media_pb2.MEDIA_ROLE_FIRST_FRAME, "last_frame": media_pb2.MEDIA_ROLE_LAST_FRAME}
-
-
-@dataclass
-class Conditions:
-    chunks: list[tensor_pb2.TensorChunk] = field(default_factory=list)
-    summary: vae_pb2.ConditionSummary | None = None
 
 
 @dataclass
@@ -32,6 +31,18 @@ class DenoiseInputs:
     chunks: list[tensor_pb2.TensorChunk]   # prompt embeddings, then conditioning latents
     spec: dit_pb2.DenoiseSpec              # the workflow's extra DenoiseSpec fields
     conditions: vae_pb2.ConditionSummary | None = None
+
+
+async def _both(first: Awaitable, second: Awaitable) -> list:
+    """Both results; when one fails the other is cancelled, so no stage call outlives its job's attempt."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def media_spec(job_id: str, request: gateway_pb2.ResolvedRequest, assets: AssetStore) -> media_pb2.MediaSpec:
@@ -48,42 +59,21 @@ def media_spec(job_id: str, request: gateway_pb2.ResolvedRequest, assets: AssetS
 
 async def encode_inputs(stages: StageClients, assets: AssetStore | None, job_id: str,
                         request: gateway_pb2.ResolvedRequest,
-                        on_progress: Callable[[vae_pb2.ConditionProgress], Awaitable[None]]) -> DenoiseInputs:
+                        on_progress: Callable[[vae_pb2.ConditionProgress], Awaitable[None]],
+                        run_stage: StageRunner, stall_s: dict[str, float]) -> DenoiseInputs:
     if request.workflow in (common_pb2.WORKFLOW_UNSPECIFIED, common_pb2.WORKFLOW_T2VA):
-        encoded = await stages.encode(job_id, request.prompt)
+        encoded = await run_stage("encoder", lambda record: stages.encode(job_id, request.prompt, Watchdog(stall_s),
+                                                                          record))
         return DenoiseInputs(encoded, encoded.chunks, dit_pb2.DenoiseSpec())
     spec = media_spec(job_id, request, assets)
-    encoded, conditions = await asyncio.gather(_encode(stages, assets, spec),
-                                               _conditions(stages, assets, spec, on_progress))
-    extra = dit_pb2.DenoiseSpec(keyframe_anchors=conditions.summary.keyframe_anchors,
-                                references=conditions.summary.references)
-    return DenoiseInputs(encoded, [*encoded.chunks, *conditions.chunks], extra, conditions.summary)
-
-
-async def _encode(stages: StageClients, assets: AssetStore, spec: media_pb2.MediaSpec) -> Encoded:
-    async def call() -> Encoded:
-        result = Encoded([], None)
-        async for reply in stages.encoder.EncodeMedia(media_inputs(spec, assets.chunks),
-                                                      timeout=stages.config.encode_deadline_s):
-            if reply.HasField("chunk"):
-                result.chunks.append(reply.chunk)
-            else:
-                result.summary = reply.summary
-        return result
-
-    return await stages._retrying(call)
-
-
-async def _conditions(stages: StageClients, assets: AssetStore, spec: media_pb2.MediaSpec,
-                      on_progress: Callable[[vae_pb2.ConditionProgress], Awaitable[None]]) -> Conditions:
-    request_spec = media_pb2.MediaSpec()
-    request_spec.CopyFrom(spec)
-    request_spec.prompt = ""  # the VAE has no use for it
-
-    async def call() -> Conditions:
-        stream = stages.vae.EncodeConditions(media_inputs(request_spec, assets.chunks),
-                                             timeout=stages.config.encode_deadline_s)
-        return Conditions(*await relay(stream, "progress", on_progress))
-
-    return await stages._retrying(call)
-
+    conditions_spec = media_pb2.MediaSpec()
+    conditions_spec.CopyFrom(spec)
+    conditions_spec.prompt = ""  # the VAE has no use for it
+    media_bytes = sum(item.bytes for item in spec.items)
+    encoded, (chunks, summary) = await _both(
+        run_stage("encoder", lambda record: stages.encode_media(
+            lambda: media_inputs(spec, assets.chunks), media_bytes, Watchdog(stall_s), record)),
+        run_stage("vae-encode", lambda record: stages.encode_conditions(
+            lambda: media_inputs(conditions_spec, assets.chunks), media_bytes, on_progress, Watchdog(stall_s), record)))
+    extra = dit_pb2.DenoiseSpec(keyframe_anchors=summary.keyframe_anchors, references=summary.references)
+    return DenoiseInputs(encoded, [*encoded.chunks, *chunks], extra, summary)

@@ -1,61 +1,122 @@
-"""The public gRPC API: validation, durable jobs, event streams and downloads."""
+"""The public gRPC API: admission, durable jobs, event streams, listings, downloads, health and Info."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import signal
 import uuid
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
+from grpc_health.v1 import health_pb2_grpc
+from gateway.admission import CapacityTable
 from gateway.artifacts import ArtifactStore
 from gateway.asset_store import AssetStore
 from gateway.assets import AssetLimits, AssetRefused
+from gateway.auth import BearerTokenInterceptor
 from gateway.conditioning import OverCapacity, resolve_media
 from gateway.events import EventHub
-from gateway.jobs import JobRunner
+from gateway.health import StageHealth
+from gateway.jobs import REPLICAS_OF, JobRunner
+from gateway.metrics import GatewayMetrics
 from gateway.request import InvalidRequest, RequestLimits, resolve
 from gateway.stages import StageClients
-from gateway.store import JobStore
+from gateway.store import JobStore, QueueFull, RequestIdConflict
 from services.common import logs
 from services.common.config import GatewayConfig
-from services.common.server import GRACE_SECONDS, GRPC_OPTIONS, enable_reflection
+from services.common.server import GRACE_SECONDS, bind, enable_reflection
 
 log = logging.getLogger("h3serve.gateway")
 DOWNLOAD_CHUNK = 1 << 20
-RESTART_REASON = "the gateway restarted while this job was in flight; submit it again"
+MAX_ID_CHARS = 128
+MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
+RETENTION_PERIOD_S = 60.0
+
+
+def _request_id(value: str) -> str:
+    if len(value) > MAX_ID_CHARS or not all(" " < c <= "~" for c in value):
+        raise InvalidRequest("request_id", f"at most {MAX_ID_CHARS} printable ASCII characters without spaces, "
+                                           f"got {len(value)} characters")
+    return value
+
+
+def _digest(request: gateway_pb2.GenerateRequest) -> str:
+    """What a request_id stands for: the request as sent (without the id), so a retry matches its original."""
+    copy = gateway_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("request_id")
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
-                 assets: AssetStore) -> None:
-        self.limits = RequestLimits.from_config(config)
-        self.config = config
-        self.store, self.hub, self.runner, self.assets = store, hub, runner, assets
+                 health: StageHealth, assets: AssetStore) -> None:
+        self.config, self.limits = config, RequestLimits.from_config(config)
+        self.capacity = CapacityTable(config.capacity)
+        self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
 
-    async def Generate(self, request, context):
+    async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
+        """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
+            request_id = _request_id(request.request_id)
             resolved = resolve_media(request, resolve(request, self.limits), self.assets.get, self.config.geometry,
                                      self.config.max_rows)
+            self.capacity.admit(resolved, condition_rows=resolved.condition_rows)
+            job, created = self.store.submit(
+                uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
+                first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
         except OverCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        job_id = uuid.uuid4().hex[:16]
-        self.store.create_job(job_id, resolved)
-        self.hub.emit(job_id, accepted=gateway_pb2.Accepted(request=resolved))
-        self.runner.start(job_id, resolved)
-        log.info("job %s accepted: %dx%d, %d frames, %d steps, seed %d", job_id, resolved.height,
-                 resolved.width, resolved.num_frames, resolved.num_inference_steps, resolved.seed)
-        async for event in self.hub.watch(job_id):
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RequestIdConflict as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if created:
+            self.runner.start(job.job_id, resolved)
+            log.info("job %s accepted: %dx%d, %d frames, %d steps, seed %d", job.job_id, resolved.height,
+                     resolved.width, resolved.num_frames, resolved.num_inference_steps, resolved.seed)
+        return job
+
+    async def Submit(self, request, context):
+        return await self._submit(request, context)
+
+    async def Generate(self, request, context):
+        job = await self._submit(request, context)
+        async for event in self.hub.watch(job.job_id):
+            yield event
+
+    async def Watch(self, request, context):
+        job = await self._job_or_abort(request.job_id, context)
+        if request.after_seq < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_seq: must be >= 0, got {request.after_seq}")
+        async for event in self.hub.watch(job.job_id, request.after_seq):
             yield event
 
     async def GetJob(self, request, context):
         return await self._job_or_abort(request.job_id, context)
+
+    async def ListJobs(self, request, context):
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"page_size: must be within 1..{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), "
+                                f"got {request.page_size}")
+        unknown = [s for s in request.states if s not in gateway_pb2.JobState.values() or s == 0]
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"states: unknown job state(s) {unknown}; known: 1..{max(gateway_pb2.JobState.values())}")
+        token = request.page_token
+        if token and not (token.isdigit() and len(token) <= 19):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "page_token: pass the next_page_token of the previous page unchanged")
+        jobs, next_rowid = self.store.list_jobs(list(request.states), page_size, int(token or 0))
+        return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
 
     async def CancelJob(self, request, context):
         job = await self._job_or_abort(request.job_id, context)
@@ -65,9 +126,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return self.store.get_job(job.job_id)
 
     async def DownloadArtifact(self, request, context):
-        found = self.store.artifact(request.artifact_id)
+        found = self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None
         if found is None or not Path(found[1]).is_file():
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"artifact_id: no artifact {request.artifact_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"artifact_id: no artifact {request.artifact_id[:MAX_ID_CHARS]!r} (never made, or "
+                                f"removed by the retention policy)")
         artifact, path = found
         with open(path, "rb") as file:
             first = True
@@ -76,6 +139,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if first:
                     chunk.file_name, chunk.total_bytes, first = artifact.file_name, artifact.bytes, False
                 yield chunk
+
+    async def Info(self, request, context):
+        stages = self.runner.stages
+        serving = await self.health.serving()
+        counts = self.store.count_by_state()
+        info = gateway_pb2.GatewayInfo(
+            unfinished_jobs=counts.get(gateway_pb2.JOB_STATE_QUEUED, 0) + counts.get(gateway_pb2.JOB_STATE_RUNNING, 0),
+            max_unfinished_jobs=self.config.max_unfinished_jobs, serving=serving)
+        for stage, queue in self.runner.queues.items():
+            replicas = stages.replicas[REPLICAS_OF.get(stage, stage)]
+            info.stages.add(
+                stage=stage, queue_depth=queue.depth, busy_workers=queue.busy, workers=queue.workers,
+                cache_hit_rate=stages.cache_hit_rate() if stage == "encoder" else 0.0,
+                replicas=[gateway_pb2.ReplicaInfo(address=r.address, healthy=r.healthy, in_flight=r.in_flight,
+                                                  calls=r.calls, failures=r.failures, last_error=r.last_error)
+                          for r in replicas.replicas])
+        return info
 
     async def UploadAsset(self, request_iterator, context):
         try:
@@ -87,42 +167,66 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return asset
 
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
-        job = self.store.get_job(job_id)
+        job = self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
         if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {job_id!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {job_id[:MAX_ID_CHARS]!r}")
         return job
+
+
+def _resume(store: JobStore, hub: EventHub, runner: JobRunner, config: GatewayConfig, metrics: GatewayMetrics):
+    """Queued jobs run; jobs a dead gateway left in flight run again or fail with the reason."""
+    recovery = store.recover(config.max_attempts)
+    for job_id in recovery.failed:
+        log.warning("job %s failed: interrupted by restarts %d times", job_id, config.max_attempts)
+    for job_id, request in recovery.rerun:
+        runner.start(job_id, request)
+    reran = [job_id for job_id, _ in recovery.rerun if store.get_job(job_id).attempts]
+    metrics.job_retries.labels("restart").inc(len(reran))
+    if recovery.rerun:
+        log.info("resumed %d job(s) (%d interrupted in flight)", len(recovery.rerun), len(reran))
+
+
+async def _retention_loop(runner: JobRunner) -> None:
+    while True:
+        runner.retention.enforce()
+        await asyncio.sleep(RETENTION_PERIOD_S)
 
 
 async def serve_async(config: GatewayConfig) -> None:
     data_dir = Path(config.data_dir)
     store = JobStore(str(data_dir / "jobs.sqlite"))
-    interrupted = store.fail_interrupted(RESTART_REASON)
-    if interrupted:
-        log.warning("marked %d interrupted job(s) failed: %s", len(interrupted), ", ".join(interrupted))
+    metrics = GatewayMetrics()
     hub = EventHub(store)
-    stages = StageClients(config)
+    stages = StageClients(config, metrics)
     assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
-    runner = JobRunner(store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), assets)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, assets), server)
+    runner = JobRunner(config, store, hub, stages, ArtifactStore(str(data_dir / "artifacts")), metrics, assets)
+    metrics.watch(store.count_by_state, lambda: {name: queue.depth for name, queue in runner.queues.items()})
     service_name = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health = StageHealth(stages, [service_name])
+    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
+    gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(config, store, hub, runner, health, assets),
+                                                   server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [service_name])
-    if server.add_insecure_port(f"{config.host}:{config.port}") == 0:
-        raise RuntimeError(f"cannot bind {config.host}:{config.port}")
+    bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
+    if config.metrics_port:
+        metrics.serve(config.metrics_host, config.metrics_port)
     await server.start()
-    for name in ("", service_name):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway on %s:%d (encoder %s, dit %s, vae %s)", config.host, config.port, config.encoder,
-             config.dit, config.vae)
+    _resume(store, hub, runner, config, metrics)
+    retention = asyncio.get_running_loop().create_task(_retention_loop(runner))
+    log.info("gateway on %s:%d (%s); metrics on %s", config.host, config.port,
+             "; ".join(f"{stage} {', '.join(config.replicas(stage))}" for stage in stages.replicas),
+             f"{config.metrics_host}:{config.metrics_port}" if config.metrics_port else "off")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     log.info("stopping (grace %.0f s)", GRACE_SECONDS)
-    await health_servicer.enter_graceful_shutdown()
+    health.stopping = True
+    retention.cancel()
     await runner.shutdown()
     await server.stop(GRACE_SECONDS)
     await stages.close()

@@ -147,6 +147,20 @@ def _demo(args) -> None:
     print_timings(job, path)
 
 
+def _capacity(args) -> None:
+    from gateway.admission import CapacityTable
+
+    table = CapacityTable(load_deploy(args.config).gateway.capacity)
+    rows = table.table(args.text_rows)
+    if not rows:
+        print("no capacity table in this deployment: every valid request is admitted ([gateway] capacity)")
+        return
+    print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames (text <= {args.text_rows} rows)")
+    for workflow, canvas, limit, frames in rows:
+        shown = "-" if canvas == "*" else (frames or "none fit")
+        print(f"{workflow:<9} {canvas:<10} {limit:>9,}  {shown}")
+
+
 def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
     p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
     p.add_argument("--height", type=int, default=height)
@@ -210,6 +224,11 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("write-tiny", help="save the built-in tiny model in the released diffusers layout")
     p.add_argument("directory")
     p.set_defaults(run=_write_tiny)
+
+    p = sub.add_parser("capacity", help="print the deployment's admission table: max rows and frames per canvas")
+    p.add_argument("--config")
+    p.add_argument("--text-rows", type=int, default=256, help="prompt rows assumed for the frame ceiling")
+    p.set_defaults(run=_capacity)
 
     p = sub.add_parser("demo", help="up + one generation with the tiny model + stop")
     p.add_argument("--config")

@@ -27,18 +27,35 @@ class Running:
     process: subprocess.Popen
 
 
-def is_serving(address: str, timeout: float = 1.0) -> bool:
+def _channel(address: str, root_pem: bytes | None) -> grpc.Channel:
+    if root_pem is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem))
+
+
+def is_serving(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address, root_pem) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
 
 
+def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
+    """The process answers health checks, whatever its status (a gateway whose stages are down says NOT_SERVING)."""
+    try:
+        with _channel(address, root_pem) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return True
+    except grpc.RpcError:
+        return False
+
+
 class ServiceGroup:
     def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
-                 names: tuple[str, ...] = START_ORDER) -> None:
+                 names: tuple[str, ...] = START_ORDER, ready=is_serving) -> None:
+        self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
         self.config = config
         self.names = names
         self.config_path = config_path
@@ -54,6 +71,14 @@ class ServiceGroup:
         if name != "gateway" and self.config.service(name).gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
         return env
+
+    def _root_pem(self, name: str) -> bytes | None:
+        """How to probe a TLS service: the gateway's stage_tls_ca if set, else its own (self-signed) certificate."""
+        section = self.config.service(name) if name != "gateway" else self.config.gateway
+        if not section.tls_cert:
+            return None
+        with open(self.config.gateway.stage_tls_ca or section.tls_cert, "rb") as file:
+            return file.read()
 
     def _spawn(self, name: str) -> Running:
         section = self.config.service(name) if name != "gateway" else self.config.gateway
@@ -76,12 +101,13 @@ class ServiceGroup:
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
-        pending = [item for item in self.running if not is_serving(item.address)]
+        pending = [item for item in self.running
+                   if not self.ready(item.address, root_pem=self._root_pem(item.name))]
         while pending:
             for item in list(pending):
                 if item.process.poll() is not None:
                     raise RuntimeError(f"{item.name} exited with code {item.process.returncode} during start-up")
-                if is_serving(item.address):
+                if self.ready(item.address, root_pem=self._root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")

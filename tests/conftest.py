@@ -18,22 +18,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def toml_values(values: dict) -> str:
-    return "".join(f"\n{key} = {str(value).lower() if isinstance(value, bool) else repr(value)}".replace("'", '"')
-                   for key, value in values.items())
+def toml_value(value) -> str:
+    """A Python value (str, number, list, dict) as a TOML value; dicts become inline tables."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value).replace("'", '"')
 
 
 def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,
-                 dit: dict | None = None, **gateway) -> Path:
-    """A deployment file: every section on loopback; extra [model], [dit] and [gateway] keys from
-    `model`, `dit` and `gateway`."""
-    lines = [f'[model]\ndir = "{model_dir}"' + toml_values(model or {})]
+                 service_keys: dict | None = None, dit: dict | None = None, **gateway) -> Path:
+    """A deployment file: every section on loopback, extra [model] keys from `model`, `service_keys` in each
+    model service section, `dit` in [dit] only, the gateway's keys from `gateway`."""
+    lines = [f'[model]\ndir = "{model_dir}"' + "".join(f"\n{key} = {value!r}" for key, value in (model or {}).items())]
     for name in ("encoder", "dit", "vae"):
-        lines.append(f"[{name}]\nport = {ports[name]}" + (toml_values(dit or {}) if name == "dit" else ""))
-    extra = toml_values(gateway)
+        keys = {**(service_keys or {}), **((dit or {}) if name == "dit" else {})}
+        lines.append(f"[{name}]\nport = {ports[name]}" + "".join(f"\n{key} = {toml_value(value)}"
+                                                               for key, value in keys.items()))
+    extra = "".join(f"\n{key} = {toml_value(value)}" for key, value in gateway.items())
     lines.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{data_dir}"{extra}')
     path.write_text("\n\n".join(lines) + "\n")
     return path
+
+
+# The stack's admission table: one canvas no other test uses, so only the admission test meets the limit.
+STACK_CAPACITY = {"t2va": {"512x512": 20000}}
 
 
 @dataclass
@@ -58,9 +70,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def stack(tmp_path_factory, tiny_model_dir):
     """Encoder, DiT, VAE and gateway as real processes, loading the tiny model from its directory."""
     root = tmp_path_factory.mktemp("stack")
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics")}
     config_path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                               retry_attempts=2, retry_backoff_s=0.1)
+                               retry_attempts=2, retry_backoff_s=0.1, metrics_port=ports["metrics"],
+                               capacity=STACK_CAPACITY)
     group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
     with group:
         yield Stack(config_path, group, tiny_model_dir, ports)

@@ -91,8 +91,11 @@ def test_fl2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_model
     assert_matches_diffusers(client, tmp_path, final, events, ReferenceRequest(
         request.prompt, None, None, 124, STEPS, SEED, first_frame=first and str(first), last_frame=last and str(last)),
         tiny_model_dir)
-    stages = [s.stage for s in client.job(final.job_id).stages]
-    assert stages == ["encode", "condition", "denoise", "decode", "mux"]
+    job = client.job(final.job_id)
+    assert [s.stage for s in job.stages] == ["encode", "condition", "denoise", "decode", "mux"]
+    records = {r.stage: r for r in job.stage_records}
+    assert list(records) == ["encoder", "vae-encode", "dit", "vae"], "the VAE encodes keyframes as its own stage"
+    assert records["vae-encode"].bytes_out > 0 and records["vae-encode"].finished <= records["dit"].started
 
 
 REF2VA_CASES = {

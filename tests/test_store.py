@@ -119,28 +119,38 @@ def test_concurrent_appends_get_unique_contiguous_seqs(store):
     assert store.get_job("j").last_event_seq == total
 
 
-def test_fail_interrupted(db_path):
+def test_recover_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
     store = JobStore(db_path)
-    for job_id in ("queued", "running", "done", "cancelled"):
+    for job_id in ("queued", "running", "worn", "done", "cancelled"):
         store.create_job(job_id, REQUEST)
-    store.set_state("running", RUNNING)
+    assert store.start_attempt("running") == 1
+    store.stage_enqueued("running", 1, "dit")
+    for _ in range(2):
+        assert store.start_attempt("worn") >= 1
+    store.stage_enqueued("worn", 2, "vae")
     store.set_state("done", SUCCEEDED)
     store.set_state("cancelled", CANCELLED)
-    store.append_event("running", gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=REQUEST)))
+    assert store.start_attempt("done") == 0, "a final job never runs again"
     store.close()
 
     store = JobStore(db_path)
-    assert sorted(store.fail_interrupted("gateway restarted")) == ["queued", "running"]
-    expected = gateway_pb2.Failed(code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",
-                                  message="gateway restarted")
-    for job_id, final_seq in (("queued", 1), ("running", 2)):
-        job = store.get_job(job_id)
-        assert job.state == FAILED and job.error == expected and job.last_event_seq == final_seq
-        last = store.events(job_id)[-1]
-        assert last.seq == final_seq and last.failed == expected
+    recovery = store.recover(max_attempts=2)
+    assert [job_id for job_id, _ in recovery.rerun] == ["queued", "running"]
+    assert all(request == REQUEST for _, request in recovery.rerun)
+    assert recovery.failed == ["worn"]
+    assert store.get_job("queued").state == QUEUED and store.events("queued") == []
+    running = store.get_job("running")
+    assert running.state == QUEUED and running.attempts == 1
+    assert store.events("running")[-1].retrying == gateway_pb2.Retrying(
+        attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
+    worn = store.get_job("worn")
+    assert worn.state == FAILED and worn.error == gateway_pb2.Failed(
+        code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",
+        message="the gateway restarted while this job was in the vae stage (attempt 2 of 2)")
+    assert store.events("worn")[-1].failed == worn.error
     assert store.get_job("done").state == SUCCEEDED and store.events("done") == []
     assert store.get_job("cancelled").state == CANCELLED
-    assert store.fail_interrupted("again") == []
+    assert store.start_attempt("running") == 2
     store.close()
 
 

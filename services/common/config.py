@@ -44,6 +44,8 @@ class ModelServiceConfig:
     max_prompt_chars: int = 8192   # encoder: longest prompt accepted
     max_raw_bytes: int = 512 << 20  # vae: largest raw.npz payload include_raw may produce
     threads: int = 0               # torch intra-op threads; 0: torch's default
+    tls_cert: str = ""             # PEM certificate chain + key: serve TLS instead of plaintext
+    tls_key: str = ""
     workflows: tuple[str, ...] = ("t2va", "fl2va", "ref2va")  # dit: served workflows (decides the partitions loaded)
     geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (services/common/fastpath.py)
@@ -109,6 +111,36 @@ class GatewayConfig:
     max_audio_seconds: float = 60.0
     max_rows: int = 200_000           # admission: condition rows + generated video and audio rows per request
     geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
+    # A stage address may also be a list (or a comma-separated string) of replica addresses.
+    max_unfinished_jobs: int = 64     # queue bound: queued + running jobs; beyond it Submit is RESOURCE_EXHAUSTED
+    max_attempts: int = 2             # runs of one job: re-runs after a gateway restart or a stalled stage
+    # Per-phase stall limits in seconds, measured from the phase's last progress event.
+    stall_s: dict = field(default_factory=lambda: dict(STALL_DEFAULTS))
+    # Admission capacity: {workflow: {"HxW" or "*": max packed-sequence rows}}; a canvas not listed
+    # (and no "*") is not limited. See docs/capacity.md for measuring it.
+    capacity: dict = field(default_factory=dict)
+    metrics_port: int = 0             # Prometheus /metrics on this HTTP port (0: off)
+    metrics_host: str = "127.0.0.1"
+    auth_token: str = ""              # bearer token the public API requires (empty: no check)
+    tls_cert: str = ""                # PEM files: serve the public API over TLS
+    tls_key: str = ""
+    stage_tls_ca: str = ""            # PEM root for TLS stage services (empty: plaintext to the stages)
+    max_request_bytes: int = 4 << 20  # largest request message the public API accepts (uploads come in chunks)
+    artifact_max_age_s: float = 0.0   # retention: delete artifacts older than this (0: keep)
+    artifact_max_bytes: int = 0       # retention: keep at most this many artifact bytes, oldest go first (0: no cap)
+
+    def replicas(self, stage: str) -> tuple[str, ...]:
+        """The replica addresses of a stage ("encoder", "dit", "vae"): a list, or one comma-separated string."""
+        value = getattr(self, stage)
+        items = value.split(",") if isinstance(value, str) else value
+        addresses = tuple(item.strip() for item in items if item.strip())
+        if not addresses:
+            raise ValueError(f"[gateway] {stage}: at least one address is required")
+        return addresses
+
+
+# Phases the watchdog times: the stage call starts a phase; each progress event restarts its clock.
+STALL_DEFAULTS = {"encode": 300.0, "denoise": 900.0, "decode": 600.0, "mux": 300.0}
 
 
 @dataclass(frozen=True)

@@ -43,23 +43,38 @@ def set_serving(health_servicer: health.HealthServicer, service_full_names: list
         health_servicer.set(name, status)
 
 
+def bind(server, address: str, tls_cert: str = "", tls_key: str = "") -> int:
+    """Listen on `address`: TLS when a PEM certificate chain and key are given, plaintext otherwise."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("tls_cert and tls_key go together")
+    if tls_cert:
+        with open(tls_key, "rb") as key, open(tls_cert, "rb") as cert:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot bind {address}")
+    return port
+
+
 def start_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-                 serving: bool = True):
-    """Start serving in the background; returns (server, health servicer). `register(server)` adds the servicers."""
+                 tls: tuple[str, str] = ("", ""), serving: bool = True):
+    """Start serving in the background; returns (server, health servicer). `register(server)` adds the
+    servicers; `tls` is (cert, key) PEM paths."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
     register(server)
     health_servicer = add_health_and_reflection(server, service_full_names, serving)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise RuntimeError(f"cannot bind {address}")
+    bind(server, address, *tls)
     server.start()
     log.info("serving %s on %s", ", ".join(service_full_names), address)
     return server, health_servicer
 
 
-def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16) -> None:
-    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers."""
-    server, health_servicer = start_server(register, service_full_names, address, max_workers)
+def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
+               tls: tuple[str, str] = ("", "")) -> None:
+    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers; `tls` is (cert, key) PEM paths."""
+    server, health_servicer = start_server(register, service_full_names, address, max_workers, tls)
     stopped = threading.Event()
 
     def stop(signum, _frame):

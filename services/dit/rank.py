@@ -53,7 +53,8 @@ class Endpoint:
         self.view.info.workflows.extend(wf.served(config.workflows))  # Denoise checks requests against them
         servicer = DiTServicer(self.view)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
-                                                [SERVICE_NAME], config.address, serving=False)
+                                                [SERVICE_NAME], config.address,
+                                                tls=(config.tls_cert, config.tls_key), serving=False)
         self.finished = threading.Event()
         self.exit_code = 1
         signal.signal(signal.SIGTERM, self._on_signal)

@@ -84,4 +84,5 @@ def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("encoder", COMPONENTS, config)
     servicer = EncoderServicer(TextEncoderRunner(components), model, config)
     run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
-               [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address)
+               [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,
+               tls=(config.tls_cert, config.tls_key))

@@ -185,4 +185,5 @@ def serve(config: ModelServiceConfig) -> None:
     batch_tiles(components["vae"], config.tile_batch)
     servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
-               [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address)
+               [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
+               tls=(config.tls_cert, config.tls_key))

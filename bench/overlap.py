@@ -1,0 +1,116 @@
+"""What the stage overlap buys: K jobs one after another vs K jobs submitted at once, same stack.
+
+Starts encoder, DiT, VAE and gateway with the tiny model on CPU (one thread each), runs K jobs
+serially (each submitted when the previous one is done) and then K jobs submitted together, so the
+gateway pipelines them (encoder k+1 / DiT k / VAE k-1). Prints a table; --write adds the rows to
+bench/results.json and BENCHMARKS.md (ratio = serial seconds / pipelined seconds).
+
+    python -m bench.overlap [--jobs 4] [--height 64 --width 128 --steps 16] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import socket
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+from bench.results import Record, update_results
+from gateway.client import GatewayClient
+from h3serve.v1 import gateway_pb2
+from services.common.config import load_deploy
+from services.launcher import ServiceGroup
+
+SERVICES = ("encoder", "dit", "vae", "gateway")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(root: Path, model_dir: Path) -> Path:
+    ports = {name: _free_port() for name in SERVICES}
+    sections = [f'[model]\ndir = "{model_dir}"']
+    sections += [f"[{name}]\nport = {ports[name]}\nthreads = 1" for name in SERVICES[:3]]
+    sections.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{root / "gateway"}"')
+    path = root / "deploy.toml"
+    path.write_text("\n\n".join(sections) + "\n")
+    return path
+
+
+def _requests(args, tag: str) -> list[gateway_pb2.GenerateRequest]:
+    # Distinct prompts: every job pays its encode (no cache hit helps one mode over the other).
+    return [gateway_pb2.GenerateRequest(prompt=f"overlap bench {tag} {i}", height=args.height, width=args.width,
+                                        num_inference_steps=args.steps, seed=i) for i in range(args.jobs)]
+
+
+def _serial(client: GatewayClient, requests) -> float:
+    started = time.perf_counter()
+    for request in requests:
+        assert client.generate(request).HasField("done")
+    return time.perf_counter() - started
+
+
+def _pipelined(client: GatewayClient, requests) -> float:
+    started = time.perf_counter()
+    jobs = [client.stub.Submit(request) for request in requests]
+    for job in jobs:
+        events = list(client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id)))
+        assert events[-1].HasField("done"), events[-1]
+    return time.perf_counter() - started
+
+
+def measure(args) -> tuple[float, float]:
+    from services.common.tiny import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="h3serve-overlap-") as tmp:
+        root = Path(tmp)
+        config = _config(root, write_tiny_model(root / "tiny-h3"))
+        deploy = load_deploy(config)
+        with ServiceGroup(deploy, str(config), log_dir=str(root)):
+            client = GatewayClient(f"127.0.0.1:{deploy.gateway.port}")
+            try:
+                _serial(client, _requests(args, "warm-up")[:1])
+                serial = min(_serial(client, _requests(args, f"serial {r}")) for r in range(args.repeats))
+                pipelined = min(_pipelined(client, _requests(args, f"pipelined {r}")) for r in range(args.repeats))
+            finally:
+                client.close()
+    return serial, pipelined
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per mode")
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--results", default="bench/results.json")
+    parser.add_argument("--markdown", default="BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    serial, pipelined = measure(args)
+    name = f"gateway_overlap_{args.height}x{args.width}x{args.steps}steps_{args.jobs}jobs"
+    print(f"| mode | {args.jobs} jobs, {args.height}x{args.width}, {args.steps} steps | per job |\n|---|---|---|\n"
+          f"| serial (submit after done) | {serial:.2f} s | {serial / args.jobs:.2f} s |\n"
+          f"| pipelined (submit all) | {pipelined:.2f} s | {pipelined / args.jobs:.2f} s |\n"
+          f"speed-up: {serial / pipelined:.2f}x")
+    if args.write:
+        import torch
+
+        record = Record(name=name, device="cpu (tiny model, 1 thread per service)", world_size=1, dtype="float32",
+                        seconds=pipelined, baseline_seconds=serial, ratio=serial / pipelined, peak_gib=0.0,
+                        command="python -m bench.overlap " + " ".join(argv if argv is not None else sys.argv[1:]),
+                        date=date.today().isoformat(), variant="pipelined stages", baseline="same jobs, serial",
+                        software=f"torch {torch.__version__}, python {platform.python_version()}")
+        update_results([record], args.results, args.markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Gateway parts without model processes: stage queues, the watchdog, the retry policy over real gRPC,
+submission rules of the store, listings and artifact retention."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+
+from gateway.artifacts import ArtifactStore
+from gateway.metrics import GatewayMetrics
+from gateway.retention import Retention
+from gateway.stage_queue import StageQueue
+from gateway.stages import CallRecord, StageClients
+from gateway.store import JobStore, QueueFull, RequestIdConflict
+from gateway.watchdog import Stuck, Watchdog
+from h3serve.v1 import encoder_pb2_grpc, gateway_pb2
+from services.common.config import GatewayConfig
+
+S = gateway_pb2
+REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8, seed=1)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def wait_forever(cancelled: asyncio.Event) -> None:
+    """A call that never answers; `cancelled` is set when it is cancelled."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        cancelled.set()
+
+
+# Stage queues.
+
+def test_stage_queue_is_fifo_and_a_cancelled_waiter_leaves_it():
+    async def scenario():
+        queue, order, release = StageQueue("dit", workers=1), [], asyncio.Event()
+
+        async def job(name):
+            async with queue.worker():
+                order.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(job(name)) for name in "abcd"]
+        await asyncio.sleep(0)
+        assert (queue.busy, queue.depth, order) == (1, 3, ["a"])
+        tasks[2].cancel()  # "c" gives up while waiting
+        await asyncio.sleep(0)
+        assert queue.depth == 2
+        release.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert order == ["a", "b", "d"] and (queue.busy, queue.depth) == (0, 0)
+
+    run(scenario())
+
+
+def test_stage_queue_runs_as_many_as_it_has_workers():
+    async def scenario():
+        queue, release = StageQueue("encoder", workers=2), asyncio.Event()
+
+        async def job():
+            async with queue.worker():
+                await release.wait()
+
+        tasks = [asyncio.create_task(job()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert (queue.busy, queue.depth) == (2, 1)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert queue.busy == 0
+
+    run(scenario())
+    with pytest.raises(ValueError, match="at least one worker"):
+        StageQueue("vae", 0)
+
+
+# The watchdog.
+
+def test_watchdog_cancels_a_silent_call_and_names_its_phase():
+    async def scenario():
+        cancelled = asyncio.Event()
+        with pytest.raises(Stuck) as err:
+            await Watchdog({"encode": 0.2}).run("encode", wait_forever(cancelled))
+        assert str(err.value) == "stuck in encode for 0.2 s" and cancelled.is_set()
+
+    run(scenario())
+
+
+def test_watchdog_limits_are_per_phase_and_progress_keeps_a_call_alive():
+    async def scenario():
+        watchdog = Watchdog({"decode": 30.0, "mux": 0.2})
+
+        async def decode_then_stall_in_mux():
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+                watchdog.progress("decode")
+            watchdog.progress("mux")
+            await asyncio.Event().wait()
+
+        async def progressing():
+            for _ in range(20):
+                await asyncio.sleep(0.01)
+                watchdog.progress("decode")
+            return "decoded"
+
+        assert await watchdog.run("decode", progressing()) == "decoded"
+        with pytest.raises(Stuck, match="stuck in mux for 0.2 s"):
+            await watchdog.run("decode", decode_then_stall_in_mux())
+
+    run(scenario())
+    with pytest.raises(ValueError, match="unknown phase"):
+        Watchdog({"sleep": 1.0})
+
+
+# Retries: only transient codes, moving between replicas.
+
+class FailingEncoder(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, code: grpc.StatusCode):
+        self.code, self.calls = code, 0
+
+    async def Encode(self, request, context):
+        self.calls += 1
+        await context.abort(self.code, f"refused by a test replica ({self.code.name})")
+
+
+async def _encode_against(code: grpc.StatusCode):
+    servers, servicers, addresses = [], [], []
+    for _ in range(2):
+        server, servicer = grpc.aio.server(), FailingEncoder(code)
+        encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+        servicers.append(servicer)
+    metrics = GatewayMetrics()
+    stages = StageClients(GatewayConfig(encoder=addresses, retry_attempts=3, retry_backoff_s=0.01), metrics)
+    record = CallRecord()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stages.encode("job", "a fox", Watchdog({}), record)
+    finally:
+        await stages.close()
+        for server in servers:
+            await server.stop(None)
+    retries = metrics.registry.get_sample_value("h3serve_stage_retries_total", {"stage": "encoder"})
+    return err.value.code(), [s.calls for s in servicers], record, retries, addresses
+
+
+def test_invalid_argument_is_never_retried():
+    code, calls, record, retries, _ = run(_encode_against(grpc.StatusCode.INVALID_ARGUMENT))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and sum(calls) == 1 and record.tries == 1 and retries == 0
+
+
+def test_unavailable_is_retried_on_the_other_replica():
+    code, calls, record, retries, addresses = run(_encode_against(grpc.StatusCode.UNAVAILABLE))
+    assert code == grpc.StatusCode.UNAVAILABLE and calls == [2, 1]
+    assert record.tries == 3 and record.replica == addresses[0] and retries == 2
+
+
+# The store: submission rules and listings.
+
+@pytest.fixture
+def store(tmp_path):
+    store = JobStore(str(tmp_path / "jobs.sqlite"))
+    yield store
+    store.close()
+
+
+def test_submit_is_idempotent_and_bounded(store):
+    accepted = S.JobEvent(accepted=S.Accepted(request=REQUEST))
+    job, created = store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2, first_event=accepted)
+    assert created and job.state == S.JOB_STATE_QUEUED and job.request_id == "rid" and job.last_event_seq == 1
+    again, created = store.submit("j2", REQUEST, "rid", "digest-1", max_unfinished=2)
+    assert not created and again.job_id == "j1"
+    with pytest.raises(RequestIdConflict, match="already names job j1"):
+        store.submit("j3", REQUEST, "rid", "digest-2", max_unfinished=2)
+    store.submit("j4", REQUEST, max_unfinished=2)
+    with pytest.raises(QueueFull) as err:
+        store.submit("j5", REQUEST, max_unfinished=2)
+    assert (err.value.depth, err.value.bound) == (2, 2)
+    assert store.get_job("j5") is None and store.get_job("j3") is None, "a refusal writes nothing"
+    assert store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2)[0].job_id == "j1", \
+        "a retried submit is answered even when the queue is full"
+    store.set_state("j4", S.JOB_STATE_SUCCEEDED)
+    assert store.submit("j5", REQUEST, max_unfinished=2)[1]
+
+
+def test_list_jobs_pages_newest_first(store):
+    for i in range(5):
+        store.create_job(f"j{i}", REQUEST)
+    store.set_state("j1", S.JOB_STATE_FAILED)
+    store.set_state("j3", S.JOB_STATE_FAILED)
+    first, token = store.list_jobs([], 2)
+    second, token2 = store.list_jobs([], 2, token)
+    third, token3 = store.list_jobs([], 2, token2)
+    assert [[j.job_id for j in page] for page in (first, second, third)] == [["j4", "j3"], ["j2", "j1"], ["j0"]]
+    assert token3 == 0
+    failed, _ = store.list_jobs([S.JOB_STATE_FAILED], 10)
+    assert [j.job_id for j in failed] == ["j3", "j1"]
+    assert store.count_by_state() == {S.JOB_STATE_QUEUED: 3, S.JOB_STATE_FAILED: 2}
+
+
+def test_stage_records_are_returned_in_order(store):
+    store.create_job("j", REQUEST)
+    first = store.stage_enqueued("j", 1, "encoder")
+    store.stage_update(first, started=10.0, finished=11.0, replica="h:1", bytes_in=5, bytes_out=700, tries=1)
+    second = store.stage_enqueued("j", 1, "dit")
+    store.stage_update(second, started=12.0, replica="h:2", tries=2, error="UNAVAILABLE: gone")
+    records = store.get_job("j").stage_records
+    assert [(r.stage, r.started, r.finished, r.replica, r.bytes_in, r.bytes_out, r.tries, r.error)
+            for r in records] == [("encoder", 10.0, 11.0, "h:1", 5, 700, 1, ""),
+                                  ("dit", 12.0, 0.0, "h:2", 0, 0, 2, "UNAVAILABLE: gone")]
+    with pytest.raises(ValueError, match="unknown stage record column"):
+        store.stage_update(first, job_id="other")
+
+
+# Artifact retention.
+
+def test_retention_removes_old_then_oldest_beyond_the_byte_cap(store, tmp_path):
+    artifacts = ArtifactStore(str(tmp_path / "artifacts"))
+    paths = {}
+    for job_id, size in (("old", 100), ("mid", 300), ("new", 300)):
+        store.create_job(job_id, REQUEST)
+        artifact, paths[job_id] = artifacts.save(job_id, "video", os.urandom(size))
+        store.add_artifact(job_id, "video", artifact, paths[job_id])
+    created = {row[0]: row[3] for row in store.artifacts_oldest_first()}
+    now = created["new-video"]
+    assert Retention(store).enforce(now) == [], "no policy: keep everything"
+    assert Retention(store, max_age_s=now - created["old-video"] - 1e-6).enforce(now) == ["old-video"]
+    assert Retention(store, max_bytes=400).enforce(now) == ["mid-video"]
+    assert [row[0] for row in store.artifacts_oldest_first()] == ["new-video"]
+    assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
+    assert store.artifact("mid-video") is None and [a.artifact_id for a in store.get_job("new").artifacts] == [
+        "new-video"]
+
+
+def test_a_failed_half_of_the_media_encode_cancels_the_other():
+    from gateway.media_stage import _both
+
+    async def scenario():
+        cancelled = asyncio.Event()
+
+        async def failing():
+            await asyncio.sleep(0)
+            raise Stuck("encode", 1.0)
+
+        with pytest.raises(Stuck):
+            await _both(wait_forever(cancelled), failing())
+        assert cancelled.is_set()
+        assert await _both(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
+
+    run(scenario())
