@@ -56,7 +56,7 @@ def wait_for_health(address: str, status: int, limit_s: float = 60.0) -> None:
 def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
     with group(tmp_path, "stall", ("dit", "gateway"), stack.model_dir, ports, max_attempts=2,
-               max_unfinished_jobs=1, stall_s={"denoise": STALL_S}) as services:
+               max_unfinished_jobs=1, stall_s={"denoise": STALL_S}):
         address = f"127.0.0.1:{ports['gateway']}"
         client = GatewayClient(address)
         ranks = dit_ranks(f"127.0.0.1:{ports['dit']}")
