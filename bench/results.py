@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -28,6 +28,7 @@ class Record:
     rel_err_fp32: float | None = None
     bf16_rel_err_fp32: float | None = None
     rel_err_bf16: float | None = None
+    rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -53,10 +54,16 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
     path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
     rows = "".join(
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
-        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {r.peak_gib:.1f} | {accuracy(r)} | {r.software} | "
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {accuracy(r)} | {r.software} | "
         f"`{r.command}` |\n"
         for r in merged)
     Path(markdown_path).write_text(HEADER + rows)
+
+
+def _peak(record: Record) -> str:
+    if len(record.rank_peaks_gib) > 1:
+        return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
+    return f"{record.peak_gib:.1f}"
 
 
 def accuracy(r: Record) -> str:

@@ -19,8 +19,13 @@ def _serve(args) -> None:
         serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir,
                        model_dir=args.model_dir))
         return
-    section = override(config.service(args.service), host=args.host, port=args.port, model_dir=args.model_dir,
-                       device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
+    flags = dict(host=args.host, port=args.port, model_dir=args.model_dir, device=args.device, dtype=args.dtype,
+                 attention_backend=args.attention_backend)
+    if args.world_size is not None:
+        if args.service != "dit":
+            raise SystemExit("--world-size applies to the dit service only")
+        flags["world_size"] = args.world_size
+    section = override(config.service(args.service), **flags)
     module = __import__(f"services.{args.service}.server", fromlist=["serve"])
     module.serve(section)
 
@@ -186,6 +191,7 @@ def parser() -> argparse.ArgumentParser:
     for flag in ("host", "model-dir", "device", "dtype", "attention-backend", "data-dir"):
         p.add_argument(f"--{flag}")
     p.add_argument("--port", type=int)
+    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started through torchrun")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")

@@ -30,13 +30,14 @@ def toml_value(value) -> str:
 
 
 def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,
-                 service_keys: dict | None = None, **gateway) -> Path:
+                 service_keys: dict | None = None, dit: dict | None = None, **gateway) -> Path:
     """A deployment file: every section on loopback, extra [model] keys from `model`, `service_keys` in each
-    model service section, the gateway's keys from `gateway`."""
+    model service section, `dit` in [dit] only, the gateway's keys from `gateway`."""
     lines = [f'[model]\ndir = "{model_dir}"' + "".join(f"\n{key} = {value!r}" for key, value in (model or {}).items())]
     for name in ("encoder", "dit", "vae"):
+        keys = {**(service_keys or {}), **((dit or {}) if name == "dit" else {})}
         lines.append(f"[{name}]\nport = {ports[name]}" + "".join(f"\n{key} = {toml_value(value)}"
-                                                               for key, value in (service_keys or {}).items()))
+                                                               for key, value in keys.items()))
     extra = "".join(f"\n{key} = {toml_value(value)}" for key, value in gateway.items())
     lines.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{data_dir}"{extra}')
     path.write_text("\n\n".join(lines) + "\n")

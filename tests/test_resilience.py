@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import free_port, write_config
 from gateway.client import GatewayClient
-from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services.common.config import load_deploy
 from services.launcher import ServiceGroup
 
@@ -35,6 +35,12 @@ def process(group: ServiceGroup, name: str) -> subprocess.Popen:
     return next(item.process for item in group.running if item.name == name)
 
 
+def dit_ranks(address: str) -> list[int]:
+    """The DiT group's rank processes (the launcher's process is torchrun, which serves nothing itself)."""
+    with grpc.insecure_channel(address) as channel:
+        return [r.pid for r in dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest(), timeout=10).ranks]
+
+
 def health(address: str) -> int:
     with grpc.insecure_channel(address) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
@@ -50,10 +56,10 @@ def wait_for_health(address: str, status: int, limit_s: float = 60.0) -> None:
 def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
     with group(tmp_path, "stall", ("dit", "gateway"), stack.model_dir, ports, max_attempts=2,
-               max_unfinished_jobs=1, stall_s={"denoise": STALL_S}) as services:
+               max_unfinished_jobs=1, stall_s={"denoise": STALL_S}):
         address = f"127.0.0.1:{ports['gateway']}"
         client = GatewayClient(address)
-        dit = process(services, "dit")
+        ranks = dit_ranks(f"127.0.0.1:{ports['dit']}")
         try:
             # Long enough (40 steps at 128x224) that the DiT is still denoising when it is stopped.
             job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224,
@@ -61,7 +67,8 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
             stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
             next(e for e in stream if e.HasField("denoising"))
             stream.cancel()
-            os.kill(dit.pid, signal.SIGSTOP)
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
             try:
                 with pytest.raises(grpc.RpcError) as err:
                     client.stub.Submit(S.GenerateRequest(prompt="one too many", **SMALL))
@@ -73,7 +80,8 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
                 assert [r.healthy for s in info.stages for r in s.replicas] == [True, False, True, True]
                 events = list(client.stub.Watch(S.WatchRequest(job_id=job.job_id)))
             finally:
-                os.kill(dit.pid, signal.SIGCONT)
+                for pid in ranks:
+                    os.kill(pid, signal.SIGCONT)
             kinds = [e.WhichOneof("kind") for e in events]
             assert kinds.count("retrying") == 1 and kinds[-1] == "failed"
             reason = f"stuck in denoise for {STALL_S:g} s"

@@ -66,6 +66,27 @@ class ModelServiceConfig:
 
 
 @dataclass(frozen=True)
+class DiTConfig(ModelServiceConfig):
+    """The DiT service: one process group of `world_size` ranks started through torchrun.
+
+    Rank 0 hosts the gRPC server; every rank holds the transformer. See README "The sharded DiT".
+    """
+
+    world_size: int = 1              # ranks in the group (all nodes together); 1 runs the same code path
+    nnodes: int = 1                  # nodes; world_size / nnodes ranks start on each (torchrun --nproc-per-node)
+    rdzv_endpoint: str = ""          # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
+    rdzv_id: str = "h3serve-dit"     # multi-node: job id shared by the nodes' launchers
+    fsdp: bool = False               # shard the weights with FSDP2 (memory) instead of replicating them (speed)
+    ulysses_degree: int = 0          # sequence split over heads (all-to-all); 0: world_size when ring_degree is 1
+    ring_degree: int = 1             # sequence split over keys/values (ring); ulysses x ring = world_size
+    max_restarts: int = 3            # group restarts after a rank dies, then the service exits
+    restart_backoff_s: float = 1.0   # wait before restart k: backoff * 2^(k-1), at most 30 s
+    collective_timeout_s: float = 600.0  # a collective that takes longer fails the group (it restarts)
+    heartbeat_s: float = 5.0         # idle ranks hear from rank 0 this often; a dead rank shows within this
+    max_math_tokens: int = 4096      # GPU: above this packed length attention never runs on the MATH kernel
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 50050
@@ -126,7 +147,7 @@ STALL_DEFAULTS = {"encode": 300.0, "denoise": 900.0, "decode": 600.0, "mux": 300
 @dataclass(frozen=True)
 class DeployConfig:
     encoder: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50051))
-    dit: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50052))
+    dit: DiTConfig = field(default_factory=lambda: DiTConfig(port=50052))
     vae: ModelServiceConfig = field(default_factory=lambda: ModelServiceConfig(port=50053))
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
 

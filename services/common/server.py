@@ -28,14 +28,19 @@ def enable_reflection(server, service_full_names: list[str]) -> None:
     reflection.enable_server_reflection([*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
-def add_health_and_reflection(server, service_full_names: list[str]) -> health.HealthServicer:
-    """Register health (SERVING for "" and each service) and reflection; returns the health servicer."""
+def add_health_and_reflection(server, service_full_names: list[str], serving: bool = True) -> health.HealthServicer:
+    """Register health (SERVING or NOT_SERVING, for "" and each service) and reflection; returns the servicer."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ["", *service_full_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_serving(health_servicer, service_full_names, serving)
     enable_reflection(server, service_full_names)
     return health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, service_full_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_full_names]:
+        health_servicer.set(name, status)
 
 
 def bind(server, address: str, tls_cert: str = "", tls_key: str = "") -> int:
@@ -53,15 +58,23 @@ def bind(server, address: str, tls_cert: str = "", tls_key: str = "") -> int:
     return port
 
 
-def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-               tls: tuple[str, str] = ("", "")) -> None:
-    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers; `tls` is (cert, key) PEM paths."""
+def start_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
+                 tls: tuple[str, str] = ("", ""), serving: bool = True):
+    """Start serving in the background; returns (server, health servicer). `register(server)` adds the
+    servicers; `tls` is (cert, key) PEM paths."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
     register(server)
-    health_servicer = add_health_and_reflection(server, service_full_names)
+    health_servicer = add_health_and_reflection(server, service_full_names, serving)
     bind(server, address, *tls)
     server.start()
     log.info("serving %s on %s", ", ".join(service_full_names), address)
+    return server, health_servicer
+
+
+def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
+               tls: tuple[str, str] = ("", "")) -> None:
+    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers; `tls` is (cert, key) PEM paths."""
+    server, health_servicer = start_server(register, service_full_names, address, max_workers, tls)
     stopped = threading.Event()
 
     def stop(signum, _frame):

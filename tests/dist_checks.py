@@ -1,0 +1,140 @@
+"""Every check of the sharded DiT that needs ranks, in one torchrun launch (tests/test_distributed.py runs it).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_checks.py OUT.json
+
+Each variant builds the tiny transformer afresh (same seed, same weights), prepares it exactly
+as the service does (`prepare_transformer`) and runs a request through the service's own group
+member: rank 0 broadcasts the job on the control group, every rank runs it. Rank 0 compares
+the latents with the one-rank runner in the same process and writes what it saw to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from h3serve.v1 import common_pb2, media_pb2
+from services.common.fastpath import FastPath
+from services.common.tiny import build_component
+from services.dit import parallel
+from services.dit import workflows as wf
+from services.dit.group import JOB, ControlPlane, GroupMember, Message
+from services.dit.runner import DenoiseJob, DenoiseRunner
+
+CPU = torch.device("cpu")
+JOB_SPEC = DenoiseJob(height=32, width=64, num_frames=124, num_inference_steps=5, seed=3)
+# packed length = text + 414 audio rows + 74 video rows: 10 tokens give an even length, 11 an odd one
+TEXT_TOKENS = (10, 11)
+VARIANTS = [parallel.Layout(2, 2, 1, False), parallel.Layout(2, 1, 2, False),
+            parallel.Layout(2, 2, 1, True), parallel.Layout(2, 1, 2, True)]
+
+
+def components(dtype: torch.dtype = torch.float32, partition: str = "transformer") -> dict:
+    """The tiny preset; in bf16 its fp32-pinned modules stay fp32, as a released checkpoint loads."""
+    from diffusers.schedulers import MiniMaxH3Scheduler
+
+    transformer = build_component(partition)
+    if dtype != torch.float32:
+        transformer.to(dtype)
+        for name in transformer._keep_in_fp32_modules:
+            getattr(transformer, name).float()
+    return {partition: transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
+            "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+
+
+def inputs(tokens: int) -> dict[str, torch.Tensor]:
+    embeds = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens))
+    return {"prompt_embeds": embeds, "text_token_tags": torch.ones(tokens, dtype=torch.int64)}
+
+
+def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32,
+               workflow: int = common_pb2.WORKFLOW_T2VA) -> GroupMember:
+    partition = wf.PARTITIONS[workflow]
+    parts = components(dtype, partition)
+    parallel.prepare_transformer(parts[partition], layout, FastPath("native"), CPU, dtype)
+    return GroupMember(control, DenoiseRunner(parts, (workflow,)), CPU, "native", max_math_tokens=4096)
+
+
+def conditioned(workflow: int) -> tuple[DenoiseJob, wf.Conditioning]:
+    """An fl2va (first keyframe) or ref2va (one image reference) request with random conditioning latents."""
+    latents = [torch.randn(1, 24, 1, 2, 4, generator=torch.Generator().manual_seed(workflow))]
+    if workflow == common_pb2.WORKFLOW_FL2VA:
+        inputs = {"keyframe_anchors": ("first",), "condition_latents": latents}
+    else:
+        image = wf.stand_in(media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_IMAGE))
+        inputs = {"normalized_references": [image], "condition_latents": latents, "audio_condition_latents": []}
+    job = DenoiseJob(JOB_SPEC.height, JOB_SPEC.width, JOB_SPEC.num_frames, JOB_SPEC.num_inference_steps,
+                     JOB_SPEC.seed, workflow)
+    return job, wf.Conditioning(inputs)
+
+
+def run(member: GroupMember, message: Message | None, stop_at: int = 0):
+    """Rank 0 sends `message`; every rank runs it; rank 0 asks to stop after step `stop_at` (0: never)."""
+    message = member.control.broadcast(message)
+    seen = []
+    return member.run(message, lambda step, total: seen.append(step),
+                      lambda: bool(stop_at) and seen[-1] >= stop_at and member.control.rank == 0)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in ("latents", "audio_latents"))
+
+
+def applied(member: GroupMember) -> dict:
+    transformer = member.runner.pipes[common_pb2.WORKFLOW_T2VA].transformer
+    sharded = all(isinstance(p, DTensor) for p in transformer.transformer_blocks.parameters())
+    split = any(getattr(m.processor, "_parallel_config", None) is not None
+                for m in transformer.modules() if hasattr(m, "processor"))
+    return {"fsdp": sharded, "context_parallel": split}
+
+
+def main(out_path: str) -> None:
+    control = ControlPlane(parallel.init_groups(CPU, timeout_s=120))
+    report = {"latents": {}, "applied": {}}
+    for tokens in TEXT_TOKENS:
+        message = Message(JOB, JOB_SPEC, inputs(tokens)) if control.rank == 0 else None
+        reference = DenoiseRunner(components()).run(JOB_SPEC, *inputs(tokens).values(), lambda s, t: None)
+        for layout in VARIANTS:
+            member = member_for(control, layout)
+            outcome = run(member, message)
+            name = f"{layout.split} fsdp={layout.fsdp} S={tokens + 488}"
+            report["latents"][name] = max_diff(outcome.latents, reference)
+            report["applied"][name] = applied(member)
+
+    report["workflows"] = {}
+    for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
+        job, conditioning = conditioned(workflow)
+        reference = DenoiseRunner(components(partition=wf.PARTITIONS[workflow]), (workflow,)).run(
+            job, *inputs(11).values(), lambda s, t: None, conditioning)
+        for layout in VARIANTS[:2]:
+            message = Message(JOB, job, inputs(11), conditioning) if control.rank == 0 else None
+            outcome = run(member_for(control, layout, workflow=workflow), message)
+            name = f"{common_pb2.Workflow.Name(workflow)} {layout.split}"
+            report["workflows"][name] = max_diff(outcome.latents, reference)
+
+    # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
+    message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None
+    mixed = run(member_for(control, VARIANTS[2], torch.bfloat16), message)
+    reference = DenoiseRunner(components(torch.bfloat16)).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
+    report["mixed_dtype_fsdp"] = max_diff(mixed.latents, reference)
+
+    member = member_for(control, VARIANTS[0])
+    cancelled = run(member, message, stop_at=2)
+    after = run(member, message)
+    report["cancel"] = {"cancelled": cancelled.cancelled, "steps": [r.steps_served for r in cancelled.ranks],
+                        "next_matches": max_diff(after.latents, DenoiseRunner(components()).run(
+                            JOB_SPEC, *inputs(10).values(), lambda s, t: None)),
+                        "steps_after": [r.steps_served for r in after.ranks]}
+    if control.rank == 0:
+        with open(out_path, "w") as out:
+            json.dump(report, out, indent=1)
+    dist.barrier()  # without it gloo teardown sometimes aborts
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,132 @@
+"""DiT group set-up decided before any rank starts: layout, torchrun command, attention backend checks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import free_port
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
+from services.common import fastpath, wire
+from services.common.config import DiTConfig
+from services.common.server import start_server
+from services.common.tiny import build_component
+from services.dit import attention
+from services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
+from services.dit.parallel import Layout
+from services.dit.runner import DenoiseJob, DenoiseRunner
+from services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+
+CPU = torch.device("cpu")
+
+
+def test_layout_defaults_to_ulysses_over_all_ranks_and_fsdp_only_with_ranks_to_shard_over():
+    assert Layout.from_config(DiTConfig(world_size=4)) == Layout(4, 4, 1, False)
+    assert Layout.from_config(DiTConfig(world_size=4, ring_degree=4, fsdp=True)) == Layout(4, 1, 4, True)
+    assert Layout.from_config(DiTConfig(world_size=1, fsdp=True)) == Layout(1, 1, 1, False)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(world_size=4, ulysses_degree=2, ring_degree=2), "hybrid"),
+    (dict(world_size=4, ulysses_degree=3), "must equal world_size 4"),
+    (dict(world_size=3, nnodes=2), "multiple of nnodes"),
+    (dict(world_size=2, nnodes=2), "rdzv_endpoint"),
+])
+def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, message):
+    with pytest.raises(ValueError, match=message):
+        check(DiTConfig(**fields))
+
+
+def test_more_ranks_than_visible_gpus_fail_before_any_rank_starts():
+    with pytest.raises(ValueError, match="GPU"):
+        check(DiTConfig(world_size=torch.cuda.device_count() + 1, device="cuda"))
+
+
+def test_the_checked_head_shape_is_the_served_transformers(tiny_model_dir):
+    assert transformer_shape("", "transformer") == (2, 16)
+    assert transformer_shape(str(tiny_model_dir), "transformer_ref") == (2, 16)
+    assert transformer_shape("random:full", "transformer") == (56, 128)
+
+
+def test_torchrun_command_single_node_and_multi_node():
+    single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
+    assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
+    assert single[-3:-1] == ["-m", "services.dit.rank"] and decode_config(single[-1]).world_size == 2
+    multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
+    assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
+            "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("_native_cudnn", "No viable backend"),   # cuDNN attention has no CPU kernel
+    ("flash", "flash-attn"),                  # package not installed
+    ("flash_hub", "downloads its kernel"),    # never downloads at run time
+    ("no_such_backend", "not a valid AttentionBackendName"),
+])
+def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
+    with pytest.raises(attention.BackendUnusable, match=reason) as err:
+        attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32)
+    assert repr(name) in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["_native_math", "flex"])
+def test_a_score_matrix_materialising_backend_is_refused_on_a_gpu(name):
+    with pytest.raises(attention.BackendUnusable, match="materialises the S x S score matrix"):
+        attention.check(name, heads=56, head_dim=128, device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
+def test_a_usable_backend_passes_the_probe_and_is_set_on_every_processor():
+    transformer = build_component("transformer")
+    attention.check_model(transformer, "_native_math", CPU, torch.float32)
+    fastpath.set_attention(transformer, "_native_math")
+    backends = {m.processor._attention_backend for m in transformer.modules() if hasattr(m, "processor")}
+    assert {str(b.value) for b in backends} == {"_native_math"}
+    fastpath.set_attention(transformer, "native")
+
+
+def test_native_on_a_gpu_may_not_use_the_math_kernel_above_the_limit():
+    gpu = torch.device("cuda")  # only the decision is tested here; the GPU run is the benchmark's
+    assert isinstance(attention.no_math_kernel("native", gpu, 5000, limit=4096), contextlib.AbstractContextManager)
+    assert not isinstance(attention.no_math_kernel("native", gpu, 5000, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("native", gpu, 4096, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("_native_cudnn", gpu, 5000, limit=4096), contextlib.nullcontext)
+    assert isinstance(attention.no_math_kernel("native", CPU, 5000, limit=4096), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("height,width,frames", [(32, 64, 124), (64, 96, 141)])
+def test_packed_length_is_the_transformers_sequence_length(height, width, frames):
+    transformer = build_component("transformer")
+    seen = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["token_tags"].shape[0]), with_kwargs=True)
+    parts = {"transformer": transformer, **{n: build_component(n) for n in ("scheduler", "audio_scheduler")}}
+    DenoiseRunner(parts).run(DenoiseJob(height, width, frames, 2, 0), torch.zeros(1, 9, 32),
+                             torch.ones(9, dtype=torch.int64), lambda step, total: None)
+    assert seen == [attention.packed_length(9, height, width, frames)]
+
+
+def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailable_with_the_reason():
+    view = GroupView(state="restarting (restart 1 of 3)")
+    view.info.workflows.append(common_pb2.WORKFLOW_T2VA)
+    address = f"127.0.0.1:{free_port()}"
+    server, _ = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(view), s),
+                             [SERVICE_NAME], address, serving=False)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            assert status.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            dit = dit_pb2_grpc.DiTStub(channel)
+            assert dit.Info(common_pb2.InfoRequest()).state == "restarting (restart 1 of 3)"
+            tensors = {"prompt_embeds": torch.zeros(1, 4, 32), "text_token_tags": torch.ones(4, dtype=torch.int64)}
+            inputs = [dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
+                                                                    num_inference_steps=3)),
+                      *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
+            with pytest.raises(grpc.RpcError) as err:
+                list(dit.Denoise(iter(inputs), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details() == "the DiT group is restarting (restart 1 of 3)"
+    finally:
+        server.stop(0)
