@@ -68,3 +68,13 @@ def test_small_components_are_the_tiny_presets(parts):
     assert (parts["scheduler"].config.shift, parts["audio_scheduler"].config.shift) == (12.0, 3.0)
     with pytest.raises(KeyError, match="no component 'unet'"):
         random_full.build_component("unet", "meta", torch.bfloat16)
+
+
+def test_the_bf16_audio_vae_decodes_its_fp32_buffers_included():
+    # Its resampling filters are buffers computed at construction; a checkpoint load keeps them fp32 with
+    # the rest of the pinned decoder, and so must this source (a bf16 filter fails the decode on dtype).
+    audio_vae = random_full.build_component("audio_vae", "cpu", torch.bfloat16)
+    assert {b.dtype for b in audio_vae.buffers()} == {torch.float32}
+    with torch.no_grad():
+        waveform = audio_vae.decode(torch.randn(2, 32, 2, generator=torch.Generator().manual_seed(0))).sample
+    assert waveform.shape == (2, 1, 2 * audio_vae.hop_length) and waveform.dtype == torch.float32

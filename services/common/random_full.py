@@ -43,8 +43,9 @@ AUDIO_VAE = dict(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
 
 
 def build_in_place(factory: Callable[[], torch.nn.Module], device: str, dtype: torch.dtype) -> torch.nn.Module:
-    """`factory()` allocated on `device` in `dtype`; parameters under `_keep_in_fp32_modules` become fp32,
-    as loading a checkpoint keeps them."""
+    """`factory()` allocated on `device` in `dtype`; floating parameters and buffers under
+    `_keep_in_fp32_modules` become fp32, as loading a checkpoint keeps them (buffers too: the audio VAE's
+    resampling filters are computed at construction, in the default dtype)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -53,9 +54,9 @@ def build_in_place(factory: Callable[[], torch.nn.Module], device: str, dtype: t
     finally:
         torch.set_default_dtype(previous)
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, param in model.named_parameters():
-        if keep & set(name.split(".")):
-            param.data = param.data.float()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if keep & set(name.split(".")) and tensor.is_floating_point():
+            tensor.data = tensor.data.float()
     return model
 
 
