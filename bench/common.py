@@ -44,3 +44,14 @@ def software() -> str:
 
     cuda = f", CUDA {torch.version.cuda}" if torch.cuda.is_available() else ""
     return f"torch {torch.__version__}, diffusers {diffusers.__version__}{cuda}"
+
+
+def add_variant_arguments(parser, sizes: str, repeats: int) -> None:
+    """The arguments of a bench that times fast-path variants against diffusers in the same run."""
+    parser.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
+    parser.add_argument("--sizes", default=sizes)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--variants", default="native",
+                        help="fast paths to time, in order, each only adding to the one before (see the docstring)")
+    parser.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")

@@ -38,7 +38,7 @@ import torch
 
 from bench.common import Size, software
 from bench.dit_step import TEXT_TOKENS
-from bench.results import Record, update_results
+from bench.results import Record, add_output_arguments, update_results
 from services.common import random_full
 from services.common.fastpath import FastPath
 
@@ -62,9 +62,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--forwards", type=int, default=4, help="forwards in the timed request (steps timed: one less)")
     p.add_argument("--quick", action="store_true", help="tiny preset, CPU, gloo, 2 ranks: a smoke test")
     p.add_argument("--check", action="store_true", help="latents of N ranks vs 1 rank for every split and FSDP")
-    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
-    p.add_argument("--results", default="bench/results.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    add_output_arguments(p)
     p.add_argument("--out", help=argparse.SUPPRESS)  # set by the launcher: rank 0 writes its rows here
     p.add_argument("--command", default="", help=argparse.SUPPRESS)  # set by the launcher: the command to record
     args = p.parse_args(argv)

@@ -23,14 +23,13 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
-from bench.common import Size, device_label, software, timed
-from bench.results import Record, update_results
+from bench.common import Size, add_variant_arguments, device_label, software, timed
+from bench.results import Record, add_output_arguments, command_line, update_results
 from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
 from services.dit.runner import DenoiseJob, DenoiseRunner
@@ -167,18 +166,11 @@ def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, 
 
 def main(argv: list[str] | None = None) -> list[Record]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
-    p.add_argument("--sizes", default="768x1344x124,480x832x124")
-    p.add_argument("--dtype", default="bfloat16")
+    add_variant_arguments(p, sizes="768x1344x124,480x832x124", repeats=3)
     p.add_argument("--forwards", type=int, default=2, help="transformer forwards per timed call")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", default="native", help="fast paths to time, in order, e.g. native,flash4+compile")
-    p.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
-    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
-    p.add_argument("--results", default="bench/results.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    args.command = " ".join(["python -m bench.dit_step", *(sys.argv[1:] if argv is None else argv)])
+    args.command = command_line("bench.dit_step", argv)
     if args.quick:
         args.sizes, args.dtype = "32x64x124", "float32"
     device = "cpu" if args.quick else "cuda"

@@ -44,7 +44,7 @@ import torch
 
 from bench.common import Size, device_label, software
 from bench.dit_step import parse_variant
-from bench.results import Record, update_results
+from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
 from services.common.config import load_deploy
@@ -286,11 +286,9 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
                    help="one side per call when both do not fit in one: in-process saves its medians to "
                         "--baseline-file, services compares with them (the same machine, the same options)")
     p.add_argument("--baseline-file", default="var/e2e-baseline.json")
-    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
-    p.add_argument("--results", default="bench/results.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    args.command = " ".join(["python -m bench.e2e", *(sys.argv[1:] if argv is None else argv)])
+    args.command = command_line("bench.e2e", argv)
     if args.quick:
         args.sizes, args.dtype, args.model_dir = "32x64x124", "float32", ""
     device = "cpu" if args.quick else "cuda"

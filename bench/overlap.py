@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import platform
 import socket
-import sys
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
-from bench.results import Record, update_results
+from bench.results import Record, add_output_arguments, command_line, update_results
 from gateway.client import GatewayClient
 from h3serve.v1 import gateway_pb2
 from services.common.config import load_deploy
@@ -91,9 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per mode")
-    parser.add_argument("--write", action="store_true")
-    parser.add_argument("--results", default="bench/results.json")
-    parser.add_argument("--markdown", default="BENCHMARKS.md")
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     serial, pipelined = measure(args)
     name = f"gateway_overlap_{args.height}x{args.width}x{args.steps}steps_{args.jobs}jobs"
@@ -106,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
         record = Record(name=name, device="cpu (tiny model, 1 thread per service)", world_size=1, dtype="float32",
                         seconds=pipelined, baseline_seconds=serial, ratio=serial / pipelined, peak_gib=0.0,
-                        command="python -m bench.overlap " + " ".join(argv if argv is not None else sys.argv[1:]),
+                        command=command_line("bench.overlap", argv),
                         date=date.today().isoformat(), variant="pipelined stages", baseline="same jobs, serial",
                         software=f"torch {torch.__version__}, python {platform.python_version()}")
         update_results([record], args.results, args.markdown)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,3 +72,15 @@ def accuracy(r: Record) -> str:
         return ""
     text = f"{r.rel_err_fp32:.2e} ({r.bf16_rel_err_fp32:.2e})"
     return text if r.rel_err_bf16 is None else f"{text}; {r.rel_err_bf16:.2e} vs bf16"
+
+
+def add_output_arguments(parser) -> None:
+    """--write, --results, --markdown: whether and where a bench records its measurements."""
+    parser.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
+    parser.add_argument("--results", default="bench/results.json")
+    parser.add_argument("--markdown", default="BENCHMARKS.md")
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command a record names, so that anyone can make it again."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from bench.accuracy import rel_l2, upcast_to_fp32
-from bench.common import Size, device_label, software, timed
-from bench.results import Record, update_results
+from bench.common import Size, add_variant_arguments, device_label, software, timed
+from bench.results import Record, add_output_arguments, command_line, update_results
 from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
 from services.vae.decode import VaeDecoder, pixel_geometry
@@ -135,17 +134,10 @@ def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> list[Record]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
-    p.add_argument("--sizes", default="768x1344x124")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", default="native", help="decoder fast paths to time, in order")
-    p.add_argument("--errors", action="store_true", help="also compare the frames with an fp32 decode")
-    p.add_argument("--write", action="store_true", help="update bench/results.json and BENCHMARKS.md")
-    p.add_argument("--results", default="bench/results.json")
-    p.add_argument("--markdown", default="BENCHMARKS.md")
+    add_variant_arguments(p, sizes="768x1344x124", repeats=2)
+    add_output_arguments(p)
     args = p.parse_args(argv)
-    args.command = " ".join(["python -m bench.vae_decode", *(sys.argv[1:] if argv is None else argv)])
+    args.command = command_line("bench.vae_decode", argv)
     if args.quick:
         args.sizes, args.dtype = "32x64x22", "float32"
     device = "cpu" if args.quick else "cuda"
