@@ -47,7 +47,6 @@ MID_SIZE = dict(  # the released structure at a size one GPU runs in seconds: re
     ffn_dim=4096, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=1024, freq_dim=256,
     time_embed_hidden_dim=1024, time_embed_dim=512, rope_freq_dim=16, rope_theta=10000.0,
 )
-os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

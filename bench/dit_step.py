@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 from dataclasses import dataclass
 
@@ -35,7 +34,6 @@ from services.common.fastpath import FastPath
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
-os.environ.setdefault("TQDM_DISABLE", "1")  # diffusers' loop bar would be timed on one side only
 
 
 def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
@@ -55,6 +53,7 @@ def baseline_pipeline(parts: dict):
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
 
     pipe = MiniMaxH3CoreDenoiseStep().init_pipeline()
+    pipe.set_progress_bar_config(disable=True)  # as the service runner's: a bar would be timed on one side only
     pipe.update_components(**parts)
     return pipe
 

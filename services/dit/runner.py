@@ -31,6 +31,7 @@ class DenoiseRunner:
         self.pipes = {}
         for workflow in workflows:
             pipe = wf.core_blocks(workflow).init_pipeline()
+            pipe.set_progress_bar_config(disable=True)  # progress leaves as events, not as a bar on stderr
             pipe.update_components(**{name: components[name] for name in [wf.PARTITIONS[workflow], *wf.SCHEDULERS]})
             self.pipes[workflow] = pipe
         self.device = components[wf.partitions(list(workflows))[0]].device
