@@ -73,6 +73,14 @@ def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
     assert repr(name) in str(err.value)
 
 
+def test_a_backend_without_context_parallelism_is_refused_for_a_split_sequence():
+    attention.check("_native_math", heads=2, head_dim=16, device=CPU, dtype=torch.float32)  # one rank: fine
+    with pytest.raises(attention.BackendUnusable, match="cannot split the sequence across ranks") as err:
+        attention.check("_native_math", heads=2, head_dim=16, device=CPU, dtype=torch.float32,
+                        sequence_parallel=True)
+    assert "_native_cudnn" in str(err.value) and "native" in str(err.value)
+
+
 @pytest.mark.parametrize("name", ["_native_math", "flex"])
 def test_a_score_matrix_materialising_backend_is_refused_on_a_gpu(name):
     with pytest.raises(attention.BackendUnusable, match="materialises the S x S score matrix"):

@@ -35,10 +35,13 @@ def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype
              heads, head_dim)
 
 
-def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise BackendUnusable, with the reason, unless `name` runs the model's attention shape here."""
+def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+          sequence_parallel: bool = False) -> None:
+    """Raise BackendUnusable, with the reason, unless `name` runs the model's attention shape here (and
+    under diffusers' context parallelism when the group splits the sequence)."""
     from diffusers.models.attention_dispatch import (
         AttentionBackendName,
+        _AttentionBackendRegistry,
         _check_attention_backend_requirements,
         dispatch_attention_fn,
     )
@@ -59,6 +62,11 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
             _check_attention_backend_requirements(backend)
     except (RuntimeError, ValueError, ImportError) as exc:
         raise BackendUnusable(f"attention backend {name!r}: {exc}") from exc
+    if sequence_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
+        capable = _AttentionBackendRegistry._supports_context_parallel
+        usable = ", ".join(sorted(getattr(b, "value", b) for b in capable))
+        raise BackendUnusable(f"attention backend {name!r} cannot split the sequence across ranks (diffusers "
+                              f"runs context parallelism only with {usable}); use one of them with world_size > 1")
     q, k, v = (torch.randn(1, PROBE_TOKENS, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
     try:
         with no_math_kernel(name, device, PROBE_TOKENS, limit=0):
