@@ -38,7 +38,7 @@ def stub(tmp_path_factory):
             yield gateway_pb2_grpc.GatewayStub(channel), channel
 
 
-def clear(call) -> None:
+def assert_clear_status(call) -> None:
     """The call succeeds, or fails with a status from CLEAR and a message that names the problem."""
     try:
         call()
@@ -60,7 +60,7 @@ def test_malformed_submits_get_a_clear_status(stub, prompt, height, width, num_f
                                 include_raw=include_raw)
     if seed is not None:
         request.seed = seed
-    clear(lambda: stub[0].Submit(request, timeout=30))
+    assert_clear_status(lambda: stub[0].Submit(request, timeout=30))
 
 
 @SETTINGS
@@ -68,12 +68,13 @@ def test_malformed_submits_get_a_clear_status(stub, prompt, height, width, num_f
        page_token=st.text(max_size=40), states=st.lists(st.integers(-3, 2**31 - 1), max_size=4))
 def test_malformed_lookups_get_a_clear_status(stub, job_id, after_seq, page_size, page_token, states):
     api = stub[0]
-    clear(lambda: api.GetJob(S.GetJobRequest(job_id=job_id), timeout=30))
-    clear(lambda: api.CancelJob(S.CancelJobRequest(job_id=job_id), timeout=30))
-    clear(lambda: list(api.Watch(S.WatchRequest(job_id=job_id, after_seq=after_seq), timeout=30)))
-    clear(lambda: list(api.DownloadArtifact(S.DownloadArtifactRequest(artifact_id=job_id), timeout=30)))
-    clear(lambda: api.ListJobs(S.ListJobsRequest(page_size=page_size, page_token=page_token, states=states),
-                               timeout=30))
+    assert_clear_status(lambda: api.GetJob(S.GetJobRequest(job_id=job_id), timeout=30))
+    assert_clear_status(lambda: api.CancelJob(S.CancelJobRequest(job_id=job_id), timeout=30))
+    assert_clear_status(lambda: list(api.Watch(S.WatchRequest(job_id=job_id, after_seq=after_seq), timeout=30)))
+    assert_clear_status(lambda: list(api.DownloadArtifact(S.DownloadArtifactRequest(artifact_id=job_id),
+                                                          timeout=30)))
+    assert_clear_status(lambda: api.ListJobs(S.ListJobsRequest(page_size=page_size, page_token=page_token,
+                                                               states=states), timeout=30))
 
 
 def test_an_oversized_request_is_refused_and_the_server_keeps_serving(stub):
