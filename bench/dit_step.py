@@ -8,10 +8,11 @@ of them and includes the layout and noise set-up, exactly what a request pays.
 The baseline (diffusers, native attention, eager) is timed first at every size; then each
 `--variants` entry of the service's fast path (services/common/fastpath.py) is applied to the same
 transformer and timed. Variants are applied in order and may only add to the previous one
-(compile and fp8 cannot be undone in place), e.g. `native,flash4,flash4+compile,flash4+compile+fp8`.
+(fuse_qkv, compile and fp8 cannot be undone in place), e.g.
+`native,flash4,flash4+fuse_qkv,flash4+fuse_qkv+compile,flash4+fuse_qkv+compile+fp8,cudnn_fp8+fuse_qkv+compile+fp8`.
 With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
 and inputs (and with bf16 eager). Prints a table; `--write` updates bench/results.json and
-BENCHMARKS.md.
+BENCHMARKS.md; `--profile` adds each variant's kernel time breakdown (bench/profile.py).
 
     python -m bench.dit_step --sizes 480x832x124 --variants native,flash4+compile --errors --write
     python -m bench.dit_step --quick                                        # CPU smoke test
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import profile
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
@@ -110,29 +112,35 @@ class Accuracy:
 
 
 class FastPathLadder:
-    """Applies the --variants in order to one transformer; each may only add compile or fp8."""
+    """Applies the --variants in order to one transformer; each may only add fuse_qkv, compile or fp8."""
 
     def __init__(self, transformer) -> None:
-        self.transformer, self.compiled, self.quantized = transformer, False, False
+        self.transformer, self.applied = transformer, FastPath()
 
     def step_to(self, fast: FastPath) -> None:
-        if (self.compiled and not fast.compile) or (self.quantized and not fast.fp8):
-            raise SystemExit(f"--variants: {fast.describe()} would undo compile or fp8; list it earlier")
+        undone = [flag for flag in fastpath.FLAGS if getattr(self.applied, flag) and not getattr(fast, flag)]
+        if undone:
+            raise SystemExit(f"--variants: {fast.describe()} would undo {', '.join(undone)}; list it earlier")
+        if self.applied.compile and fast.attention != self.applied.attention:
+            torch._dynamo.reset()  # the compiled blocks traced the previous kernel
         fastpath.set_attention(self.transformer, fast.attention)
-        if fast.fp8 and not self.quantized:
+        if fast.fuse_qkv and not self.applied.fuse_qkv:
+            if self.applied.fp8 or self.applied.compile:
+                raise SystemExit(f"--variants: {fast.describe()} fuses after fp8 or compile; list fuse_qkv earlier")
+            fastpath.fuse_qkv(self.transformer)
+        if fast.fp8 and not self.applied.fp8:
             fastpath.quantize_fp8(self.transformer)
-            self.quantized = True
-        if fast.compile and not self.compiled:
+        if fast.compile and not self.applied.compile:
             self.transformer.compile_repeated_blocks(fullgraph=True)
-            self.compiled = True
+        self.applied = fast
 
 
 def parse_variant(text: str) -> FastPath:
     attention, *flags = text.split("+")
-    unknown = set(flags) - {"compile", "fp8"}
+    unknown = set(flags) - set(fastpath.FLAGS)
     if unknown:
-        raise SystemExit(f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: compile, fp8)")
-    return FastPath(attention=attention, compile="compile" in flags, fp8="fp8" in flags)
+        raise SystemExit(f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: {', '.join(fastpath.FLAGS)})")
+    return FastPath(attention=attention, **{flag: flag in flags for flag in fastpath.FLAGS})
 
 
 def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
@@ -145,10 +153,14 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
         ladder.step_to(fast)
         for w in workloads:
             seconds, peak = w.seconds_per_step(w.run_ours)
-            errors = accuracy[w.size].of(transformer, lossy=fast.fp8) if w.size in accuracy else {}
+            errors = accuracy[w.size].of(transformer, lossy=fast.lossy) if w.size in accuracy else {}
             records.append(record(w.size, fast, seconds, baseline[w.size][0], peak, errors, args, device))
             print(f"  {w.size} {fast.describe()}: {seconds:.4f} s/step vs {baseline[w.size][0]:.4f} {errors}",
                   flush=True)
+            if args.profile:
+                with torch.no_grad():
+                    rows = profile.kernels(w.run_ours, per=args.forwards)
+                profile.print_breakdown(f"one step, {w.size}, {fast.describe()}", rows)
     return records
 
 
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[Record]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_variant_arguments(p, sizes="768x1344x124,480x832x124", repeats=3)
     p.add_argument("--forwards", type=int, default=2, help="transformer forwards per timed call")
+    p.add_argument("--profile", action="store_true", help="print each variant's kernel time breakdown (CUDA)")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.dit_step", argv)

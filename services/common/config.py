@@ -39,7 +39,8 @@ class ModelServiceConfig:
     device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
     gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
     dtype: str = "float32"
-    attention_backend: str = "native"  # dit, vae: a diffusers attention backend, or "flash4" (FlashAttention 4)
+    attention_backend: str = "native"  # dit, vae: a diffusers attention backend, "flash4" (FlashAttention 4)
+                                       # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
     cache_bytes: int = 256 << 20   # encoder embedding cache bound
     max_prompt_chars: int = 8192   # encoder: longest prompt accepted
     max_raw_bytes: int = 512 << 20  # vae: largest raw.npz payload include_raw may produce
@@ -51,6 +52,7 @@ class ModelServiceConfig:
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (services/common/fastpath.py)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+    fuse_qkv: bool = False         # dit: one query/key/value projection GEMM instead of three
 
     def fast_path(self):
         """The services/common/fastpath.FastPath these fields select (imported here: it needs torch)."""
@@ -58,7 +60,7 @@ class ModelServiceConfig:
 
         if self.fp8 and self.dtype != "bfloat16":
             raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {self.dtype!r}")
-        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8)
+        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8, fuse_qkv=self.fuse_qkv)
 
     @property
     def address(self) -> str:

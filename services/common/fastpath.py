@@ -7,6 +7,10 @@ it. None changes the math of the released model; what each costs in accuracy is 
 - `attention = "flash4"`: FlashAttention 4 (the `flash-attn-4` package, Hopper and newer),
   installed locally and bound to diffusers' `flash_4_hub` backend, so nothing is downloaded.
   It runs as an opaque custom op, which keeps the compiled blocks whole (fullgraph).
+- `attention = "cudnn_fp8"` (opt-in, it changes the numbers): cuDNN's FP8 attention with finer
+  scaling around it (services/common/fp8_attention.py), bound the same way.
+- `fuse_qkv`: one projection GEMM for query, key and value instead of three (diffusers' own fusion;
+  the separate weights are dropped, so memory does not grow).
 - `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
 - `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
   the AdaLN projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
@@ -19,24 +23,35 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common import fp8_attention
+
 log = logging.getLogger("h3serve.fastpath")
 FLASH4 = "flash4"
+LOCAL_KERNELS = (FLASH4, fp8_attention.NAME)  # installed here and bound to diffusers' flash_4_hub backend
+FLAGS = ("fuse_qkv", "compile", "fp8")  # in the order `describe` and the benches write them
 
 
 @dataclass(frozen=True)
 class FastPath:
-    attention: str = "native"  # a diffusers backend name, or "flash4"
+    attention: str = "native"  # a diffusers backend name, or one of LOCAL_KERNELS
     compile: bool = False
     fp8: bool = False
+    fuse_qkv: bool = False
 
     def describe(self) -> str:
-        extras = [name for name, on in (("compile", self.compile), ("fp8", self.fp8)) if on]
-        return "+".join([self.attention, *extras])
+        return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
+
+    @property
+    def lossy(self) -> bool:
+        """Computes different numbers from the released bf16 model (fp8 weights or fp8 attention)."""
+        return self.fp8 or self.attention == fp8_attention.NAME
 
 
 def apply(model: torch.nn.Module, fast: FastPath) -> None:
-    """Set the attention kernel, quantise, then compile (compile must see the final modules)."""
+    """Set the attention kernel, fuse, quantise, then compile (compile must see the final modules)."""
     set_attention(model, fast.attention)
+    if fast.fuse_qkv:
+        fuse_qkv(model)
     if fast.fp8:
         quantize_fp8(model)
     if fast.compile:
@@ -45,12 +60,12 @@ def apply(model: torch.nn.Module, fast: FastPath) -> None:
 
 
 def set_attention(model: torch.nn.Module, backend: str) -> None:
-    if backend != FLASH4:
+    if backend not in LOCAL_KERNELS:
         model.set_attention_backend(backend)
         return
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
-    bind_flash4()
+    bind_local_kernel(backend)
     # diffusers' own setter insists on the `kernels` hub client for this backend; the kernel is
     # already bound, so set the processors directly.
     name = AttentionBackendName.FLASH_4_HUB
@@ -61,8 +76,22 @@ def set_attention(model: torch.nn.Module, backend: str) -> None:
     _AttentionBackendRegistry.set_active_backend(name)
 
 
-def bind_flash4() -> None:
-    """Point diffusers' flash_4_hub backend at the locally installed FlashAttention 4."""
+def bind_local_kernel(name: str) -> None:
+    """Point diffusers' flash_4_hub backend, its hook for a kernel supplied from outside, at the local
+    kernel `name`, after checking that it can run here. The hook is one per process: binding another
+    kernel moves every model on that backend in this process to it (the benches do so on purpose)."""
+    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
+
+    check, kernel = {FLASH4: (_check_flash4, _flash4_kernel),
+                     fp8_attention.NAME: (fp8_attention.check_available, fp8_attention.attention)}[name]
+    check()
+    slot = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB]
+    if slot.kernel_fn not in (None, kernel):
+        log.warning("attention backend %s replaces %s in this process", name, getattr(slot.kernel_fn, "__name__", "?"))
+    slot.kernel_fn = kernel
+
+
+def _check_flash4() -> None:
     try:
         import flash_attn.cute  # noqa: F401  (the flash-attn-4 package)
     except ImportError as exc:
@@ -70,9 +99,6 @@ def bind_flash4() -> None:
                            f"libraries) installed: {exc}") from exc
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         raise RuntimeError("attention backend 'flash4' needs an NVIDIA GPU of compute capability 9.0 or newer")
-    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
-
-    _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB].kernel_fn = _flash4_kernel
 
 
 def _flash4_kernel(q, k, v, softmax_scale=None, causal=False):
@@ -94,6 +120,14 @@ def flash4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @flash4.register_fake
 def _(q, k, v, scale):
     return torch.empty_like(q)
+
+
+def fuse_qkv(model: torch.nn.Module) -> None:
+    """One query/key/value projection per attention; the separate weights go (the fused copy replaces them)."""
+    model.fuse_qkv_projections()
+    for module in model.modules():
+        if getattr(module, "fused_projections", False) and hasattr(module, "to_q"):
+            del module.to_q, module.to_k, module.to_v
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> None:

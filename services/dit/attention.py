@@ -54,8 +54,8 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
         raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
                               "does; install the kernel locally and use its local backend name (e.g. flash4)")
     try:
-        if name == fastpath.FLASH4:  # bound to diffusers' flash_4_hub backend locally, never downloaded
-            fastpath.bind_flash4()
+        if name in fastpath.LOCAL_KERNELS:  # bound to diffusers' flash_4_hub backend locally, never downloaded
+            fastpath.bind_local_kernel(name)
             backend = AttentionBackendName.FLASH_4_HUB
         else:
             backend = AttentionBackendName(name)
