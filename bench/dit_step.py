@@ -8,8 +8,8 @@ of them and includes the layout and noise set-up, exactly what a request pays.
 The baseline (diffusers, native attention, eager) is timed first at every size; then each
 `--variants` entry of the service's fast path (services/common/fastpath.py) is applied to the same
 transformer and timed. Variants are applied in order and may only add to the previous one
-(fuse_qkv, compile and fp8 cannot be undone in place), e.g.
-`native,flash4,flash4+fuse_qkv,flash4+fuse_qkv+compile,flash4+fuse_qkv+compile+fp8,cudnn_fp8+fuse_qkv+compile+fp8`.
+(compile and fp8 cannot be undone in place), e.g.
+`native,flash4,flash4+compile,flash4+compile+fp8,cudnn_fp8+compile+fp8`.
 With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
 and inputs (and with bf16 eager). Prints a table; `--write` updates bench/results.json and
 BENCHMARKS.md; `--profile` adds each variant's kernel time breakdown (bench/profile.py).
@@ -112,7 +112,7 @@ class Accuracy:
 
 
 class FastPathLadder:
-    """Applies the --variants in order to one transformer; each may only add fuse_qkv, compile or fp8."""
+    """Applies the --variants in order to one transformer; each may only add compile or fp8."""
 
     def __init__(self, transformer) -> None:
         self.transformer, self.applied = transformer, FastPath()
@@ -124,10 +124,6 @@ class FastPathLadder:
         if self.applied.compile and fast.attention != self.applied.attention:
             torch._dynamo.reset()  # the compiled blocks traced the previous kernel
         fastpath.set_attention(self.transformer, fast.attention)
-        if fast.fuse_qkv and not self.applied.fuse_qkv:
-            if self.applied.fp8 or self.applied.compile:
-                raise SystemExit(f"--variants: {fast.describe()} fuses after fp8 or compile; list fuse_qkv earlier")
-            fastpath.fuse_qkv(self.transformer)
         if fast.fp8 and not self.applied.fp8:
             fastpath.quantize_fp8(self.transformer)
         if fast.compile and not self.applied.compile:

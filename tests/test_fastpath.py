@@ -39,17 +39,7 @@ def test_fp8_attention_without_the_cudnn_frontend_fails_with_the_reason():
         fastpath.apply(build_component("transformer"), FastPath(attention="cudnn_fp8"))
 
 
-def test_fused_qkv_replaces_the_three_projections_without_growing_the_model():
-    transformer = build_component("transformer")
-    parameters = sum(p.numel() for p in transformer.parameters())
-    fastpath.apply(transformer, FastPath(fuse_qkv=True))
-    attentions = [m for m in transformer.modules() if hasattr(m, "fused_projections")]
-    assert attentions and all(m.fused_projections and hasattr(m, "to_qkv") and not hasattr(m, "to_q")
-                              for m in attentions)
-    assert sum(p.numel() for p in transformer.parameters()) == parameters
-
-
 def test_fast_paths_name_their_options_and_which_change_the_numbers():
-    fast = FastPath(attention="cudnn_fp8", fuse_qkv=True, compile=True)
-    assert fast.describe() == "cudnn_fp8+fuse_qkv+compile" and fast.lossy
-    assert FastPath(fp8=True).lossy and not FastPath(attention="flash4", fuse_qkv=True, compile=True).lossy
+    fast = FastPath(attention="cudnn_fp8", compile=True)
+    assert fast.describe() == "cudnn_fp8+compile" and fast.lossy
+    assert FastPath(fp8=True).lossy and not FastPath(attention="flash4", compile=True).lossy

@@ -52,7 +52,6 @@ class ModelServiceConfig:
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (services/common/fastpath.py)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
-    fuse_qkv: bool = False         # dit: one query/key/value projection GEMM instead of three
 
     def fast_path(self):
         """The services/common/fastpath.FastPath these fields select (imported here: it needs torch)."""
@@ -60,7 +59,7 @@ class ModelServiceConfig:
 
         if self.fp8 and self.dtype != "bfloat16":
             raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {self.dtype!r}")
-        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8, fuse_qkv=self.fuse_qkv)
+        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8)
 
     @property
     def address(self) -> str:

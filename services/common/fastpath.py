@@ -9,8 +9,6 @@ it. None changes the math of the released model; what each costs in accuracy is 
   It runs as an opaque custom op, which keeps the compiled blocks whole (fullgraph).
 - `attention = "cudnn_fp8"` (opt-in, it changes the numbers): cuDNN's FP8 attention with finer
   scaling around it (services/common/fp8_attention.py), bound the same way.
-- `fuse_qkv`: one projection GEMM for query, key and value instead of three (diffusers' own fusion;
-  the separate weights are dropped, so memory does not grow).
 - `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
 - `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
   the AdaLN projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
@@ -28,7 +26,7 @@ from services.common import fp8_attention
 log = logging.getLogger("h3serve.fastpath")
 FLASH4 = "flash4"
 LOCAL_KERNELS = (FLASH4, fp8_attention.NAME)  # installed here and bound to diffusers' flash_4_hub backend
-FLAGS = ("fuse_qkv", "compile", "fp8")  # in the order `describe` and the benches write them
+FLAGS = ("compile", "fp8")  # in the order `describe` and the benches write them
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,6 @@ class FastPath:
     attention: str = "native"  # a diffusers backend name, or one of LOCAL_KERNELS
     compile: bool = False
     fp8: bool = False
-    fuse_qkv: bool = False
 
     def describe(self) -> str:
         return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
@@ -48,10 +45,8 @@ class FastPath:
 
 
 def apply(model: torch.nn.Module, fast: FastPath) -> None:
-    """Set the attention kernel, fuse, quantise, then compile (compile must see the final modules)."""
+    """Set the attention kernel, quantise, then compile (compile must see the final modules)."""
     set_attention(model, fast.attention)
-    if fast.fuse_qkv:
-        fuse_qkv(model)
     if fast.fp8:
         quantize_fp8(model)
     if fast.compile:
@@ -120,14 +115,6 @@ def flash4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 @flash4.register_fake
 def _(q, k, v, scale):
     return torch.empty_like(q)
-
-
-def fuse_qkv(model: torch.nn.Module) -> None:
-    """One query/key/value projection per attention; the separate weights go (the fused copy replaces them)."""
-    model.fuse_qkv_projections()
-    for module in model.modules():
-        if getattr(module, "fused_projections", False) and hasattr(module, "to_q"):
-            del module.to_q, module.to_k, module.to_v
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> None:
