@@ -28,9 +28,11 @@ GPUs, a bad layout) stops the bench before anything loads, with the service's re
 (what the deployment file and the 3.585 s/step 2-GPU measurement use) or `native`.
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
-of `--repeats`. The MP4s of the last runs are compared (sha256) and the result printed: with the default
-fast paths on one device the split computes exactly what the pipeline computes (on CPU the tests check
-it, also with 2 gloo DiT ranks).
+of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py)
+and the result printed: with the default fast paths on one device the split computes exactly what the
+pipeline computes; a DiT group of N ranks computes it within float rounding (on CPU the tests check
+both: the same bytes with one rank; with 2 gloo ranks the same decoded pictures, the audio within AAC's
+rounding of the ranks' 1e-6 differences).
 
     python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, ~6 min
     python -m bench.e2e --quick                                                 # CPU smoke test

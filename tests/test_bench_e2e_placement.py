@@ -27,7 +27,8 @@ def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
 def test_shared_placement_spans_every_gpu_with_the_dit_and_puts_encoder_and_vae_beside_its_ranks(tmp_path):
     config = placed(tmp_path, 4)
     assert (config.encoder.gpus, config.dit.gpus, config.vae.gpus) == ("0", "0,1,2,3", "3")
-    assert (config.dit.world_size, config.dit.ulysses_degree, config.dit.ring_degree, config.dit.fsdp) == (4, 0, 1, False)
+    dit = config.dit
+    assert (dit.world_size, dit.ulysses_degree, dit.ring_degree, dit.fsdp) == (4, 0, 1, False)  # 0: Ulysses 4
     assert {config.encoder.device, config.dit.device, config.vae.device} == {"cuda"}
     config = placed(tmp_path, 2, fsdp="on")
     assert (config.encoder.gpus, config.dit.gpus, config.vae.gpus) == ("0", "0,1", "1")
