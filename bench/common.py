@@ -33,9 +33,9 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - started
 
 
-def device_label(device: str) -> str:
+def device_label(device: str, count: int = 1) -> str:
     if device.startswith("cuda"):
-        return f"1x{torch.cuda.get_device_name().replace('NVIDIA ', '')}"
+        return f"{count}x{torch.cuda.get_device_name().replace('NVIDIA ', '')}"
     return "cpu"
 
 

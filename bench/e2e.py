@@ -9,19 +9,51 @@ sizes with random weights built on the GPU (`[model] dir = "random:full"`, servi
    (bench/stage_clock.py). It runs in a child process, so when it ends the device is free again: the
    two sides never hold the GPU at the same time.
 2. Services: encoder, DiT, VAE and gateway started as separate processes by `ServiceGroup` from a
-   deployment file written here (every model service on the same device; the encoder cache is off so
-   every request encodes), with the `--dit` / `--vae` fast paths (default: native, as diffusers). Each
-   request is timed at the client from `Generate` to the downloaded MP4; stage times are the gateway's
-   job record (`GetJob`), and transport is what the client saw beyond them.
+   deployment file written here (the encoder cache is off so every request encodes), with the `--dit` /
+   `--vae` fast paths (default: native, as diffusers). Each request is timed at the client from
+   `Generate` to the downloaded MP4; stage times are the gateway's job record (`GetJob`), and transport
+   is what the client saw beyond them.
+
+Placement (`--gpus N`, `--placement`, `--dit-fsdp`; bench/placement.py has the memory reasoning): N = 1
+puts every service on the one device. N > 1 makes the DiT a group of Ulysses ranks, one per GPU, started
+by the service itself (torchrun, NCCL); `shared` (default) spans all N GPUs with the encoder on GPU 0 and
+the VAE on GPU N-1 beside the ranks: one request's latency, as SGLang's published 74.38 s runs Ulysses 4
+on 4 x H200. `dedicated` is docs/deploy/h200x4.toml's layout (encoder GPU 0, DiT GPUs 1..N-2, VAE GPU N-1;
+N >= 3), where stages pipeline across jobs but one request denoises on N-2 GPUs. The DiT weights are
+replicated unless `--dit-fsdp on`. The baseline always runs on one GPU; the records say both: `device`
+"NxGPU" and `world_size` are the services', the baseline text names its single device, and the ratio is
+baseline / ours as always. A DiT group splits the sequence through diffusers' context parallelism, which
+`flash4` lacks: asking for it with N > 1 (or anything else the DiT service refuses at start: too few
+GPUs, a bad layout) stops the bench before anything loads, with the service's reason. Use `_native_cudnn`
+(what the deployment file and the 3.585 s/step 2-GPU measurement use) or `native`.
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
-of `--repeats`. The MP4s of the last runs are compared (sha256) and the result printed: with the default
-fast paths the split computes exactly what the pipeline computes (on CPU the test checks it).
+of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py)
+and the result printed: with the default fast paths on one device the split computes exactly what the
+pipeline computes; a DiT group of N ranks computes it within float rounding (on CPU the tests check
+both: the same bytes with one rank; with 2 gloo ranks the same decoded pictures, the audio within AAC's
+rounding of the ranks' 1e-6 differences).
 
     python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, ~6 min
-    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side in-process   # two calls of
-    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write   # < 10 min
     python -m bench.e2e --quick                                                 # CPU smoke test
+    python -m bench.e2e --quick --gpus 2                                        # + a 2-rank gloo DiT
+
+The 50-step 768x1344x124 request (49 DiT forwards) does not fit one 10-minute call with both sides, so
+it runs as one `--side in-process` call (the diffusers pipeline on one GPU: start ~1 min, warm-up, 49 x
+6.6 s = 5.4 min of denoise, ~6.5 min in all; it saves its medians to --baseline-file) and then one
+`--side services` call per placement or fast path on the same warm machine (the baseline does not depend
+on --gpus, --placement or the fast paths, so all of them compare with it):
+
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side in-process
+    # 2 x H200: 49 x 3.6 s = 3 min of denoise + start-up and warm-up: ~5 min
+    python -m bench.e2e --gpus 2 --dit _native_cudnn --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    # 4 x H200 (issue 7): Ulysses 4, ~1.9 s a step if it scales 3.5x: ~1.5 min of denoise, ~4 min in all;
+    # bf16 with the deployment's fast path, then the fp8 option (needs torchao), then the docs' layout
+    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile+fp8 --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    python -m bench.e2e --gpus 4 --placement dedicated --dit _native_cudnn+compile --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+
+With compile the warm-up request also compiles the blocks (a minute or two, every rank at once).
 """
 
 from __future__ import annotations
@@ -31,23 +63,27 @@ import datetime
 import hashlib
 import json
 import multiprocessing
+import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import grpc
 import torch
 
 from bench.common import Size, device_label, software
 from bench.dit_step import parse_variant
+from bench.media_diff import MediaDiff
+from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
-from services.common.config import load_deploy
+from services.common.config import DeployConfig, load_deploy
 from services.common.models import ModelSource
 from services.reference import ReferenceRequest, reference_pipeline, run_pipeline
 from services.vae.mux import encode_mp4
@@ -81,13 +117,14 @@ class Side:
     stages: dict[str, float]
     transport: float
     digest: str
-    used_gib: float
+    used_gib: float                  # on the fullest GPU the side used
+    rank_peaks_gib: list[float] = field(default_factory=list)  # services: each DiT rank's peak, last request
 
     @classmethod
-    def of(cls, runs: list[Run], used_gib: float) -> "Side":
+    def of(cls, runs: list[Run], used_gib: float, rank_peaks_gib: list[float] | None = None) -> "Side":
         stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
         return cls(statistics.median(r.seconds for r in runs), stages,
-                   statistics.median(r.transport for r in runs), runs[-1].digest, used_gib)
+                   statistics.median(r.transport for r in runs), runs[-1].digest, used_gib, rank_peaks_gib or [])
 
 
 @dataclass(frozen=True)
@@ -95,18 +132,25 @@ class Comparison:
     size: Size
     in_process: Side
     served: Side
+    media: MediaDiff   # the two MP4s decoded (zero when they are the same bytes)
 
     @property
     def same_output(self) -> bool:
         return self.in_process.digest == self.served.digest
 
+    @classmethod
+    def of(cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path]) -> "Comparison":
+        same = in_process.digest == served.digest
+        return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos))
 
-def device_used_gib(device: str) -> float:
-    """Device memory in use by every process (the services' caching allocators hold their peaks)."""
+
+def device_used_gib(device: str, gpus: int = 1) -> float:
+    """Memory in use by every process on the fullest of the first `gpus` GPUs (the services' caching
+    allocators hold their peaks)."""
     if not device.startswith("cuda"):
         return 0.0
-    free, total = torch.cuda.mem_get_info()
-    return round((total - free) / 2**30, 2)
+    used = [total - free for free, total in (torch.cuda.mem_get_info(i) for i in range(gpus))]
+    return round(max(used) / 2**30, 2)
 
 
 def repeated(once, args) -> list[Run]:
@@ -152,15 +196,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def placement(args, device: str) -> Placement:
+    return Placement.plan(args.gpus, args.placement, args.dit_fsdp == "on", cuda=device.startswith("cuda"))
+
+
 def deployment(args, device: str, work: Path) -> Path:
-    """Every service on `device`, loopback ports, the encoder cache off, the fast paths from --dit / --vae."""
-    dit, vae = parse_variant(args.dit), VaeVariant.parse(args.vae)
-    common = f'device = "{device}"\ndtype = "{args.dtype}"\nport = '
+    """The services placed by --gpus / --placement (bench/placement.py), loopback ports, the encoder cache off,
+    the fast paths from --dit / --vae."""
+    dit, vae, place = parse_variant(args.dit), VaeVariant.parse(args.vae), placement(args, device)
+
+    def common(gpus: str) -> str:
+        pinned = f'gpus = "{gpus}"\n' if gpus else ""
+        return f'{pinned}device = "{device}"\ndtype = "{args.dtype}"\nport = {free_port()}\n'
+
     text = (f'[model]\ndir = "{args.model_dir or ""}"\n\n'
-            f"[encoder]\n{common}{free_port()}\ncache_bytes = 0\n\n"
-            f'[dit]\n{common}{free_port()}\nworkflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
+            f"[encoder]\n{common(place.encoder)}cache_bytes = 0\n\n"
+            f'[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n'
+            f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
             f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n\n"
-            f'[vae]\n{common}{free_port()}\nattention_backend = "{vae.fast.attention}"\n'
+            f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
             f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n\n"
             f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n')
     path = work / "deploy.toml"
@@ -188,23 +242,57 @@ def served_once(client, size: Size, steps: int, out: Path) -> Run:
     return Run(seconds, stages, hashlib.sha256(path.read_bytes()).hexdigest())
 
 
-def through_services(sizes: list[Size], args, device: str, work: Path) -> dict[Size, Side]:
+def refuse_early(config: DeployConfig, place: Placement, device: str) -> None:
+    """What the DiT service would refuse at start (its layout, too few GPUs, an attention backend that cannot
+    split the sequence: flash4 with world_size > 1), refused now with the service's reason, before anything
+    loads; the probe runs the backend once on this process's first GPU."""
+    from services.dit import attention, launch
+
+    visible = torch.cuda.device_count() if device.startswith("cuda") else place.gpus
+    if visible < place.gpus:
+        raise SystemExit(f"bench.e2e: --gpus {place.gpus}, but {visible} GPU(s) are visible")
+    try:
+        launch.check(config.dit)
+    except (ValueError, attention.BackendUnusable) as exc:
+        raise SystemExit(f"bench.e2e: the DiT service would refuse to start ({place.describe()}): {exc}") from exc
+
+
+def dit_info(config: DeployConfig):
+    from h3serve.v1 import common_pb2, dit_pb2_grpc
+
+    with grpc.insecure_channel(config.dit.address) as channel:
+        return dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest(), timeout=30)
+
+
+def dit_group(config: DeployConfig, place: Placement) -> str:
+    """The group the DiT reports, checked against the placement asked for."""
+    info = dit_info(config)
+    if (info.world_size, info.fsdp) != (place.world_size, place.fsdp):
+        raise RuntimeError(f"the DiT runs {info.world_size} rank(s), FSDP {info.fsdp}; the placement asked for "
+                           f"{place.world_size}, FSDP {place.fsdp}")
+    devices = ", ".join(r.device for r in info.ranks)
+    return f"{info.world_size} rank(s) on {devices}, {info.compute_backend}, attention {info.attention_backend}"
+
+
+def through_services(sizes: list[Size], args, device: str, work: Path, config_path: Path) -> dict[Size, Side]:
     from gateway.client import GatewayClient
     from services.launcher import ServiceGroup
 
-    config_path = deployment(args, device, work)
-    config = load_deploy(config_path)
+    config, place = load_deploy(config_path), placement(args, device)
     started = time.perf_counter()
     try:
         with ServiceGroup(config, str(config_path), log_dir=str(work)):
-            print(f"services healthy in {time.perf_counter() - started:.1f} s", flush=True)
+            print(f"services healthy in {time.perf_counter() - started:.1f} s; DiT {dit_group(config, place)}",
+                  flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
             try:
                 sides = {}
                 for size in sizes:
                     print(f"services {size}: warm-up + {args.repeats} runs", flush=True)
                     runs = repeated(lambda steps: served_once(client, size, steps, work), args)
-                    sides[size] = Side.of(runs, device_used_gib(device))
+                    peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
+                    print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
+                    sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks)
                 return sides
             finally:
                 client.close()
@@ -243,17 +331,20 @@ def print_logs(work: Path, lines: int = 30) -> None:
 
 
 def records(comparison: Comparison, args, device: str, command: str) -> list[Record]:
-    """The end-to-end record, then one per stage (transport: what neither side spends in a stage)."""
-    name = f"e2e_{comparison.size}_{args.steps}steps"
+    """The end-to-end record, then one per stage (transport: what neither side spends in a stage).
+
+    device and world_size are the services' (N GPUs, the DiT's ranks); the baseline always ran on one."""
+    name, place = f"e2e_{comparison.size}_{args.steps}steps", placement(args, device)
     ours, base = comparison.served, comparison.in_process
     rows = [(name, ours.seconds, base.seconds)]
     rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
     rows.append((f"{name}_transport", ours.transport, base.transport))
     common = dict(
-        device=device_label(device), world_size=1, dtype=args.dtype, peak_gib=ours.used_gib, command=command,
+        device=device_label(device, place.gpus), world_size=place.world_size, dtype=args.dtype,
+        peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, command=command,
         date=datetime.date.today().isoformat(), software=software(),
-        variant=f"gRPC services (encoder, DiT, VAE, gateway; one device), DiT {args.dit}, VAE {args.vae}",
-        baseline="diffusers MiniMaxH3Blocks in process + the same MP4 mux")
+        variant=f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}",
+        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux")
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
             for n, s, b in rows]
 
@@ -267,7 +358,43 @@ def print_table(comparisons: list[Comparison]) -> None:
                   + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES) + f" {side.transport:8.3f}"
                   + f" {side.used_gib:9.2f}")
         print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
-              f"(in process / services; same MP4: {c.same_output})")
+              f"(in process / services; same MP4: {c.same_output}; {c.media.describe()})")
+
+
+def baseline_video(baseline_file: Path, size: Size) -> Path:
+    """Where a `--side in-process` call keeps its MP4 for the `--side services` calls that compare with it."""
+    return baseline_file.with_name(f"{baseline_file.stem}-{size}.mp4")
+
+
+def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparison], str]:
+    """The side(s) --side asks for, in `work`; the comparisons (none for --side in-process) and the command."""
+    baseline_file, command = Path(args.baseline_file), args.command
+    if args.side != "in-process":
+        try:
+            config_path = deployment(args, device, work)
+        except ValueError as exc:
+            raise SystemExit(f"bench.e2e: {exc}") from exc
+        refuse_early(load_deploy(config_path), placement(args, device), device)
+        print(f"services placed on {placement(args, device).describe()}", flush=True)
+    if args.side == "services":
+        baseline, baseline_command = load_baseline(baseline_file, args)
+        command = f"{baseline_command}; {args.command}"
+        reference = {size: baseline_video(baseline_file, size) for size in sizes}
+        missing = [str(path) for path in reference.values() if not path.exists()]
+        if missing:
+            raise SystemExit(f"--side services: the in-process MP4s {missing} are missing; run --side in-process again")
+    else:
+        baseline = in_process(sizes, args, device, work)
+        reference = {size: work / f"in-process-{size}.mp4" for size in sizes}
+    if args.side == "in-process":
+        save_baseline(baseline_file, args, baseline)
+        for size in sizes:
+            shutil.copyfile(reference[size], baseline_video(baseline_file, size))
+        print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
+        return [], command
+    served = through_services(sizes, args, device, work, config_path)
+    return [Comparison.of(size, baseline[size], served[size], (reference[size], work / f"served-{size}.mp4"))
+            for size in sizes], command
 
 
 def main(argv: list[str] | None = None) -> list[Comparison]:
@@ -280,6 +407,14 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
     p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs the services use (the DiT group spans them, bench/placement.py); the in-process "
+                        "baseline always runs on one. --quick: the DiT's gloo ranks on the CPU")
+    p.add_argument("--placement", choices=PLACEMENTS, default="shared",
+                   help="shared: the DiT on all GPUs, the encoder on GPU 0 and the VAE on the last one beside its "
+                        "ranks; dedicated: docs/deploy/h200x4.toml's layout (encoder, DiT, VAE on their own GPUs)")
+    p.add_argument("--dit-fsdp", choices=("on", "off"), default="off",
+                   help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)")
     p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
     p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
     p.add_argument("--side", choices=("both", "in-process", "services"), default="both",
@@ -296,18 +431,9 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="h3serve-e2e-") as scratch:
         work = Path(args.out or scratch)
         work.mkdir(parents=True, exist_ok=True)
-        baseline_file, command = Path(args.baseline_file), args.command
-        if args.side == "services":
-            baseline, baseline_command = load_baseline(baseline_file, args)
-            command = f"{baseline_command}; {args.command}"
-        else:
-            baseline = in_process(sizes, args, device, work)
-        if args.side == "in-process":
-            save_baseline(baseline_file, args, baseline)
-            print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
-            return []
-        served = through_services(sizes, args, device, work)
-    comparisons = [Comparison(size, baseline[size], served[size]) for size in sizes]
+        comparisons, command = run(args, sizes, device, work)
+    if not comparisons:
+        return []
     print_table(comparisons)
     if args.write:
         update_results([r for c in comparisons for r in records(c, args, device, command)], args.results,

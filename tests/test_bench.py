@@ -87,10 +87,11 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     from services.common.fastpath import FastPath
 
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
-                              vae="native+compile+tiles=28")
+                              vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off")
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     services = [config.encoder, config.dit, config.vae]
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
+    assert (config.dit.world_size, config.dit.fsdp) == (1, False)
     assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
     assert config.dit.fast_path() == FastPath("flash4", compile=True, fp8=True)
     assert config.vae.fast_path() == FastPath("native", compile=True) and config.vae.tile_batch == 28
