@@ -102,7 +102,8 @@ class JobRunner:
         return True
 
     async def shutdown(self) -> None:
-        """Stop in-flight jobs without a verdict: a restart finds them interrupted and runs them again."""
+        """Stop in-flight jobs without a verdict: they go back to the queue, their attempt not counted, and the
+        next start runs them again."""
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
@@ -113,8 +114,11 @@ class JobRunner:
                 if await self._attempt(job_id, request, attempt):
                     return
         except asyncio.CancelledError:
-            if job_id not in self._cancel_requested:
-                raise  # gateway shutdown: left in flight, run again at the next start
+            if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start
+                event = self.store.requeue_after_shutdown(job_id, self.max_attempts)
+                if event is not None:
+                    self.hub.publish(event)
+                raise
             self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason="cancelled by CancelJob"))
         except StageFailed as exc:
             self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))

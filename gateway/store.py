@@ -217,6 +217,18 @@ class JobStore:
                 return None
             return self._write_event(job_id, gateway_pb2.JobEvent(failed=failed))
 
+    def requeue_after_shutdown(self, job_id: str, max_attempts: int) -> gateway_pb2.JobEvent | None:
+        """A graceful shutdown stopped this attempt: queue the job again without counting it. The `retrying`
+        event repeats the attempt's number and says why (None if the job was already final)."""
+        reason = f"the gateway shut down while this job was in {self._current_stage(job_id)}; attempt not counted"
+        with self._lock, self._conn:
+            if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
+                return None
+            attempts = self._rows("UPDATE jobs SET attempts = MAX(attempts - 1, 0) WHERE job_id = ? "
+                                  "RETURNING attempts", (job_id,))[0][0]
+            retrying = gateway_pb2.Retrying(attempt=attempts + 1, max_attempts=max_attempts, reason=reason)
+            return self._write_event(job_id, gateway_pb2.JobEvent(retrying=retrying))
+
     def recover(self, max_attempts: int) -> Recovery:
         """At start-up: queued jobs run; jobs a dead gateway left running run again from the start while attempts
         remain, else they are failed with the stage they were in."""

@@ -52,7 +52,8 @@ def _request(args):
 
     request = gateway_pb2.GenerateRequest(
         prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
-        seconds=given("seconds") or 0.0, num_inference_steps=args.steps or 0, include_raw=bool(given("raw")))
+        seconds=given("seconds") or 0.0, num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
+        request_id=given("request_id") or "")
     if given("seed") is not None:
         request.seed = args.seed
     return request
@@ -207,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
+    p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
+                                        "same job instead of starting another")
     _add_media_args(p)
     p.set_defaults(run=_generate)
 

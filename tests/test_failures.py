@@ -123,3 +123,31 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
     assert first == [("encoder", True), ("dit", False)]
     assert second == [("encoder", True), ("dit", True), ("vae", True)]
     assert np.array_equal(served["frames"], expected["frames"]) and np.array_equal(served["audio"], expected["audio"])
+
+
+@pytest.mark.gateway
+def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_attempt(stack):
+    request = gateway_pb2.GenerateRequest(prompt="a stopped one", height=128, width=224, num_inference_steps=40,
+                                          seed=3)
+    client = GatewayClient(stack.address("gateway"))
+    job = client.stub.Submit(request)
+    stream = client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id))
+    next(e for e in stream if e.HasField("denoising"))
+    stack.group.restart("gateway", signal.SIGTERM)  # mid-denoise, through the shutdown path
+    stream.cancel()
+    client.close()
+
+    client = GatewayClient(stack.address("gateway"))
+    try:
+        events = list(client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id)))
+        rerun = client.job(job.job_id)
+    finally:
+        client.close()
+    kinds = [e.WhichOneof("kind") for e in events]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1)), "nothing lost, nothing repeated"
+    assert kinds.count("retrying") == 1 and kinds[-1] == "done"
+    assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
+        attempt=1, max_attempts=2, reason="the gateway shut down while this job was in the dit stage; attempt not counted")
+    assert rerun.state == gateway_pb2.JOB_STATE_SUCCEEDED and rerun.attempts == 1
+    assert [(r.stage, r.attempt, r.finished > 0) for r in rerun.stage_records] == [
+        ("encoder", 1, True), ("dit", 1, False), ("encoder", 1, True), ("dit", 1, True), ("vae", 1, True)]

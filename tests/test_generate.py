@@ -167,3 +167,19 @@ def test_dit_refuses_a_spec_the_model_rejects(stack):
         list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(height=32, width=64))])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_embeds" in err.value.details()
+
+
+def test_cli_generate_with_a_request_id_runs_the_job_once(stack, client, tmp_path):
+    import subprocess
+    import sys
+
+    def generate(out: str) -> bytes:
+        subprocess.run([sys.executable, "-m", "services.cli", "generate", "--gateway", stack.address("gateway"),
+                        "--prompt", "the same request twice", "--steps", "3", "--seed", "4",
+                        "--request-id", "cli-retry-1", "--out", str(tmp_path / out)], capture_output=True, check=True)
+        return (tmp_path / out).read_bytes()
+
+    assert generate("a.mp4") == generate("b.mp4"), "the second command downloads the first one's video"
+    jobs = [j for j in client.stub.ListJobs(gateway_pb2.ListJobsRequest(page_size=1000)).jobs
+            if j.request_id == "cli-retry-1"]
+    assert len(jobs) == 1 and jobs[0].attempts == 1
