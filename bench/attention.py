@@ -2,7 +2,7 @@
 
 Random (1, S, 56, 128) bf16 query/key/value, the model's attention shape, go through diffusers'
 dispatcher exactly as the transformer calls it, for each `--backends` entry (a diffusers backend, or
-one of the local kernels of services/common/fastpath.py; `+compile` compiles the call, which fuses
+one of the local kernels of services/common/local_kernels.py; `+compile` compiles the call, which fuses
 the FP8 kernel's scaling). The error is the relative L2 distance of the first 512 query rows from an
 fp32 softmax(QK^T)V of the same inputs. Prints a table (no records: the step bench, bench/dit_step.py,
 measures what a request pays).
@@ -19,7 +19,7 @@ import torch
 
 from bench.accuracy import rel_l2
 from bench.common import timed
-from services.common import fastpath
+from services.common import local_kernels
 
 HEADS, HEAD_DIM, CHECKED_ROWS = 56, 128, 512
 
@@ -37,8 +37,8 @@ def attention_call(spec: str):
     from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 
     name, *flags = spec.split("+")
-    if name in fastpath.LOCAL_KERNELS:
-        fastpath.bind_local_kernel(name)
+    if name in local_kernels.KERNELS:
+        local_kernels.bind(name)
         backend = AttentionBackendName.FLASH_4_HUB
     else:
         backend = AttentionBackendName(name)

@@ -56,8 +56,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", choices=["ulysses", "ring"], default="ulysses", help="how the sequence is split")
     p.add_argument("--sizes", default="768x1344x124")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (timing), float32 (--check, --quick)")
-    p.add_argument("--attention-backend", default="native", help="a diffusers backend name, or flash4")
+    p.add_argument("--attention-backend", default="native",
+                   help="a diffusers backend name, or a local kernel (flash4, cudnn_fp8: Ulysses only)")
     p.add_argument("--compile", action="store_true", help="regional torch.compile (the fast path) before the split")
+    p.add_argument("--fp8", action="store_true", help="fp8 W8A8 block linears (the fast path's opt-in option)")
     p.add_argument("--forwards", type=int, default=4, help="forwards in the timed request (steps timed: one less)")
     p.add_argument("--quick", action="store_true", help="tiny preset, CPU, gloo, 2 ranks: a smoke test")
     p.add_argument("--check", action="store_true", help="latents of N ranks vs 1 rank for every split and FSDP")
@@ -194,8 +196,9 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
 
     dtype = getattr(torch, args.dtype)
     parts = components(args, device, dtype)
-    fast = FastPath(attention=args.attention_backend, compile=args.compile)
-    parallel.ready_model(parts["transformer"], fast, device, dtype)  # the baseline runs on it too
+    fast = FastPath(attention=args.attention_backend, compile=args.compile, fp8=args.fp8)
+    # the baseline runs on it too (compiled as the group will need it: around the all-to-alls)
+    parallel.ready_model(parts["transformer"], fast, device, dtype, sequence_split=args.world_size > 1)
     text_dim = parts["transformer"].config.text_dim
     message, warm = job_message(size, args.forwards, text_dim), job_message(size, 2, text_dim)
     baseline = 0.0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from h3serve.v1 import common_pb2, media_pb2
+from services.common import local_kernels
 from services.common.fastpath import FastPath
 from services.common.tiny import build_component
 from services.dit import parallel
@@ -52,11 +53,27 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
 
 
 def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32,
-               workflow: int = common_pb2.WORKFLOW_T2VA) -> GroupMember:
+               workflow: int = common_pb2.WORKFLOW_T2VA, fast: FastPath = FastPath("native")) -> GroupMember:
     partition = wf.PARTITIONS[workflow]
     parts = components(dtype, partition)
-    parallel.prepare_transformer(parts[partition], layout, FastPath("native"), CPU, dtype)
+    parallel.prepare_transformer(parts[partition], layout, fast, CPU, dtype)
     return GroupMember(control, DenoiseRunner(parts, (workflow,)), CPU, "native", max_math_tokens=4096)
+
+
+def cpu_kernel(q, k, v, softmax_scale=None, causal=False):
+    """A stand-in for FlashAttention 4 / cuDNN FP8 in their slot: (batch, rows, heads, dim) attention on the CPU."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           scale=softmax_scale, is_causal=causal)
+    return out.transpose(1, 2)
+
+
+def slot_member(control: ControlPlane, layout: parallel.Layout) -> GroupMember:
+    """The local-kernel slot (services/common/local_kernels.py) under `layout`, with the CPU kernel in it."""
+    parts = components()
+    local_kernels.install(cpu_kernel)
+    local_kernels.use(parts["transformer"])
+    parallel.parallelize(parts["transformer"], layout, CPU)
+    return GroupMember(control, DenoiseRunner(parts), CPU, "native", max_math_tokens=4096)
 
 
 def conditioned(workflow: int) -> tuple[DenoiseJob, wf.Conditioning]:
@@ -115,6 +132,15 @@ def main(out_path: str) -> None:
             outcome = run(member_for(control, layout, workflow=workflow), message)
             name = f"{common_pb2.Workflow.Name(workflow)} {layout.split}"
             report["workflows"][name] = max_diff(outcome.latents, reference)
+
+    message = Message(JOB, JOB_SPEC, inputs(11)) if control.rank == 0 else None
+    reference = DenoiseRunner(components()).run(JOB_SPEC, *inputs(11).values(), lambda s, t: None)
+    report["local_kernel_slot"] = {layout.split + f" fsdp={layout.fsdp}": max_diff(
+        run(slot_member(control, layout), message).latents, reference) for layout in (VARIANTS[0], VARIANTS[2])}
+
+    # the deployment files' setting: regional compile with the sequence split
+    compiled = run(member_for(control, VARIANTS[0], fast=FastPath("native", compile=True)), message)
+    report["compiled_ulysses"] = max_diff(compiled.latents, reference)
 
     # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
     message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None

@@ -52,3 +52,17 @@ def test_fl2va_and_ref2va_conditioning_rows_split_like_the_rest(report):
                                         for split in ("ulysses 2", "ring 2")}
     for name, diff in report["workflows"].items():
         assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
+
+
+@pytest.mark.distributed
+def test_the_local_kernel_slot_splits_the_sequence_with_ulysses(report):
+    # FlashAttention 4 and cuDNN FP8 sit in this slot on GPUs; here a CPU kernel does, through the same path
+    assert set(report["local_kernel_slot"]) == {"ulysses 2 fsdp=False", "ulysses 2 fsdp=True"}
+    for name, diff in report["local_kernel_slot"].items():
+        assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
+
+
+@pytest.mark.distributed
+def test_compiled_blocks_split_the_sequence_like_eager_ones(report):
+    # compile traces around diffusers' any-length all-to-alls (services/dit/parallel.py), which it cannot trace
+    assert report["compiled_ulysses"] <= TOLERANCE

@@ -81,6 +81,13 @@ def test_a_backend_without_context_parallelism_is_refused_for_a_split_sequence()
     assert "_native_cudnn" in str(err.value) and "native" in str(err.value)
 
 
+@pytest.mark.parametrize("name", ["flash4", "cudnn_fp8"])
+def test_a_local_kernel_is_refused_for_ring_attention(name):
+    with pytest.raises(attention.BackendUnusable, match="runs under Ulysses but not ring attention"):
+        attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32, sequence_parallel=True,
+                        ring=True)
+
+
 @pytest.mark.parametrize("name", ["_native_math", "flex"])
 def test_a_score_matrix_materialising_backend_is_refused_on_a_gpu(name):
     with pytest.raises(attention.BackendUnusable, match="materialises the S x S score matrix"):

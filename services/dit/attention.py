@@ -15,7 +15,7 @@ import logging
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.common import fastpath
+from services.common import local_kernels
 
 log = logging.getLogger("h3serve.dit.attention")
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
@@ -36,9 +36,9 @@ def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype
 
 
 def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-          sequence_parallel: bool = False) -> None:
+          sequence_parallel: bool = False, ring: bool = False) -> None:
     """Raise BackendUnusable, with the reason, unless `name` runs the model's attention shape here (and
-    under diffusers' context parallelism when the group splits the sequence)."""
+    under diffusers' context parallelism when the group splits the sequence, by ring when `ring`)."""
     from diffusers.models.attention_dispatch import (
         AttentionBackendName,
         _AttentionBackendRegistry,
@@ -53,9 +53,12 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
     if name.endswith("_hub"):
         raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
                               "does; install the kernel locally and use its local backend name (e.g. flash4)")
+    if ring and name in local_kernels.KERNELS:
+        raise BackendUnusable(f"attention backend {name!r} runs under Ulysses but not ring attention, which needs the "
+                              "kernel's log-sum-exp; set ulysses_degree instead of ring_degree")
     try:
-        if name in fastpath.LOCAL_KERNELS:  # bound to diffusers' flash_4_hub backend locally, never downloaded
-            fastpath.bind_local_kernel(name)
+        if name in local_kernels.KERNELS:  # bound to diffusers' flash_4_hub backend locally, never downloaded
+            local_kernels.bind(name)
             backend = AttentionBackendName.FLASH_4_HUB
         else:
             backend = AttentionBackendName(name)

@@ -76,7 +76,7 @@ def check(config: DiTConfig) -> Layout:
                              f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})")
         device = torch.device("cuda", device.index or 0)
     attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
-                    DTYPES[config.dtype], sequence_parallel=layout.world_size > 1)
+                    DTYPES[config.dtype], sequence_parallel=layout.world_size > 1, ring=layout.ring_degree > 1)
     return layout
 
 

@@ -90,14 +90,15 @@ def attempt_store(timeout: timedelta) -> dist.Store:
 def prepare_transformer(transformer, layout: Layout, fast: FastPath, device: torch.device,
                         dtype: torch.dtype) -> None:
     """After load, before the first request: the fast path (attention backend first), then the parallelism."""
-    ready_model(transformer, fast, device, dtype)
+    ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
     parallelize(transformer, layout, device)
 
 
-def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype) -> None:
+def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype,
+                sequence_split: bool = False) -> None:
     """The backend is checked on this device (the reason if it cannot run), then the fast path applied."""
     attention.check_model(transformer, fast.attention, device, dtype)
-    fastpath.apply(transformer, fast)
+    fastpath.apply(transformer, fast, sequence_split)
 
 
 def parallelize(transformer, layout: Layout, device: torch.device) -> None:
@@ -139,6 +140,19 @@ def split_sequence(transformer, layout: Layout) -> None:
     else:
         config = ContextParallelConfig(ring_degree=layout.ring_degree, ring_anything=True)
     transformer.enable_parallelism(config=config)
+    _split_attention_runs_eagerly()
+
+
+def _split_attention_runs_eagerly() -> None:
+    """The `*_anything` all-to-alls exchange their sizes first, which torch.compile cannot trace: under a
+    compiled block, diffusers' context-parallel attention runs eagerly between the compiled parts."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    split_attention = dispatch._templated_context_parallel_attention
+    if not getattr(split_attention, "_h3serve_eager", False):
+        eager = torch.compiler.disable(split_attention)
+        eager._h3serve_eager = True
+        dispatch._templated_context_parallel_attention = eager
 
 
 def peak_memory_bytes(device: torch.device) -> int:
