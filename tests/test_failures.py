@@ -89,18 +89,24 @@ def test_finished_jobs_survive_a_gateway_restart(stack, tmp_path):
     assert path.stat().st_size == final.done.video.bytes
 
 
-@pytest.mark.gateway
-def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_result(stack, tmp_path):
-    request = gateway_pb2.GenerateRequest(prompt="a slow one", height=128, width=224, num_inference_steps=40, seed=2,
-                                          include_raw=True)
+def interrupt_mid_denoise(stack, request: gateway_pb2.GenerateRequest, signum: int):
+    """Submit `request` and restart the gateway with `signum` at its first denoise step: (job, that event)."""
     client = GatewayClient(stack.address("gateway"))
     job = client.stub.Submit(request)
     assert job.state in (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING)
     stream = client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id))
     first_step = next(e for e in stream if e.HasField("denoising"))
-    stack.group.restart("gateway", signal.SIGKILL)  # mid-denoise: no terminal event was written
+    stack.group.restart("gateway", signum)
     stream.cancel()
     client.close()
+    return job, first_step
+
+
+@pytest.mark.gateway
+def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_result(stack, tmp_path):
+    request = gateway_pb2.GenerateRequest(prompt="a slow one", height=128, width=224, num_inference_steps=40, seed=2,
+                                          include_raw=True)
+    job, first_step = interrupt_mid_denoise(stack, request, signal.SIGKILL)  # no terminal event was written
 
     client = GatewayClient(stack.address("gateway"))
     try:
@@ -129,13 +135,7 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
 def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_attempt(stack):
     request = gateway_pb2.GenerateRequest(prompt="a stopped one", height=128, width=224, num_inference_steps=40,
                                           seed=3)
-    client = GatewayClient(stack.address("gateway"))
-    job = client.stub.Submit(request)
-    stream = client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id))
-    next(e for e in stream if e.HasField("denoising"))
-    stack.group.restart("gateway", signal.SIGTERM)  # mid-denoise, through the shutdown path
-    stream.cancel()
-    client.close()
+    job, _ = interrupt_mid_denoise(stack, request, signal.SIGTERM)  # through the shutdown path
 
     client = GatewayClient(stack.address("gateway"))
     try:
