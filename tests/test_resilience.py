@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -53,6 +54,28 @@ def wait_for_health(address: str, status: int, limit_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+class HealthWatch:
+    """The statuses a health Watch stream sends, collected on a thread."""
+
+    def __init__(self, address: str, service: str = "") -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stream = health_pb2_grpc.HealthStub(self.channel).Watch(health_pb2.HealthCheckRequest(service=service))
+        self.statuses: list[int] = []
+        self.thread = threading.Thread(target=self._collect, daemon=True)
+        self.thread.start()
+
+    def _collect(self) -> None:
+        try:
+            self.statuses.extend(response.status for response in self.stream)
+        except grpc.RpcError:
+            pass  # cancelled by close()
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.thread.join(10)
+        self.channel.close()
+
+
 def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
     with group(tmp_path, "stall", ("dit", "gateway"), stack.model_dir, ports, max_attempts=2,
@@ -60,6 +83,7 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
         address = f"127.0.0.1:{ports['gateway']}"
         client = GatewayClient(address)
         ranks = dit_ranks(f"127.0.0.1:{ports['dit']}")
+        watch = HealthWatch(address)
         try:
             # Long enough (40 steps at 128x224) that the DiT is still denoising when it is stopped.
             job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224,
@@ -95,8 +119,25 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
             wait_for_health(address, health_pb2.HealthCheckResponse.SERVING)  # the DiT is back
             final = client.generate(S.GenerateRequest(prompt="after the stall", seed=5, **SMALL))
             assert final.HasField("done")
+            watch.close()
+            serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+            assert watch.statuses == [serving, not_serving, serving], "Watch sent the status, then each change"
         finally:
+            watch.close()
             client.close()
+
+
+def test_health_watch_of_an_unknown_service_says_so_and_stays_open(stack):
+    watch = HealthWatch(stack.address("gateway"), service="no.such.Service")
+    try:
+        deadline = time.monotonic() + 10
+        while not watch.statuses:
+            assert time.monotonic() < deadline, "no first status"
+            time.sleep(0.05)
+        assert watch.thread.is_alive(), "the call stays open"
+    finally:
+        watch.close()
+    assert watch.statuses == [health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
 
 
 def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
