@@ -22,10 +22,11 @@ on 4 x H200. `dedicated` is docs/deploy/h200x4.toml's layout (encoder GPU 0, DiT
 N >= 3), where stages pipeline across jobs but one request denoises on N-2 GPUs. The DiT weights are
 replicated unless `--dit-fsdp on`. The baseline always runs on one GPU; the records say both: `device`
 "NxGPU" and `world_size` are the services', the baseline text names its single device, and the ratio is
-baseline / ours as always. A DiT group splits the sequence through diffusers' context parallelism, which
-`flash4` lacks: asking for it with N > 1 (or anything else the DiT service refuses at start: too few
-GPUs, a bad layout) stops the bench before anything loads, with the service's reason. Use `_native_cudnn`
-(what the deployment file and the 3.585 s/step 2-GPU measurement use) or `native`.
+baseline / ours as always. A DiT group splits the sequence through diffusers' context parallelism: a
+backend without it, or the local kernels (`flash4`, `cudnn_fp8`) with ring attention, or anything else the
+DiT service refuses at start (too few GPUs, a bad layout) stops the bench before anything loads, with the
+service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/step 2-GPU measurement use;
+`flash4` and `cudnn_fp8` run under Ulysses (services/common/local_kernels.py).
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
 of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py)
@@ -244,7 +245,7 @@ def served_once(client, size: Size, steps: int, out: Path) -> Run:
 
 def refuse_early(config: DeployConfig, place: Placement, device: str) -> None:
     """What the DiT service would refuse at start (its layout, too few GPUs, an attention backend that cannot
-    split the sequence: flash4 with world_size > 1), refused now with the service's reason, before anything
+    split the sequence this way), refused now with the service's reason, before anything
     loads; the probe runs the backend once on this process's first GPU."""
     from services.dit import attention, launch
 

@@ -53,7 +53,7 @@ def test_the_records_name_each_sides_devices():
 
 
 def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_anything_loads(tmp_path):
-    # _native_math runs one rank; diffusers has no context parallelism for it (nor for flash4 on GPUs).
+    # _native_math runs one rank; diffusers has no context parallelism for it.
     out = tmp_path / "run"
     with pytest.raises(SystemExit, match="DiT service would refuse to start .*2 gloo ranks.*'_native_math' cannot "
                                          "split the sequence across ranks"):
