@@ -21,8 +21,9 @@ from services.common.config import ModelServiceConfig
 from services.common.server import GRPC_OPTIONS
 from services.common.tiny import TINY_REVISION, build_component
 from services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
+from services.vae.mux import encode_mp4, to_uint8
 from services.vae.validate import InvalidOutput, validate
-from services.vae.server import VaeServicer
+from services.vae.server import VaeServicer, decode_checked
 from services.vae.tiles import batch_tiles
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
@@ -105,6 +106,23 @@ def events(stub, latents):
     return list(stub.Decode(iter(requests(latents, include_raw=True))))
 
 
+@pytest.fixture(scope="module")
+def in_process(components, latents):
+    """What the in-process pipeline's decode block returns for the module's latents (numpy frames)."""
+    pipe = MiniMaxH3DecodeStep().init_pipeline()
+    pipe.update_components(vae=components[0], audio_vae=components[1])
+    return pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
+
+
+def levels(frames: np.ndarray) -> np.ndarray:
+    """The uint8 rule written out in numpy: x * 255, rounded half to even, clipped."""
+    return np.clip(np.round(frames * 255), 0, 255).astype(np.uint8)
+
+
+def ignore(*_) -> None:
+    return None
+
+
 def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
     video = files_of(events)["video.mp4"]
     summary = events[-1].summary
@@ -120,19 +138,43 @@ def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
 
 
 @pytest.mark.fidelity
-def test_raw_output_is_bit_identical_to_the_in_process_block(events, components, latents):
+def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process):
     raw = files_of(events)["raw.npz"]
     assert (events[-1].summary.raw_sha256, events[-1].summary.raw_bytes) == (hashlib.sha256(raw).hexdigest(),
                                                                               len(raw))
-    pipe = MiniMaxH3DecodeStep().init_pipeline()
-    pipe.update_components(vae=components[0], audio_vae=components[1])
-    expected = pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
+    expected = in_process
     archive = np.load(io.BytesIO(raw))
     assert archive["frames"].shape == (NUM_FRAMES, HEIGHT, WIDTH, 3)
     assert archive["audio"].shape == (2, NUM_SAMPLES)
     assert np.array_equal(archive["frames"], expected["videos"][0])
     assert np.array_equal(archive["audio"], expected["audio"][0].numpy())
     assert int(archive["sample_rate"]) == expected["sampling_rate"] == 32000
+
+
+@pytest.mark.fidelity
+def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents,
+                                                                              in_process):
+    checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore)
+    frames = in_process["videos"][0]
+    assert checked.pixels.dtype == np.uint8 and checked.pixels.flags.c_contiguous
+    assert np.array_equal(checked.pixels, levels(frames))
+    assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
+    # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte.
+    expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore)
+    assert files_of(events)["video.mp4"] == expected
+    assert encode_mp4(checked.pixels, checked.audio, in_process["sampling_rate"], ignore) == expected
+
+
+def test_to_uint8_rounds_ties_to_even_and_clips():
+    ties = (np.arange(256, dtype=np.float32) + np.float32(0.5)) / np.float32(255)
+    values = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
+                             np.float32([-0.25, -0.0, 0.0, 0.5, 1.0, 1.75])])
+    assert np.count_nonzero((values * 255) % 1 == 0.5) > 100  # float32 products that are exact ties
+    frames = values.reshape(2, 3, 43, 3)
+    channels_first = torch.from_numpy(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)))
+    quantized = to_uint8(channels_first.permute(0, 2, 3, 1))  # the decoder's channels-last view
+    assert quantized.dtype == np.uint8 and quantized.flags.c_contiguous
+    assert np.array_equal(quantized, levels(frames))
 
 
 def test_events_arrive_in_phase_order(events):
@@ -161,6 +203,17 @@ def test_constant_video_fails_precondition(latents):
         error, _ = failure(stub, requests(latents))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error.details().startswith("video: constant")
+
+
+def test_nan_frames_fail_precondition(latents):
+    vae, audio_vae = fresh_components()
+    with torch.no_grad():
+        vae.decoder.proj_out.weight.fill_(float("nan"))
+    with vae_service(vae, audio_vae) as stub:
+        error, _ = failure(stub, requests(latents))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    values = NUM_FRAMES * HEIGHT * WIDTH * 3
+    assert error.details() == f"video: {values} of {values} frame values are NaN or infinite"
 
 
 def test_nan_audio_fails_precondition(latents):
@@ -233,9 +286,9 @@ def test_batched_tiles_decode_what_diffusers_decodes_tile_by_tile():
                                                 on_audio=lambda *p: None)
     assert calls == [(3, 16), (6, 16), (8, 16), (11, 16), (14, 16), (16, 16)]
     # The same tiles, stitched the same way; GEMMs over more rows round differently (a few ulp).
-    difference = np.abs(decoded.frames - reference["videos"][0])
+    difference = np.abs(decoded.frames.numpy() - reference["videos"][0])
     assert difference.max() < 1e-5
-    assert np.array_equal(decoded.audio, reference["audio"][0].numpy())
+    assert np.array_equal(decoded.audio.numpy(), reference["audio"][0].numpy())
 
 
 def test_tile_batch_must_be_positive():
@@ -245,12 +298,13 @@ def test_tile_batch_must_be_positive():
 
 # validate.py
 
-def _frames() -> np.ndarray:
-    return np.random.default_rng(0).random((3, 4, 5, 3), dtype=np.float32)
+def _frames() -> torch.Tensor:
+    """(3, 4, 5, 3) frames laid out as the decoder leaves them: a channels-last view of (F, C, H, W)."""
+    return torch.from_numpy(np.random.default_rng(0).random((3, 3, 4, 5), dtype=np.float32)).permute(0, 2, 3, 1)
 
 
-def _audio() -> np.ndarray:
-    return np.random.default_rng(1).uniform(-1, 1, (2, 100)).astype(np.float32)
+def _audio() -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(1).uniform(-1, 1, (2, 100)).astype(np.float32))
 
 
 def test_validate_accepts_varied_finite_output():
@@ -258,7 +312,7 @@ def test_validate_accepts_varied_finite_output():
 
 
 def test_validate_accepts_a_video_that_varies_in_one_channel_only():
-    frames = np.zeros((3, 4, 5, 3), dtype=np.float32)
+    frames = torch.zeros(3, 4, 5, 3)
     frames[1, 2, 3, 2] = 0.5
     assert validate(frames, _audio()) is None
 
@@ -273,7 +327,7 @@ def test_validate_rejects_non_finite_frames(value):
 
 @pytest.mark.parametrize("color", [(0.0, 0.0, 0.0), (0.485, 0.456, 0.406)])
 def test_validate_rejects_a_constant_video(color):
-    frames = np.broadcast_to(np.array(color, dtype=np.float32), (3, 4, 5, 3))
+    frames = torch.tensor(color).expand(3, 4, 5, 3)
     with pytest.raises(InvalidOutput, match=r"^video: constant, every pixel of all 3 frames is \("):
         validate(frames, _audio())
 

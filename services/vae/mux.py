@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
+import torch
 
 FPS = 24
 
@@ -16,13 +17,20 @@ Progress = Callable[[int, int], None]
 """Called with (seconds of video encoded, seconds in the video)."""
 
 
-def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """[0, 1] float frames -> uint8, rounding to the nearest level."""
-    return (frames * 255).round().clip(0, 255).astype(np.uint8)
+def to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """[0, 1] float frames (..., H, W, 3) -> contiguous uint8 numpy on the CPU: x * 255 rounded to the
+    nearest level (ties to even), clipped to [0, 255].
+
+    The arithmetic runs where `frames` are, so a decode on the GPU sends a quarter of the float bytes.
+    """
+    levels = (frames * 255).round_().clamp_(0, 255).to(torch.uint8)
+    return levels.contiguous().cpu().numpy()
 
 
 def encode_mp4(frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress) -> bytes:
-    """Encode `frames` (F, H, W, 3) in [0, 1] at `FPS` and `audio` (channels, S) float to MP4 bytes.
+    """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes.
+
+    `frames` are uint8 levels, or floats in [0, 1] that `to_uint8` turns into levels a second at a time.
 
     Video and audio are written interleaved per second of video, which is also the progress unit;
     audio past the last whole second goes with the last one.
@@ -55,7 +63,8 @@ def _add_audio(container, sample_rate: int, channels: int):
 
 
 def _write_video(container, stream, frames: np.ndarray, first: int) -> None:
-    for index, pixels in enumerate(to_uint8(frames), start=first):
+    levels = frames if frames.dtype == np.uint8 else to_uint8(torch.from_numpy(frames))
+    for index, pixels in enumerate(levels, start=first):
         frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
         frame.pts, frame.time_base = index, Fraction(1, FPS)
         container.mux(stream.encode(frame))
