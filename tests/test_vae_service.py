@@ -114,11 +114,6 @@ def in_process(components, latents):
     return pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
 
 
-def levels(frames: np.ndarray) -> np.ndarray:
-    """The uint8 rule written out in numpy: x * 255, rounded half to even, clipped."""
-    return np.clip(np.round(frames * 255), 0, 255).astype(np.uint8)
-
-
 def ignore(*_) -> None:
     return None
 
@@ -157,7 +152,7 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
     checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore)
     frames = in_process["videos"][0]
     assert checked.pixels.dtype == np.uint8 and checked.pixels.flags.c_contiguous
-    assert np.array_equal(checked.pixels, levels(frames))
+    assert np.array_equal(checked.pixels, to_uint8(frames))  # the in-process float frames, quantized in numpy
     assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
     # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte.
     expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore)
@@ -165,16 +160,20 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
     assert encode_mp4(checked.pixels, checked.audio, in_process["sampling_rate"], ignore) == expected
 
 
-def test_to_uint8_rounds_ties_to_even_and_clips():
+def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
     ties = (np.arange(256, dtype=np.float32) + np.float32(0.5)) / np.float32(255)
     values = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
                              np.float32([-0.25, -0.0, 0.0, 0.5, 1.0, 1.75])])
-    assert np.count_nonzero((values * 255) % 1 == 0.5) > 100  # float32 products that are exact ties
     frames = values.reshape(2, 3, 43, 3)
     channels_first = torch.from_numpy(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)))
     quantized = to_uint8(channels_first.permute(0, 2, 3, 1))  # the decoder's channels-last view
     assert quantized.dtype == np.uint8 and quantized.flags.c_contiguous
-    assert np.array_equal(quantized, levels(frames))
+    assert np.array_equal(quantized, to_uint8(frames))
+    products = frames * 255
+    exact_ties = (products % 1 == 0.5) & (products < 255)  # 255.5 clips to 255
+    assert np.count_nonzero(exact_ties) > 100
+    assert np.array_equal(quantized[exact_ties], 2 * np.round(products[exact_ties] / 2))  # the even neighbour
+    assert quantized.flatten()[-6:].tolist() == [0, 0, 0, 128, 255, 255]
 
 
 def test_events_arrive_in_phase_order(events):
@@ -315,6 +314,12 @@ def test_validate_accepts_a_video_that_varies_in_one_channel_only():
     frames = torch.zeros(3, 4, 5, 3)
     frames[1, 2, 3, 2] = 0.5
     assert validate(frames, _audio()) is None
+
+
+def test_validate_accepts_finite_audio_whose_sum_overflows():
+    audio = _audio()
+    audio[0, :2] = 3e38  # the sum is infinite, every sample finite
+    assert validate(_frames(), audio) is None
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
