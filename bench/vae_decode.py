@@ -1,9 +1,11 @@
 """Video + audio VAE decode time and accuracy: diffusers' in-process decode block vs the VAE service's decoder.
 
 Both run in one process on the same VAEs (full released size, random weights built on the GPU;
-`--quick`: the tiny preset on CPU) and the same latents of a `--sizes` video. The timed call is
-the whole decode block: video VAE (tiled as released), audio VAE, frames to numpy, exactly what
-the service pays before muxing. The baseline is timed first; then each `--variants` entry is
+`--quick`: the tiny preset on CPU) and the same latents of a `--sizes` video. The baseline is
+the in-process pipeline's decode block: video VAE (tiled as released), audio VAE, float frames to
+numpy. Ours is the service's decode phase (`services/vae/server.py::decode_checked`), exactly what
+it pays before muxing: the same block, the output checks and the uint8 conversion on the device,
+then uint8 frames and the audio to numpy. The baseline is timed first; then each `--variants` entry is
 applied in order, each only adding to the one before (compile cannot be undone in place):
 `attention[+compile][+tiles=N]`, e.g. `native,native+tiles=28,flash4+compile+tiles=28`, where
 `tiles=N` decodes N spatial tiles per decoder call (services/vae/tiles.py). With `--errors`, the
@@ -11,6 +13,7 @@ frames of every run are compared with an fp32 decode of the same weights.
 
     python -m bench.vae_decode --sizes 768x1344x124 --variants native,native+tiles=28 --errors --write
     python -m bench.vae_decode --quick                                        # CPU smoke test
+    python -m bench.vae_decode --quick --sizes 240x416x124 --repeats 5        # tiny VAEs on CPU, larger
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from bench.results import Record, add_output_arguments, command_line, update_res
 from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
 from services.vae.decode import VaeDecoder, pixel_geometry
+from services.vae.server import decode_checked
 from services.vae.tiles import batch_tiles
 
 AUDIO_LATENTS_PER_FRAME = 207 / 124  # 124 frames come with 207 audio latents
@@ -86,7 +90,7 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
         return torch.from_numpy(out["videos"][0])
 
     def decode() -> torch.Tensor:
-        return torch.from_numpy(ours.decode(latents, audio, lambda *_: None, lambda *_: None).frames)
+        return decode_checked(ours, latents, audio, lambda *_: None, lambda *_: None).decoded.frames
 
     reference = None
     if args.errors:
@@ -103,7 +107,7 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
             compiled = True
         batch_tiles(vae, variant.tile_batch)
         seconds, peak, frames = measure(decode, args, device)
-        errors = {} if reference is None else {"rel_err_fp32": rel_l2(frames, reference),
+        errors = {} if reference is None else {"rel_err_fp32": rel_l2(frames.cpu(), reference),
                                                "bf16_rel_err_fp32": rel_l2(base_frames, reference)}
         print(f"  {size} {variant.describe()}: {seconds:.3f} s vs {base_seconds:.3f} {errors}", flush=True)
         records.append(Record(
@@ -117,7 +121,7 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
 
 
 def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor]:
-    """(median seconds, peak GiB, frames of the last call) after one warm-up call."""
+    """(median seconds, peak GiB, float frames of the last call) after one warm-up call."""
     last: dict[str, torch.Tensor] = {}
 
     def call() -> None:
@@ -138,8 +142,9 @@ def main(argv: list[str] | None = None) -> list[Record]:
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.vae_decode", argv)
-    if args.quick:
-        args.sizes, args.dtype = "32x64x22", "float32"
+    if args.quick:  # the tiny preset on CPU, at 32x64x22 unless --sizes says otherwise
+        args.dtype = "float32"
+        args.sizes = "32x64x22" if args.sizes == p.get_default("sizes") else args.sizes
     device = "cpu" if args.quick else "cuda"
     vae, audio_vae = vaes(args.quick, device, getattr(torch, args.dtype))
     records = [r for s in args.sizes.split(",") for r in run(Size.parse(s), vae, audio_vae, args, device)]

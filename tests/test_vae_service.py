@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -21,8 +22,9 @@ from services.common.config import ModelServiceConfig
 from services.common.server import GRPC_OPTIONS
 from services.common.tiny import TINY_REVISION, build_component
 from services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
+from services.vae.mux import encode_mp4, to_uint8
 from services.vae.validate import InvalidOutput, validate
-from services.vae.server import VaeServicer
+from services.vae.server import VaeServicer, decode_checked
 from services.vae.tiles import batch_tiles
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
@@ -105,6 +107,18 @@ def events(stub, latents):
     return list(stub.Decode(iter(requests(latents, include_raw=True))))
 
 
+@pytest.fixture(scope="module")
+def in_process(components, latents):
+    """What the in-process pipeline's decode block returns for the module's latents (numpy frames)."""
+    pipe = MiniMaxH3DecodeStep().init_pipeline()
+    pipe.update_components(vae=components[0], audio_vae=components[1])
+    return pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
+
+
+def ignore(*_) -> None:
+    return None
+
+
 def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
     video = files_of(events)["video.mp4"]
     summary = events[-1].summary
@@ -120,19 +134,47 @@ def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
 
 
 @pytest.mark.fidelity
-def test_raw_output_is_bit_identical_to_the_in_process_block(events, components, latents):
+def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process):
     raw = files_of(events)["raw.npz"]
     assert (events[-1].summary.raw_sha256, events[-1].summary.raw_bytes) == (hashlib.sha256(raw).hexdigest(),
                                                                               len(raw))
-    pipe = MiniMaxH3DecodeStep().init_pipeline()
-    pipe.update_components(vae=components[0], audio_vae=components[1])
-    expected = pipe(**latents, output_type="np", output=["videos", "audio", "sampling_rate"])
+    expected = in_process
     archive = np.load(io.BytesIO(raw))
     assert archive["frames"].shape == (NUM_FRAMES, HEIGHT, WIDTH, 3)
     assert archive["audio"].shape == (2, NUM_SAMPLES)
     assert np.array_equal(archive["frames"], expected["videos"][0])
     assert np.array_equal(archive["audio"], expected["audio"][0].numpy())
     assert int(archive["sample_rate"]) == expected["sampling_rate"] == 32000
+
+
+@pytest.mark.fidelity
+def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents,
+                                                                              in_process):
+    checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore)
+    frames = in_process["videos"][0]
+    assert checked.pixels.dtype == np.uint8 and checked.pixels.flags.c_contiguous
+    assert np.array_equal(checked.pixels, to_uint8(frames))  # the in-process float frames, quantized in numpy
+    assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
+    # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte.
+    expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore)
+    assert files_of(events)["video.mp4"] == expected
+    assert encode_mp4(checked.pixels, checked.audio, in_process["sampling_rate"], ignore) == expected
+
+
+def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
+    ties = (np.arange(256, dtype=np.float32) + np.float32(0.5)) / np.float32(255)
+    values = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
+                             np.float32([-0.25, -0.0, 0.0, 0.5, 1.0, 1.75])])
+    frames = values.reshape(2, 3, 43, 3)
+    channels_first = torch.from_numpy(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)))
+    quantized = to_uint8(channels_first.permute(0, 2, 3, 1))  # the decoder's channels-last view
+    assert quantized.dtype == np.uint8 and quantized.flags.c_contiguous
+    assert np.array_equal(quantized, to_uint8(frames))
+    products = frames * 255
+    exact_ties = (products % 1 == 0.5) & (products < 255)  # 255.5 clips to 255
+    assert np.count_nonzero(exact_ties) > 100
+    assert np.array_equal(quantized[exact_ties], 2 * np.round(products[exact_ties] / 2))  # the even neighbour
+    assert quantized.flatten()[-6:].tolist() == [0, 0, 0, 128, 255, 255]
 
 
 def test_events_arrive_in_phase_order(events):
@@ -152,25 +194,35 @@ def test_info_reports_the_served_requests(stub, events):
     assert info.model.model_revision == TINY_REVISION
 
 
-def test_constant_video_fails_precondition(latents):
-    vae, audio_vae = fresh_components()
-    with torch.no_grad():  # the last layer then emits zeros, so every pixel is the ImageNet mean
-        vae.decoder.proj_out.weight.zero_()
-        vae.decoder.proj_out.bias.zero_()
-    with vae_service(vae, audio_vae) as stub:
-        error, _ = failure(stub, requests(latents))
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert error.details().startswith("video: constant")
+def _zero_video_output(vae, audio_vae) -> None:
+    vae.decoder.proj_out.weight.zero_()  # the last layer then emits zeros: every pixel is the ImageNet mean
+    vae.decoder.proj_out.bias.zero_()
 
 
-def test_nan_audio_fails_precondition(latents):
+def _nan_video(vae, audio_vae) -> None:
+    vae.decoder.proj_out.weight.fill_(float("nan"))
+
+
+def _nan_audio(vae, audio_vae) -> None:
+    audio_vae.decoder.conv_post.weight_v.fill_(float("nan"))
+
+
+FRAME_VALUES = NUM_FRAMES * HEIGHT * WIDTH * 3
+
+
+@pytest.mark.parametrize("break_weights, details", [
+    (_zero_video_output, rf"^video: constant, every pixel of all {NUM_FRAMES} frames is \("),
+    (_nan_video, rf"^video: {FRAME_VALUES} of {FRAME_VALUES} frame values are NaN or infinite$"),
+    (_nan_audio, rf"^audio: {2 * NUM_SAMPLES} of {2 * NUM_SAMPLES} samples are NaN or infinite$"),
+], ids=["constant video", "nan video", "nan audio"])
+def test_broken_output_fails_precondition(latents, break_weights, details):
     vae, audio_vae = fresh_components()
     with torch.no_grad():
-        audio_vae.decoder.conv_post.weight_v.fill_(float("nan"))
+        break_weights(vae, audio_vae)
     with vae_service(vae, audio_vae) as stub:
         error, _ = failure(stub, requests(latents))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert error.details() == f"audio: {2 * NUM_SAMPLES} of {2 * NUM_SAMPLES} samples are NaN or infinite"
+    assert re.match(details, error.details()), error.details()
 
 
 def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
@@ -233,9 +285,9 @@ def test_batched_tiles_decode_what_diffusers_decodes_tile_by_tile():
                                                 on_audio=lambda *p: None)
     assert calls == [(3, 16), (6, 16), (8, 16), (11, 16), (14, 16), (16, 16)]
     # The same tiles, stitched the same way; GEMMs over more rows round differently (a few ulp).
-    difference = np.abs(decoded.frames - reference["videos"][0])
+    difference = np.abs(decoded.frames.numpy() - reference["videos"][0])
     assert difference.max() < 1e-5
-    assert np.array_equal(decoded.audio, reference["audio"][0].numpy())
+    assert np.array_equal(decoded.audio.numpy(), reference["audio"][0].numpy())
 
 
 def test_tile_batch_must_be_positive():
@@ -245,12 +297,13 @@ def test_tile_batch_must_be_positive():
 
 # validate.py
 
-def _frames() -> np.ndarray:
-    return np.random.default_rng(0).random((3, 4, 5, 3), dtype=np.float32)
+def _frames() -> torch.Tensor:
+    """(3, 4, 5, 3) frames laid out as the decoder leaves them: a channels-last view of (F, C, H, W)."""
+    return torch.from_numpy(np.random.default_rng(0).random((3, 3, 4, 5), dtype=np.float32)).permute(0, 2, 3, 1)
 
 
-def _audio() -> np.ndarray:
-    return np.random.default_rng(1).uniform(-1, 1, (2, 100)).astype(np.float32)
+def _audio() -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(1).uniform(-1, 1, (2, 100)).astype(np.float32))
 
 
 def test_validate_accepts_varied_finite_output():
@@ -258,9 +311,15 @@ def test_validate_accepts_varied_finite_output():
 
 
 def test_validate_accepts_a_video_that_varies_in_one_channel_only():
-    frames = np.zeros((3, 4, 5, 3), dtype=np.float32)
+    frames = torch.zeros(3, 4, 5, 3)
     frames[1, 2, 3, 2] = 0.5
     assert validate(frames, _audio()) is None
+
+
+def test_validate_accepts_finite_audio_whose_sum_overflows():
+    audio = _audio()
+    audio[0, :2] = 3e38  # the sum is infinite, every sample finite
+    assert validate(_frames(), audio) is None
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
@@ -273,7 +332,7 @@ def test_validate_rejects_non_finite_frames(value):
 
 @pytest.mark.parametrize("color", [(0.0, 0.0, 0.0), (0.485, 0.456, 0.406)])
 def test_validate_rejects_a_constant_video(color):
-    frames = np.broadcast_to(np.array(color, dtype=np.float32), (3, 4, 5, 3))
+    frames = torch.tensor(color).expand(3, 4, 5, 3)
     with pytest.raises(InvalidOutput, match=r"^video: constant, every pixel of all 3 frames is \("):
         validate(frames, _audio())
 

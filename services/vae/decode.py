@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_AUDIO_CHANNELS
@@ -47,8 +46,10 @@ class DecodePlan:
 
 @dataclass(frozen=True)
 class Decoded:
-    frames: np.ndarray  # (F, H, W, 3) float32 in [0, 1]
-    audio: np.ndarray   # (channels, S) float32
+    """The block's output, left on the VAE's device."""
+
+    frames: torch.Tensor  # (F, H, W, 3) float32 in [0, 1]: a channels-last view of the block's (F, 3, H, W)
+    audio: torch.Tensor   # (channels, S) float32
     sample_rate: int
 
 
@@ -134,8 +135,9 @@ class VaeDecoder:
         total = self.plan(latents, audio_latents).decoder_tiles
         device = self.vae.device
         with _tiles_reported(self.vae.decoder, total, on_video):
+            # "pt" holds the very floats "np" would copy to the CPU, channels first (VideoProcessor.postprocess)
             out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),
-                            output_type="np", output=["videos", "audio", "sampling_rate"])
+                            output_type="pt", output=["videos", "audio", "sampling_rate"])
         on_audio(1, 1)  # the block runs the audio VAE after the last video-decoder call
-        return Decoded(frames=out["videos"][0], audio=out["audio"][0].cpu().numpy(),
+        return Decoded(frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0],
                        sample_rate=int(out["sampling_rate"]))

@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import av
 import numpy as np
+import torch
 
 FPS = 24
 
@@ -16,13 +17,26 @@ Progress = Callable[[int, int], None]
 """Called with (seconds of video encoded, seconds in the video)."""
 
 
-def to_uint8(frames: np.ndarray) -> np.ndarray:
-    """[0, 1] float frames -> uint8, rounding to the nearest level."""
-    return (frames * 255).round().clip(0, 255).astype(np.uint8)
+def to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
+    """[0, 1] float frames (..., H, W, 3) -> contiguous uint8 numpy on the CPU: x * 255 rounded to the
+    nearest level (ties to even), clipped to [0, 255].
+
+    A tensor is converted where it is, so a decode on the GPU sends a quarter of the float bytes; numpy
+    frames (the in-process pipeline's) stay in numpy.
+    """
+    xp = torch if isinstance(frames, torch.Tensor) else np  # the same arithmetic in either library
+    levels = frames * 255
+    xp.round(levels, out=levels)  # in place: no second frames-sized buffer
+    xp.clip(levels, 0, 255, out=levels)
+    if xp is np:
+        return levels.astype(np.uint8)
+    return levels.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 
 
 def encode_mp4(frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress) -> bytes:
-    """Encode `frames` (F, H, W, 3) in [0, 1] at `FPS` and `audio` (channels, S) float to MP4 bytes.
+    """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes.
+
+    `frames` are uint8 levels, or floats in [0, 1] that `to_uint8` turns into levels a second at a time.
 
     Video and audio are written interleaved per second of video, which is also the progress unit;
     audio past the last whole second goes with the last one.
@@ -55,7 +69,7 @@ def _add_audio(container, sample_rate: int, channels: int):
 
 
 def _write_video(container, stream, frames: np.ndarray, first: int) -> None:
-    for index, pixels in enumerate(to_uint8(frames), start=first):
+    for index, pixels in enumerate(frames if frames.dtype == np.uint8 else to_uint8(frames), start=first):
         frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
         frame.pts, frame.time_base = index, Fraction(1, FPS)
         container.mux(stream.encode(frame))

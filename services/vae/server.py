@@ -23,7 +23,7 @@ from services.common.runtime import load_model_service
 from services.common.server import run_server
 from services.vae import mux
 from services.vae.conditions import ConditionEncoder
-from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, VaeDecoder
+from services.vae.decode import COMPONENTS, Decoded, InvalidLatents, Progress, VaeDecoder
 from services.vae.validate import InvalidOutput, validate
 from services.vae.tiles import batch_tiles
 
@@ -48,12 +48,30 @@ def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
         yield vae_pb2.DecodeEvent(file=vae_pb2.FileChunk(name=name, offset=offset, data=piece))
 
 
-def summarize(decoded: Decoded, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
-    num_frames, height, width = decoded.frames.shape[:3]
+@dataclass(frozen=True)
+class Checked:
+    """A decode that passed validation, in the form the muxer takes."""
+
+    decoded: Decoded     # the float frames and audio, still on the VAE's device
+    pixels: np.ndarray   # (F, H, W, 3) uint8 levels of the frames, on the CPU
+    audio: np.ndarray    # (channels, S) float32, on the CPU
+
+
+def decode_checked(decoder: VaeDecoder, latents: torch.Tensor, audio_latents: torch.Tensor,
+                   on_video: Progress, on_audio: Progress) -> Checked:
+    """The service's decode phase: the block, the checks and the uint8 conversion on the VAE's device,
+    then only the uint8 frames and the audio copied to the CPU."""
+    decoded = decoder.decode(latents, audio_latents, on_video=on_video, on_audio=on_audio)
+    validate(decoded.frames, decoded.audio)
+    return Checked(decoded=decoded, pixels=mux.to_uint8(decoded.frames), audio=decoded.audio.cpu().numpy())
+
+
+def summarize(checked: Checked, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
+    num_frames, height, width = checked.pixels.shape[:3]
     summary = vae_pb2.DecodeSummary(
         sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=num_frames / mux.FPS,
-        num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=decoded.sample_rate,
-        audio_channels=decoded.audio.shape[0])
+        num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=checked.decoded.sample_rate,
+        audio_channels=checked.audio.shape[0])
     if raw is not None:
         summary.raw_sha256, summary.raw_bytes = hashlib.sha256(raw).hexdigest(), len(raw)
     return summary
@@ -128,17 +146,18 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
     def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
         with self._lock:
             started = time.perf_counter()
-            decoded = self.decoder.decode(tensors["latents"], tensors["audio_latents"],
-                                          on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
-                                          on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO))
-            validate(decoded.frames, decoded.audio)
+            checked = decode_checked(self.decoder, tensors["latents"], tensors["audio_latents"],
+                                     on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
+                                     on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO))
             decoded_at = time.perf_counter()
-            video = mux.encode_mp4(decoded.frames, decoded.audio, decoded.sample_rate,
+            sample_rate = checked.decoded.sample_rate
+            video = mux.encode_mp4(checked.pixels, checked.audio, sample_rate,
                                    phase_reporter(report, vae_pb2.DECODE_PHASE_MUX))
             muxed_at = time.perf_counter()
-            raw = raw_archive(decoded.frames, decoded.audio, decoded.sample_rate) if spec.include_raw else None
+            raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, sample_rate)
+                   if spec.include_raw else None)
             self.requests_served += 1
-        summary = summarize(decoded, video, raw)
+        summary = summarize(checked, video, raw)
         summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
         log.info("job %s: decoded %d frames of %dx%d in %.2f s, muxed %d bytes in %.2f s", spec.job_id,
                  summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
