@@ -11,7 +11,8 @@ transformer and timed. Variants are applied in order and may only add to the pre
 (compile and fp8 cannot be undone in place), e.g.
 `native,flash4,flash4+compile,flash4+compile+fp8,cudnn_fp8+compile+fp8`.
 With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
-and inputs (and with bf16 eager). Prints a table; `--write` updates bench/results.json and
+and inputs (and with bf16 eager). Every record carries the achieved TFLOP/s of the counted forward FLOPs
+and the device's matmul rate measured in the same run (bench/flops.py). Prints a table; `--write` updates bench/results.json and
 BENCHMARKS.md; `--profile` adds each variant's kernel time breakdown (bench/profile.py).
 
     python -m bench.dit_step --sizes 480x832x124 --variants native,flash4+compile --errors --write
@@ -27,12 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from bench import profile
+from bench import flops, profile
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
 from services.common import fastpath, random_full
 from services.common.fastpath import FastPath
+from services.dit.attention import packed_length
 from services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
@@ -71,6 +73,8 @@ class Workload:
         self.tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)  # the layout is built on the CPU
         self.baseline, self.ours = baseline_pipeline(parts), DenoiseRunner(parts)
         self.job = DenoiseJob(size.height, size.width, size.frames, args.forwards + 1, seed=0)
+        self.flops = flops.dit_forward_flops(transformer, packed_length(TEXT_TOKENS, size.height, size.width,
+                                                                        size.frames))
 
     def run_baseline(self, steps: int | None = None) -> None:
         self.baseline(prompt_embeds=self.embeds, text_token_tags=self.tags, height=self.size.height,
@@ -144,13 +148,15 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
     workloads = [Workload(size, parts, args, device) for size in sizes]
     accuracy = {w.size: Accuracy.measure(w, transformer) for w in workloads} if args.errors else {}
     baseline = {w.size: w.seconds_per_step(w.run_baseline) for w in workloads}
+    ceiling = flops.matmul_ceiling_tflops(device, transformer.dtype)
     ladder, records = FastPathLadder(transformer), []
     for fast in (parse_variant(v) for v in args.variants.split(",")):
         ladder.step_to(fast)
         for w in workloads:
             seconds, peak = w.seconds_per_step(w.run_ours)
             errors = accuracy[w.size].of(transformer, lossy=fast.lossy) if w.size in accuracy else {}
-            records.append(record(w.size, fast, seconds, baseline[w.size][0], peak, errors, args, device))
+            rate = {"tflops": w.flops / seconds / 1e12, "ceiling_tflops": ceiling}
+            records.append(record(w.size, fast, seconds, baseline[w.size][0], peak, {**errors, **rate}, args, device))
             print(f"  {w.size} {fast.describe()}: {seconds:.4f} s/step vs {baseline[w.size][0]:.4f} {errors}",
                   flush=True)
             if args.profile:
@@ -160,7 +166,7 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
     return records
 
 
-def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, peak: float, errors: dict,
+def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, peak: float, measured: dict,
            args, device: str) -> Record:
     return Record(
         name=f"dit_step_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
@@ -168,7 +174,7 @@ def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, 
         command=args.command, date=datetime.date.today().isoformat(),
         variant=f"service runner, fast path {fast.describe()}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
-        software=software(), **errors)
+        software=software(), **measured)
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -185,11 +191,11 @@ def main(argv: list[str] | None = None) -> list[Record]:
     parts = components(args.quick, device, getattr(torch, args.dtype))
     records = run([Size.parse(s) for s in args.sizes.split(",")], parts, args, device)
     print(f"{'measurement':24} {'variant':44} {'ours s':>8} {'diffusers s':>11} {'ratio':>6} {'peak GiB':>8} "
-          f"{'err/fp32':>9} {'bf16/fp32':>9}")
+          f"{'TFLOP/s':>8} {'ceiling':>8} {'err/fp32':>9} {'bf16/fp32':>9}")
     for r in records:
         err = f"{r.rel_err_fp32:9.2e} {r.bf16_rel_err_fp32:9.2e}" if r.rel_err_fp32 is not None else ""
         print(f"{r.name:24} {r.variant:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
-              f"{r.peak_gib:8.2f} {err}")
+              f"{r.peak_gib:8.2f} {r.tflops:8.1f} {r.ceiling_tflops:8.1f} {err}")
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

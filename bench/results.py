@@ -30,6 +30,8 @@ class Record:
     bf16_rel_err_fp32: float | None = None
     rel_err_bf16: float | None = None
     rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
+    tflops: float | None = None           # achieved rate from the counted FLOPs (bench/flops.py)
+    ceiling_tflops: float | None = None   # the device's matmul rate, measured in the same run
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -41,8 +43,8 @@ Every row was produced by the command in its row, with the in-process diffusers 
 in the same run (ratio = baseline seconds / our seconds; above 1 means faster than diffusers).
 Generated from `bench/results.json` by the benchmark scripts; do not edit by hand.
 
-| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | err vs fp32 (bf16 eager) | software | command |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | TFLOP/s (% of matmul ceiling) | err vs fp32 (bf16 eager) | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -55,7 +57,7 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
     path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
     rows = "".join(
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
-        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {accuracy(r)} | {r.software} | "
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_rate(r)} | {accuracy(r)} | {r.software} | "
         f"`{r.command}` |\n"
         for r in merged)
     Path(markdown_path).write_text(HEADER + rows)
@@ -65,6 +67,12 @@ def _peak(record: Record) -> str:
     if len(record.rank_peaks_gib) > 1:
         return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
     return f"{record.peak_gib:.1f}"
+
+
+def _rate(record: Record) -> str:
+    if record.tflops is None:
+        return ""
+    return f"{record.tflops:.0f} ({100 * record.tflops / record.ceiling_tflops:.0f} % of {record.ceiling_tflops:.0f})"
 
 
 def accuracy(r: Record) -> str:

@@ -17,6 +17,7 @@ def test_quick_dit_step_writes_consistent_records(tmp_path):
     record = records[0]
     assert record["ratio"] == record["baseline_seconds"] / record["seconds"] > 0
     assert record["device"] == "cpu" and record["dtype"] == "float32" and "--quick" in record["command"]
+    assert record["tflops"] > 0 and record["ceiling_tflops"] > 0
     # In fp32 the replayed forward is the fp32 reference itself: any difference is a harness bug.
     assert record["rel_err_fp32"] == record["bf16_rel_err_fp32"] == 0.0 and record["rel_err_bf16"] is None
     assert "| dit_step_32x64x124 | cpu | float32 |" in markdown.read_text()
@@ -97,3 +98,16 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert config.vae.fast_path() == FastPath("native", compile=True) and config.vae.tile_batch == 28
     assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
     assert config.gateway.data_dir == str(tmp_path / "gateway")
+
+
+def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():
+    import torch
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from bench.flops import dit_forward_flops
+
+    with torch.device("meta"):  # the released configuration, no memory
+        transformer = MiniMaxH3Transformer3DModel()
+    # 19.27 B block linear weights and 50 blocks of 56 x 128 attention: 1.46 + 2.07 PFLOP at 768x1344x124
+    assert round(dit_forward_flops(transformer, 37_966) / 1e15, 2) == 3.53
+    assert round(dit_forward_flops(transformer, 15_100) / 1e15, 2) == 0.91
