@@ -54,7 +54,9 @@ on --gpus, --placement or the fast paths, so all of them compare with it):
     python -m bench.e2e --gpus 4 --dit _native_cudnn+compile+fp8 --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
     python -m bench.e2e --gpus 4 --placement dedicated --dit _native_cudnn+compile --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
 
-With compile the warm-up request also compiles the blocks (a minute or two, every rank at once).
+With compile the warm-up request also compiles the blocks (a minute or two, every rank at once). The
+local kernels run under Ulysses too: `--dit flash4+compile`, `--dit cudnn_fp8+compile+fp8` (their wheels
+installed first; on one GPU they are 1.21x and 1.63x faster than cuDNN eager per step).
 """
 
 from __future__ import annotations
