@@ -29,11 +29,14 @@ service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/st
 `flash4` and `cudnn_fp8` run under Ulysses (services/common/local_kernels.py).
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
-of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py)
-and the result printed: with the default fast paths on one device the split computes exactly what the
-pipeline computes; a DiT group of N ranks computes it within float rounding (on CPU the tests check
-both: the same bytes with one rank; with 2 gloo ranks the same decoded pictures, the audio within AAC's
-rounding of the ranks' 1e-6 differences).
+of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
+and so are the decoded frames and waveform before the muxer: the in-process side saves its last run's, and
+the services run the request once more, untimed, with `include_raw`. The result is printed: with the default
+fast paths on one device the split computes exactly what the pipeline computes; a DiT group of N ranks
+computes it within float rounding (on CPU the tests check both: the same bytes and frames with one rank;
+with 2 gloo ranks frames within 1e-4, the same decoded pictures, the audio within AAC's rounding of the ranks'
+1e-6 differences). On a GPU the MP4 bytes alone say little: x264 does not reproduce its output on full-size
+noise-like frames, so the raw frames are the comparison that counts.
 
     python -m bench.e2e --sizes 768x1344x124,480x832x124 --steps 4 --write     # one H200, ~6 min
     python -m bench.e2e --quick                                                 # CPU smoke test
@@ -77,11 +80,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 import torch
 
 from bench.common import Size, device_label, software
 from bench.dit_step import parse_variant
-from bench.media_diff import MediaDiff
+from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
@@ -95,6 +99,8 @@ PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind l
           "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
           "breath steaming, then bounds away over a ridge as black crows call above.")
 SEED = 1234
+OUTPUTS = (".mp4", ".npz")  # what each side's last request leaves for the comparison: the MP4, the raw output
+RAW_BYTES = 8 << 30  # the VAE's include_raw limit here: a 768x1344x124 video is 1.5 GB of float frames
 STAGES = ("encode", "denoise", "decode", "mux")
 PIPELINE_STAGES = {"text_encoder": "encode", "denoise": "denoise", "decode": "decode"}
 
@@ -136,15 +142,17 @@ class Comparison:
     in_process: Side
     served: Side
     media: MediaDiff   # the two MP4s decoded (zero when they are the same bytes)
+    frames: FramesDiff  # the two sides' decoded frames and waveform before the muxer (the last requests)
 
     @property
     def same_output(self) -> bool:
         return self.in_process.digest == self.served.digest
 
     @classmethod
-    def of(cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path]) -> "Comparison":
+    def of(cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path],
+           raw: tuple[Path, Path]) -> "Comparison":
         same = in_process.digest == served.digest
-        return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos))
+        return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos), FramesDiff.of(*raw))
 
 
 def device_used_gib(device: str, gpus: int = 1) -> float:
@@ -183,6 +191,7 @@ def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, S
         video = encode_mp4(result["frames"], result["audio"], int(result["sample_rate"]), lambda *_: None)
         (out / f"in-process-{size}.mp4").write_bytes(video)
         done = time.perf_counter()
+        np.savez(out / f"in-process-{size}.npz", frames=result["frames"], audio=result["audio"])  # untimed
         return Run(done - started, {**clock.seconds, "mux": done - muxed}, hashlib.sha256(video).hexdigest())
 
     sides = {}
@@ -218,24 +227,36 @@ def deployment(args, device: str, work: Path) -> Path:
             f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
             f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n\n"
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
-            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n\n"
+            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
+            f"max_raw_bytes = {RAW_BYTES}\n\n"
             f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n')
     path = work / "deploy.toml"
     path.write_text(text)
     return path
 
 
-def served_once(client, size: Size, steps: int, out: Path) -> Run:
+def served_request(client, size: Size, steps: int, events: list, include_raw: bool = False):
     from gateway.client import describe_event
     from h3serve.v1 import gateway_pb2
 
-    request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width,
-                                          num_frames=size.frames, num_inference_steps=steps, seed=SEED)
-    events = []
-    started = time.perf_counter()
+    request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width, num_frames=size.frames,
+                                          num_inference_steps=steps, seed=SEED, include_raw=include_raw)
     final = client.generate(request, events.append)
     if final.WhichOneof("kind") != "done":
         raise RuntimeError(f"job {final.job_id} {describe_event(final)}")
+    return final
+
+
+def served_raw(client, size: Size, steps: int, out: Path) -> Path:
+    """The same request once more, untimed, with the decoded frames and waveform (raw.npz) downloaded."""
+    final = served_request(client, size, steps, [], include_raw=True)
+    return client.download(final.done.raw.artifact_id, out / f"served-{size}.npz")
+
+
+def served_once(client, size: Size, steps: int, out: Path) -> Run:
+    events = []
+    started = time.perf_counter()
+    final = served_request(client, size, steps, events)
     path = client.download(final.done.video.artifact_id, out / f"served-{size}.mp4")
     seconds = time.perf_counter() - started
     hits = [e.encoding.cache_hit for e in events if e.WhichOneof("kind") == "encoding"]
@@ -293,6 +314,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                 for size in sizes:
                     print(f"services {size}: warm-up + {args.repeats} runs", flush=True)
                     runs = repeated(lambda steps: served_once(client, size, steps, work), args)
+                    served_raw(client, size, args.steps, work)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks)
@@ -361,12 +383,13 @@ def print_table(comparisons: list[Comparison]) -> None:
                   + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES) + f" {side.transport:8.3f}"
                   + f" {side.used_gib:9.2f}")
         print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
-              f"(in process / services; same MP4: {c.same_output}; {c.media.describe()})")
+              f"(in process / services; same MP4: {c.same_output}; {c.media.describe()}; {c.frames.describe()})")
 
 
-def baseline_video(baseline_file: Path, size: Size) -> Path:
-    """Where a `--side in-process` call keeps its MP4 for the `--side services` calls that compare with it."""
-    return baseline_file.with_name(f"{baseline_file.stem}-{size}.mp4")
+def baseline_output(baseline_file: Path, size: Size, suffix: str) -> Path:
+    """Where a `--side in-process` call keeps its MP4 (.mp4) and raw output (.npz) for the `--side services`
+    calls that compare with it."""
+    return baseline_file.with_name(f"{baseline_file.stem}-{size}{suffix}")
 
 
 def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparison], str]:
@@ -382,21 +405,24 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
     if args.side == "services":
         baseline, baseline_command = load_baseline(baseline_file, args)
         command = f"{baseline_command}; {args.command}"
-        reference = {size: baseline_video(baseline_file, size) for size in sizes}
+        reference = {(size, suffix): baseline_output(baseline_file, size, suffix)
+                     for size in sizes for suffix in OUTPUTS}
         missing = [str(path) for path in reference.values() if not path.exists()]
         if missing:
-            raise SystemExit(f"--side services: the in-process MP4s {missing} are missing; run --side in-process again")
+            raise SystemExit(f"--side services: the in-process outputs {missing} are missing; run --side in-process "
+                             "again")
     else:
         baseline = in_process(sizes, args, device, work)
-        reference = {size: work / f"in-process-{size}.mp4" for size in sizes}
+        reference = {(size, suffix): work / f"in-process-{size}{suffix}" for size in sizes for suffix in OUTPUTS}
     if args.side == "in-process":
         save_baseline(baseline_file, args, baseline)
-        for size in sizes:
-            shutil.copyfile(reference[size], baseline_video(baseline_file, size))
+        for (size, suffix), path in reference.items():
+            shutil.copyfile(path, baseline_output(baseline_file, size, suffix))
         print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
         return [], command
     served = through_services(sizes, args, device, work, config_path)
-    return [Comparison.of(size, baseline[size], served[size], (reference[size], work / f"served-{size}.mp4"))
+    return [Comparison.of(size, baseline[size], served[size],
+                          *((reference[size, suffix], work / f"served-{size}{suffix}") for suffix in OUTPUTS))
             for size in sizes], command
 
 

@@ -46,3 +46,29 @@ class MediaDiff:
 
     def describe(self) -> str:
         return f"decoded video differs by at most {self.video_levels} levels, audio by {self.audio:.3g}"
+
+
+@dataclass(frozen=True)
+class FramesDiff:
+    """How far apart two decodes are before any codec: float frames in [0, 1], their 8-bit levels (what the
+    muxer encodes) and the waveform. Zero everywhere: the split computed exactly what the pipeline did."""
+
+    frames: float     # largest difference of one float frame value
+    levels: int       # largest difference of one 8-bit frame value after services/vae/mux.to_uint8
+    audio: float      # largest difference of one audio sample
+
+    @classmethod
+    def of(cls, a: Path, b: Path) -> "FramesDiff":
+        """`a`, `b`: .npz archives with `frames` (F, H, W, 3) and `audio` (channels, S), e.g. a raw.npz."""
+        from services.vae.mux import to_uint8
+
+        with np.load(a) as x, np.load(b) as y:
+            if x["frames"].shape != y["frames"].shape or x["audio"].shape != y["audio"].shape:
+                raise ValueError(f"{a.name} and {b.name} differ in shape")
+            frames = float(np.abs(x["frames"] - y["frames"]).max())
+            levels = int(np.abs(to_uint8(x["frames"]).astype(np.int16) - to_uint8(y["frames"])).max())
+            return cls(frames, levels, float(np.abs(x["audio"] - y["audio"]).max()))
+
+    def describe(self) -> str:
+        return (f"raw frames differ by at most {self.frames:.3g} ({self.levels} levels after uint8), "
+                f"audio by {self.audio:.3g}")

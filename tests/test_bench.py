@@ -42,8 +42,10 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
     [comparison] = e2e.main(["--quick", "--repeats", "1", "--out", str(tmp_path / "run"), "--write",
                              "--results", str(results), "--markdown", str(markdown)])
-    # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte.
+    # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte,
+    # from the same decoded frames and waveform, bit for bit.
     assert comparison.same_output
+    assert (comparison.frames.frames, comparison.frames.levels, comparison.frames.audio) == (0.0, 0, 0.0)
     served, in_process = comparison.served, comparison.in_process
     assert all(served.stages[s] > 0 and in_process.stages[s] > 0 for s in e2e.STAGES)
     # The client's time spans every stage the gateway recorded for the job, plus the transport between them.
@@ -57,6 +59,7 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     assert [r["seconds"] for r in records[1:5]] == [served.stages[s] for s in e2e.STAGES]
     assert f"| {name} | cpu | float32 |" in markdown.read_text()
     assert {p.name for p in (tmp_path / "run").glob("*.mp4")} == {"in-process-32x64x124.mp4", "served-32x64x124.mp4"}
+    assert {p.name for p in (tmp_path / "run").glob("*.npz")} == {"in-process-32x64x124.npz", "served-32x64x124.npz"}
 
 
 def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(tmp_path):

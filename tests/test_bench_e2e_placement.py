@@ -78,13 +78,14 @@ def test_quick_e2e_with_a_two_rank_dit_group_against_a_saved_baseline_gives_the_
     results, markdown, baseline = tmp_path / "results.json", tmp_path / "BENCHMARKS.md", tmp_path / "base.json"
     common = ["--quick", "--repeats", "1", "--baseline-file", str(baseline)]
     assert e2e.main([*common, "--side", "in-process", "--out", str(tmp_path / "one")]) == []
-    assert e2e.baseline_video(baseline, Size(32, 64, 124)).exists()
+    assert all(e2e.baseline_output(baseline, Size(32, 64, 124), suffix).exists() for suffix in (".mp4", ".npz"))
     [comparison] = e2e.main([*common, "--gpus", "2", "--side", "services", "--out", str(tmp_path / "two"), "--write",
                              "--results", str(results), "--markdown", str(markdown)])
     # Two ranks compute the request within float rounding of one (tests/test_dit_group.py: 1e-5): the
     # decoded pictures are the same; AAC turns the tiny audio differences into slightly larger ones.
     assert comparison.media.video_levels == 0
     assert comparison.media.audio < 0.05
+    assert comparison.frames.frames < 1e-4 and comparison.frames.levels <= 1 and comparison.frames.audio < 1e-4
     served = comparison.served
     assert len(served.rank_peaks_gib) == 2 and all(peak > 0 for peak in served.rank_peaks_gib)
     total = json.loads(results.read_text())[0]
