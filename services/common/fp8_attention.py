@@ -23,16 +23,6 @@ E4M3_MAX = 448.0
 NAME = "cudnn_fp8"
 
 
-def check_available() -> None:
-    """Raise RuntimeError, with the reason, unless the cuDNN FP8 kernel can run on this process's GPU."""
-    try:
-        import cudnn  # noqa: F401  (the nvidia-cudnn-frontend package)
-    except ImportError as exc:
-        raise RuntimeError(f"attention backend {NAME!r} needs the nvidia-cudnn-frontend package: {exc}") from exc
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        raise RuntimeError(f"attention backend {NAME!r} needs an NVIDIA GPU of compute capability 9.0 or newer")
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
               causal: bool = False) -> torch.Tensor:
     """(batch, rows, heads, head_dim) attention without a mask, computed in FP8; returns q's dtype."""

@@ -14,8 +14,10 @@ serves one model; the benches switch on purpose, and it is logged).
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,16 +25,6 @@ from services.common import fp8_attention
 
 log = logging.getLogger("h3serve.local_kernels")
 FLASH4 = "flash4"
-
-
-def _check_flash4() -> None:
-    try:
-        import flash_attn.cute  # noqa: F401  (the flash-attn-4 package)
-    except ImportError as exc:
-        raise RuntimeError("attention backend 'flash4' needs the flash-attn-4 package (and its CUTLASS DSL "
-                           f"libraries) installed: {exc}") from exc
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        raise RuntimeError("attention backend 'flash4' needs an NVIDIA GPU of compute capability 9.0 or newer")
 
 
 def _flash4_kernel(q, k, v, softmax_scale=None, causal=False):
@@ -56,17 +48,32 @@ def _(q, k, v, scale):
     return torch.empty_like(q)
 
 
-KERNELS: dict[str, tuple[Callable[[], None], Callable]] = {  # name: (check it can run here, kernel)
-    FLASH4: (_check_flash4, _flash4_kernel),
-    fp8_attention.NAME: (fp8_attention.check_available, fp8_attention.attention),
+@dataclass(frozen=True)
+class LocalKernel:
+    module: str        # what must import for the kernel to run
+    package: str       # what to install when it does not
+    kernel: Callable   # (q, k, v, softmax_scale, causal) on (batch, rows, heads, head_dim)
+
+    def check(self, name: str) -> None:
+        """Raise RuntimeError, with the reason, unless the kernel can run in this process."""
+        try:
+            importlib.import_module(self.module)
+        except ImportError as exc:
+            raise RuntimeError(f"attention backend {name!r} needs the {self.package} installed: {exc}") from exc
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+            raise RuntimeError(f"attention backend {name!r} needs an NVIDIA GPU of compute capability 9.0 or newer")
+
+
+KERNELS = {
+    FLASH4: LocalKernel("flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel),
+    fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention),
 }
 
 
 def bind(name: str) -> None:
     """Check that kernel `name` can run here, then install it."""
-    check, kernel = KERNELS[name]
-    check()
-    install(kernel)
+    KERNELS[name].check(name)
+    install(KERNELS[name].kernel)
 
 
 def install(kernel: Callable) -> None:
