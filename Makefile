@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/h3serve/v1/*.proto)
-STUBS := $(PROTOS:.proto=_pb2.py)
+STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 .PHONY: all demo test proto clean
 
@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml
 
 proto: $(STUBS)
 
-protos/h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -I protos --python_out=protos --grpc_python_out=protos --pyi_out=protos $<
+h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $<
 
 demo: all
 	$(VENV)/bin/h3serve demo --config docs/deploy/tiny-cpu.toml
@@ -27,4 +27,4 @@ test: all
 	$(PY) -m pytest -q -rs
 
 clean:
-	rm -rf $(VENV) protos/h3serve/v1/*_pb2*.py protos/h3serve/v1/*_pb2*.pyi var
+	rm -rf $(VENV) h3serve/v1/*_pb2*.py h3serve/v1/*_pb2*.pyi var

@@ -2,7 +2,7 @@
 
 Random (1, S, 56, 128) bf16 query/key/value, the model's attention shape, go through diffusers'
 dispatcher exactly as the transformer calls it, for each `--backends` entry (a diffusers backend, or
-one of the local kernels of services/common/local_kernels.py; `+compile` compiles the call, which fuses
+one of the local kernels of h3serve/runtime/kernels/local.py; `+compile` compiles the call, which fuses
 the FP8 kernel's scaling). The error is the relative L2 distance of the first 512 query rows from an
 fp32 softmax(QK^T)V of the same inputs. Prints a table (no records: the step bench, bench/dit_step.py,
 measures what a request pays).
@@ -19,7 +19,7 @@ import torch
 
 from bench.accuracy import rel_l2
 from bench.common import timed
-from services.common import local_kernels
+from h3serve.runtime.kernels import local as local_kernels
 
 HEADS, HEAD_DIM, CHECKED_ROWS = 56, 128, 512
 

@@ -1,4 +1,4 @@
-"""What every benchmark shares: sizes, timing, labels (full-size random models: services/common/random_full.py)."""
+"""What every benchmark shares: sizes, timing, labels (full-size random models: h3serve/runtime/random_full.py)."""
 
 from __future__ import annotations
 

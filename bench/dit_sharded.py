@@ -39,8 +39,8 @@ import torch
 from bench.common import Size, software
 from bench.dit_step import TEXT_TOKENS
 from bench.results import Record, add_output_arguments, update_results
-from services.common import random_full
-from services.common.fastpath import FastPath
+from h3serve.runtime import random_full
+from h3serve.runtime.fastpath import FastPath
 
 MID_SIZE = dict(  # the released structure at a size one GPU runs in seconds: real head dim, real channels
     num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_layers=4, num_refiner_layers=1,
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> list:
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
-    from services.dit.launch import NCCL_ENV
+    from h3serve.services.dit.launch import NCCL_ENV
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
@@ -107,8 +107,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
 def run_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from services.dit import parallel
-    from services.dit.group import ControlPlane
+    from h3serve.services.dit import parallel
+    from h3serve.services.dit.group import ControlPlane
 
     device = parallel.rank_device(args.device)
     control = ControlPlane(parallel.init_groups(device, timeout_s=3600))
@@ -149,7 +149,7 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    from services.common.tiny import TRANSFORMER
+    from h3serve.runtime.tiny import TRANSFORMER
 
     if args.quick or config is not None:
         torch.manual_seed(0)  # the same weights on every rank: drawn on the CPU, then moved
@@ -162,8 +162,8 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
 
 
 def job_message(size: Size, forwards: int, text_dim: int):
-    from services.dit.group import JOB, Message
-    from services.dit.runner import DenoiseJob
+    from h3serve.services.dit.group import JOB, Message
+    from h3serve.services.dit.runner import DenoiseJob
 
     embeds = torch.randn(1, TEXT_TOKENS, text_dim, generator=torch.Generator().manual_seed(0))
     tensors = {"prompt_embeds": embeds, "text_token_tags": torch.ones(TEXT_TOKENS, dtype=torch.int64)}
@@ -171,7 +171,7 @@ def job_message(size: Size, forwards: int, text_dim: int):
 
 
 def layout_of(args: argparse.Namespace, split: str | None = None, fsdp: bool | None = None):
-    from services.dit.parallel import Layout
+    from h3serve.services.dit.parallel import Layout
 
     split, fsdp = split or args.split, args.fsdp == "on" if fsdp is None else fsdp
     n = args.world_size
@@ -180,7 +180,7 @@ def layout_of(args: argparse.Namespace, split: str | None = None, fsdp: bool | N
 
 def timed_steps(run, device: torch.device, message, warm_message) -> tuple[float, object]:
     """Warm up (kernels, allocator, autotuning), then time one request step by step."""
-    from services.dit import parallel
+    from h3serve.services.dit import parallel
 
     run(warm_message, lambda step, total: None)
     timer = StepTimer(device)
@@ -190,9 +190,9 @@ def timed_steps(run, device: torch.device, message, warm_message) -> tuple[float
 
 
 def measure(size: Size, args: argparse.Namespace, control, device: torch.device) -> Record:
-    from services.dit import parallel
-    from services.dit.group import GroupMember
-    from services.dit.runner import DenoiseRunner
+    from h3serve.services.dit import parallel
+    from h3serve.services.dit.group import GroupMember
+    from h3serve.services.dit.runner import DenoiseRunner
 
     dtype = getattr(torch, args.dtype)
     parts = components(args, device, dtype)
@@ -229,10 +229,10 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
 
 def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]:
     """Latents after a short request: N ranks for each split and FSDP setting vs 1 rank, same weights."""
-    from services.common.tiny import TRANSFORMER
-    from services.dit import parallel
-    from services.dit.group import GroupMember
-    from services.dit.runner import DenoiseRunner
+    from h3serve.runtime.tiny import TRANSFORMER
+    from h3serve.services.dit import parallel
+    from h3serve.services.dit.group import GroupMember
+    from h3serve.services.dit.runner import DenoiseRunner
 
     dtype, config = getattr(torch, args.dtype), TRANSFORMER if args.quick else MID_SIZE
     size = Size.parse(args.sizes if args.quick else "480x832x124")

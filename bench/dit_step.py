@@ -6,7 +6,7 @@ directly on the GPU; `--quick`: the tiny preset on CPU), the same inputs and the
 of them and includes the layout and noise set-up, exactly what a request pays.
 
 The baseline (diffusers, native attention, eager) is timed first at every size; then each
-`--variants` entry of the service's fast path (services/common/fastpath.py) is applied to the same
+`--variants` entry of the service's fast path (h3serve/runtime/fastpath.py) is applied to the same
 transformer and timed. Variants are applied in order and may only add to the previous one
 (compile and fp8 cannot be undone in place), e.g.
 `native,flash4,flash4+compile,flash4+compile+fp8,cudnn_fp8+compile+fp8`.
@@ -32,10 +32,11 @@ from bench import flops, profile
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
-from services.common import fastpath, random_full
-from services.common.fastpath import FastPath
-from services.dit.attention import packed_length
-from services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.runtime import fastpath
+from h3serve.runtime import random_full
+from h3serve.runtime.fastpath import FastPath
+from h3serve.services.dit.attention import packed_length
+from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
 
 TEXT_TOKENS = 256
 
@@ -44,7 +45,7 @@ def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
     from diffusers.schedulers import MiniMaxH3Scheduler
 
     if quick:
-        from services.common.tiny import build_component
+        from h3serve.runtime.tiny import build_component
 
         transformer = build_component("transformer")
     else:

@@ -1,7 +1,7 @@
 """End to end on one machine: a request through the real gRPC services vs diffusers' in-process pipeline.
 
 Both sides run the same t2va request (prompt, size, steps, seed) on the same weights: full released
-sizes with random weights built on the GPU (`[model] dir = "random:full"`, services/common/random_full.py;
+sizes with random weights built on the GPU (`[model] dir = "random:full"`, h3serve/runtime/random_full.py;
 `--quick`: the tiny preset on CPU). The prompt is 256 bytes, 256 tokens with the byte-level tokenizer.
 
 1. In process (the baseline): diffusers' `MiniMaxH3Blocks` (encode, denoise, decode), then the VAE
@@ -26,7 +26,7 @@ baseline / ours as always. A DiT group splits the sequence through diffusers' co
 backend without it, or the local kernels (`flash4`, `cudnn_fp8`) with ring attention, or anything else the
 DiT service refuses at start (too few GPUs, a bad layout) stops the bench before anything loads, with the
 service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/step 2-GPU measurement use;
-`flash4` and `cudnn_fp8` run under Ulysses (services/common/local_kernels.py).
+`flash4` and `cudnn_fp8` run under Ulysses (h3serve/runtime/kernels/local.py).
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
 of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
@@ -90,10 +90,10 @@ from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
-from services.common.config import DeployConfig, load_deploy
-from services.common.models import ModelSource
-from services.reference import ReferenceRequest, reference_pipeline, run_pipeline
-from services.vae.mux import encode_mp4
+from h3serve.common.config import DeployConfig, load_deploy
+from h3serve.runtime.models import ModelSource
+from h3serve.cli.reference import ReferenceRequest, reference_pipeline, run_pipeline
+from h3serve.services.vae.mux import encode_mp4
 
 PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
           "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
@@ -236,7 +236,7 @@ def deployment(args, device: str, work: Path) -> Path:
 
 
 def served_request(client, size: Size, steps: int, events: list, include_raw: bool = False):
-    from gateway.client import describe_event
+    from h3serve.client import describe_event
     from h3serve.v1 import gateway_pb2
 
     request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width, num_frames=size.frames,
@@ -270,7 +270,8 @@ def refuse_early(config: DeployConfig, place: Placement, device: str) -> None:
     """What the DiT service would refuse at start (its layout, too few GPUs, an attention backend that cannot
     split the sequence this way), refused now with the service's reason, before anything
     loads; the probe runs the backend once on this process's first GPU."""
-    from services.dit import attention, launch
+    from h3serve.services.dit import attention
+    from h3serve.services.dit import launch
 
     visible = torch.cuda.device_count() if device.startswith("cuda") else place.gpus
     if visible < place.gpus:
@@ -299,8 +300,8 @@ def dit_group(config: DeployConfig, place: Placement) -> str:
 
 
 def through_services(sizes: list[Size], args, device: str, work: Path, config_path: Path) -> dict[Size, Side]:
-    from gateway.client import GatewayClient
-    from services.launcher import ServiceGroup
+    from h3serve.client import GatewayClient
+    from h3serve.cli.launcher import ServiceGroup
 
     config, place = load_deploy(config_path), placement(args, device)
     started = time.perf_counter()

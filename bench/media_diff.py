@@ -54,13 +54,13 @@ class FramesDiff:
     muxer encodes) and the waveform. Zero everywhere: the split computed exactly what the pipeline did."""
 
     frames: float     # largest difference of one float frame value
-    levels: int       # largest difference of one 8-bit frame value after services/vae/mux.to_uint8
+    levels: int       # largest difference of one 8-bit frame value after h3serve/services/vae/mux.to_uint8
     audio: float      # largest difference of one audio sample
 
     @classmethod
     def of(cls, a: Path, b: Path) -> "FramesDiff":
         """`a`, `b`: .npz archives with `frames` (F, H, W, 3) and `audio` (channels, S), e.g. a raw.npz."""
-        from services.vae.mux import to_uint8
+        from h3serve.services.vae.mux import to_uint8
 
         with np.load(a) as x, np.load(b) as y:
             if x["frames"].shape != y["frames"].shape or x["audio"].shape != y["audio"].shape:

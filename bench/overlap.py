@@ -19,10 +19,10 @@ from datetime import date
 from pathlib import Path
 
 from bench.results import Record, add_output_arguments, command_line, update_results
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import gateway_pb2
-from services.common.config import load_deploy
-from services.launcher import ServiceGroup
+from h3serve.common.config import load_deploy
+from h3serve.cli.launcher import ServiceGroup
 
 SERVICES = ("encoder", "dit", "vae", "gateway")
 
@@ -66,7 +66,7 @@ def _pipelined(client: GatewayClient, requests) -> float:
 
 
 def measure(args) -> tuple[float, float]:
-    from services.common.tiny import write_tiny_model
+    from h3serve.runtime.tiny import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="h3serve-overlap-") as tmp:
         root = Path(tmp)

@@ -3,12 +3,12 @@
 Both run in one process on the same VAEs (full released size, random weights built on the GPU;
 `--quick`: the tiny preset on CPU) and the same latents of a `--sizes` video. The baseline is
 the in-process pipeline's decode block: video VAE (tiled as released), audio VAE, float frames to
-numpy. Ours is the service's decode phase (`services/vae/server.py::decode_checked`), exactly what
+numpy. Ours is the service's decode phase (`h3serve/services/vae/server.py::decode_checked`), exactly what
 it pays before muxing: the same block, the output checks and the uint8 conversion on the device,
 then uint8 frames and the audio to numpy. The baseline is timed first; then each `--variants` entry is
 applied in order, each only adding to the one before (compile cannot be undone in place):
 `attention[+compile][+tiles=N]`, e.g. `native,native+tiles=28,flash4+compile+tiles=28`, where
-`tiles=N` decodes N spatial tiles per decoder call (services/vae/tiles.py). With `--errors`, the
+`tiles=N` decodes N spatial tiles per decoder call (h3serve/services/vae/tiles.py). With `--errors`, the
 frames of every run are compared with an fp32 decode of the same weights.
 
     python -m bench.vae_decode --sizes 768x1344x124 --variants native,native+tiles=28 --errors --write
@@ -28,11 +28,12 @@ import torch
 from bench.accuracy import rel_l2, upcast_to_fp32
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
-from services.common import fastpath, random_full
-from services.common.fastpath import FastPath
-from services.vae.decode import VaeDecoder, pixel_geometry
-from services.vae.server import decode_checked
-from services.vae.tiles import batch_tiles
+from h3serve.runtime import fastpath
+from h3serve.runtime import random_full
+from h3serve.runtime.fastpath import FastPath
+from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
+from h3serve.services.vae.server import decode_checked
+from h3serve.services.vae.tiles import batch_tiles
 
 AUDIO_LATENTS_PER_FRAME = 207 / 124  # 124 frames come with 207 audio latents
 
@@ -57,7 +58,7 @@ class VaeVariant:
 
 def vaes(quick: bool, device: str, dtype: torch.dtype) -> tuple:
     if quick:
-        from services.common.tiny import build_component
+        from h3serve.runtime.tiny import build_component
 
         return build_component("vae"), build_component("audio_vae")
     return random_full.build_component("vae", device, dtype), random_full.build_component("audio_vae", device, dtype)

@@ -16,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import gateway_pb2
-from services.common.config import ModelGeometry, load_deploy
-from services.common.tiny import write_tiny_model
-from services.launcher import ServiceGroup
+from h3serve.common.config import ModelGeometry, load_deploy
+from h3serve.runtime.tiny import write_tiny_model
+from h3serve.cli.launcher import ServiceGroup
 from tests.media_files import image, mp4, wav
 
 GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)

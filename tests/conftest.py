@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import load_deploy
-from services.launcher import ServiceGroup
+from h3serve.common.config import load_deploy
+from h3serve.cli.launcher import ServiceGroup
 
 
 def free_port() -> int:
@@ -61,7 +61,7 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from services.common.tiny import write_tiny_model
+    from h3serve.runtime.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny-h3")
 

@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from h3serve.v1 import common_pb2, media_pb2
-from services.common import local_kernels
-from services.common.fastpath import FastPath
-from services.common.tiny import build_component
-from services.dit import parallel
-from services.dit import workflows as wf
-from services.dit.group import JOB, ControlPlane, GroupMember, Message
-from services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.runtime.kernels import local as local_kernels
+from h3serve.runtime.fastpath import FastPath
+from h3serve.runtime.tiny import build_component
+from h3serve.services.dit import parallel
+from h3serve.services.dit import workflows as wf
+from h3serve.services.dit.group import JOB, ControlPlane, GroupMember, Message
+from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
 
 CPU = torch.device("cpu")
 JOB_SPEC = DenoiseJob(height=32, width=64, num_frames=124, num_inference_steps=5, seed=3)
@@ -68,7 +68,7 @@ def cpu_kernel(q, k, v, softmax_scale=None, causal=False):
 
 
 def slot_member(control: ControlPlane, layout: parallel.Layout) -> GroupMember:
-    """The local-kernel slot (services/common/local_kernels.py) under `layout`, with the CPU kernel in it."""
+    """The local-kernel slot (h3serve/runtime/kernels/local.py) under `layout`, with the CPU kernel in it."""
     parts = components()
     local_kernels.install(cpu_kernel)
     local_kernels.use(parts["transformer"])

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gateway.admission import CapacityTable, OverCapacity, Rows, packed_rows
+from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity, Rows, packed_rows
 from h3serve.v1 import common_pb2, gateway_pb2
 
 
@@ -83,7 +83,7 @@ def test_a_bad_table_is_refused(limits):
 def test_capacity_command_prints_the_table(tmp_path):
     config = tmp_path / "deploy.toml"
     config.write_text('[gateway.capacity.t2va]\n"768x1344" = 38000\n"480x832" = 14000\n')
-    out = subprocess.run([sys.executable, "-m", "services.cli", "capacity", "--config", str(config),
+    out = subprocess.run([sys.executable, "-m", "h3serve.cli", "capacity", "--config", str(config),
                           "--text-rows", "100"], check=True, capture_output=True, text=True).stdout
     lines = out.splitlines()
     assert lines[0].split()[:4] == ["workflow", "canvas", "max", "rows"]

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.asset_store import AssetStore
-from gateway.assets import AssetLimits, AssetRefused, inspect, sniff
-from gateway.conditioning import conditioning_rows, image_reference_canvas
-from gateway.request import canvas_for_aspect
+from h3serve.gateway.assets.store import AssetStore
+from h3serve.gateway.assets.validate import AssetLimits, AssetRefused, inspect, sniff
+from h3serve.gateway.admission.media import conditioning_rows, image_reference_canvas
+from h3serve.gateway.admission.request import canvas_for_aspect
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 from media_files import audio, image, mp4
 

@@ -87,8 +87,8 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     import argparse
 
     from bench import e2e
-    from services.common.config import load_deploy
-    from services.common.fastpath import FastPath
+    from h3serve.common.config import load_deploy
+    from h3serve.runtime.fastpath import FastPath
 
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
                               vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off")

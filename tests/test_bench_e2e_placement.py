@@ -15,7 +15,7 @@ import pytest
 from bench import e2e
 from bench.common import Size
 from bench.placement import Placement
-from services.common.config import load_deploy
+from h3serve.common.config import load_deploy
 
 
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):

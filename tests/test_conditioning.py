@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import CapacityTable, OverCapacity
-from gateway.conditioning import resolve_media
-from gateway.request import InvalidRequest, RequestLimits, resolve
+from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity
+from h3serve.gateway.admission.media import resolve_media
+from h3serve.gateway.admission.request import InvalidRequest, RequestLimits, resolve
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
-from services.common.config import ModelGeometry
+from h3serve.common.config import ModelGeometry
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
 ASSETS = {

@@ -64,5 +64,5 @@ def test_the_local_kernel_slot_splits_the_sequence_with_ulysses(report):
 
 @pytest.mark.distributed
 def test_compiled_blocks_split_the_sequence_like_eager_ones(report):
-    # compile traces around diffusers' any-length all-to-alls (services/dit/parallel.py), which it cannot trace
+    # compile traces around diffusers' any-length all-to-alls (h3serve/services/dit/parallel.py), which it cannot trace
     assert report["compiled_ulysses"] <= TOLERANCE

@@ -21,13 +21,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import free_port, write_config
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
-from services.common import wire
-from services.common.config import load_deploy
-from services.common.models import ModelSource
-from services.launcher import ServiceGroup
-from services.reference import ReferenceRequest, run_reference
+from h3serve.runtime import wire
+from h3serve.common.config import load_deploy
+from h3serve.runtime.models import ModelSource
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.cli.reference import ReferenceRequest, run_reference
 
 pytestmark = pytest.mark.distributed
 PROMPT = "two foxes share a sandwich"
@@ -200,7 +200,7 @@ def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
 
 
 def test_an_unusable_attention_backend_fails_the_start_with_the_reason():
-    result = subprocess.run([sys.executable, "-m", "services.cli", "serve", "dit", "--world-size", "2",
+    result = subprocess.run([sys.executable, "-m", "h3serve.cli", "serve", "dit", "--world-size", "2",
                              "--port", str(free_port()), "--attention-backend", "flash"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0

@@ -11,15 +11,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import free_port
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
-from services.common import fastpath, wire
-from services.common.config import DiTConfig
-from services.common.server import start_server
-from services.common.tiny import build_component
-from services.dit import attention
-from services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
-from services.dit.parallel import Layout
-from services.dit.runner import DenoiseJob, DenoiseRunner
-from services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+from h3serve.runtime import fastpath
+from h3serve.runtime import wire
+from h3serve.common.config import DiTConfig
+from h3serve.common.server import start_server
+from h3serve.runtime.tiny import build_component
+from h3serve.services.dit import attention
+from h3serve.services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
+from h3serve.services.dit.parallel import Layout
+from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 
 CPU = torch.device("cpu")
 
@@ -55,7 +56,7 @@ def test_the_checked_head_shape_is_the_served_transformers(tiny_model_dir):
 def test_torchrun_command_single_node_and_multi_node():
     single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
     assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
-    assert single[-3:-1] == ["-m", "services.dit.rank"] and decode_config(single[-1]).world_size == 2
+    assert single[-3:-1] == ["-m", "h3serve.services.dit.rank"] and decode_config(single[-1]).world_size == 2
     multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
     assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
             "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from h3serve.v1 import common_pb2, dit_pb2, media_pb2
-from services.dit import workflows as wf
-from services.dit.server import job_from_spec
+from h3serve.services.dit import workflows as wf
+from h3serve.services.dit.server import job_from_spec
 
 T2VA, FL2VA, REF2VA = common_pb2.WORKFLOW_T2VA, common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from services.common import wire
-from services.common.config import ModelServiceConfig
-from services.common.models import ModelSource
-from services.encoder.cache import ByteLRU
-from services.encoder.runner import COMPONENTS, TextEncoderRunner
-from services.encoder.server import EncoderServicer
+from h3serve.runtime import wire
+from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime.models import ModelSource
+from h3serve.services.encoder.cache import ByteLRU
+from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
+from h3serve.services.encoder.server import EncoderServicer
 
 
 def test_eviction_keeps_the_byte_bound_in_lru_order():

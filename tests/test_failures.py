@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import free_port, write_config
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import gateway_pb2
-from services.common.config import load_deploy
-from services.launcher import ServiceGroup, is_answering, is_serving
+from h3serve.common.config import load_deploy
+from h3serve.cli.launcher import ServiceGroup, is_answering, is_serving
 
 SMALL = dict(prompt="a kite over a beach", height=32, width=64, num_inference_steps=8, seed=11)
 

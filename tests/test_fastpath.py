@@ -6,10 +6,10 @@ import importlib.util
 
 import pytest
 
-from services.common import fastpath
-from services.common.config import ModelServiceConfig
-from services.common.fastpath import FastPath
-from services.common.tiny import build_component
+from h3serve.runtime import fastpath
+from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime.fastpath import FastPath
+from h3serve.runtime.tiny import build_component
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn-4 is installed here")

@@ -9,15 +9,15 @@ import os
 import grpc
 import pytest
 
-from gateway.artifacts import ArtifactStore
-from gateway.metrics import GatewayMetrics
-from gateway.retention import Retention
-from gateway.stage_queue import StageQueue
-from gateway.stages import CallRecord, StageClients
-from gateway.store import JobStore, QueueFull, RequestIdConflict
-from gateway.watchdog import Stuck, Watchdog
+from h3serve.gateway.jobs.artifacts import ArtifactStore
+from h3serve.gateway.metrics import GatewayMetrics
+from h3serve.gateway.jobs.retention import Retention
+from h3serve.gateway.stages.queue import StageQueue
+from h3serve.gateway.stages.calls import CallRecord, StageClients
+from h3serve.gateway.jobs.store import JobStore, QueueFull, RequestIdConflict
+from h3serve.gateway.stages.watchdog import Stuck, Watchdog
 from h3serve.v1 import encoder_pb2_grpc, gateway_pb2
-from services.common.config import GatewayConfig
+from h3serve.common.config import GatewayConfig
 
 S = gateway_pb2
 REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8, seed=1)
@@ -240,7 +240,7 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(store, tmp_path):
 
 
 def test_a_failed_half_of_the_media_encode_cancels_the_other():
-    from gateway.media_stage import _both
+    from h3serve.gateway.stages.media import _both
 
     async def scenario():
         cancelled = asyncio.Event()

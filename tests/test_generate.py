@@ -10,10 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, encoder_pb2_grpc, gateway_pb2
-from services.common.models import ModelSource
-from services.reference import ReferenceRequest, run_reference
+from h3serve.runtime.models import ModelSource
+from h3serve.cli.reference import ReferenceRequest, run_reference
 
 PROMPT = "a paper boat drifting down a rain gutter"
 SMALL = dict(prompt=PROMPT, height=32, width=64, num_frames=124, num_inference_steps=8)
@@ -48,7 +48,7 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
     assert (accepted.text_rows, accepted.total_rows) == (int(expected["text_rows"]), int(expected["packed_rows"]))
 
     cli_out = tmp_path / "reference.npz"
-    subprocess.run([sys.executable, "-m", "services.cli", "reference", "--model-dir", str(stack.model_dir),
+    subprocess.run([sys.executable, "-m", "h3serve.cli", "reference", "--model-dir", str(stack.model_dir),
                     "--prompt", PROMPT, "--height", "32", "--width", "64", "--steps", "8", "--seed", "1234",
                     "--raw", str(cli_out)], check=True, capture_output=True)
     reference = np.load(cli_out)
@@ -174,7 +174,7 @@ def test_cli_generate_with_a_request_id_runs_the_job_once(stack, client, tmp_pat
     import sys
 
     def generate(out: str) -> bytes:
-        subprocess.run([sys.executable, "-m", "services.cli", "generate", "--gateway", stack.address("gateway"),
+        subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--gateway", stack.address("gateway"),
                         "--prompt", "the same request twice", "--steps", "3", "--seed", "4",
                         "--request-id", "cli-retry-1", "--out", str(tmp_path / out)], capture_output=True, check=True)
         return (tmp_path / out).read_bytes()

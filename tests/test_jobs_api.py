@@ -14,7 +14,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
 
 pytestmark = pytest.mark.gateway

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import free_port, write_config
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
 from media_files import image, mp4, wav
-from services.common.config import ModelGeometry, load_deploy
-from services.common.models import ModelSource
-from services.launcher import ServiceGroup
-from services.reference import ReferenceRequest, run_reference
+from h3serve.common.config import ModelGeometry, load_deploy
+from h3serve.runtime.models import ModelSource
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.cli.reference import ReferenceRequest, run_reference
 
 GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 LIMITS = dict(max_audio_seconds=4.5, max_rows=1000)
@@ -232,12 +232,12 @@ def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_
 
     media = ["--prompt", "<Picture 2> at dusk", "--first-frame", str(files["wide"]), "--last-frame", str(files["tall"]),
              "--steps", "3", "--seed", "2"]
-    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--gateway",
+    out = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--gateway",
                           f"127.0.0.1:{media_stack[1]['gateway']}", *media, "--out", str(tmp_path / "fl.mp4"),
                           "--raw", str(tmp_path / "served.npz")], capture_output=True, text=True, check=True)
     assert (tmp_path / "fl.mp4").stat().st_size > 0
     assert "stages: encode" in out.stdout and "condition" in out.stdout
-    subprocess.run([sys.executable, "-m", "services.cli", "reference", "--model-dir", str(tiny_model_dir),
+    subprocess.run([sys.executable, "-m", "h3serve.cli", "reference", "--model-dir", str(tiny_model_dir),
                     "--config", str(media_stack[0] / "deploy.toml"), *media, "--raw", str(tmp_path / "ref.npz")],
                    capture_output=True, check=True)
     served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")

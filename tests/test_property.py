@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import free_port, write_config
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.config import load_deploy
-from services.launcher import ServiceGroup, is_answering
+from h3serve.common.config import load_deploy
+from h3serve.cli.launcher import ServiceGroup, is_answering
 
 pytestmark = pytest.mark.gateway
 S = gateway_pb2

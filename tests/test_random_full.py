@@ -7,8 +7,10 @@ from collections import Counter
 import pytest
 import torch
 
-from services.common import random_full, tiny
-from services.common.models import ModelSource
+from h3serve.runtime import random_full
+
+from h3serve.runtime import tiny
+from h3serve.runtime.models import ModelSource
 
 MODELS = ["transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"]
 

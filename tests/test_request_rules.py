@@ -8,7 +8,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
-from gateway.request import (
+from h3serve.gateway.admission.request import (
     VALID_NUM_FRAMES,
     InvalidRequest,
     RequestLimits,
@@ -17,7 +17,7 @@ from gateway.request import (
     resolve,
 )
 from h3serve.v1 import common_pb2, gateway_pb2
-from services.common.config import GatewayConfig
+from h3serve.common.config import GatewayConfig
 
 LIMITS = RequestLimits()
 

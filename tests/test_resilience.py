@@ -15,10 +15,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import free_port, write_config
-from gateway.client import GatewayClient
+from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from services.common.config import load_deploy
-from services.launcher import ServiceGroup
+from h3serve.common.config import load_deploy
+from h3serve.cli.launcher import ServiceGroup
 
 pytestmark = pytest.mark.gateway
 S = gateway_pb2

@@ -10,12 +10,12 @@ import grpc
 import pytest
 
 from conftest import free_port, write_config
-from gateway.client import GatewayClient
-from gateway.replicas import HEALTH_TTL_S
+from h3serve.client import GatewayClient
+from h3serve.gateway.stages.replicas import HEALTH_TTL_S
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from media_files import image
-from services.common.config import ModelGeometry, load_deploy
-from services.launcher import ServiceGroup
+from h3serve.common.config import ModelGeometry, load_deploy
+from h3serve.cli.launcher import ServiceGroup
 
 GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 NOT_SERVED = "workflow: this deployment serves t2va; its DiT replicas do not load {} (the [dit] workflows setting)"

@@ -9,10 +9,10 @@ from contextlib import closing
 import grpc
 import pytest
 
-from gateway.artifacts import ArtifactStore
-from gateway.store import JobStore
+from h3serve.gateway.jobs.artifacts import ArtifactStore
+from h3serve.gateway.jobs.store import JobStore
 from h3serve.v1 import common_pb2, gateway_pb2
-from services.common.errors import MAX_ERROR_CHARS
+from h3serve.common.errors import MAX_ERROR_CHARS
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING, gateway_pb2.JOB_STATE_SUCCEEDED,

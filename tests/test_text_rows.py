@@ -8,10 +8,10 @@ import pytest
 import torch
 from PIL import Image
 
-from gateway.text_rows import TextRows, VisionGeometry, sampled_frames, video_block_timestamps
+from h3serve.gateway.admission.text_rows import TextRows, VisionGeometry, sampled_frames, video_block_timestamps
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
-from services.common import tiny
-from services.common.config import ModelGeometry
+from h3serve.runtime import tiny
+from h3serve.common.config import ModelGeometry
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +128,8 @@ def test_stock_qwen3_vl_limits_give_the_models_vision_token_counts():
 
 
 def test_the_gateway_does_not_start_without_the_models_tokenizer(tmp_path):
-    from gateway.server import _load_text_rows
-    from services.common.config import GatewayConfig
+    from h3serve.gateway.server import _load_text_rows
+    from h3serve.common.config import GatewayConfig
 
     with pytest.raises(RuntimeError, match=r"^\[gateway\] model_dir '.*missing': admission counts text rows with "
                                            r"the model's tokenizer and processor, which did not load: "):

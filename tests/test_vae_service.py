@@ -17,15 +17,15 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
-from services.common import wire
-from services.common.config import ModelServiceConfig
-from services.common.server import GRPC_OPTIONS
-from services.common.tiny import TINY_REVISION, build_component
-from services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
-from services.vae.mux import encode_mp4, to_uint8
-from services.vae.validate import InvalidOutput, validate
-from services.vae.server import VaeServicer, decode_checked
-from services.vae.tiles import batch_tiles
+from h3serve.runtime import wire
+from h3serve.common.config import ModelServiceConfig
+from h3serve.common.server import GRPC_OPTIONS
+from h3serve.runtime.tiny import TINY_REVISION, build_component
+from h3serve.services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
+from h3serve.services.vae.mux import encode_mp4, to_uint8
+from h3serve.services.vae.validate import InvalidOutput, validate
+from h3serve.services.vae.server import VaeServicer, decode_checked
+from h3serve.services.vae.tiles import batch_tiles
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
 AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h3serve.v1 import tensor_pb2
-from services.common import wire
+from h3serve.runtime import wire
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool]

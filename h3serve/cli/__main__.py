@@ -1,0 +1,3 @@
+from h3serve.cli.main import main
+
+main()

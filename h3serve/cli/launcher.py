@@ -1,0 +1,140 @@
+"""`h3serve up`: start encoder, DiT, VAE and gateway as processes, wait until healthy, stop cleanly.
+
+Each model service sees only its own GPUs (CUDA_VISIBLE_DEVICES from its `gpus` setting).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve.common.config import SERVICES, DeployConfig
+
+START_ORDER = (*SERVICES, "gateway")
+
+
+@dataclass
+class Running:
+    name: str
+    address: str
+    process: subprocess.Popen
+
+
+def _channel(address: str, root_pem: bytes | None) -> grpc.Channel:
+    if root_pem is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem))
+
+
+def is_serving(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
+    try:
+        with _channel(address, root_pem) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
+    """The process answers health checks, whatever its status (a gateway whose stages are down says NOT_SERVING)."""
+    try:
+        with _channel(address, root_pem) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return True
+    except grpc.RpcError:
+        return False
+
+
+class ServiceGroup:
+    def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
+                 names: tuple[str, ...] = START_ORDER, ready=is_serving) -> None:
+        self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
+        self.config = config
+        self.names = names
+        self.config_path = config_path
+        self.log_dir = log_dir
+        self.running: list[Running] = []
+
+    def _command(self, name: str) -> list[str]:
+        command = [sys.executable, "-m", "h3serve.cli", "serve", name]
+        return command + (["--config", self.config_path] if self.config_path else [])
+
+    def _env(self, name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        if name != "gateway" and self.config.service(name).gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
+        return env
+
+    def _root_pem(self, name: str) -> bytes | None:
+        """How to probe a TLS service: the gateway's stage_tls_ca if set, else its own (self-signed) certificate."""
+        section = self.config.service(name) if name != "gateway" else self.config.gateway
+        if not section.tls_cert:
+            return None
+        with open(self.config.gateway.stage_tls_ca or section.tls_cert, "rb") as file:
+            return file.read()
+
+    def _spawn(self, name: str) -> Running:
+        section = self.config.service(name) if name != "gateway" else self.config.gateway
+        output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
+        process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
+                                   stderr=subprocess.STDOUT if output else None)
+        return Running(name, f"{section.host}:{section.port}", process)
+
+    def start(self) -> None:
+        self.running.extend(self._spawn(name) for name in self.names)
+
+    def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
+        """Stop one service with `signum` (SIGKILL simulates a crash), start it again, wait until healthy."""
+        index = next(i for i, item in enumerate(self.running) if item.name == name)
+        old = self.running[index].process
+        old.send_signal(signum)
+        old.wait(30)
+        self.running[index] = self._spawn(name)
+        self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = [item for item in self.running
+                   if not self.ready(item.address, root_pem=self._root_pem(item.name))]
+        while pending:
+            for item in list(pending):
+                if item.process.poll() is not None:
+                    raise RuntimeError(f"{item.name} exited with code {item.process.returncode} during start-up")
+                if self.ready(item.address, root_pem=self._root_pem(item.name)):
+                    pending.remove(item)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")
+            time.sleep(0.2)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM in reverse start order (gateway first), then SIGKILL whatever outlives the grace."""
+        for item in reversed(self.running):
+            if item.process.poll() is None:
+                item.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for item in reversed(self.running):
+            try:
+                item.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                item.process.kill()
+                item.process.wait()
+        self.running.clear()
+
+    def __enter__(self) -> ServiceGroup:
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,250 @@
+"""The `h3serve` command: serve one service, start them all, generate, compare with diffusers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from h3serve.common.config import SERVICES, load_deploy, override
+
+
+def _serve(args) -> None:
+    config = load_deploy(args.config)
+    if args.service == "gateway":
+        from h3serve.gateway.server import serve
+
+        serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir,
+                       model_dir=args.model_dir))
+        return
+    flags = dict(host=args.host, port=args.port, model_dir=args.model_dir, device=args.device, dtype=args.dtype,
+                 attention_backend=args.attention_backend)
+    if args.world_size is not None:
+        if args.service != "dit":
+            raise SystemExit("--world-size applies to the dit service only")
+        flags["world_size"] = args.world_size
+    section = override(config.service(args.service), **flags)
+    module = __import__(f"h3serve.services.{args.service}.server", fromlist=["serve"])
+    module.serve(section)
+
+
+def _up(args) -> None:
+    from h3serve.cli.launcher import ServiceGroup
+
+    config = load_deploy(args.config)
+    with ServiceGroup(config, args.config, args.log_dir):
+        print(f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
+              flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            print("stopping", flush=True)
+
+
+def _request(args):
+    from h3serve.v1 import gateway_pb2
+
+    def given(name):
+        return getattr(args, name, None)
+
+    request = gateway_pb2.GenerateRequest(
+        prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
+        seconds=given("seconds") or 0.0, num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
+        request_id=given("request_id") or "")
+    if given("seed") is not None:
+        request.seed = args.seed
+    return request
+
+
+def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None):
+    """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
+
+    `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
+    """
+    from h3serve.client import GatewayClient, describe_event
+
+    client = GatewayClient(address)
+    try:
+        _attach_media(client, request, media)
+        final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
+                                                         flush=True))
+        print(file=stream)
+        if final.WhichOneof("kind") != "done":
+            raise SystemExit(f"job {final.job_id} {describe_event(final)}")
+        path = client.download(final.done.video.artifact_id, out)
+        if raw:
+            client.download(final.done.raw.artifact_id, raw)
+        return client.job(final.job_id), path
+    finally:
+        client.close()
+
+
+class _OrderedMedia(argparse.Action):
+    """Collects --first-frame / --last-frame / --ref-* as (flag, path) pairs in command-line order."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.media = [*(getattr(namespace, "media", None) or []), (self.dest, value)]
+
+
+def _attach_media(client, request, media) -> None:
+    from h3serve.v1 import media_pb2
+
+    kinds = {"ref_image": media_pb2.ASSET_KIND_IMAGE, "ref_video": media_pb2.ASSET_KIND_VIDEO,
+             "ref_audio": media_pb2.ASSET_KIND_AUDIO}
+    for flag, path in media or []:
+        asset = client.upload(path)
+        if flag in kinds:
+            request.references.add(asset_id=asset.asset_id, kind=kinds[flag])
+        else:
+            setattr(request, flag, asset.asset_id)
+
+
+def print_timings(job, path: Path) -> None:
+    stages = "  ".join(f"{s.stage} {s.seconds:.2f} s" for s in job.stages)
+    print(f"video: {path.resolve()}\nstages: {stages}", flush=True)
+
+
+def _generate(args) -> None:
+    address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
+    job, path = generate(address, _request(args), args.out, args.raw, media=args.media)
+    print_timings(job, path)
+
+
+def _reference(args) -> None:
+    import numpy as np
+
+    from h3serve.runtime.models import ModelSource
+    from h3serve.cli.reference import ReferenceRequest, run_reference
+
+    frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
+    references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
+    result = run_reference(ModelSource(args.model_dir), ReferenceRequest(
+        args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed, references=references, **frames),
+        args.device, args.dtype, load_deploy(args.config).gateway.geometry)
+    np.savez(args.raw, **result)
+    print(f"reference: {Path(args.raw).resolve()}")
+
+
+def _write_tiny(args) -> None:
+    from h3serve.runtime.tiny import write_tiny_model
+
+    print(write_tiny_model(args.directory).resolve())
+
+
+def _demo(args) -> None:
+    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything."""
+    from h3serve.cli.launcher import ServiceGroup
+
+    config = load_deploy(args.config)
+    log_dir = tempfile.mkdtemp(prefix="h3serve-demo-logs-")
+    started = time.perf_counter()
+    with ServiceGroup(config, args.config, log_dir):
+        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir})", flush=True)
+        out = Path(args.out or "out")
+        out.mkdir(parents=True, exist_ok=True)
+        job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), out, None)
+    print_timings(job, path)
+
+
+def _capacity(args) -> None:
+    from h3serve.gateway.admission.capacity import CapacityTable
+
+    table = CapacityTable(load_deploy(args.config).gateway.capacity)
+    rows = table.table(args.text_rows)
+    if not rows:
+        print("no capacity table in this deployment: every valid request is admitted ([gateway] capacity)")
+        return
+    print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames (text {args.text_rows} rows, no conditioning)")
+    for workflow, canvas, limit, frames in rows:
+        shown = "-" if canvas == "*" else (frames or "none fit")
+        print(f"{workflow:<9} {canvas:<10} {limit:>9,}  {shown}")
+
+
+def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
+    p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
+    p.add_argument("--height", type=int, default=height)
+    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
+    p.add_argument("--out", help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory;"
+                                 " the demo uses out/)")
+
+
+def _add_media_args(p: argparse.ArgumentParser) -> None:
+    for flag, what in (("first-frame", "fl2va: image the video starts from"),
+                       ("last-frame", "fl2va: image the video ends on"),
+                       ("ref-image", "ref2va: an image reference, <Picture i> in the prompt (repeatable)"),
+                       ("ref-video", "ref2va: a video reference (its sound too), <Video k> (repeatable)"),
+                       ("ref-audio", "ref2va: an audio reference, <Audio j> (repeatable)")):
+        p.add_argument(f"--{flag}", action=_OrderedMedia, metavar="FILE", help=what)
+    p.set_defaults(media=[])
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="h3serve", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run one service in the foreground")
+    p.add_argument("service", choices=[*SERVICES, "gateway"])
+    p.add_argument("--config", help="deployment TOML file")
+    for flag in ("host", "model-dir", "device", "dtype", "attention-backend", "data-dir"):
+        p.add_argument(f"--{flag}")
+    p.add_argument("--port", type=int)
+    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started through torchrun")
+    p.set_defaults(run=_serve)
+
+    p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")
+    p.add_argument("--config")
+    p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.set_defaults(run=_up)
+
+    p = sub.add_parser("generate", help="generate one video through the gateway")
+    p.add_argument("--gateway", help="host:port (default: the config's gateway)")
+    p.add_argument("--config")
+    _add_request_args(p, steps=None)
+    p.add_argument("--num-frames", type=int)
+    p.add_argument("--seconds", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
+    p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
+                                        "same job instead of starting another")
+    _add_media_args(p)
+    p.set_defaults(run=_generate)
+
+    p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
+    p.add_argument("--model-dir", help="diffusers model directory (default: the tiny preset)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    _add_request_args(p, steps=50)
+    p.add_argument("--num-frames", type=int, default=124)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--raw", required=True)
+    p.add_argument("--config", help="deployment TOML whose [model] pipeline configs (geometry) to apply")
+    _add_media_args(p)
+    p.set_defaults(run=_reference)
+
+    p = sub.add_parser("write-tiny", help="save the built-in tiny model in the released diffusers layout")
+    p.add_argument("directory")
+    p.set_defaults(run=_write_tiny)
+
+    p = sub.add_parser("capacity", help="print the deployment's admission table: max rows and frames per canvas")
+    p.add_argument("--config")
+    p.add_argument("--text-rows", type=int, default=256, help="prompt rows assumed for the frame ceiling")
+    p.set_defaults(run=_capacity)
+
+    p = sub.add_parser("demo", help="up + one generation with the tiny model + stop")
+    p.add_argument("--config")
+    _add_request_args(p, steps=8, height=64, width=128)
+    p.set_defaults(run=_demo)
+    return root
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

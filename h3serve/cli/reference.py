@@ -1,0 +1,74 @@
+"""`h3serve reference`: diffusers' own in-process MiniMaxH3Blocks on the same model, seed and media.
+
+Writes the same `.npz` layout as the VAE service's raw output, so the two can be compared
+byte for byte. Keyframes and references are decoded from their files as the stages decode them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from h3serve.v1 import media_pb2
+from h3serve.common.config import ModelGeometry
+from h3serve.runtime.media import decode_reference
+from h3serve.runtime.models import ModelSource
+
+T2VA_COMPONENTS = ["text_encoder", "tokenizer", "processor", "transformer", "scheduler", "audio_scheduler",
+                   "vae", "audio_vae"]
+ROWS = ("num_condition_video_rows", "num_condition_audio_rows")  # packed rows of keyframes / references
+KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
+
+
+@dataclass(frozen=True)
+class ReferenceRequest:
+    prompt: str
+    height: int | None
+    width: int | None
+    num_frames: int
+    num_inference_steps: int
+    seed: int
+    first_frame: str | None = None                 # fl2va keyframe files
+    last_frame: str | None = None
+    references: tuple[tuple[str, str], ...] = ()   # ref2va: ("image" | "video" | "audio", path), request order
+
+    def media_inputs(self) -> dict:
+        """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files."""
+        if self.references:
+            return {"references": [decode_reference(KINDS[kind], path) for kind, path in self.references]}
+        frames = {"image": self.first_frame, "last_image": self.last_frame}
+        return {name: decode_reference(media_pb2.ASSET_KIND_IMAGE, path).image
+                for name, path in frames.items() if path}
+
+
+def reference_pipeline(source: ModelSource, with_references: bool = False, device: str = "cpu",
+                       dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()):
+    """diffusers' MiniMaxH3Blocks on `source`'s components (`transformer_ref` too for ref2va), reusable."""
+    from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+    names = [*T2VA_COMPONENTS, "transformer_ref"] if with_references else T2VA_COMPONENTS
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(**source.load(names, device, dtype), **geometry.pipeline_configs())
+    return pipe
+
+
+def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
+    """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate, and the rows diffusers
+    packed: condition rows (video, audio), text rows (the text encoder's output) and the whole sequence."""
+    out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
+               num_inference_steps=request.num_inference_steps,
+               generator=torch.Generator().manual_seed(request.seed), output_type="np",
+               output=["videos", "audio", "sampling_rate", *ROWS, "text_token_tags", "token_tags"],
+               **request.media_inputs())
+    return {"frames": out["videos"][0], "audio": out["audio"][0].cpu().numpy(),
+            "sample_rate": np.asarray(out["sampling_rate"]),
+            "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS]),
+            "text_rows": np.asarray(len(out["text_token_tags"])), "packed_rows": np.asarray(len(out["token_tags"]))}
+
+
+def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",
+                  dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()) -> dict[str, np.ndarray]:
+    pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
+    return run_pipeline(pipe, request)

@@ -1,0 +1,82 @@
+"""A small synchronous client of the public API: generate with live events, download artifacts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+from h3serve.common.server import GRPC_OPTIONS
+
+
+class GatewayClient:
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(self, request: gateway_pb2.GenerateRequest,
+                 on_event: Callable[[gateway_pb2.JobEvent], None] = lambda e: None) -> gateway_pb2.JobEvent:
+        """Run one generation; returns its terminal event (done, failed or cancelled)."""
+        last = None
+        for event in self.stub.Generate(request, wait_for_ready=True):
+            on_event(event)
+            last = event
+        return last
+
+    def upload(self, path: str | Path, chunk_bytes: int = 1 << 20) -> gateway_pb2.Asset:
+        """Upload one image, video or audio file; returns the stored asset (the same id for the same bytes)."""
+        def chunks():
+            with open(path, "rb") as file:
+                first = True
+                while (data := file.read(chunk_bytes)) or first:
+                    yield gateway_pb2.UploadAssetChunk(file_name=Path(path).name if first else "", data=data)
+                    first = False
+
+        return self.stub.UploadAsset(chunks(), wait_for_ready=True)
+
+    def job(self, job_id: str) -> gateway_pb2.Job:
+        return self.stub.GetJob(gateway_pb2.GetJobRequest(job_id=job_id))
+
+    def download(self, artifact_id: str, path: str | Path | None = None) -> Path:
+        """Save an artifact; `path` is a file, or a directory for the server's file name (default: cwd)."""
+        stream = self.stub.DownloadArtifact(gateway_pb2.DownloadArtifactRequest(artifact_id=artifact_id))
+        first = next(stream)
+        target = Path(path or ".")
+        if target.is_dir():
+            target = target / first.file_name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as file:
+            file.write(first.data)
+            for chunk in stream:
+                file.write(chunk.data)
+        return target
+
+
+def describe_event(event: gateway_pb2.JobEvent) -> str:
+    """One human line per event, for the CLI's progress display."""
+    kind = event.WhichOneof("kind")
+    value = getattr(event, kind)
+    if kind == "accepted":
+        r = value.request
+        return f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, {r.num_inference_steps} steps, seed {r.seed}"
+    if kind == "conditioning":
+        return f"encoding keyframes / references {value.done}/{value.total}"
+    if kind == "encoding":
+        return f"encoded ({'cache hit' if value.cache_hit else 'cache miss'}) in {value.seconds:.2f} s"
+    if kind == "denoising":
+        return (f"denoising step {value.step}/{value.total}  {value.step_seconds:.2f} s/step  "
+                f"elapsed {value.elapsed_seconds:.1f} s  eta {value.eta_seconds:.1f} s")
+    if kind == "decoding":
+        return f"decoding {value.chunk}/{value.total}"
+    if kind == "muxing":
+        return f"muxing {value.done}/{value.total} s"
+    if kind == "done":
+        return f"done: {value.video.file_name} ({value.video.bytes} bytes, {value.duration_s:.2f} s)"
+    if kind == "failed":
+        return f"failed: {value.code_name}: {value.message}"
+    return f"cancelled: {value.reason}"

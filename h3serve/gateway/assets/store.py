@@ -1,0 +1,102 @@
+"""Content-addressed asset storage: an asset's id is the sha256 of its bytes, so the same file is stored once.
+
+Layout under the root: `blobs/<id>` (the original bytes), `meta/<id>.pb` (its `Asset` description),
+`tmp/` (uploads in progress). Both files are written to a temporary name and renamed into place, so a
+reader never sees half an asset; the description is written last, and an asset exists once it has one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+
+from h3serve.v1 import gateway_pb2
+from h3serve.gateway.assets.validate import SNIFF_BYTES, AssetLimits, candidate_kinds, inspect, invalid, over_limit, sniff
+
+_ID = re.compile(r"[0-9a-f]{64}")
+
+
+class AssetStore:
+    def __init__(self, root: str, limits: AssetLimits) -> None:
+        self.root, self.limits = root, limits
+        for sub in ("blobs", "meta", "tmp"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+
+    def _path(self, sub: str, asset_id: str) -> str:
+        return os.path.join(self.root, sub, asset_id + (".pb" if sub == "meta" else ""))
+
+    def get(self, asset_id: str) -> gateway_pb2.Asset | None:
+        if not _ID.fullmatch(asset_id):  # also keeps ids from naming paths
+            return None
+        try:
+            with open(self._path("meta", asset_id), "rb") as file:
+                return gateway_pb2.Asset.FromString(file.read())
+        except FileNotFoundError:
+            return None
+
+    def chunks(self, asset_id: str, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
+        """The asset's bytes, read lazily."""
+        with open(self._path("blobs", asset_id), "rb") as file:
+            while data := file.read(chunk_bytes):
+                yield data
+
+    async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk], inspect_in_thread) -> gateway_pb2.Asset:
+        """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
+
+        `inspect_in_thread(fn, *args)` runs the blocking decode off the event loop.
+        """
+        fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
+        try:
+            with os.fdopen(fd, "wb") as file:
+                name, fmt, size, digest = await self._spool(chunks, file)
+            existing = self.get(digest)
+            if existing is not None:
+                existing.deduplicated = True
+                return existing
+            asset = await inspect_in_thread(inspect, tmp, name, fmt, size, self.limits)
+            asset.asset_id, asset.file_name = digest, name
+            os.replace(tmp, self._path("blobs", digest))
+            self._write_meta(asset)
+            return asset
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    async def _spool(self, chunks, file) -> tuple[str, str, int, str]:
+        name, fmt, size, head = "", None, 0, b""
+        digest, limit = hashlib.sha256(), None
+        async for chunk in chunks:
+            name = name or chunk.file_name
+            if fmt is None:
+                head += chunk.data[:SNIFF_BYTES - len(head)]
+                if len(head) >= SNIFF_BYTES:
+                    fmt, limit = self._format(name or "upload", head)
+            size += len(chunk.data)
+            if limit and size > limit[0]:
+                raise over_limit(name or "upload", "size", f"more than {limit[0]} bytes", f"{limit[0]} bytes", limit[1])
+            digest.update(chunk.data)
+            file.write(chunk.data)
+        name = name or "upload"
+        if not size:
+            raise invalid(name, "empty file (0 bytes)")
+        if fmt is None:
+            fmt, _ = self._format(name, head)
+        return name, fmt, size, digest.hexdigest()
+
+    def _format(self, name: str, head: bytes):
+        fmt = sniff(head)
+        if fmt is None:
+            raise invalid(name, "not a supported image (PNG, JPEG, WebP), video (MP4, MOV, WebM) or audio "
+                                 "(WAV, FLAC, MP3, AAC/M4A, OGG) file: its content starts with "
+                                 f"{head[:8]!r}")
+        return fmt, self.limits.max_bytes(candidate_kinds(fmt))
+
+    def _write_meta(self, asset: gateway_pb2.Asset) -> None:
+        fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
+        with os.fdopen(fd, "wb") as file:
+            file.write(asset.SerializeToString())
+        os.replace(tmp, self._path("meta", asset.asset_id))
+

@@ -1,0 +1,60 @@
+"""Job events: persisted first, then fanned out to live watchers.
+
+A watcher replays what the store holds and then follows live events, skipping by sequence
+number what it has already seen, so attaching at any moment loses and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from h3serve.v1 import gateway_pb2
+from h3serve.gateway.jobs.store import JobStore
+
+TERMINAL_EVENTS = {"done", "failed", "cancelled"}
+
+
+def is_terminal(event: gateway_pb2.JobEvent) -> bool:
+    return event.WhichOneof("kind") in TERMINAL_EVENTS
+
+
+class EventHub:
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self._watchers: dict[str, set[asyncio.Queue]] = defaultdict(set)
+
+    def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
+        """Persist one event (e.g. `denoising=Denoising(...)`) and hand it to the job's watchers."""
+        return self.publish(self.store.append_event(job_id, gateway_pb2.JobEvent(**kind)))
+
+    def publish(self, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+        """Hand an already stored event to the job's watchers."""
+        for queue in self._watchers.get(event.job_id, ()):
+            queue.put_nowait(event)
+        return event
+
+    async def watch(self, job_id: str, after_seq: int = 0) -> AsyncIterator[gateway_pb2.JobEvent]:
+        """Every event of the job after `after_seq`, stored ones first, live until its terminal event."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._watchers[job_id].add(queue)
+        try:
+            last = after_seq
+            for event in self.store.events(job_id, after_seq):
+                last = event.seq
+                yield event
+                if is_terminal(event):
+                    return
+            while True:
+                event = await queue.get()
+                if event.seq <= last:
+                    continue
+                last = event.seq
+                yield event
+                if is_terminal(event):
+                    return
+        finally:
+            self._watchers[job_id].discard(queue)
+            if not self._watchers[job_id]:
+                del self._watchers[job_id]

@@ -1,0 +1,101 @@
+"""The replicas of one stage: health probed on demand (cached at most 1 s) and least-loaded routing.
+
+Health is never a remembered flag alone: `probe` asks the replica's gRPC health service when the last
+answer is older than HEALTH_TTL_S. Routing uses the last known health (a failed call marks a replica
+down at once; a down replica is probed again before routing, and a successful probe or call brings it
+back) and picks the healthy replica with the fewest calls in flight; when every replica looks down it
+still tries one, so a call fails with the real error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve.common.server import GRPC_OPTIONS
+
+HEALTH_TTL_S = 1.0
+PROBE_TIMEOUT_S = 1.0
+
+
+def open_channel(address: str, root_pem: bytes | None) -> grpc.aio.Channel:
+    if root_pem is None:
+        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS)
+
+
+@dataclass
+class Replica:
+    address: str
+    channel: grpc.aio.Channel
+    healthy: bool = True       # last known health, from a probe or a call
+    probed_at: float = -math.inf
+    in_flight: int = 0
+    calls: int = 0
+    failures: int = 0
+    last_error: str = ""
+    failed_at: float = -math.inf
+
+    async def probe(self) -> bool:
+        if time.monotonic() - self.probed_at <= HEALTH_TTL_S:
+            return self.healthy
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
+                                                                         timeout=PROBE_TIMEOUT_S)
+            self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if not self.healthy:
+                self.last_error = f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        except grpc.aio.AioRpcError as exc:
+            self.healthy, self.last_error = False, f"health probe: {exc.code().name}: {exc.details()}"
+        self.probed_at = time.monotonic()
+        return self.healthy
+
+    def succeeded(self) -> None:
+        self.healthy = True
+
+    def failed(self, error: str, down: bool) -> None:
+        """A call failed; `down` (a transient failure or a stall) takes it out of routing until it answers again."""
+        self.failures += 1
+        self.last_error = error
+        if down:
+            self.healthy, self.failed_at = False, time.monotonic()
+
+
+@dataclass
+class ReplicaSet:
+    stage: str
+    replicas: list[Replica] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, stage: str, addresses: tuple[str, ...], root_pem: bytes | None) -> ReplicaSet:
+        return cls(stage, [Replica(address, open_channel(address, root_pem)) for address in addresses])
+
+    async def close(self) -> None:
+        for replica in self.replicas:
+            await replica.channel.close()
+
+    async def pick(self, tried: set[str]) -> Replica:
+        """The least-loaded healthy replica not yet tried by this call; else the one that failed longest ago.
+        Replicas marked down are probed again first (at most once per HEALTH_TTL_S), so a replica that came
+        back rejoins the routing."""
+        stale = [r for r in self.replicas if not r.healthy and time.monotonic() - r.probed_at > HEALTH_TTL_S]
+        await asyncio.gather(*(replica.probe() for replica in stale))
+        fresh = [r for r in self.replicas if r.address not in tried] or self.replicas
+        healthy = [r for r in fresh if r.healthy]
+        if healthy:
+            return min(healthy, key=lambda r: (r.in_flight, r.calls))
+        return min(fresh, key=lambda r: r.failed_at)
+
+    async def probe_all(self) -> list[bool]:
+        return list(await asyncio.gather(*(replica.probe() for replica in self.replicas)))
+
+    async def serving(self) -> bool:
+        return any(await self.probe_all())
+
+    def describe(self) -> str:
+        return ", ".join(f"{r.address} ({'up' if r.healthy else 'down: ' + r.last_error})" for r in self.replicas)

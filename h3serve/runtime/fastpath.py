@@ -1,0 +1,79 @@
+"""The fast path of the DiT and the video VAE: attention kernel, regional compile, fp8 weights.
+
+Each option is chosen by config and applied once to a loaded model, before any parallelism wraps
+it. None changes the math of the released model; what each costs in accuracy is measured by
+`bench/dit_step.py` and `bench/vae_decode.py` against fp32 (see BENCHMARKS.md).
+
+- `attention = "flash4"`: FlashAttention 4, or `"cudnn_fp8"` (opt-in, it changes the numbers): cuDNN's
+  FP8 attention; both installed locally and bound to diffusers' `flash_4_hub` backend, so nothing is
+  downloaded (h3serve/runtime/kernels/local.py).
+- `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
+- `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
+  the AdaLN projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from h3serve.runtime.kernels import fp8_attention
+
+from h3serve.runtime.kernels import local as local_kernels
+
+log = logging.getLogger("h3serve.fastpath")
+FLAGS = ("compile", "fp8")  # in the order `describe` and the benches write them
+
+
+@dataclass(frozen=True)
+class FastPath:
+    attention: str = "native"  # a diffusers backend name, or one of local_kernels.KERNELS
+    compile: bool = False
+    fp8: bool = False
+
+    def describe(self) -> str:
+        return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
+
+    @property
+    def lossy(self) -> bool:
+        """Computes different numbers from the released bf16 model (fp8 weights or fp8 attention)."""
+        return self.fp8 or self.attention == fp8_attention.NAME
+
+
+def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) -> None:
+    """Set the attention kernel, quantise, then compile (compile must see the final modules).
+
+    With the sequence split across ranks (`sequence_split`), diffusers' Ulysses/ring all-to-alls for
+    sequences of any length exchange their sizes first, which torch.compile cannot trace: each block is
+    then compiled around them (graph breaks) instead of as one graph.
+    """
+    set_attention(model, fast.attention)
+    if fast.fp8:
+        quantize_fp8(model)
+    if fast.compile:
+        model.compile_repeated_blocks(fullgraph=not sequence_split)
+    log.info("%s fast path: %s", type(model).__name__, fast.describe())
+
+
+def set_attention(model: torch.nn.Module, backend: str) -> None:
+    if backend in local_kernels.KERNELS:
+        local_kernels.bind(backend)
+        local_kernels.use(model)
+    else:
+        model.set_attention_backend(backend)
+
+
+def quantize_fp8(transformer: torch.nn.Module) -> None:
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`)."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as exc:
+        raise RuntimeError(f"fp8 needs the torchao package: {exc}") from exc
+
+    def block_linear(module: torch.nn.Module, name: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
+                and ".adaln_proj." not in name)
+
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=block_linear)

@@ -1,0 +1,87 @@
+"""Where a service's components come from: the built-in tiny preset or a local model directory.
+
+A model directory is the released diffusers layout (modular_model_index.json + one subfolder per
+component); it is loaded through diffusers' own ModularPipeline loader, never from a hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from h3serve.runtime import random_full
+
+from h3serve.runtime import tiny
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """`model_dir=None` selects the tiny preset; `random_full.SOURCE` ("random:full") the released sizes with
+    random weights, built on the device (benchmarks)."""
+
+    model_dir: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.model_dir or "tiny"
+
+    def revision(self) -> str:
+        """Identifies the weights: part of every cache key derived from model outputs."""
+        if self.model_dir is None:
+            return tiny.TINY_REVISION
+        if self.model_dir == random_full.SOURCE:
+            return random_full.REVISION
+        digest = hashlib.sha256()
+        root = Path(self.model_dir)
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                stat = path.stat()
+                digest.update(f"{path.relative_to(root)}:{stat.st_size}".encode())
+                if path.suffix == ".json":
+                    digest.update(path.read_bytes())
+        return "dir-" + digest.hexdigest()[:16]
+
+    def load(self, names: list[str], device: str, dtype: str) -> dict[str, Any]:
+        """Load the named pipeline components onto `device` in `dtype` (fp32-pinned modules stay fp32)."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if self.model_dir == random_full.SOURCE:
+            return random_full.build(names, device, DTYPES[dtype])  # already on the device
+        if self.model_dir is None:
+            if dtype != "float32":
+                raise ValueError("the tiny preset is built in float32 only; use a model directory for other dtypes")
+            components = {name: tiny.build_component(name) for name in names}
+        else:
+            components = self._load_dir(names, DTYPES[dtype])
+        for value in components.values():
+            if isinstance(value, torch.nn.Module):
+                value.to(device)
+                if self.model_dir is not None and torch.device(device).type == "cpu":
+                    _own_memory(value)
+        return components
+
+    def _load_dir(self, names: list[str], dtype: torch.dtype) -> dict[str, Any]:
+        from diffusers.modular_pipelines import ModularPipeline
+
+        if not os.path.isfile(os.path.join(self.model_dir, "modular_model_index.json")):
+            raise FileNotFoundError(f"{self.model_dir} has no modular_model_index.json (not a diffusers model dir)")
+        pipe = ModularPipeline.from_pretrained(self.model_dir)
+        pipe.load_components(names=names, dtype=dtype)
+        return {name: getattr(pipe, name) for name in names}
+
+
+def _own_memory(module: torch.nn.Module) -> None:
+    """Copy memory-mapped checkpoint tensors into fresh allocations.
+
+    CPU BLAS kernels pick their code path by pointer alignment, so weights read in place from a
+    safetensors file gave results a few ulp away from the same weights built in memory.
+    """
+    for tensor in [*module.parameters(), *module.buffers()]:
+        tensor.data = tensor.data.clone()

@@ -1,0 +1,30 @@
+"""Start-up shared by the model services: logging, threads, device, components, ModelInfo."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from h3serve.v1 import common_pb2
+from h3serve.common import logs
+from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime.models import ModelSource
+
+log = logging.getLogger("h3serve.runtime")
+
+
+def load_model_service(service: str, names: list[str], config: ModelServiceConfig):
+    """Load `names` for `service` as configured; returns (components, ModelInfo)."""
+    logs.setup(service)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    source = ModelSource(config.model_dir or None)
+    started = time.perf_counter()
+    components = source.load(names, config.device, config.dtype)
+    model = common_pb2.ModelInfo(model_revision=source.revision(), source=source.label, device=config.device,
+                                 dtype=config.dtype, components=names)
+    log.info("%s: loaded %s from %s (%s) on %s/%s in %.1f s", service, ", ".join(names), source.label,
+             model.model_revision, config.device, config.dtype, time.perf_counter() - started)
+    return components, model

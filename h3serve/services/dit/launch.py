@@ -1,0 +1,96 @@
+"""`h3serve serve dit`: check the configuration here, then become torchrun for the group's ranks.
+
+torchrun (torch.distributed.run) is the group's launcher: it starts `world_size / nnodes`
+ranks on this node, and when any rank exits it stops the others and starts them all again,
+at most `max_restarts` times (each rank waits its back-off first, h3serve/services/dit/rank.py).
+Errors that a restart cannot fix (the layout, an unusable attention backend) fail here, once,
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from h3serve.runtime import random_full
+
+from h3serve.runtime import tiny
+from h3serve.common.config import DiTConfig
+from h3serve.runtime.models import DTYPES
+from h3serve.services.dit import attention
+from h3serve.services.dit import workflows as wf
+from h3serve.services.dit.parallel import Layout
+
+# Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
+RELEASED_SHAPE = (56, 128)  # attention heads, head dim: MiniMaxH3Transformer3DModel's defaults, the released ones
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def torchrun_argv(config: DiTConfig) -> list[str]:
+    per_node = config.world_size // config.nnodes
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
+            f"--max-restarts={config.max_restarts}"]
+    if config.nnodes == 1:
+        argv.append("--standalone")  # a local rendezvous on a free port
+    else:
+        argv += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
+                 f"--rdzv-id={config.rdzv_id}"]
+    return argv + ["-m", "h3serve.services.dit.rank", encode_config(config)]
+
+
+def encode_config(config: DiTConfig) -> str:
+    """The resolved config as one argument for every rank (nested dataclasses and all)."""
+    return base64.b64encode(pickle.dumps(config)).decode()
+
+
+def decode_config(text: str) -> DiTConfig:
+    return pickle.loads(base64.b64decode(text))
+
+
+def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
+    """(attention heads, head dim) of the transformer partition that will be served."""
+    if not model_dir:
+        return tiny.TRANSFORMER["num_attention_heads"], tiny.TRANSFORMER["attention_head_dim"]
+    if model_dir == random_full.SOURCE:
+        return RELEASED_SHAPE
+    config = json.loads((Path(model_dir) / partition / "config.json").read_text())
+    return config.get("num_attention_heads", RELEASED_SHAPE[0]), config.get("attention_head_dim", RELEASED_SHAPE[1])
+
+
+def check(config: DiTConfig) -> Layout:
+    """Fail now, with the reason, on what no restart can fix."""
+    layout = Layout.from_config(config)
+    if config.nnodes > 1 and not config.rdzv_endpoint:
+        raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
+    partition = wf.partitions(wf.served(config.workflows))[0]
+    config.fast_path()  # fp8 without bf16 is refused here
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        per_node, visible = config.world_size // config.nnodes, torch.cuda.device_count()
+        if per_node > visible:
+            raise ValueError(f"world_size {config.world_size} puts {per_node} ranks on this node, one per GPU, "
+                             f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})")
+        device = torch.device("cuda", device.index or 0)
+    attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
+                    DTYPES[config.dtype], sequence_parallel=layout.world_size > 1, ring=layout.ring_degree > 1)
+    return layout
+
+
+def launch(config: DiTConfig) -> None:
+    """Replace this process with torchrun, so the launcher's signals reach the agent directly."""
+    try:
+        check(config)
+    except (ValueError, attention.BackendUnusable) as exc:
+        raise SystemExit(f"h3serve serve dit: {exc}") from exc
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    argv = torchrun_argv(config)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)

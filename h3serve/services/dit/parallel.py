@@ -1,0 +1,170 @@
+"""How the transformer is spread over the group: FSDP2 weight sharding and diffusers' context parallelism.
+
+`prepare_transformer` is the one place a loaded transformer is readied for serving, in this
+order: the fast path (h3serve/runtime/fastpath.py: attention backend, fp8, compile; context
+parallelism wraps the backend, so it must be chosen first), then weight sharding, then the
+sequence split. Every rank runs the same forward; the packed
+sequence is split after it is built (diffusers' `_cp_plan`) and gathered at the output heads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from h3serve.runtime import fastpath
+from h3serve.common.config import DiTConfig
+from h3serve.runtime.fastpath import FastPath
+from h3serve.services.dit import attention
+from h3serve.services.dit import gloo_shims
+
+log = logging.getLogger("h3serve.dit.parallel")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The parallel layout of the group, resolved from the config and checked once at start."""
+
+    world_size: int
+    ulysses_degree: int
+    ring_degree: int
+    fsdp: bool
+
+    @classmethod
+    def from_config(cls, config: DiTConfig) -> Layout:
+        world = config.world_size
+        if world < 1 or config.nnodes < 1 or world % config.nnodes:
+            raise ValueError(f"world_size {world} must be a positive multiple of nnodes {config.nnodes}")
+        ring = config.ring_degree or 1
+        ulysses = config.ulysses_degree or world // ring
+        if ulysses * ring != world:
+            raise ValueError(f"ulysses_degree {ulysses} x ring_degree {ring} must equal world_size {world}")
+        if ulysses > 1 and ring > 1:
+            raise ValueError("ulysses_degree and ring_degree both above 1 (hybrid) is not served: diffusers' hybrid "
+                             "mode needs the packed length divisible by the world size; use one of them")
+        return cls(world, ulysses, ring, config.fsdp and world > 1)
+
+    @property
+    def split(self) -> str:
+        if self.world_size == 1:
+            return "none"
+        return f"ulysses {self.ulysses_degree}" if self.ulysses_degree > 1 else f"ring {self.ring_degree}"
+
+
+def rank_device(config_device: str) -> torch.device:
+    """This rank's device: its local GPU under torchrun, else the configured device."""
+    device = torch.device(config_device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return device
+
+
+def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
+    """The compute group (NCCL next to gloo on GPUs, gloo on CPU) and a gloo control group; returns the latter."""
+    timeout = timedelta(seconds=timeout_s)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"  # "cpu" keeps diffusers off CUDA
+    dist.init_process_group(backend, store=attempt_store(timeout), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def attempt_store(timeout: timedelta) -> dist.Store:
+    """torchrun's store, with keys private to this restart.
+
+    After a restart the ranks meet in the same store, where the dead attempt's keys (the old
+    ranks' addresses) still lie: a new rank could read one and wait on a dead port.
+    """
+    rank, restart = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=rank == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"h3serve-dit/attempt-{restart}", store)
+
+
+def prepare_transformer(transformer, layout: Layout, fast: FastPath, device: torch.device,
+                        dtype: torch.dtype) -> None:
+    """After load, before the first request: the fast path (attention backend first), then the parallelism."""
+    ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
+    parallelize(transformer, layout, device)
+
+
+def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype,
+                sequence_split: bool = False) -> None:
+    """The backend is checked on this device (the reason if it cannot run), then the fast path applied."""
+    attention.check_model(transformer, fast.attention, device, dtype)
+    fastpath.apply(transformer, fast, sequence_split)
+
+
+def parallelize(transformer, layout: Layout, device: torch.device) -> None:
+    """Weight sharding, then the sequence split (context parallelism wraps the backend already set)."""
+    if layout.world_size == 1:
+        return
+    if device.type == "cpu":
+        gloo_shims.apply()
+    if layout.fsdp:
+        shard_weights(transformer, device)
+    split_sequence(transformer, layout)
+    log.info("transformer on %d ranks: %s, weights %s", layout.world_size, layout.split,
+             "sharded (FSDP2)" if layout.fsdp else "replicated")
+
+
+def shard_weights(transformer, device: torch.device) -> None:
+    """FSDP2 per block (diffusers' `_no_split_modules`), then the root for the rest.
+
+    Inference only: with gradients off FSDP accepts the bf16 blocks next to the fp32-pinned
+    projections in one root group (it refuses mixed dtypes only for trainable parameters).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    transformer.requires_grad_(False)
+    blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._no_split_modules]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
+
+
+def split_sequence(transformer, layout: Layout) -> None:
+    """Context parallelism over all ranks; the `*_anything` modes take any packed length and head count."""
+    from diffusers import ContextParallelConfig
+
+    if layout.ulysses_degree > 1:
+        config = ContextParallelConfig(ulysses_degree=layout.ulysses_degree, ulysses_anything=True)
+    else:
+        config = ContextParallelConfig(ring_degree=layout.ring_degree, ring_anything=True)
+    transformer.enable_parallelism(config=config)
+    _split_attention_runs_eagerly()
+
+
+def _split_attention_runs_eagerly() -> None:
+    """The `*_anything` all-to-alls exchange their sizes first, which torch.compile cannot trace: under a
+    compiled block, diffusers' context-parallel attention runs eagerly between the compiled parts."""
+    import diffusers.models.attention_dispatch as dispatch
+
+    split_attention = dispatch._templated_context_parallel_attention
+    if not getattr(split_attention, "_h3serve_eager", False):
+        eager = torch.compiler.disable(split_attention)
+        eager._h3serve_eager = True
+        dispatch._templated_context_parallel_attention = eager
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak since the last reset: allocated GPU memory, or on CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)

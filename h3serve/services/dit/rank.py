@@ -1,0 +1,147 @@
+"""One rank of the DiT group, as torchrun starts it: `python -m h3serve.services.dit.rank <DiTConfig, encoded>`.
+
+Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start clients get
+"starting" with the reason instead of a closed port. Every rank then waits its restart
+back-off, joins the compute and control groups, loads and prepares the transformer, and
+rank 0 turns SERVING. A rank whose parent (the torchrun agent) dies is sent SIGTERM, so no
+rank outlives its group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+
+from h3serve.v1 import dit_pb2, dit_pb2_grpc
+from h3serve.common import logs
+from h3serve.common.config import DiTConfig
+from h3serve.common.errors import describe
+from h3serve.runtime.models import DTYPES
+from h3serve.runtime.service import load_model_service
+from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
+from h3serve.services.dit import parallel
+from h3serve.services.dit import workflows as wf
+from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
+from h3serve.services.dit.launch import decode_config
+from h3serve.services.dit.runner import DenoiseRunner
+from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+
+log = logging.getLogger("h3serve.dit.rank")
+MAX_BACKOFF_S = 30.0
+PR_SET_PDEATHSIG = 1
+
+
+def backoff_seconds(config: DiTConfig, restart: int) -> float:
+    return 0.0 if restart == 0 else min(MAX_BACKOFF_S, config.restart_backoff_s * 2 ** (restart - 1))
+
+
+class Endpoint:
+    """Rank 0's gRPC server: up from the start, SERVING only while the group is whole."""
+
+    def __init__(self, config: DiTConfig, restart: int) -> None:
+        state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
+        self.view = GroupView(state=state)
+        self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
+        self.view.info.workflows.extend(wf.served(config.workflows))  # Denoise checks requests against them
+        servicer = DiTServicer(self.view)
+        self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
+                                                [SERVICE_NAME], config.address,
+                                                tls=(config.tls_cert, config.tls_key), serving=False)
+        self.finished = threading.Event()
+        self.exit_code = 1
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def start_group(self, config: DiTConfig, restart: int) -> None:
+        try:
+            member, info = join(config, 0, restart)
+        except BaseException as exc:
+            log.error("rank 0 could not join the DiT group: %s", describe(exc))
+            self.broken(f"start-up failed on rank 0: {describe(exc, lines=1)}")
+            return
+        self.ready(Driver(member, config.heartbeat_s, self.broken), info)
+
+    def ready(self, driver: Driver, info: dit_pb2.DiTInfo) -> None:
+        info.restarts, info.max_restarts = self.view.info.restarts, self.view.info.max_restarts
+        info.workflows.extend(self.view.info.workflows)
+        self.view.info, self.view.driver, self.view.state = info, driver, "serving"
+        set_serving(self.health, [SERVICE_NAME], True)
+        log.info("DiT group of %d rank(s) is serving", info.world_size)
+
+    def broken(self, reason: str) -> None:
+        self.view.state = f"failed: {reason}"
+        set_serving(self.health, [SERVICE_NAME], False)
+        self.finished.set()
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.exit_code = 0
+        reason = (f"the DiT group is stopping: signal {signum} from its launcher (a rank exited and the group "
+                  "restarts, or the service is shutting down)")
+        if self.view.driver is None:  # still joining: nothing in flight, nothing to wait for
+            self.server.stop(0)
+            os._exit(0)
+        self.view.driver.fail(reason)
+
+    def wait_and_exit(self) -> None:
+        """Block until the group breaks or a signal comes; let failed RPCs deliver their status; exit."""
+        self.finished.wait()
+        self.server.stop(GRACE_SECONDS).wait()
+        logging.shutdown()
+        os._exit(self.exit_code)  # the driver thread may sit in a collective that will never return
+
+
+def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_pb2.DiTInfo]:
+    """Everything between process start and the first request, on every rank."""
+    time.sleep(backoff_seconds(config, restart))
+    layout = parallel.Layout.from_config(config)
+    device = parallel.rank_device(config.device)
+    control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
+    served = wf.served(config.workflows)
+    loaded = wf.partitions(served)
+    components, model = load_model_service("dit", [*loaded, *wf.SCHEDULERS], replace(config, device=str(device)))
+    for partition in loaded:
+        parallel.prepare_transformer(components[partition], layout, config.fast_path(), device, DTYPES[config.dtype])
+    member = GroupMember(control, DenoiseRunner(components, tuple(served)), device, config.attention_backend,
+                         config.max_math_tokens)
+    ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
+    info = dit_pb2.DiTInfo(
+        model=model, attention_backend=config.attention_backend, world_size=layout.world_size,
+        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp=layout.fsdp,
+        compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded,
+        ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks])
+    return member, info
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = decode_config((sys.argv[1:] if argv is None else argv)[0])
+    rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _die_with_parent()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+    logs.setup(f"dit[{rank}]")
+    if rank == 0:
+        endpoint = Endpoint(config, restart)
+        threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()
+        endpoint.wait_and_exit()  # the main thread stays free, so a signal is handled even while joining
+    try:
+        member, _ = join(config, rank, restart)
+    except BaseException as exc:
+        log.error("rank %d could not join the DiT group: %s", rank, describe(exc))
+        raise
+    follow(member)  # returns only by an exception: the group broke
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""DiT service: conditioning tensors in, one progress event per denoise step, latents out.
+
+Hosted by rank 0 of the DiT group (h3serve/services/dit/rank.py); the group's driver runs one request
+at a time on every rank, a second one waits. A client that cancels stops the loop at the next
+step boundary on all ranks. While the group starts or restarts, health is NOT_SERVING and a
+request ends UNAVAILABLE with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
+from h3serve.runtime import wire
+from h3serve.services.dit import workflows as wf
+from h3serve.services.dit.group import Driver, JobFailed
+from h3serve.services.dit.runner import DenoiseJob
+
+SERVICE_NAME = dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name
+
+
+def job_from_spec(spec: dit_pb2.DenoiseSpec, served: list[int]) -> DenoiseJob:
+    workflow = spec.workflow or common_pb2.WORKFLOW_T2VA
+    if workflow not in served:
+        names = ", ".join(common_pb2.Workflow.Name(w) for w in served)
+        raise ValueError(f"workflow: {common_pb2.Workflow.Name(workflow)} is not served by this DiT (serves {names})")
+    return DenoiseJob(spec.height, spec.width, spec.num_frames, spec.num_inference_steps, spec.seed, workflow)
+
+
+@dataclass
+class GroupView:
+    """What Info reports about the group; `info` holds the configured workflows, then the group's fields."""
+
+    state: str = "starting"
+    info: dit_pb2.DiTInfo = field(default_factory=dit_pb2.DiTInfo)
+    driver: Driver | None = None
+
+
+class DiTServicer(dit_pb2_grpc.DiTServicer):
+    def __init__(self, view: GroupView) -> None:
+        self.view = view
+
+    def Denoise(self, request_iterator, context):
+        try:
+            spec, tensors = wire.read_spec_stream(request_iterator, wf.tensor_names)
+            job = job_from_spec(spec, list(self.view.info.workflows))
+            conditioning = wf.Conditioning.from_spec(spec, tensors)
+        except ValueError as exc:  # WireError included
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        driver = self.view.driver
+        try:
+            if driver is None:
+                raise JobFailed(grpc.StatusCode.UNAVAILABLE, f"the DiT group is {self.view.state}")
+            ticket = driver.submit(spec.job_id, job, tensors, conditioning)
+            context.add_callback(ticket.cancel)
+            yield from ticket.stream()
+        except JobFailed as failed:
+            context.abort(failed.code, failed.message)
+
+    def Info(self, request, context):
+        info = dit_pb2.DiTInfo()
+        info.CopyFrom(self.view.info)
+        info.state = self.view.state
+        driver = self.view.driver
+        if driver is not None:
+            info.requests_served, info.steps_served, info.busy = driver.requests_served, driver.steps_served, \
+                driver.busy
+            for rank, stats in zip(info.ranks, driver.ranks):
+                rank.peak_bytes, rank.steps_served = stats.peak_bytes, stats.steps_served
+        return info
+
+
+def serve(config) -> None:
+    """`h3serve serve dit`: the group starts through torchrun (h3serve/services/dit/launch.py)."""
+    from h3serve.services.dit.launch import launch
+
+    launch(config)

@@ -1,0 +1,88 @@
+"""Encoder service: prompt -> (prompt_embeds, text_token_tags), with an exact embedding cache."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
+from h3serve.runtime import wire
+from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime.media import MediaError, MediaPreparer, read_media_stream
+from h3serve.runtime.service import load_model_service
+from h3serve.common.server import run_server
+from h3serve.services.encoder.cache import ByteLRU
+from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
+
+log = logging.getLogger("h3serve.encoder")
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
+        self.runner = runner
+        self.model = model
+        self.config = config
+        self.cache = ByteLRU(config.cache_bytes)
+        self.media = MediaPreparer(config.geometry)
+
+    def _check_prompt(self, prompt: str, context) -> None:
+        if not prompt.strip():
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
+        if len(prompt) > self.config.max_prompt_chars:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars} allowed")
+
+    def Encode(self, request, context):
+        self._check_prompt(request.prompt, context)
+        yield from self._cached(request.job_id, (self.model.model_revision, request.prompt),
+                                lambda: self.runner.encode(request.prompt))
+
+    def EncodeMedia(self, request_iterator, context):
+        """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
+        try:
+            spec, assets = read_media_stream(request_iterator)
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._check_prompt(spec.prompt, context)
+        key = (self.model.model_revision, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
+               tuple((item.role, item.asset_id) for item in spec.items))
+        try:
+            yield from self._cached(spec.job_id, key,
+                                    lambda: self.runner.encode_media(spec.prompt, self.media.prepare(spec, assets)))
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _cached(self, job_id: str, key: tuple, encode):
+        started = time.perf_counter()
+        chunks = self.cache.get(key)
+        hit = chunks is not None
+        if not hit:
+            tensors = encode()
+            chunks = list(wire.encode_many(tensors))
+            self.cache.put(key, chunks, sum(t.nbytes for t in tensors.values()))
+        for chunk in chunks:
+            yield encoder_pb2.EncodeReply(chunk=chunk)
+        num_tokens = chunks[0].tensor.shape[1]
+        yield encoder_pb2.EncodeReply(summary=encoder_pb2.EncodeSummary(
+            cache_hit=hit, seconds=time.perf_counter() - started,
+            model_revision=self.model.model_revision, num_tokens=num_tokens))
+        log.info("job %s: encoded %d tokens (%s) in %.3f s", job_id, num_tokens,
+                 "cache hit" if hit else "cache miss", time.perf_counter() - started)
+
+    def Info(self, request, context):
+        stats = self.cache.stats()
+        return encoder_pb2.EncoderInfo(
+            model=self.model, cache_entries=stats.entries, cache_bytes=stats.bytes,
+            cache_capacity_bytes=self.cache.capacity_bytes, cache_hits=stats.hits, cache_misses=stats.misses,
+            cache_evictions=stats.evictions, model_runs=self.runner.runs,
+            max_prompt_chars=self.config.max_prompt_chars)
+
+
+def serve(config: ModelServiceConfig) -> None:
+    components, model = load_model_service("encoder", COMPONENTS, config)
+    servicer = EncoderServicer(TextEncoderRunner(components), model, config)
+    run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
+               [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,
+               tls=(config.tls_cert, config.tls_key))

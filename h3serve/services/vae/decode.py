@@ -1,0 +1,143 @@
+"""Runs diffusers' MiniMax-H3 decode block (video VAE, then audio VAE) and reports its progress.
+
+The block call itself is the one the in-process pipeline makes, so the output is bit-identical to it;
+progress comes from a forward hook on the video decoder, counting the tiles it decodes (known up
+front). With `tile_batch > 1` (h3serve/services/vae/tiles.py) one decoder call decodes several tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_AUDIO_CHANNELS
+
+COMPONENTS = ["vae", "audio_vae"]
+
+Progress = Callable[[int, int], None]
+"""Called with (units done, units in the phase); it may raise to stop the decode."""
+
+
+class InvalidLatents(ValueError):
+    """Latents that the decode block cannot turn into a MiniMax-H3 video and soundtrack."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What decoding one pair of latents produces and costs, known before anything runs."""
+
+    frames: int
+    height: int
+    width: int
+    channels: int
+    audio_channels: int
+    audio_samples: int
+    decoder_tiles: int  # what the video decoder decodes: temporal chunks x spatial tiles
+
+    @property
+    def raw_bytes(self) -> int:
+        """float32 bytes of the frames (F, H, W, C) plus the audio (channels, S)."""
+        return 4 * (self.frames * self.height * self.width * self.channels + self.audio_channels * self.audio_samples)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """The block's output, left on the VAE's device."""
+
+    frames: torch.Tensor  # (F, H, W, 3) float32 in [0, 1]: a channels-last view of the block's (F, 3, H, W)
+    audio: torch.Tensor   # (channels, S) float32
+    sample_rate: int
+
+
+def pixel_geometry(vae, latents_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(frames, height, width) that `vae` decodes latents (1, C, 5n+2, h, w) into: 17n+5 frames of 16h x 16w.
+
+    The numbers come from the VAE's chunking: each of the n clips yields `clip_length` frames, and the
+    trailing latent frames that survived `token_drop` yield the rest.
+    """
+    num_latent_frames, latent_height, latent_width = latents_shape[2:]
+    kept = vae.tokens_chunk_size - vae.config.token_drop
+    clips, rest = divmod(num_latent_frames - kept, vae.tokens_chunk_size)
+    if rest or clips < 1:
+        raise InvalidLatents(f"latents: {num_latent_frames} latent frames, expected "
+                             f"{vae.tokens_chunk_size} * n + {kept} with n >= 1")
+    frames = vae.config.clip_length * clips + kept * vae.temporal_compression_ratio - vae.frame_pre_padding
+    ratio = vae.spatial_compression_ratio
+    return frames, latent_height * ratio, latent_width * ratio
+
+
+def decoder_tiles(vae, latents_shape: tuple[int, ...]) -> int:
+    """How many inputs `AutoencoderKLMiniMaxH3._decode` gives `vae.decoder` for one latent video: one
+    per temporal chunk and, with tiling on, per spatial tile of `_decode_clip`."""
+    num_latent_frames, latent_height, latent_width = latents_shape[2:]
+    token_drop = vae.config.token_drop
+    chunks = math.ceil((num_latent_frames + token_drop) / vae.tokens_chunk_size) - int(token_drop > 0)
+    if not vae.use_tiling:
+        return chunks
+    ratio = vae.spatial_compression_ratio
+    rows = vae._split_tiles(latent_height * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
+    cols = vae._split_tiles(latent_width * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
+    return chunks * len(rows[0]) * len(cols[0])
+
+
+def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
+    """`expected` holds the required size per dimension, None where any positive size will do."""
+    if len(shape) != len(expected) or any(s < 1 or (e is not None and s != e) for s, e in zip(shape, expected)):
+        wanted = ", ".join("*" if e is None else str(e) for e in expected)
+        raise InvalidLatents(f"{name}: shape {list(shape)}, expected [{wanted}]")
+
+
+@contextmanager
+def _tiles_reported(decoder: torch.nn.Module, total: int, on_call: Progress) -> Iterator[None]:
+    """Report every forward of the video decoder as (tiles so far, total) while the block runs."""
+    done = 0
+
+    def hook(module, args, output) -> None:
+        nonlocal done
+        done += output.shape[0]  # a batch of tiles (latents are one video)
+        on_call(done, total)
+
+    handle = decoder.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class VaeDecoder:
+    """The decode block over one video VAE and one audio VAE. Not re-entrant: callers serialize."""
+
+    def __init__(self, vae, audio_vae) -> None:
+        self.vae, self.audio_vae = vae, audio_vae
+        self.pipe = MiniMaxH3DecodeStep().init_pipeline()
+        self.pipe.update_components(vae=vae, audio_vae=audio_vae)
+
+    def plan(self, latents: torch.Tensor, audio_latents: torch.Tensor) -> DecodePlan:
+        """Check the latents (float32 (1, C, 5n+2, h, w) and (2, C_audio, A)) and size the output."""
+        for name, tensor in (("latents", latents), ("audio_latents", audio_latents)):
+            if tensor.dtype != torch.float32:
+                raise InvalidLatents(f"{name}: dtype {tensor.dtype}, expected torch.float32")
+        _check_shape("latents", tuple(latents.shape), (1, self.vae.config.latent_channels, None, None, None))
+        _check_shape("audio_latents", tuple(audio_latents.shape),
+                     (MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels, None))
+        frames, height, width = pixel_geometry(self.vae, latents.shape)
+        return DecodePlan(frames=frames, height=height, width=width, channels=self.vae.config.out_channels,
+                          audio_channels=MINIMAX_H3_AUDIO_CHANNELS,
+                          audio_samples=audio_latents.shape[-1] * self.audio_vae.hop_length,
+                          decoder_tiles=decoder_tiles(self.vae, latents.shape))
+
+    def decode(self, latents: torch.Tensor, audio_latents: torch.Tensor,
+               on_video: Progress, on_audio: Progress) -> Decoded:
+        total = self.plan(latents, audio_latents).decoder_tiles
+        device = self.vae.device
+        with _tiles_reported(self.vae.decoder, total, on_video):
+            # "pt" holds the very floats "np" would copy to the CPU, channels first (VideoProcessor.postprocess)
+            out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),
+                            output_type="pt", output=["videos", "audio", "sampling_rate"])
+        on_audio(1, 1)  # the block runs the audio VAE after the last video-decoder call
+        return Decoded(frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0],
+                       sample_rate=int(out["sampling_rate"]))

@@ -1,0 +1,210 @@
+"""VAE service: latents -> validated video + audio, muxed into an MP4 that is streamed back in chunks."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
+from h3serve.common import errors
+from h3serve.runtime import fastpath
+from h3serve.runtime import wire
+from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime.media import MediaError, MediaPreparer, read_media_stream
+from h3serve.runtime.pump import ClientGone, pump
+from h3serve.runtime.service import load_model_service
+from h3serve.common.server import run_server
+from h3serve.services.vae import mux
+from h3serve.services.vae.conditions import ConditionEncoder
+from h3serve.services.vae.decode import COMPONENTS, Decoded, InvalidLatents, Progress, VaeDecoder
+from h3serve.services.vae.validate import InvalidOutput, validate
+from h3serve.services.vae.tiles import batch_tiles
+
+FILE_CHUNK_BYTES = 1 << 20
+TENSORS = ("latents", "audio_latents")
+
+log = logging.getLogger("h3serve.vae")
+
+Report = Callable[[vae_pb2.DecodeEvent], None]
+
+
+@dataclass(frozen=True)
+class Output:
+    video: bytes                 # video.mp4
+    raw: bytes | None            # raw.npz, when asked for
+    summary: vae_pb2.DecodeSummary
+
+
+def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
+    for offset in range(0, len(data), FILE_CHUNK_BYTES):
+        piece = data[offset:offset + FILE_CHUNK_BYTES]
+        yield vae_pb2.DecodeEvent(file=vae_pb2.FileChunk(name=name, offset=offset, data=piece))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A decode that passed validation, in the form the muxer takes."""
+
+    decoded: Decoded     # the float frames and audio, still on the VAE's device
+    pixels: np.ndarray   # (F, H, W, 3) uint8 levels of the frames, on the CPU
+    audio: np.ndarray    # (channels, S) float32, on the CPU
+
+
+def decode_checked(decoder: VaeDecoder, latents: torch.Tensor, audio_latents: torch.Tensor,
+                   on_video: Progress, on_audio: Progress) -> Checked:
+    """The service's decode phase: the block, the checks and the uint8 conversion on the VAE's device,
+    then only the uint8 frames and the audio copied to the CPU."""
+    decoded = decoder.decode(latents, audio_latents, on_video=on_video, on_audio=on_audio)
+    validate(decoded.frames, decoded.audio)
+    return Checked(decoded=decoded, pixels=mux.to_uint8(decoded.frames), audio=decoded.audio.cpu().numpy())
+
+
+def summarize(checked: Checked, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
+    num_frames, height, width = checked.pixels.shape[:3]
+    summary = vae_pb2.DecodeSummary(
+        sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=num_frames / mux.FPS,
+        num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=checked.decoded.sample_rate,
+        audio_channels=checked.audio.shape[0])
+    if raw is not None:
+        summary.raw_sha256, summary.raw_bytes = hashlib.sha256(raw).hexdigest(), len(raw)
+    return summary
+
+
+def raw_archive(frames: np.ndarray, audio: np.ndarray, sample_rate: int) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, frames=frames, audio=audio, sample_rate=np.int64(sample_rate))
+    return buffer.getvalue()
+
+
+def phase_reporter(report: Report, phase: int) -> Callable[[int, int], None]:
+    """A (done, total) progress callback that reports DecodeProgress events of `phase`."""
+    return lambda done, total: report(vae_pb2.DecodeEvent(
+        progress=vae_pb2.DecodeProgress(phase=phase, done=done, total=total)))
+
+
+def unless_cancelled(report: Report, context) -> Report:
+    """`report`, raising ClientGone once the client has gone, so the decode stops at its next step."""
+    def checked(event: vae_pb2.DecodeEvent) -> None:
+        if not context.is_active():
+            raise ClientGone()
+        report(event)
+    return checked
+
+
+class VaeServicer(vae_pb2_grpc.VAEServicer):
+    def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
+        self.decoder = decoder
+        self.conditions = ConditionEncoder(decoder.vae, decoder.audio_vae)
+        self.media = MediaPreparer(config.geometry)
+        self.model = model
+        self.config = config
+        self.requests_served = 0
+        self._lock = threading.Lock()  # one decode at a time: the block is not re-entrant, and frames are large
+
+    def Decode(self, request_iterator, context):
+        try:
+            spec, tensors = wire.read_spec_stream(request_iterator, TENSORS)
+            plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
+        except (wire.WireError, InvalidLatents) as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if spec.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
+                          f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
+        output = yield from self._pumped(
+            spec.job_id, "decode", lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
+            context, InvalidOutput, grpc.StatusCode.FAILED_PRECONDITION)
+        if output is None:
+            return
+        yield from file_events("video.mp4", output.video)
+        if output.raw is not None:
+            yield from file_events("raw.npz", output.raw)
+        yield vae_pb2.DecodeEvent(summary=output.summary)
+
+    @staticmethod
+    def _pumped(job_id: str, what: str, work, context, refused: type[Exception], code: grpc.StatusCode):
+        """`work` through `pump`; None when the client left. `refused` errors end the RPC with `code`,
+        anything else with INTERNAL and the error's end."""
+        try:
+            return (yield from pump(work))
+        except ClientGone:
+            log.info("job %s: %s cancelled by the client", job_id, what)
+            return None
+        except refused as exc:
+            context.abort(code, str(exc))
+        except Exception as exc:
+            log.exception("job %s: %s failed", job_id, what)
+            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
+
+    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
+        with self._lock:
+            started = time.perf_counter()
+            checked = decode_checked(self.decoder, tensors["latents"], tensors["audio_latents"],
+                                     on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
+                                     on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO))
+            decoded_at = time.perf_counter()
+            sample_rate = checked.decoded.sample_rate
+            video = mux.encode_mp4(checked.pixels, checked.audio, sample_rate,
+                                   phase_reporter(report, vae_pb2.DECODE_PHASE_MUX))
+            muxed_at = time.perf_counter()
+            raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, sample_rate)
+                   if spec.include_raw else None)
+            self.requests_served += 1
+        summary = summarize(checked, video, raw)
+        summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
+        log.info("job %s: decoded %d frames of %dx%d in %.2f s, muxed %d bytes in %.2f s", spec.job_id,
+                 summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
+                 summary.mux_seconds)
+        return Output(video=video, raw=raw, summary=summary)
+
+    def EncodeConditions(self, request_iterator, context):
+        try:
+            spec, assets = read_media_stream(request_iterator)
+        except MediaError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        result = yield from self._pumped(
+            spec.job_id, "condition encode",
+            lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)),
+            context, MediaError, grpc.StatusCode.INVALID_ARGUMENT)
+        if result is None:
+            return
+        summary, tensors = result
+        for chunk in wire.encode_many(tensors):
+            yield vae_pb2.ConditionEvent(chunk=chunk)
+        yield vae_pb2.ConditionEvent(summary=summary)
+
+    def _encode_conditions(self, spec, assets, report: Report):
+        def progress(done: int, total: int) -> None:
+            report(vae_pb2.ConditionEvent(progress=vae_pb2.ConditionProgress(done=done, total=total)))
+
+        with self._lock:
+            started = time.perf_counter()
+            conditions = self.conditions.encode(self.media.prepare(spec, assets), progress)
+        summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started,
+                                           keyframe_anchors=conditions.keyframe_anchors,
+                                           references=conditions.references)
+        log.info("job %s: encoded %d conditions in %.2f s", spec.job_id, len(assets), summary.seconds)
+        return summary, conditions.tensors
+
+    def Info(self, request, context):
+        return vae_pb2.VaeInfo(model=self.model, requests_served=self.requests_served,
+                               max_raw_bytes=self.config.max_raw_bytes)
+
+
+def serve(config: ModelServiceConfig) -> None:
+    components, model = load_model_service("vae", COMPONENTS, config)
+    fastpath.apply(components["vae"], config.fast_path())
+    batch_tiles(components["vae"], config.tile_batch)
+    servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
+    run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
+               [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
+               tls=(config.tls_cert, config.tls_key))
