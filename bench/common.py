@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h3serve.v1 import common_pb2, dit_pb2
+
 
 @dataclass(frozen=True)
 class Size:
@@ -21,6 +23,13 @@ class Size:
 
     def __str__(self) -> str:
         return f"{self.height}x{self.width}x{self.frames}"
+
+
+def denoise_spec(size: Size, forwards: int) -> dit_pb2.DenoiseSpec:
+    """A t2va DiT request of `size` running `forwards` transformer forwards (N steps give N-1), seed 0."""
+    return dit_pb2.DenoiseSpec(height=size.height, width=size.width, num_frames=size.frames,
+                               workflow=common_pb2.WORKFLOW_T2VA,
+                               params=common_pb2.GenerationParams(num_inference_steps=forwards + 1, seed=0))
 
 
 def timed(fn, device: str) -> float:

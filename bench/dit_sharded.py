@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Size, software
+from bench.common import Size, denoise_spec, software
 from bench.dit_step import TEXT_TOKENS
 from bench.results import Record, add_output_arguments, update_results
 from h3serve.runtime import random_full
@@ -163,11 +163,10 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
 
 def job_message(size: Size, forwards: int, text_dim: int):
     from h3serve.services.dit.group import JOB, Message
-    from h3serve.services.dit.runner import DenoiseJob
 
     embeds = torch.randn(1, TEXT_TOKENS, text_dim, generator=torch.Generator().manual_seed(0))
     tensors = {"prompt_embeds": embeds, "text_token_tags": torch.ones(TEXT_TOKENS, dtype=torch.int64)}
-    return Message(JOB, DenoiseJob(size.height, size.width, size.frames, forwards + 1, seed=0), tensors)
+    return Message(JOB, denoise_spec(size, forwards), tensors)
 
 
 def layout_of(args: argparse.Namespace, split: str | None = None, fsdp: bool | None = None):
@@ -192,7 +191,7 @@ def timed_steps(run, device: torch.device, message, warm_message) -> tuple[float
 def measure(size: Size, args: argparse.Namespace, control, device: torch.device) -> Record:
     from h3serve.services.dit import parallel
     from h3serve.services.dit.group import GroupMember
-    from h3serve.services.dit.runner import DenoiseRunner
+    from h3serve.services.dit.runner import DenoiseRunner, served
 
     dtype = getattr(torch, args.dtype)
     parts = components(args, device, dtype)
@@ -203,12 +202,13 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
     message, warm = job_message(size, args.forwards, text_dim), job_message(size, 2, text_dim)
     baseline = 0.0
     if control.rank == 0:  # one GPU, whole model, the service's runner (= diffusers, bench/dit_step)
-        runner = DenoiseRunner(parts)
+        runner = DenoiseRunner(parts, served(["t2va"]))
         baseline, _ = timed_steps(lambda m, obs: runner.run(m.job, *m.tensors.values(), obs), device, message, warm)
     control.any(False)  # the other ranks wait here for the baseline
     layout = layout_of(args)
     parallel.parallelize(parts["transformer"], layout, device)
-    member = GroupMember(control, DenoiseRunner(parts), device, args.attention_backend, max_math_tokens=4096)
+    member = GroupMember(control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend,
+                         max_math_tokens=4096)
 
     def group_run(m, observe):
         outcome = member.run(m, observe, lambda: False)
@@ -232,15 +232,15 @@ def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]
     from h3serve.runtime.tiny import TRANSFORMER
     from h3serve.services.dit import parallel
     from h3serve.services.dit.group import GroupMember
-    from h3serve.services.dit.runner import DenoiseRunner
+    from h3serve.services.dit.runner import DenoiseRunner, served
 
     dtype, config = getattr(torch, args.dtype), TRANSFORMER if args.quick else MID_SIZE
     size = Size.parse(args.sizes if args.quick else "480x832x124")
     message = job_message(size, 2, config["text_dim"])
     reference = None
     if control.rank == 0:
-        reference = DenoiseRunner(components(args, device, dtype, config)).run(
-            message.job, *message.tensors.values(), lambda step, total: None)
+        reference = DenoiseRunner(components(args, device, dtype, config), served(["t2va"])).run(
+            message.spec, *message.tensors.values(), lambda step, total: None)
     rows = []
     for split in ("ulysses", "ring"):
         for fsdp in (False, True):
@@ -248,7 +248,8 @@ def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]
             parts = components(args, device, dtype, config)
             parallel.prepare_transformer(parts["transformer"], layout, FastPath(args.attention_backend), device,
                                          dtype)
-            member = GroupMember(control, DenoiseRunner(parts), device, args.attention_backend, 4096)
+            member = GroupMember(control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend,
+                                 4096)
             outcome = member.run(message, lambda step, total: None, lambda: False)
             row = {"variant": f"{layout.split}, {'FSDP2' if fsdp else 'replicated'}", "size": str(size),
                    "dtype": args.dtype, "backend": args.attention_backend}

@@ -30,13 +30,12 @@ import torch
 
 from bench import flops, profile
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
-from bench.common import Size, add_variant_arguments, device_label, software, timed
+from bench.common import Size, add_variant_arguments, denoise_spec, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.runtime import fastpath
-from h3serve.runtime import random_full
+from h3serve.runtime import fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.dit.attention import packed_length
-from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.services.dit.runner import DenoiseRunner, served
 
 TEXT_TOKENS = 256
 
@@ -72,19 +71,18 @@ class Workload:
         self.embeds = torch.randn(1, TEXT_TOKENS, transformer.config.text_dim,
                                   generator=torch.Generator().manual_seed(0)).to(device, transformer.dtype)
         self.tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)  # the layout is built on the CPU
-        self.baseline, self.ours = baseline_pipeline(parts), DenoiseRunner(parts)
-        self.job = DenoiseJob(size.height, size.width, size.frames, args.forwards + 1, seed=0)
-        self.flops = flops.dit_forward_flops(transformer, packed_length(TEXT_TOKENS, size.height, size.width,
-                                                                        size.frames))
+        self.baseline, self.ours = baseline_pipeline(parts), DenoiseRunner(parts, served(["t2va"]))
+        self.spec = denoise_spec(size, args.forwards)
+        self.flops = flops.dit_forward_flops(transformer, packed_length(TEXT_TOKENS, self.spec, {}))
 
     def run_baseline(self, steps: int | None = None) -> None:
         self.baseline(prompt_embeds=self.embeds, text_token_tags=self.tags, height=self.size.height,
                       width=self.size.width, num_frames=self.size.frames,
-                      num_inference_steps=steps or self.job.num_inference_steps,
+                      num_inference_steps=steps or self.spec.params.num_inference_steps,
                       generator=torch.Generator().manual_seed(0), output=["latents", "audio_latents"])
 
     def run_ours(self) -> None:
-        self.ours.run(self.job, self.embeds, self.tags, lambda step, total: None)
+        self.ours.run(self.spec, self.embeds, self.tags, lambda step, total: None)
 
     def seconds_per_step(self, fn) -> tuple[float, float]:
         """(median s/step, peak GiB) after one warm-up call (kernels, allocator, compile)."""

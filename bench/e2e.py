@@ -90,9 +90,9 @@ from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
+from h3serve.cli.reference import ReferenceRequest, reference_pipeline, run_pipeline
 from h3serve.common.config import DeployConfig, load_deploy
 from h3serve.runtime.models import ModelSource
-from h3serve.cli.reference import ReferenceRequest, reference_pipeline, run_pipeline
 from h3serve.services.vae.mux import encode_mp4
 
 PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
@@ -270,8 +270,7 @@ def refuse_early(config: DeployConfig, place: Placement, device: str) -> None:
     """What the DiT service would refuse at start (its layout, too few GPUs, an attention backend that cannot
     split the sequence this way), refused now with the service's reason, before anything
     loads; the probe runs the backend once on this process's first GPU."""
-    from h3serve.services.dit import attention
-    from h3serve.services.dit import launch
+    from h3serve.services.dit import attention, launch
 
     visible = torch.cuda.device_count() if device.startswith("cuda") else place.gpus
     if visible < place.gpus:
@@ -300,8 +299,8 @@ def dit_group(config: DeployConfig, place: Placement) -> str:
 
 
 def through_services(sizes: list[Size], args, device: str, work: Path, config_path: Path) -> dict[Size, Side]:
-    from h3serve.client import GatewayClient
     from h3serve.cli.launcher import ServiceGroup
+    from h3serve.client import GatewayClient
 
     config, place = load_deploy(config_path), placement(args, device)
     started = time.perf_counter()

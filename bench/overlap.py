@@ -19,10 +19,10 @@ from datetime import date
 from pathlib import Path
 
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.client import GatewayClient
-from h3serve.v1 import gateway_pb2
-from h3serve.common.config import load_deploy
 from h3serve.cli.launcher import ServiceGroup
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.v1 import gateway_pb2
 
 SERVICES = ("encoder", "dit", "vae", "gateway")
 

@@ -28,8 +28,7 @@ import torch
 from bench.accuracy import rel_l2, upcast_to_fp32
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.runtime import fastpath
-from h3serve.runtime import random_full
+from h3serve.runtime import fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
 from h3serve.services.vae.server import decode_checked

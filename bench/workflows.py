@@ -16,14 +16,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3serve.client import GatewayClient
-from h3serve.v1 import gateway_pb2
-from h3serve.common.config import ModelGeometry, load_deploy
-from h3serve.runtime.tiny import write_tiny_model
 from h3serve.cli.launcher import ServiceGroup
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.model.rules import Geometry
+from h3serve.runtime.tiny import write_tiny_model
+from h3serve.v1 import gateway_pb2
 from tests.media_files import image, mp4, wav
 
-GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 
 
 def _port() -> int:

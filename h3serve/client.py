@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 from h3serve.common.server import GRPC_OPTIONS
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 class GatewayClient:
@@ -63,7 +63,8 @@ def describe_event(event: gateway_pb2.JobEvent) -> str:
     value = getattr(event, kind)
     if kind == "accepted":
         r = value.request
-        return f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, {r.num_inference_steps} steps, seed {r.seed}"
+        return (f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
+                f"{r.params.num_inference_steps} steps, seed {r.params.seed}")
     if kind == "conditioning":
         return f"encoding keyframes / references {value.done}/{value.total}"
     if kind == "encoding":

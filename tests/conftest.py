@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from h3serve.common.config import load_deploy
 from h3serve.cli.launcher import ServiceGroup
+from h3serve.common.config import load_deploy
 
 
 def free_port() -> int:

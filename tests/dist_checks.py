@@ -17,17 +17,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from h3serve.v1 import common_pb2, media_pb2
-from h3serve.runtime.kernels import local as local_kernels
+from h3serve.model import workflows
 from h3serve.runtime.fastpath import FastPath
+from h3serve.runtime.kernels import local as local_kernels
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit import parallel
-from h3serve.services.dit import workflows as wf
 from h3serve.services.dit.group import JOB, ControlPlane, GroupMember, Message
-from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.services.dit.runner import DenoiseRunner
+from h3serve.v1 import common_pb2, dit_pb2, media_pb2
 
 CPU = torch.device("cpu")
-JOB_SPEC = DenoiseJob(height=32, width=64, num_frames=124, num_inference_steps=5, seed=3)
+T2VA = workflows.by_value(common_pb2.WORKFLOW_T2VA)
+JOB_SPEC = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124, workflow=common_pb2.WORKFLOW_T2VA,
+                               params=common_pb2.GenerationParams(num_inference_steps=5, seed=3))
 # packed length = text + 414 audio rows + 74 video rows: 10 tokens give an even length, 11 an odd one
 TEXT_TOKENS = (10, 11)
 VARIANTS = [parallel.Layout(2, 2, 1, False), parallel.Layout(2, 1, 2, False),
@@ -54,10 +56,10 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
 
 def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32,
                workflow: int = common_pb2.WORKFLOW_T2VA, fast: FastPath = FastPath("native")) -> GroupMember:
-    partition = wf.PARTITIONS[workflow]
-    parts = components(dtype, partition)
-    parallel.prepare_transformer(parts[partition], layout, fast, CPU, dtype)
-    return GroupMember(control, DenoiseRunner(parts, (workflow,)), CPU, "native", max_math_tokens=4096)
+    flow = workflows.by_value(workflow)
+    parts = components(dtype, flow.partition)
+    parallel.prepare_transformer(parts[flow.partition], layout, fast, CPU, dtype)
+    return GroupMember(control, DenoiseRunner(parts, [flow]), CPU, "native", max_math_tokens=4096)
 
 
 def cpu_kernel(q, k, v, softmax_scale=None, causal=False):
@@ -73,20 +75,20 @@ def slot_member(control: ControlPlane, layout: parallel.Layout) -> GroupMember:
     local_kernels.install(cpu_kernel)
     local_kernels.use(parts["transformer"])
     parallel.parallelize(parts["transformer"], layout, CPU)
-    return GroupMember(control, DenoiseRunner(parts), CPU, "native", max_math_tokens=4096)
+    return GroupMember(control, DenoiseRunner(parts, [T2VA]), CPU, "native", max_math_tokens=4096)
 
 
-def conditioned(workflow: int) -> tuple[DenoiseJob, wf.Conditioning]:
+def conditioned(workflow: int) -> tuple[dit_pb2.DenoiseSpec, dict]:
     """An fl2va (first keyframe) or ref2va (one image reference) request with random conditioning latents."""
-    latents = [torch.randn(1, 24, 1, 2, 4, generator=torch.Generator().manual_seed(workflow))]
+    spec = dit_pb2.DenoiseSpec()
+    spec.CopyFrom(JOB_SPEC)
+    spec.workflow = workflow
     if workflow == common_pb2.WORKFLOW_FL2VA:
-        inputs = {"keyframe_anchors": ("first",), "condition_latents": latents}
+        spec.keyframe_anchors.append("first")
     else:
-        image = wf.stand_in(media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_IMAGE))
-        inputs = {"normalized_references": [image], "condition_latents": latents, "audio_condition_latents": []}
-    job = DenoiseJob(JOB_SPEC.height, JOB_SPEC.width, JOB_SPEC.num_frames, JOB_SPEC.num_inference_steps,
-                     JOB_SPEC.seed, workflow)
-    return job, wf.Conditioning(inputs)
+        spec.references.add(kind=media_pb2.ASSET_KIND_IMAGE)
+    latents = {"condition_latents.0": torch.randn(1, 24, 1, 2, 4, generator=torch.Generator().manual_seed(workflow))}
+    return spec, workflows.by_value(workflow).denoise_inputs(spec, latents)
 
 
 def run(member: GroupMember, message: Message | None, stop_at: int = 0):
@@ -114,7 +116,7 @@ def main(out_path: str) -> None:
     report = {"latents": {}, "applied": {}}
     for tokens in TEXT_TOKENS:
         message = Message(JOB, JOB_SPEC, inputs(tokens)) if control.rank == 0 else None
-        reference = DenoiseRunner(components()).run(JOB_SPEC, *inputs(tokens).values(), lambda s, t: None)
+        reference = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(tokens).values(), lambda s, t: None)
         for layout in VARIANTS:
             member = member_for(control, layout)
             outcome = run(member, message)
@@ -125,7 +127,8 @@ def main(out_path: str) -> None:
     report["workflows"] = {}
     for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
         job, conditioning = conditioned(workflow)
-        reference = DenoiseRunner(components(partition=wf.PARTITIONS[workflow]), (workflow,)).run(
+        flow = workflows.by_value(workflow)
+        reference = DenoiseRunner(components(partition=flow.partition), [flow]).run(
             job, *inputs(11).values(), lambda s, t: None, conditioning)
         for layout in VARIANTS[:2]:
             message = Message(JOB, job, inputs(11), conditioning) if control.rank == 0 else None
@@ -134,7 +137,7 @@ def main(out_path: str) -> None:
             report["workflows"][name] = max_diff(outcome.latents, reference)
 
     message = Message(JOB, JOB_SPEC, inputs(11)) if control.rank == 0 else None
-    reference = DenoiseRunner(components()).run(JOB_SPEC, *inputs(11).values(), lambda s, t: None)
+    reference = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(11).values(), lambda s, t: None)
     report["local_kernel_slot"] = {layout.split + f" fsdp={layout.fsdp}": max_diff(
         run(slot_member(control, layout), message).latents, reference) for layout in (VARIANTS[0], VARIANTS[2])}
 
@@ -145,14 +148,14 @@ def main(out_path: str) -> None:
     # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
     message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None
     mixed = run(member_for(control, VARIANTS[2], torch.bfloat16), message)
-    reference = DenoiseRunner(components(torch.bfloat16)).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
+    reference = DenoiseRunner(components(torch.bfloat16), [T2VA]).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
     report["mixed_dtype_fsdp"] = max_diff(mixed.latents, reference)
 
     member = member_for(control, VARIANTS[0])
     cancelled = run(member, message, stop_at=2)
     after = run(member, message)
     report["cancel"] = {"cancelled": cancelled.cancelled, "steps": [r.steps_served for r in cancelled.ranks],
-                        "next_matches": max_diff(after.latents, DenoiseRunner(components()).run(
+                        "next_matches": max_diff(after.latents, DenoiseRunner(components(), [T2VA]).run(
                             JOB_SPEC, *inputs(10).values(), lambda s, t: None)),
                         "steps_after": [r.steps_served for r in after.ranks]}
     if control.rank == 0:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from media_files import audio, image, mp4
 
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits, AssetRefused, inspect, sniff
-from h3serve.gateway.admission.media import conditioning_rows, image_reference_canvas
-from h3serve.gateway.admission.request import canvas_for_aspect
+from h3serve.model import rules, workflows
+from h3serve.model.rules import Geometry
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
-from media_files import audio, image, mp4
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
 
@@ -87,7 +87,10 @@ def test_an_upload_is_stored_under_its_sha256(tmp_path):
     path = audio(tmp_path / "a.wav", 0.5)
     store, asset = _upload(tmp_path, path, AssetLimits())
     assert asset.asset_id == hashlib.sha256(path.read_bytes()).hexdigest() and not asset.deduplicated
-    assert b"".join(store.chunks(asset.asset_id)) == path.read_bytes()
+    async def read():
+        return b"".join([data async for data in store.read(asset.asset_id, chunk_bytes=1000)])
+
+    assert asyncio.run(read()) == path.read_bytes()
     assert store.get(asset.asset_id) == asset
     assert store.get("../../etc/passwd") is None
 
@@ -105,6 +108,10 @@ def _rows(request: gateway_pb2.ResolvedRequest, *assets: gateway_pb2.Asset):
     return conditioning_rows(request, {a.asset_id: a for a in assets})
 
 
+def conditioning_rows(request: gateway_pb2.ResolvedRequest, assets: dict):
+    return workflows.by_value(request.workflow).condition_rows(request, assets.get, Geometry())
+
+
 def test_rows_match_the_released_geometry_examples_of_the_brief():
     ref2va = dict(workflow=common_pb2.WORKFLOW_REF2VA, height=768, width=1344, num_frames=124)
     # A 40x30 image reference is upscaled to 2720x2048: 5,440 rows.
@@ -118,31 +125,9 @@ def test_rows_match_the_released_geometry_examples_of_the_brief():
                  _asset(VIDEO, width=1920, height=1080, num_frames=124, fps=24.0, has_audio=True, sample_rate=32000,
                         audio_samples=165600, duration_s=5.2),
                  _asset(AUDIO, has_audio=True, sample_rate=32000, audio_samples=96000, duration_s=3.0))
-    assert (rows.condition_video, rows.condition_audio, 100 + rows.total) == (44592, 654, 83056)
+    generated = rules.generated_rows(768, 1344, 124)
+    assert (rows.condition_video, rows.condition_audio, 100 + rows.total + generated.total) == (44592, 654, 83056)
     # fl2va with both keyframes at 768x1344: 1008 rows each.
     fl2va = gateway_pb2.ResolvedRequest(workflow=common_pb2.WORKFLOW_FL2VA, height=768, width=1344, num_frames=124,
                                         first_frame="a", last_frame="b")
     assert conditioning_rows(fl2va, {}).condition_video == 2016
-
-
-@pytest.mark.parametrize("short_edge,max_pixels", [(768, 768 * 1344), (32, 2048), (480, 480 * 832)])
-def test_canvas_rule_matches_diffusers(short_edge, max_pixels):
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
-
-    for width in range(30, 400, 7):
-        for height in (width // 4 + 1, width // 2, width, 2 * width, 4 * width - 1):
-            assert canvas_for_aspect(width, height, short_edge, max_pixels) == \
-                resolve_canvas_size(width, height, 32, short_edge, max_pixels), (width, height)
-
-
-def test_image_reference_canvas_matches_diffusers_setup_block(tmp_path):
-    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference
-    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
-    from PIL import Image
-
-    pipe = MiniMaxH3Ref2VASetupStep().init_pipeline()
-    pipe.update_components(reference_image_short_edge=96)
-    for width, height in ((40, 30), (30, 40), (100, 27), (33, 33), (1920, 1080)):
-        out = pipe(references=[MiniMaxH3ImageReference(image=Image.new("RGB", (width, height)))], height=32,
-                   width=64, num_frames=124, output="normalized_references")
-        assert out[0].image.size[::-1] == image_reference_canvas(width, height, 96), (width, height)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity
-from h3serve.gateway.admission.media import resolve_media
-from h3serve.gateway.admission.request import InvalidRequest, RequestLimits, resolve
+from h3serve.gateway.admission.request import RequestLimits, resolve
+from h3serve.model.rules import InvalidRequest
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
-from h3serve.common.config import ModelGeometry
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
 ASSETS = {
@@ -24,8 +23,7 @@ ASSETS = {
 
 def _resolve(**fields) -> gateway_pb2.ResolvedRequest:
     fields.setdefault("prompt", "a scene")
-    request = gateway_pb2.GenerateRequest(**fields)
-    return resolve_media(request, resolve(request, RequestLimits()), ASSETS.get, ModelGeometry())
+    return resolve(gateway_pb2.GenerateRequest(**fields), RequestLimits(), ASSETS.get)
 
 
 def _refs(*names: str) -> list[gateway_pb2.ReferenceInput]:
@@ -55,11 +53,11 @@ REFUSALS = [
     ("first_frame", dict(first_frame="voice"), "asset 'voice' holds audio; keyframes are images"),
     ("first_frame", dict(first_frame="strip"), "aspect ratio must be within 1:4 and 4:1, got 500x100"),
     ("references", dict(workflow=common_pb2.WORKFLOW_FL2VA, first_frame="wide", references=_refs("wide")),
-     "fl2va takes keyframes (first_frame, last_frame), not references"),
+     "ref2va media; a fl2va request takes first_frame, last_frame"),
     ("last_frame", dict(workflow=common_pb2.WORKFLOW_REF2VA, last_frame="wide", references=_refs("wide")),
-     "ref2va takes references, not keyframes"),
+     "fl2va media; a ref2va request takes references"),
     ("first_frame", dict(workflow=common_pb2.WORKFLOW_T2VA, first_frame="wide"),
-     "t2va takes no keyframes or references"),
+     "fl2va media; a t2va request takes no media"),
     ("references", dict(references=_refs("voice")), "audio references need at least one image or video reference"),
     ("references[3]", dict(references=_refs("clip", "clip", "clip", "clip")),
      "a 4th video reference; at most 3 video references"),

@@ -18,16 +18,16 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import free_port, write_config
-from h3serve.client import GatewayClient
-from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
-from h3serve.runtime import wire
-from h3serve.common.config import load_deploy
-from h3serve.runtime.models import ModelSource
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.runtime import wire
+from h3serve.runtime.models import ModelSource
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
 
 pytestmark = pytest.mark.distributed
 PROMPT = "two foxes share a sandwich"

@@ -7,20 +7,19 @@ import contextlib
 import grpc
 import pytest
 import torch
+from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import free_port
-from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
-from h3serve.runtime import fastpath
-from h3serve.runtime import wire
 from h3serve.common.config import DiTConfig
 from h3serve.common.server import start_server
+from h3serve.runtime import fastpath, wire
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit import attention
 from h3serve.services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
 from h3serve.services.dit.parallel import Layout
-from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner
+from h3serve.services.dit.runner import DenoiseRunner, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
 
 CPU = torch.device("cpu")
 
@@ -119,9 +118,11 @@ def test_packed_length_is_the_transformers_sequence_length(height, width, frames
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["token_tags"].shape[0]), with_kwargs=True)
     parts = {"transformer": transformer, **{n: build_component(n) for n in ("scheduler", "audio_scheduler")}}
-    DenoiseRunner(parts).run(DenoiseJob(height, width, frames, 2, 0), torch.zeros(1, 9, 32),
-                             torch.ones(9, dtype=torch.int64), lambda step, total: None)
-    assert seen == [attention.packed_length(9, height, width, frames)]
+    spec = dit_pb2.DenoiseSpec(height=height, width=width, num_frames=frames,
+                               params=common_pb2.GenerationParams(num_inference_steps=2, seed=0))
+    DenoiseRunner(parts, served(["t2va"])).run(spec, torch.zeros(1, 9, 32), torch.ones(9, dtype=torch.int64),
+                                               lambda step, total: None)
+    assert seen == [attention.packed_length(9, spec, {})]
 
 
 def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailable_with_the_reason():

@@ -8,13 +8,13 @@ import grpc
 import pytest
 import torch
 
-from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from h3serve.runtime import wire
 from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
 from h3serve.services.encoder.cache import ByteLRU
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
 from h3serve.services.encoder.server import EncoderServicer
+from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 
 def test_eviction_keeps_the_byte_bound_in_lru_order():
@@ -76,7 +76,7 @@ def test_eviction_in_the_service_respects_its_byte_bound(encoder):
     assert info.cache_evictions > 0
 
 
-@pytest.mark.parametrize("prompt,needle", [("", "must not be empty"), ("x" * 101, "at most 100")])
+@pytest.mark.parametrize("prompt,needle", [("", "must not be blank"), ("x" * 101, "at most 100")])
 def test_bad_prompts_are_refused(encoder, prompt, needle):
     with pytest.raises(grpc.RpcError) as err:
         encode(encoder, prompt)

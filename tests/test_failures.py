@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import free_port, write_config
 from safetensors.torch import load_file, save_file
 
-from conftest import free_port, write_config
-from h3serve.client import GatewayClient
-from h3serve.v1 import gateway_pb2
-from h3serve.common.config import load_deploy
 from h3serve.cli.launcher import ServiceGroup, is_answering, is_serving
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.v1 import gateway_pb2
 
 SMALL = dict(prompt="a kite over a beach", height=32, width=64, num_inference_steps=8, seed=11)
 

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from h3serve.runtime import fastpath
 from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime import fastpath
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
 

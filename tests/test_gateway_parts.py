@@ -9,18 +9,24 @@ import os
 import grpc
 import pytest
 
+from h3serve.common.config import GatewayConfig
 from h3serve.gateway.jobs.artifacts import ArtifactStore
-from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.jobs.retention import Retention
+from h3serve.gateway.jobs.runner import all_of
+from h3serve.gateway.jobs.sqlite import SqliteJobStore
+from h3serve.gateway.jobs.store import QueueFull, RequestIdConflict
+from h3serve.gateway.metrics import GatewayMetrics
+from h3serve.gateway.stages import STAGE_NAMES
+from h3serve.gateway.stages.calls import CallRecord, StageCaller
 from h3serve.gateway.stages.queue import StageQueue
-from h3serve.gateway.stages.calls import CallRecord, StageClients
-from h3serve.gateway.jobs.store import JobStore, QueueFull, RequestIdConflict
+from h3serve.gateway.stages.stage import JobContext
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
 from h3serve.v1 import encoder_pb2_grpc, gateway_pb2
-from h3serve.common.config import GatewayConfig
 
 S = gateway_pb2
-REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8, seed=1)
+REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124)
+DONE = S.JobEvent(done=S.Done())
+FAILED = S.JobEvent(failed=S.Failed(code_name="INTERNAL", message="test"))
 
 
 def run(coro):
@@ -137,111 +143,150 @@ async def _encode_against(code: grpc.StatusCode):
         await server.start()
         servers.append(server)
         servicers.append(servicer)
-    metrics = GatewayMetrics()
-    stages = StageClients(GatewayConfig(encoder=addresses, retry_attempts=3, retry_backoff_s=0.01), metrics)
+    metrics = GatewayMetrics(STAGE_NAMES)
+    caller = StageCaller(GatewayConfig(encoder=addresses, retry_attempts=3, retry_backoff_s=0.01), metrics)
     record = CallRecord()
+
+    async def emit(**event):
+        raise AssertionError("a failed encode tells the job nothing")
+
+    job = JobContext("job", REQUEST, [], read_asset=None, emit=emit)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stages.encode("job", "a fox", Watchdog({}), record)
+            await caller.run(caller.stages["encoder"], job, record, Watchdog({}))
+        stats = [r.info("encoder") for r in caller.replicas["encoder"].replicas]
     finally:
-        await stages.close()
+        await caller.close()
         for server in servers:
             await server.stop(None)
     retries = metrics.registry.get_sample_value("h3serve_stage_retries_total", {"stage": "encoder"})
-    return err.value.code(), [s.calls for s in servicers], record, retries, addresses
+    return err.value.code(), [s.calls for s in servicers], record, retries, addresses, stats
 
 
 def test_invalid_argument_is_never_retried():
-    code, calls, record, retries, _ = run(_encode_against(grpc.StatusCode.INVALID_ARGUMENT))
+    code, calls, record, retries, _, stats = run(_encode_against(grpc.StatusCode.INVALID_ARGUMENT))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and sum(calls) == 1 and record.tries == 1 and retries == 0
+    failed = [s for s in stats if s.calls]
+    assert len(failed) == 1 and failed[0].healthy and failed[0].failures == 1, "a bad request is not the replica's fault"
+    assert failed[0].last_error == "INVALID_ARGUMENT: refused by a test replica (INVALID_ARGUMENT)"
 
 
 def test_unavailable_is_retried_on_the_other_replica():
-    code, calls, record, retries, addresses = run(_encode_against(grpc.StatusCode.UNAVAILABLE))
+    code, calls, record, retries, addresses, stats = run(_encode_against(grpc.StatusCode.UNAVAILABLE))
     assert code == grpc.StatusCode.UNAVAILABLE and calls == [2, 1]
     assert record.tries == 3 and record.replica == addresses[0] and retries == 2
+    assert [(s.calls, s.failures, s.healthy) for s in stats] == [(2, 2, False), (1, 1, False)]
+
+
+def test_a_replica_keeps_call_counters_per_stage_and_clears_its_error_when_a_call_succeeds():
+    """The VAE replicas serve decode and vae-encode: Info shows each stage's own calls on them."""
+    from h3serve.gateway.stages.replicas import Replica
+
+    replica = Replica("vae:1", channel=None)
+    replica.stats["vae"].calls, replica.stats["vae-encode"].calls = 3, 1
+    replica.failed("vae-encode", "UNAVAILABLE: restarting", down=True)
+    assert (replica.info("vae").calls, replica.info("vae-encode").calls, replica.calls) == (3, 1, 4)
+    assert (replica.info("vae").last_error, replica.info("vae-encode").last_error) == ("", "UNAVAILABLE: restarting")
+    assert not replica.info("vae").healthy
+    replica.succeeded("vae-encode")
+    assert replica.info("vae-encode").last_error == "" and replica.info("vae-encode").healthy
+    replica.health_error, replica.healthy = "health: NOT_SERVING", False
+    assert replica.info("vae").last_error == "health: NOT_SERVING", "while down, the probe says why"
 
 
 # The store: submission rules and listings.
 
-@pytest.fixture
-def store(tmp_path):
-    store = JobStore(str(tmp_path / "jobs.sqlite"))
-    yield store
-    store.close()
+def store_scenario(tmp_path, scenario):
+    async def go():
+        store = SqliteJobStore(str(tmp_path / "jobs.sqlite"))
+        try:
+            await scenario(store)
+        finally:
+            await store.close()
+    run(go())
 
 
-def test_submit_is_idempotent_and_bounded(store):
-    accepted = S.JobEvent(accepted=S.Accepted(request=REQUEST))
-    job, created = store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2, first_event=accepted)
-    assert created and job.state == S.JOB_STATE_QUEUED and job.request_id == "rid" and job.last_event_seq == 1
-    again, created = store.submit("j2", REQUEST, "rid", "digest-1", max_unfinished=2)
-    assert not created and again.job_id == "j1"
-    with pytest.raises(RequestIdConflict, match="already names job j1"):
-        store.submit("j3", REQUEST, "rid", "digest-2", max_unfinished=2)
-    store.submit("j4", REQUEST, max_unfinished=2)
-    with pytest.raises(QueueFull) as err:
-        store.submit("j5", REQUEST, max_unfinished=2)
-    assert (err.value.depth, err.value.bound) == (2, 2)
-    assert store.get_job("j5") is None and store.get_job("j3") is None, "a refusal writes nothing"
-    assert store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2)[0].job_id == "j1", \
-        "a retried submit is answered even when the queue is full"
-    store.set_state("j4", S.JOB_STATE_SUCCEEDED)
-    assert store.submit("j5", REQUEST, max_unfinished=2)[1]
+def test_submit_is_idempotent_and_bounded(tmp_path):
+    async def scenario(store):
+        accepted = S.JobEvent(accepted=S.Accepted(request=REQUEST))
+        job, created = await store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2, first_event=accepted)
+        assert created and job.state == S.JOB_STATE_QUEUED and job.request_id == "rid" and job.last_event_seq == 1
+        again, created = await store.submit("j2", REQUEST, "rid", "digest-1", max_unfinished=2)
+        assert not created and again.job_id == "j1"
+        with pytest.raises(RequestIdConflict, match="already names job j1"):
+            await store.submit("j3", REQUEST, "rid", "digest-2", max_unfinished=2)
+        await store.submit("j4", REQUEST, max_unfinished=2)
+        with pytest.raises(QueueFull) as err:
+            await store.submit("j5", REQUEST, max_unfinished=2)
+        assert (err.value.depth, err.value.bound) == (2, 2)
+        assert await store.get_job("j5") is None and await store.get_job("j3") is None, "a refusal writes nothing"
+        assert (await store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2))[0].job_id == "j1", \
+            "a retried submit is answered even when the queue is full"
+        await store.finish("j4", S.JOB_STATE_SUCCEEDED, DONE)
+        assert (await store.submit("j5", REQUEST, max_unfinished=2))[1]
+
+    store_scenario(tmp_path, scenario)
 
 
-def test_list_jobs_pages_newest_first(store):
-    for i in range(5):
-        store.create_job(f"j{i}", REQUEST)
-    store.set_state("j1", S.JOB_STATE_FAILED)
-    store.set_state("j3", S.JOB_STATE_FAILED)
-    first, token = store.list_jobs([], 2)
-    second, token2 = store.list_jobs([], 2, token)
-    third, token3 = store.list_jobs([], 2, token2)
-    assert [[j.job_id for j in page] for page in (first, second, third)] == [["j4", "j3"], ["j2", "j1"], ["j0"]]
-    assert token3 == 0
-    failed, _ = store.list_jobs([S.JOB_STATE_FAILED], 10)
-    assert [j.job_id for j in failed] == ["j3", "j1"]
-    assert store.count_by_state() == {S.JOB_STATE_QUEUED: 3, S.JOB_STATE_FAILED: 2}
+def test_list_jobs_pages_newest_first(tmp_path):
+    async def scenario(store):
+        for i in range(5):
+            await store.submit(f"j{i}", REQUEST)
+        await store.finish("j1", S.JOB_STATE_FAILED, FAILED)
+        await store.finish("j3", S.JOB_STATE_FAILED, FAILED)
+        first, token = await store.list_jobs([], 2)
+        second, token2 = await store.list_jobs([], 2, token)
+        third, token3 = await store.list_jobs([], 2, token2)
+        assert [[j.job_id for j in page] for page in (first, second, third)] == [["j4", "j3"], ["j2", "j1"], ["j0"]]
+        assert token3 == 0
+        failed, _ = await store.list_jobs([S.JOB_STATE_FAILED], 10)
+        assert [j.job_id for j in failed] == ["j3", "j1"]
+        assert await store.count_by_state() == {S.JOB_STATE_QUEUED: 3, S.JOB_STATE_FAILED: 2}
+
+    store_scenario(tmp_path, scenario)
 
 
-def test_stage_records_are_returned_in_order(store):
-    store.create_job("j", REQUEST)
-    first = store.stage_enqueued("j", 1, "encoder")
-    store.stage_update(first, started=10.0, finished=11.0, replica="h:1", bytes_in=5, bytes_out=700, tries=1)
-    second = store.stage_enqueued("j", 1, "dit")
-    store.stage_update(second, started=12.0, replica="h:2", tries=2, error="UNAVAILABLE: gone")
-    records = store.get_job("j").stage_records
-    assert [(r.stage, r.started, r.finished, r.replica, r.bytes_in, r.bytes_out, r.tries, r.error)
-            for r in records] == [("encoder", 10.0, 11.0, "h:1", 5, 700, 1, ""),
-                                  ("dit", 12.0, 0.0, "h:2", 0, 0, 2, "UNAVAILABLE: gone")]
-    with pytest.raises(ValueError, match="unknown stage record column"):
-        store.stage_update(first, job_id="other")
+def test_stage_records_are_returned_in_order(tmp_path):
+    async def scenario(store):
+        await store.submit("j", REQUEST)
+        first = await store.stage_enqueued("j", 1, "encoder")
+        await store.stage_update(first, started=10.0, finished=11.0, replica="h:1", bytes_in=5, bytes_out=700, tries=1)
+        second = await store.stage_enqueued("j", 1, "dit")
+        await store.stage_update(second, started=12.0, replica="h:2", tries=2, error="UNAVAILABLE: gone")
+        records = (await store.get_job("j")).stage_records
+        assert [(r.stage, r.started, r.finished, r.replica, r.bytes_in, r.bytes_out, r.tries, r.error)
+                for r in records] == [("encoder", 10.0, 11.0, "h:1", 5, 700, 1, ""),
+                                      ("dit", 12.0, 0.0, "h:2", 0, 0, 2, "UNAVAILABLE: gone")]
+        with pytest.raises(ValueError, match="unknown stage record column"):
+            await store.stage_update(first, job_id="other")
+
+    store_scenario(tmp_path, scenario)
 
 
 # Artifact retention.
 
-def test_retention_removes_old_then_oldest_beyond_the_byte_cap(store, tmp_path):
-    artifacts = ArtifactStore(str(tmp_path / "artifacts"))
-    paths = {}
-    for job_id, size in (("old", 100), ("mid", 300), ("new", 300)):
-        store.create_job(job_id, REQUEST)
-        artifact, paths[job_id] = artifacts.save(job_id, "video", os.urandom(size))
-        store.add_artifact(job_id, "video", artifact, paths[job_id])
-    created = {row[0]: row[3] for row in store.artifacts_oldest_first()}
-    now = created["new-video"]
-    assert Retention(store).enforce(now) == [], "no policy: keep everything"
-    assert Retention(store, max_age_s=now - created["old-video"] - 1e-6).enforce(now) == ["old-video"]
-    assert Retention(store, max_bytes=400).enforce(now) == ["mid-video"]
-    assert [row[0] for row in store.artifacts_oldest_first()] == ["new-video"]
-    assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
-    assert store.artifact("mid-video") is None and [a.artifact_id for a in store.get_job("new").artifacts] == [
-        "new-video"]
+def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
+    async def scenario(store):
+        artifacts = ArtifactStore(str(tmp_path / "artifacts"))
+        paths = {}
+        for job_id, size in (("old", 100), ("mid", 300), ("new", 300)):
+            await store.submit(job_id, REQUEST)
+            artifact, paths[job_id] = artifacts.save(job_id, "video", os.urandom(size))
+            await store.add_artifact(job_id, "video", artifact, paths[job_id])
+        created = {a.artifact_id: a.created for a in await store.artifacts_oldest_first()}
+        now = created["new-video"]
+        assert await Retention(store).enforce(now) == [], "no policy: keep everything"
+        assert await Retention(store, max_age_s=now - created["old-video"] - 1e-6).enforce(now) == ["old-video"]
+        assert await Retention(store, max_bytes=400).enforce(now) == ["mid-video"]
+        assert [a.artifact_id for a in await store.artifacts_oldest_first()] == ["new-video"]
+        assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
+        assert await store.artifact("mid-video") is None
+        assert [a.artifact_id for a in (await store.get_job("new")).artifacts] == ["new-video"]
+
+    store_scenario(tmp_path, scenario)
 
 
-def test_a_failed_half_of_the_media_encode_cancels_the_other():
-    from h3serve.gateway.stages.media import _both
-
+def test_a_failed_stage_of_a_step_cancels_the_others():
     async def scenario():
         cancelled = asyncio.Event()
 
@@ -250,8 +295,8 @@ def test_a_failed_half_of_the_media_encode_cancels_the_other():
             raise Stuck("encode", 1.0)
 
         with pytest.raises(Stuck):
-            await _both(wait_forever(cancelled), failing())
+            await all_of(wait_forever(cancelled), failing())
         assert cancelled.is_set()
-        assert await _both(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
+        assert await all_of(asyncio.sleep(0, "a"), asyncio.sleep(0, "b")) == ["a", "b"]
 
     run(scenario())

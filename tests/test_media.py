@@ -12,17 +12,18 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-
 from conftest import free_port, write_config
-from h3serve.client import GatewayClient
-from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
 from media_files import image, mp4, wav
-from h3serve.common.config import ModelGeometry, load_deploy
-from h3serve.runtime.models import ModelSource
+
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.model.rules import Geometry
+from h3serve.runtime.models import ModelSource
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
 
-GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 LIMITS = dict(max_audio_seconds=4.5, max_rows=1000)
 STEPS, SEED = 4, 11
 
@@ -275,7 +276,7 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
 
     dit = _stub(media_stack, "dit", dit_pb2_grpc, "DiT")
     fl2va = dit_pb2.DenoiseSpec(workflow=common_pb2.WORKFLOW_FL2VA, height=32, width=64, num_frames=124,
-                                num_inference_steps=2, keyframe_anchors=["first"])
+                                params=common_pb2.GenerationParams(num_inference_steps=2), keyframe_anchors=["first"])
     with pytest.raises(grpc.RpcError) as err:
         list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=fl2va)])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from conftest import free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import free_port, write_config
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
-from h3serve.common.config import load_deploy
 from h3serve.cli.launcher import ServiceGroup, is_answering
+from h3serve.common.config import load_deploy
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.gateway
 S = gateway_pb2

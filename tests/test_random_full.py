@@ -7,9 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from h3serve.runtime import random_full
-
-from h3serve.runtime import tiny
+from h3serve.runtime import random_full, tiny
 from h3serve.runtime.models import ModelSource
 
 MODELS = ["transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"]

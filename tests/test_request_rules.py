@@ -1,23 +1,17 @@
-"""The gateway's model-free request rules, checked value by value against diffusers' MiniMax-H3 pipeline."""
+"""Request resolution at the gateway: every field of a t2va request, each refusal naming its field; the rules
+themselves are pinned to diffusers in test_model_rules.py."""
 
 import pytest
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MiniMaxH3ModularPipeline,
     align_num_frames,
     resolve_canvas_size,
-    video_latent_num_frames,
 )
 
-from h3serve.gateway.admission.request import (
-    VALID_NUM_FRAMES,
-    InvalidRequest,
-    RequestLimits,
-    canvas_for_aspect,
-    latent_frames,
-    resolve,
-)
-from h3serve.v1 import common_pb2, gateway_pb2
 from h3serve.common.config import GatewayConfig
+from h3serve.gateway.admission.request import RequestLimits, resolve
+from h3serve.model.rules import VALID_NUM_FRAMES, Geometry, InvalidRequest
+from h3serve.v1 import common_pb2, gateway_pb2
 
 LIMITS = RequestLimits()
 
@@ -66,10 +60,6 @@ def test_every_frame_count(num_frames):
         assert "124, 141, 158, 175, 192, 209, 226, 243, 260, 277, 294, 311, 328, 345" in message
 
 
-def test_accepted_frames_equal_diffusers():
-    assert set(VALID_NUM_FRAMES) == {f for f in range(1, 401) if _diffusers_accepts(f)}
-
-
 def test_refusal_says_where_a_count_rounds():
     assert _refused("num_frames", num_frames=120).endswith("; 120 rounds up to 124")
     assert _refused("num_frames", num_frames=330).endswith("; 330 rounds up to 345")
@@ -78,14 +68,6 @@ def test_refusal_says_where_a_count_rounds():
 
 def test_default_frames():
     assert _resolve().num_frames == 124
-
-
-def test_latent_frames_match_diffusers():
-    for num_frames in VALID_NUM_FRAMES:
-        assert latent_frames(num_frames) == video_latent_num_frames(num_frames, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK)
-    assert latent_frames(124) == 37
-    with pytest.raises(ValueError):
-        latent_frames(125)
 
 
 # Seconds.
@@ -122,9 +104,12 @@ def test_default_canvas_equals_diffusers():
     assert (request.height, request.width) == expected
 
 
-@pytest.mark.parametrize("aspect", [(16, 9), (9, 16), (1, 1), (4, 3), (3, 4), (21, 9), (4, 1), (1, 4), (7, 5)])
-def test_canvas_port_equals_diffusers(aspect):
-    assert canvas_for_aspect(*aspect) == resolve_canvas_size(*aspect, 32, 768, 1032192)
+def test_a_deployment_geometry_sets_the_default_canvas_and_the_area_bound():
+    tiny = RequestLimits(geometry=Geometry(canvas_short_edge=64, canvas_max_pixels=64 * 128))
+    request = resolve(gateway_pb2.GenerateRequest(prompt="a fox"), tiny)
+    assert (request.height, request.width) == resolve_canvas_size(16, 9, 32, 64, 64 * 128) == (64, 128)
+    with pytest.raises(InvalidRequest, match="^height: height\\*width must be at most 8,192 pixels"):
+        resolve(gateway_pb2.GenerateRequest(prompt="a fox", height=96, width=128), tiny)
 
 
 @pytest.mark.parametrize("height,width", [(768, 1344), (1344, 768), (32, 128), (256, 64), (992, 1024),
@@ -158,9 +143,9 @@ def test_canvas_area():
 # Steps.
 
 def test_steps():
-    assert _resolve().num_inference_steps == 50
-    assert _resolve(num_inference_steps=2).num_inference_steps == 2
-    assert _resolve(num_inference_steps=200).num_inference_steps == 200
+    assert _resolve().params.num_inference_steps == 50
+    assert _resolve(params=common_pb2.GenerationParams(num_inference_steps=2)).params.num_inference_steps == 2
+    assert _resolve(num_inference_steps=200).params.num_inference_steps == 200
     assert "N-1 denoise steps" in _refused("num_inference_steps", num_inference_steps=1)
     _refused("num_inference_steps", num_inference_steps=201)
     _refused("num_inference_steps", num_inference_steps=-3)
@@ -168,7 +153,7 @@ def test_steps():
 
 def test_limits_from_config():
     limits = RequestLimits.from_config(GatewayConfig(max_prompt_chars=10, max_steps=8, default_steps=4))
-    assert limits == RequestLimits(max_prompt_chars=10, max_steps=8, default_steps=4)
+    assert limits == RequestLimits(max_prompt_chars=10, max_steps=8, default_steps=4, geometry=Geometry())
     with pytest.raises(InvalidRequest, match="num_inference_steps"):
         resolve(gateway_pb2.GenerateRequest(prompt="a", num_inference_steps=9), limits)
     with pytest.raises(ValueError):
@@ -188,25 +173,34 @@ def test_prompt():
 def test_workflow():
     assert _resolve().workflow == common_pb2.WORKFLOW_T2VA
     assert _resolve(workflow=common_pb2.WORKFLOW_T2VA).workflow == common_pb2.WORKFLOW_T2VA
-    for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
-        assert _resolve(workflow=workflow).workflow == workflow
-    # Unspecified: what the media imply, as diffusers' Auto blocks choose.
-    assert _resolve(first_frame="a").workflow == common_pb2.WORKFLOW_FL2VA
-    assert _resolve(last_frame="a").workflow == common_pb2.WORKFLOW_FL2VA
-    assert _resolve(references=[gateway_pb2.ReferenceInput(asset_id="a")]).workflow == common_pb2.WORKFLOW_REF2VA
-    assert "unknown value 7" in _refused("workflow", workflow=7)
+    assert "unknown value 7; one of T2VA, FL2VA, REF2VA" in _refused("workflow", workflow=7)
+    assert "fl2va needs a first_frame" in _refused("first_frame", workflow=common_pb2.WORKFLOW_FL2VA)
+    assert "ref2va needs at least one reference" in _refused("references", workflow=common_pb2.WORKFLOW_REF2VA)
 
 
 def test_seed():
-    assert _resolve(seed=1234).seed == 1234
-    assert _resolve(seed=0).seed == 0
-    drawn = {_resolve().seed for _ in range(2)}
+    assert _resolve(seed=1234).params.seed == 1234
+    assert _resolve(params=common_pb2.GenerationParams(seed=0)).params.seed == 0
+    drawn = {_resolve().params.seed for _ in range(2)}
     assert len(drawn) == 2
     assert all(0 <= seed < 2**63 for seed in drawn)
 
 
 def test_full_resolution():
-    request = _resolve(height=512, width=896, num_frames=141, num_inference_steps=8, seed=7, include_raw=True)
+    params = common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
+    request = _resolve(height=512, width=896, num_frames=141, params=params)
+    # The deprecated top-level copies are kept filled for clients from before params.
     assert request == gateway_pb2.ResolvedRequest(prompt="a fox", height=512, width=896, num_frames=141,
-                                                  num_inference_steps=8, seed=7, include_raw=True,
+                                                  params=params, num_inference_steps=8, seed=7, include_raw=True,
                                                   workflow=common_pb2.WORKFLOW_T2VA)
+
+
+def test_the_deprecated_top_level_options_fold_into_params():
+    legacy = _resolve(num_inference_steps=8, seed=7, include_raw=True)
+    assert legacy.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
+    agreeing = _resolve(num_inference_steps=8, params=common_pb2.GenerationParams(num_inference_steps=8, seed=3))
+    assert (agreeing.params.num_inference_steps, agreeing.params.seed) == (8, 3)
+    message = _refused("num_inference_steps", num_inference_steps=8,
+                       params=common_pb2.GenerationParams(num_inference_steps=9))
+    assert message == "num_inference_steps: set at the top level (8) and in params (9); set params.num_inference_steps only"
+    _refused("seed", seed=1, params=common_pb2.GenerationParams(seed=2))

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import free_port, write_config
-from h3serve.client import GatewayClient
-from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
-from h3serve.common.config import load_deploy
 from h3serve.cli.launcher import ServiceGroup
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.gateway
 S = gateway_pb2

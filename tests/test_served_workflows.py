@@ -8,16 +8,17 @@ import time
 
 import grpc
 import pytest
-
 from conftest import free_port, write_config
-from h3serve.client import GatewayClient
-from h3serve.gateway.stages.replicas import HEALTH_TTL_S
-from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from media_files import image
-from h3serve.common.config import ModelGeometry, load_deploy
-from h3serve.cli.launcher import ServiceGroup
 
-GEOMETRY = ModelGeometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.gateway.stages.replicas import HEALTH_TTL_S
+from h3serve.model.rules import Geometry
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+
+GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 NOT_SERVED = "workflow: this deployment serves t2va; its DiT replicas do not load {} (the [dit] workflows setting)"
 
 

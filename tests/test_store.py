@@ -1,5 +1,7 @@
-"""The gateway's durable job store and artifact files, on real SQLite files and directories."""
+"""The gateway's durable job store (SqliteJobStore, a JobStore) and artifact files, on real SQLite files and
+directories; the restart policy the job runner applies with it."""
 
+import asyncio
 import hashlib
 import os
 import sqlite3
@@ -9,29 +11,30 @@ from contextlib import closing
 import grpc
 import pytest
 
+from h3serve.common.config import GatewayConfig
+from h3serve.common.errors import MAX_ERROR_CHARS
 from h3serve.gateway.jobs.artifacts import ArtifactStore
+from h3serve.gateway.jobs.sqlite import STORE_METHODS, SqliteJobStore, _Database
 from h3serve.gateway.jobs.store import JobStore
 from h3serve.v1 import common_pb2, gateway_pb2
-from h3serve.common.errors import MAX_ERROR_CHARS
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
     gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING, gateway_pb2.JOB_STATE_SUCCEEDED,
     gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
 
-REQUEST = gateway_pb2.ResolvedRequest(prompt="a fox", height=768, width=1344, num_frames=124, num_inference_steps=50,
-                                      seed=2**62 + 5, include_raw=True, workflow=common_pb2.WORKFLOW_T2VA)
+PARAMS = common_pb2.GenerationParams(num_inference_steps=50, seed=2**62 + 5, include_raw=True)
+REQUEST = gateway_pb2.ResolvedRequest(prompt="a fox", height=768, width=1344, num_frames=124, params=PARAMS,
+                                      workflow=common_pb2.WORKFLOW_T2VA)
+CANCEL = gateway_pb2.JobEvent(cancelled=gateway_pb2.Cancelled(reason="x"))
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
 
 
 @pytest.fixture
 def db_path(tmp_path):
     return str(tmp_path / "nested" / "jobs.sqlite")
-
-
-@pytest.fixture
-def store(db_path):
-    store = JobStore(db_path)
-    yield store
-    store.close()
 
 
 def _artifact(job_id, kind, size=10):
@@ -40,141 +43,224 @@ def _artifact(job_id, kind, size=10):
                                 sha256="ab" * 32, media_type="video/mp4" if kind == "video" else "application/x-npz")
 
 
-def test_journal_mode_is_wal(store, db_path):
-    with closing(sqlite3.connect(db_path)) as other:
-        assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+def test_the_sqlite_store_implements_every_method_of_the_protocol():
+    declared = {name for name, value in vars(JobStore).items() if asyncio.iscoroutinefunction(value)}
+    assert declared == {*STORE_METHODS, "close"}
+    assert all(callable(getattr(_Database, name)) for name in STORE_METHODS)
+    assert all(asyncio.iscoroutinefunction(getattr(SqliteJobStore, name)) for name in declared)
+
+
+def test_journal_mode_is_wal(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        with closing(sqlite3.connect(db_path)) as other:
+            assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        await store.close()
+    run(check())
+
+
+def test_queries_run_off_the_event_loop_thread(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        seen = await store._on_thread("_rows", "SELECT 1")  # any query: which thread ran it
+        thread = await asyncio.wrap_future(store._thread.submit(threading.current_thread))
+        assert seen == [(1,)] and thread is not threading.current_thread()
+        await store.close()
+    run(check())
 
 
 def test_round_trip_survives_reopen(db_path):
-    store = JobStore(db_path)
-    created = store.create_job("j1", REQUEST)
-    assert created.state == QUEUED and created.request == REQUEST
-    store.append_event("j1", gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=REQUEST)))
-    assert store.set_state("j1", RUNNING)
-    store.append_event("j1", gateway_pb2.JobEvent(denoising=gateway_pb2.Denoising(step=1, total=49)))
-    store.set_stage_seconds("j1", "encode", 1.5)
-    store.set_stage_seconds("j1", "denoise", 30.0)
-    store.set_stage_seconds("j1", "encode", 2.5)  # rewritten in place, keeps its position
-    store.add_artifact("j1", "raw", _artifact("j1", "raw"), "/data/h3-j1.npz")
-    store.add_artifact("j1", "video", _artifact("j1", "video"), "/data/h3-j1.mp4")
-    assert store.set_state("j1", SUCCEEDED)
-    store.close()
+    async def write():
+        store = SqliteJobStore(db_path)
+        created, is_new = await store.submit("j1", REQUEST)
+        assert is_new and created.state == QUEUED and created.request == REQUEST
+        await store.append_event("j1", gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=REQUEST)))
+        assert await store.start_attempt("j1") == 1
+        await store.append_event("j1", gateway_pb2.JobEvent(denoising=gateway_pb2.Denoising(step=1, total=49)))
+        await store.set_stage_seconds("j1", "encode", 1.5)
+        await store.set_stage_seconds("j1", "denoise", 30.0)
+        await store.set_stage_seconds("j1", "encode", 2.5)  # rewritten in place, keeps its position
+        await store.add_artifact("j1", "raw", _artifact("j1", "raw"), "/data/h3-j1.npz")
+        await store.add_artifact("j1", "video", _artifact("j1", "video"), "/data/h3-j1.mp4")
+        done = gateway_pb2.JobEvent(done=gateway_pb2.Done(video=_artifact("j1", "video")))
+        assert (await store.finish("j1", SUCCEEDED, done)).seq == 3
+        await store.close()
+        return created
 
-    reopened = JobStore(db_path)
-    job = reopened.get_job("j1")
-    assert job.job_id == "j1" and job.state == SUCCEEDED and job.request == REQUEST
-    assert job.created == created.created and job.updated >= job.created
-    assert [a.artifact_id for a in job.artifacts] == ["j1-video", "j1-raw"]
-    assert job.artifacts[0] == _artifact("j1", "video")
-    assert [(s.stage, s.seconds) for s in job.stages] == [("encode", 2.5), ("denoise", 30.0)]
-    assert not job.HasField("error")
-    assert job.last_event_seq == 2
-    events = reopened.events("j1")
-    assert [e.WhichOneof("kind") for e in events] == ["accepted", "denoising"]
-    assert events[0].accepted.request == REQUEST and events[1].denoising.step == 1
-    assert reopened.artifact("j1-raw") == (_artifact("j1", "raw"), "/data/h3-j1.npz")
-    assert reopened.artifact("nope") is None
-    assert reopened.get_job("nope") is None
-    reopened.close()
+    async def read(created):
+        reopened = SqliteJobStore(db_path)
+        job = await reopened.get_job("j1")
+        assert job.job_id == "j1" and job.state == SUCCEEDED and job.request == REQUEST
+        assert job.created == created.created and job.updated >= job.created
+        assert [a.artifact_id for a in job.artifacts] == ["j1-video", "j1-raw"]
+        assert job.artifacts[0] == _artifact("j1", "video")
+        assert [(s.stage, s.seconds) for s in job.stages] == [("encode", 2.5), ("denoise", 30.0)]
+        assert not job.HasField("error")
+        assert job.last_event_seq == 3
+        events = await reopened.events("j1")
+        assert [e.WhichOneof("kind") for e in events] == ["accepted", "denoising", "done"]
+        assert events[0].accepted.request == REQUEST and events[1].denoising.step == 1
+        assert await reopened.artifact("j1-raw") == (_artifact("j1", "raw"), "/data/h3-j1.npz")
+        assert await reopened.artifact("nope") is None
+        assert await reopened.get_job("nope") is None
+        await reopened.close()
 
-
-def test_seq_is_one_to_n_and_ordered(store):
-    store.create_job("j", REQUEST)
-    stored = [store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=5)))
-              for i in range(1, 6)]
-    assert [e.seq for e in stored] == [1, 2, 3, 4, 5]
-    assert all(e.job_id == "j" and e.time > 0 for e in stored)
-    assert [e.time for e in stored] == sorted(e.time for e in stored)
-    assert store.events("j") == stored
-    assert store.events("j", after_seq=3) == stored[3:]
-    assert store.events("other") == []
+    run(read(run(write())))
 
 
-def test_append_event_unknown_job(store):
-    with pytest.raises(KeyError):
-        store.append_event("ghost", gateway_pb2.JobEvent(cancelled=gateway_pb2.Cancelled(reason="x")))
+def test_a_request_stored_before_params_reads_with_them(db_path):
+    """A job written by a gateway from before GenerationParams still runs: its options come from the old fields."""
+    old = gateway_pb2.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8,
+                                      seed=7, include_raw=True)
+
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("old", old)
+        job = await store.get_job("old")
+        assert job.request.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
+        assert [u.request.params.seed for u in await store.unfinished()] == [7]
+        await store.close()
+    run(check())
 
 
-def test_concurrent_appends_get_unique_contiguous_seqs(store):
-    store.create_job("j", REQUEST)
-    threads, per_thread = 8, 25
-    start = threading.Barrier(threads)
-    returned = [[] for _ in range(threads)]
-
-    def append(t):
-        start.wait()
-        for i in range(per_thread):
-            event = gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=t))
-            returned[t].append(store.append_event("j", event).seq)
-
-    workers = [threading.Thread(target=append, args=(t,)) for t in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    total = threads * per_thread
-    assert sorted(seq for seqs in returned for seq in seqs) == list(range(1, total + 1))
-    assert all(seqs == sorted(seqs) for seqs in returned)
-    assert [e.seq for e in store.events("j")] == list(range(1, total + 1))
-    assert store.get_job("j").last_event_seq == total
+def test_seq_is_one_to_n_and_ordered(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        stored = [await store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=5)))
+                  for i in range(1, 6)]
+        assert [e.seq for e in stored] == [1, 2, 3, 4, 5]
+        assert all(e.job_id == "j" and e.time > 0 for e in stored)
+        assert [e.time for e in stored] == sorted(e.time for e in stored)
+        assert await store.events("j") == stored
+        assert await store.events("j", after_seq=3) == stored[3:]
+        assert await store.events("other") == []
+        with pytest.raises(KeyError):
+            await store.append_event("ghost", CANCEL)
+        await store.close()
+    run(check())
 
 
-def test_recover_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
-    store = JobStore(db_path)
-    for job_id in ("queued", "running", "worn", "done", "cancelled"):
-        store.create_job(job_id, REQUEST)
-    assert store.start_attempt("running") == 1
-    store.stage_enqueued("running", 1, "dit")
-    for _ in range(2):
-        assert store.start_attempt("worn") >= 1
-    store.stage_enqueued("worn", 2, "vae")
-    store.set_state("done", SUCCEEDED)
-    store.set_state("cancelled", CANCELLED)
-    assert store.start_attempt("done") == 0, "a final job never runs again"
-    store.close()
+def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        tasks, per_task = 8, 25
 
-    store = JobStore(db_path)
-    recovery = store.recover(max_attempts=2)
-    assert [job_id for job_id, _ in recovery.rerun] == ["queued", "running"]
-    assert all(request == REQUEST for _, request in recovery.rerun)
-    assert recovery.failed == ["worn"]
-    assert store.get_job("queued").state == QUEUED and store.events("queued") == []
-    running = store.get_job("running")
-    assert running.state == QUEUED and running.attempts == 1
-    assert store.events("running")[-1].retrying == gateway_pb2.Retrying(
-        attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
-    worn = store.get_job("worn")
-    assert worn.state == FAILED and worn.error == gateway_pb2.Failed(
-        code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",
-        message="the gateway restarted while this job was in the vae stage (attempt 2 of 2)")
-    assert store.events("worn")[-1].failed == worn.error
-    assert store.get_job("done").state == SUCCEEDED and store.events("done") == []
-    assert store.get_job("cancelled").state == CANCELLED
-    assert store.start_attempt("running") == 2
-    store.close()
+        async def append(t):
+            return [(await store.append_event("j", gateway_pb2.JobEvent(
+                decoding=gateway_pb2.Decoding(chunk=i, total=t)))).seq for i in range(per_task)]
+
+        returned = await asyncio.gather(*(append(t) for t in range(tasks)))
+        total = tasks * per_task
+        assert sorted(seq for seqs in returned for seq in seqs) == list(range(1, total + 1))
+        assert all(seqs == sorted(seqs) for seqs in returned)
+        assert [e.seq for e in await store.events("j")] == list(range(1, total + 1))
+        assert (await store.get_job("j")).last_event_seq == total
+        await store.close()
+    run(check())
 
 
-def test_terminal_state_is_final(store):
-    store.create_job("j", REQUEST)
-    assert store.set_state("j", RUNNING)
-    assert store.set_state("j", CANCELLED)
-    assert not store.set_state("j", RUNNING)
-    assert not store.set_state("j", FAILED, gateway_pb2.Failed(code_name="INTERNAL", message="late"))
-    job = store.get_job("j")
-    assert job.state == CANCELLED and not job.HasField("error")
-    assert not store.set_state("ghost", RUNNING)
+def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        assert await store.start_attempt("j") == 1
+        cancelled = await store.finish("j", CANCELLED, CANCEL)
+        assert cancelled.seq == 1 and (await store.get_job("j")).state == CANCELLED
+        late = gateway_pb2.JobEvent(failed=gateway_pb2.Failed(code_name="INTERNAL", message="late"))
+        assert await store.finish("j", FAILED, late) is None, "a final job never changes again"
+        assert await store.start_attempt("j") == 0
+        assert await store.requeue("j", CANCEL) is None
+        job = await store.get_job("j")
+        assert job.state == CANCELLED and not job.HasField("error") and job.last_event_seq == 1
+        assert await store.finish("ghost", FAILED, late) is None
+        await store.close()
+    run(check())
 
 
-def test_long_error_keeps_its_end(store):
-    store.create_job("j", REQUEST)
-    message = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "RuntimeError: CUDA out of memory"
-    failed = gateway_pb2.Failed(code=grpc.StatusCode.INTERNAL.value[0], code_name="INTERNAL", message=message)
-    assert store.set_state("j", FAILED, failed)
-    event = store.append_event("j", gateway_pb2.JobEvent(failed=failed))
-    for kept in (store.get_job("j").error.message, event.failed.message, store.events("j")[0].failed.message):
-        assert kept.endswith("RuntimeError: CUDA out of memory")
-        assert len(kept) <= MAX_ERROR_CHARS + len("...\n")
-        assert not kept.startswith("Traceback")
+def test_requeue_counts_the_attempt_or_takes_it_back(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        await store.start_attempt("j")
+        retrying = gateway_pb2.JobEvent(retrying=gateway_pb2.Retrying(attempt=2, max_attempts=2, reason="stall"))
+        assert (await store.requeue("j", retrying)).retrying.reason == "stall"
+        job = await store.get_job("j")
+        assert (job.state, job.attempts) == (QUEUED, 1)
+        await store.start_attempt("j")
+        await store.requeue("j", retrying, count_attempt=False)
+        assert (await store.get_job("j")).attempts == 1
+        await store.close()
+    run(check())
+
+
+def test_long_error_keeps_its_end(db_path):
+    async def check():
+        store = SqliteJobStore(db_path)
+        await store.submit("j", REQUEST)
+        message = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "RuntimeError: CUDA out of memory"
+        failed = gateway_pb2.Failed(code=grpc.StatusCode.INTERNAL.value[0], code_name="INTERNAL", message=message)
+        event = await store.finish("j", FAILED, gateway_pb2.JobEvent(failed=failed))
+        kept_messages = ((await store.get_job("j")).error.message, event.failed.message,
+                         (await store.events("j"))[0].failed.message)
+        for kept in kept_messages:
+            assert kept.endswith("RuntimeError: CUDA out of memory")
+            assert len(kept) <= MAX_ERROR_CHARS + len("...\n")
+            assert not kept.startswith("Traceback")
+        await store.close()
+    run(check())
+
+
+def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
+    """The job runner's restart policy (JobRunner.resume) on a store a dead gateway left behind."""
+    from h3serve.gateway.jobs.events import EventHub
+    from h3serve.gateway.jobs.runner import JobRunner
+    from h3serve.gateway.metrics import GatewayMetrics
+    from h3serve.gateway.stages import STAGE_NAMES
+    from h3serve.gateway.stages.calls import StageCaller
+
+    async def leave_behind():
+        store = SqliteJobStore(db_path)
+        for job_id in ("queued", "running", "worn", "done", "cancelled"):
+            await store.submit(job_id, REQUEST)
+        assert await store.start_attempt("running") == 1
+        await store.stage_enqueued("running", 1, "dit")
+        for _ in range(2):
+            assert await store.start_attempt("worn") >= 1
+        await store.stage_enqueued("worn", 2, "vae")
+        await store.finish("done", SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
+        await store.finish("cancelled", CANCELLED, CANCEL)
+        await store.close()
+
+    async def restart():
+        store, config = SqliteJobStore(db_path), GatewayConfig(max_attempts=2)
+        metrics = GatewayMetrics(STAGE_NAMES)
+        runner = JobRunner(config, store, EventHub(store), StageCaller(config, metrics), None, metrics, None)
+        started = []
+        runner.start = lambda job_id, request: started.append((job_id, request))
+        await runner.resume()
+        assert [job_id for job_id, _ in started] == ["queued", "running"]
+        assert all(request == REQUEST for _, request in started)
+        assert (await store.get_job("queued")).state == QUEUED and await store.events("queued") == []
+        running = await store.get_job("running")
+        assert running.state == QUEUED and running.attempts == 1
+        assert (await store.events("running"))[-1].retrying == gateway_pb2.Retrying(
+            attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
+        worn = await store.get_job("worn")
+        assert worn.state == FAILED and worn.error == gateway_pb2.Failed(
+            code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",
+            message="the gateway restarted while this job was in the vae stage (attempt 2 of 2)")
+        assert (await store.events("worn"))[-1].failed == worn.error
+        assert (await store.get_job("done")).state == SUCCEEDED
+        assert (await store.get_job("cancelled")).state == CANCELLED
+        assert await store.start_attempt("running") == 2
+        await runner.caller.close()
+        await store.close()
+
+    run(leave_behind())
+    run(restart())
 
 
 # Artifact files.

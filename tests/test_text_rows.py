@@ -1,5 +1,5 @@
-"""Text rows at submit: the processor arithmetic against Qwen3-VL's real processors and diffusers' own
-presentation code, and whole requests against diffusers' text encoder steps (tiny model, in process)."""
+"""Text rows at submit: whole requests counted by the gateway against diffusers' text encoder steps (tiny model,
+in process). The vision-token arithmetic itself is pinned to Qwen3-VL's processors in test_model_rules.py."""
 
 from __future__ import annotations
 
@@ -8,50 +8,29 @@ import pytest
 import torch
 from PIL import Image
 
-from h3serve.gateway.admission.text_rows import TextRows, VisionGeometry, sampled_frames, video_block_timestamps
-from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
+from h3serve.gateway.admission.text_rows import TextCounter, TextRows
+from h3serve.model import presets
+from h3serve.model.rules import Geometry, VisionGeometry
 from h3serve.runtime import tiny
-from h3serve.common.config import ModelGeometry
+from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 
 
 @pytest.fixture(scope="module")
 def processor():
-    return tiny.build_processor(tiny.build_tokenizer())
+    return tiny.build_processor(presets.tiny_tokenizer())
 
 
-@pytest.mark.parametrize("height,width", [(32, 64), (16, 16), (64, 96), (100, 30), (200, 300), (720, 1280),
-                                          (2048, 3648)])
-def test_image_tokens_match_the_image_processor(processor, height, width):
-    # (16, 16) is under the tiny processor's min pixels, (200, 300) and up over its max: every smart_resize branch.
-    vision = VisionGeometry.of(processor)
-    grid = processor.image_processor(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"]
-    assert vision.image_tokens(height, width) == int(grid[0].prod()) // 4
-
-
-@pytest.mark.parametrize("cap", [False, True])
-@pytest.mark.parametrize("frames,height,width", [(2, 32, 64), (3, 64, 32), (11, 32, 64), (12, 768, 1344),
-                                                 (5, 20, 90), (29, 480, 832)])
-def test_video_block_tokens_match_the_video_processor(processor, frames, height, width, cap):
-    video = processor.video_processor
-    video.cap_pixels_per_frame = cap
-    grid = video(videos=[np.zeros((frames, height, width, 3), np.uint8)], do_sample_frames=False,
-                 return_tensors="pt")["video_grid_thw"][0]
-    vision = VisionGeometry.of(processor)
-    assert int(grid[0]) == len(video_block_timestamps(frames, 2))
-    assert vision.video_block_tokens(frames, height, width) == int(grid[1]) * int(grid[2]) // 4
-
-
-def test_video_sampling_matches_diffusers():
-    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep
-
-    for frames in range(22, 346):
-        sampled, stamps = MiniMaxH3Ref2VATextEncoderStep._sample_video_condition_frames(
-            np.zeros((frames, 1, 1, 3), np.uint8), 24.0, 2.0, 2)
-        assert (sampled_frames(frames), video_block_timestamps(sampled_frames(frames), 2)) == (len(sampled), stamps)
+def _text_rows(processor) -> TextRows:
+    """The gateway's counter over `processor` (its saved settings, as the gateway reads them)."""
+    tokenizer = processor.tokenizer
+    vision = VisionGeometry.from_processor_config({"image_processor": processor.image_processor.to_dict(),
+                                                   "video_processor": processor.video_processor.to_dict()})
+    return TextRows(TextCounter(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]), vision),
+                    GEOMETRY)
 
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
-GEOMETRY = ModelGeometry(canvas_short_edge=64, canvas_max_pixels=64 * 112, reference_image_short_edge=96)
+GEOMETRY = Geometry(canvas_short_edge=64, canvas_max_pixels=64 * 112, reference_image_short_edge=96)
 
 
 def _encode_in_process(block, processor, tokenizer, **inputs) -> int:
@@ -64,8 +43,11 @@ def _encode_in_process(block, processor, tokenizer, **inputs) -> int:
 
 def test_a_ref2va_request_counts_what_diffusers_encodes(processor):
     """A prompt whose NFC form is longer than its bytes, an image, a 3.5 s video with sound at 30 fps, an audio."""
-    from diffusers.modular_pipelines.minimax_h3 import (MiniMaxH3AudioReference, MiniMaxH3ImageReference,
-                                                         MiniMaxH3VideoReference)
+    from diffusers.modular_pipelines.minimax_h3 import (
+        MiniMaxH3AudioReference,
+        MiniMaxH3ImageReference,
+        MiniMaxH3VideoReference,
+    )
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
     from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3Ref2VATextEncoderStep
 
@@ -90,8 +72,7 @@ def test_a_ref2va_request_counts_what_diffusers_encodes(processor):
     normalized = setup(references=references, height=64, width=96, num_frames=124, output="normalized_references")
     rows = _encode_in_process(MiniMaxH3Ref2VATextEncoderStep(), processor, tokenizer, prompt=prompt,
                               normalized_references=normalized)
-    counted = TextRows(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                       VisionGeometry.of(processor), GEOMETRY)(request, assets)
+    counted = _text_rows(processor)(request, assets.get)
     assert counted == rows > len(prompt.encode())
 
 
@@ -105,32 +86,22 @@ def test_fl2va_keyframes_count_what_diffusers_encodes(processor, keyframes):
                                           last_frame=keyframes[1] if len(keyframes) > 1 else "")
     rows = _encode_in_process(MiniMaxH3FL2VATextEncoderStep(), processor, tokenizer, prompt=request.prompt,
                               keyframes=[Image.new("RGB", (160, 64))] * len(keyframes))
-    counted = TextRows(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                       VisionGeometry.of(processor), GEOMETRY)(request, {})
+    counted = _text_rows(processor)(request, {}.get)
     assert counted == rows
 
 
-def test_stock_qwen3_vl_limits_give_the_models_vision_token_counts():
-    """With Qwen3-VL's released processor limits (patch 16, merge 2, 65,536..16,777,216 pixels) a 768x1344 keyframe
-    is 1008 vision tokens and a 16:9 image reference at its 2048 short edge (2048x3648) 7296, as the real processor
-    says."""
-    from types import SimpleNamespace
-
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, size={"shortest_edge": 65536,
-                                                                        "longest_edge": 16777216})
-    vision = VisionGeometry.of(SimpleNamespace(image_processor=image, video_processor=Qwen3VLVideoProcessor()))
-    for (height, width), tokens in (((768, 1344), 1008), ((2048, 3648), 7296), ((3648, 2048), 7296)):
-        grid = image(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"][0]
-        assert vision.image_tokens(height, width) == int(grid.prod()) // 4 == tokens
-
-
 def test_the_gateway_does_not_start_without_the_models_tokenizer(tmp_path):
-    from h3serve.gateway.server import _load_text_rows
     from h3serve.common.config import GatewayConfig
+    from h3serve.gateway.server import _load_text_rows
 
     with pytest.raises(RuntimeError, match=r"^\[gateway\] model_dir '.*missing': admission counts text rows with "
                                            r"the model's tokenizer and processor, which did not load: "):
         _load_text_rows(GatewayConfig(model_dir=str(tmp_path / "missing")))
+
+
+def test_the_gateway_reads_the_model_dirs_tokenizer_and_processor_settings(tiny_model_dir):
+    """From a saved model directory, as from the built-in preset: the same vision geometry and token counts."""
+    from_dir, preset = TextCounter.load(str(tiny_model_dir)), TextCounter.load("")
+    assert from_dir.vision == preset.vision
+    for text in ("a fox", "<Picture 1>: ", "क़ ünïcode", "<|vision_start|>"):
+        assert from_dir.tokens(text) == preset.tokens(text) > 0

@@ -16,16 +16,17 @@ import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 
-from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
-from h3serve.runtime import wire
 from h3serve.common.config import ModelServiceConfig
 from h3serve.common.server import GRPC_OPTIONS
-from h3serve.runtime.tiny import TINY_REVISION, build_component
+from h3serve.model.presets import TINY_REVISION
+from h3serve.runtime import wire
+from h3serve.runtime.tiny import build_component
 from h3serve.services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
 from h3serve.services.vae.mux import encode_mp4, to_uint8
-from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.services.vae.server import VaeServicer, decode_checked
 from h3serve.services.vae.tiles import batch_tiles
+from h3serve.services.vae.validate import InvalidOutput, validate
+from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
 AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz
@@ -62,7 +63,7 @@ def vae_service(vae, audio_vae, config: ModelServiceConfig = ModelServiceConfig(
 def requests(tensors: dict[str, torch.Tensor], include_raw: bool = False,
              chunk_bytes: int = wire.CHUNK_BYTES) -> list[vae_pb2.DecodeInput]:
     chunks = [chunk for name, tensor in tensors.items() for chunk in wire.encode(name, tensor, chunk_bytes)]
-    spec = vae_pb2.DecodeSpec(job_id="test", include_raw=include_raw)
+    spec = vae_pb2.DecodeSpec(job_id="test", params=common_pb2.GenerationParams(include_raw=include_raw))
     return [vae_pb2.DecodeInput(spec=spec), *(vae_pb2.DecodeInput(chunk=chunk) for chunk in chunks)]
 
 

@@ -8,8 +8,8 @@ import grpc
 import pytest
 import torch
 
-from h3serve.v1 import tensor_pb2
 from h3serve.runtime import wire
+from h3serve.v1 import tensor_pb2
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool]

@@ -45,18 +45,17 @@ def _up(args) -> None:
 
 
 def _request(args):
-    from h3serve.v1 import gateway_pb2
+    from h3serve.v1 import common_pb2, gateway_pb2
 
     def given(name):
         return getattr(args, name, None)
 
-    request = gateway_pb2.GenerateRequest(
-        prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
-        seconds=given("seconds") or 0.0, num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
-        request_id=given("request_id") or "")
+    params = common_pb2.GenerationParams(num_inference_steps=args.steps or 0, include_raw=bool(given("raw")))
     if given("seed") is not None:
-        request.seed = args.seed
-    return request
+        params.seed = args.seed
+    return gateway_pb2.GenerateRequest(
+        prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
+        seconds=given("seconds") or 0.0, params=params, request_id=given("request_id") or "")
 
 
 def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None):
@@ -116,8 +115,8 @@ def _generate(args) -> None:
 def _reference(args) -> None:
     import numpy as np
 
-    from h3serve.runtime.models import ModelSource
     from h3serve.cli.reference import ReferenceRequest, run_reference
+    from h3serve.runtime.models import ModelSource
 
     frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
     references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))

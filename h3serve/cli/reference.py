@@ -11,10 +11,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h3serve.v1 import media_pb2
-from h3serve.common.config import ModelGeometry
+from h3serve.model import workflows
+from h3serve.model.rules import Geometry
 from h3serve.runtime.media import decode_reference
 from h3serve.runtime.models import ModelSource
+from h3serve.v1 import media_pb2
 
 T2VA_COMPONENTS = ["text_encoder", "tokenizer", "processor", "transformer", "scheduler", "audio_scheduler",
                    "vae", "audio_vae"]
@@ -35,16 +36,17 @@ class ReferenceRequest:
     references: tuple[tuple[str, str], ...] = ()   # ref2va: ("image" | "video" | "audio", path), request order
 
     def media_inputs(self) -> dict:
-        """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files."""
-        if self.references:
-            return {"references": [decode_reference(KINDS[kind], path) for kind, path in self.references]}
-        frames = {"image": self.first_frame, "last_image": self.last_frame}
-        return {name: decode_reference(media_pb2.ASSET_KIND_IMAGE, path).image
-                for name, path in frames.items() if path}
+        """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files (per GenerateRequest field)."""
+        files = {"first_frame": [("image", self.first_frame)] if self.first_frame else [],
+                 "last_frame": [("image", self.last_frame)] if self.last_frame else [],
+                 "references": list(self.references)}
+        decoded = {field: [decode_reference(KINDS[kind], path) for kind, path in items]
+                   for field, items in files.items() if items}
+        return workflows.of_fields(decoded).pipeline_inputs(decoded)
 
 
 def reference_pipeline(source: ModelSource, with_references: bool = False, device: str = "cpu",
-                       dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()):
+                       dtype: str = "float32", geometry: Geometry = Geometry()):
     """diffusers' MiniMaxH3Blocks on `source`'s components (`transformer_ref` too for ref2va), reusable."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
@@ -69,6 +71,6 @@ def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
 
 
 def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",
-                  dtype: str = "float32", geometry: ModelGeometry = ModelGeometry()) -> dict[str, np.ndarray]:
+                  dtype: str = "float32", geometry: Geometry = Geometry()) -> dict[str, np.ndarray]:
     pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
     return run_pipeline(pipe, request)

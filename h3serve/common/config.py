@@ -11,22 +11,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    """MiniMax-H3's pipeline configs (`[model]` keys next to `dir`): the released values by default.
-
-    The stages apply them to diffusers' blocks (`update_components`) and the gateway resolves canvases
-    and counts conditioning rows with the same numbers; tests shrink them to keep references small.
-    """
-
-    canvas_short_edge: int = 768
-    canvas_max_pixels: int = 768 * 1344
-    reference_image_short_edge: int = 2048
-
-    def pipeline_configs(self) -> dict[str, int]:
-        return {"canvas_short_edge": self.canvas_short_edge, "canvas_max_pixels": self.canvas_max_pixels,
-                "reference_image_short_edge": self.reference_image_short_edge}
+from h3serve.model.rules import Geometry
 
 
 @dataclass(frozen=True)
@@ -48,7 +33,7 @@ class ModelServiceConfig:
     tls_cert: str = ""             # PEM certificate chain + key: serve TLS instead of plaintext
     tls_key: str = ""
     workflows: tuple[str, ...] = ("t2va", "fl2va", "ref2va")  # dit: served workflows (decides the partitions loaded)
-    geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
+    geometry: Geometry = field(default_factory=Geometry)  # from [model]
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
@@ -111,7 +96,7 @@ class GatewayConfig:
     max_video_seconds: float = 60.0
     max_audio_seconds: float = 60.0
     max_rows: int = 200_000           # admission: packed DiT rows per request (text, conditioning, generated)
-    geometry: ModelGeometry = field(default_factory=ModelGeometry)  # from [model]
+    geometry: Geometry = field(default_factory=Geometry)  # from [model]
     model_dir: str = ""               # from [model] dir: admission counts text rows with its tokenizer and processor
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     max_unfinished_jobs: int = 64     # queue bound: queued + running jobs; beyond it Submit is RESOURCE_EXHAUSTED
@@ -178,7 +163,7 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
         raise ValueError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
     model = dict(data.get("model", {}))
     model_dir = model.pop("dir", "")
-    geometry = _apply(ModelGeometry(), model, f"{path} [model]")
+    geometry = _apply(Geometry(), model, f"{path} [model]")
     updates = {}
     for name in SERVICES:
         section = {"model_dir": model_dir, "geometry": geometry, **data.get(name, {})}

@@ -13,7 +13,6 @@ from prometheus_client.core import GaugeMetricFamily
 
 from h3serve.v1 import gateway_pb2
 
-STAGES = ("encoder", "dit", "vae")
 _SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
 
@@ -38,7 +37,8 @@ class _Snapshot:
 
 
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, stages: tuple[str, ...]) -> None:
+        """`stages`: the stage names, whose series are created at zero so a scrape shows them from the start."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.stage_seconds = Histogram("h3serve_stage_seconds", "Wall time of a successful stage pass, queue excluded",
@@ -56,7 +56,7 @@ class GatewayMetrics:
         self.job_retries = Counter("h3serve_job_retries", "Jobs run again (gateway restart or stalled stage)",
                                    ["reason"], registry=r)
         self.stalls = Counter("h3serve_stalls", "Stage calls cancelled by the watchdog", ["phase"], registry=r)
-        for stage in STAGES:
+        for stage in stages:
             self.stage_retries.labels(stage)
             for direction in ("in", "out"):
                 self.tensor_bytes.labels(stage, direction)

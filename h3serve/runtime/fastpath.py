@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from h3serve.runtime.kernels import fp8_attention
-
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.fastpath")

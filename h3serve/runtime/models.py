@@ -14,16 +14,15 @@ from typing import Any
 
 import torch
 
-from h3serve.runtime import random_full
-
-from h3serve.runtime import tiny
+from h3serve.model import presets
+from h3serve.runtime import random_full, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """`model_dir=None` selects the tiny preset; `random_full.SOURCE` ("random:full") the released sizes with
+    """`model_dir=None` selects the tiny preset; `presets.RANDOM_FULL` ("random:full") the released sizes with
     random weights, built on the device (benchmarks)."""
 
     model_dir: str | None = None
@@ -35,9 +34,9 @@ class ModelSource:
     def revision(self) -> str:
         """Identifies the weights: part of every cache key derived from model outputs."""
         if self.model_dir is None:
-            return tiny.TINY_REVISION
-        if self.model_dir == random_full.SOURCE:
-            return random_full.REVISION
+            return presets.TINY_REVISION
+        if self.model_dir == presets.RANDOM_FULL:
+            return presets.RANDOM_FULL_REVISION
         digest = hashlib.sha256()
         root = Path(self.model_dir)
         for path in sorted(root.rglob("*")):
@@ -52,7 +51,7 @@ class ModelSource:
         """Load the named pipeline components onto `device` in `dtype` (fp32-pinned modules stay fp32)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if self.model_dir == random_full.SOURCE:
+        if self.model_dir == presets.RANDOM_FULL:
             return random_full.build(names, device, DTYPES[dtype])  # already on the device
         if self.model_dir is None:
             if dtype != "float32":

@@ -23,23 +23,8 @@ from typing import Any
 
 import torch
 
+from h3serve.model import presets
 from h3serve.runtime import tiny
-
-SOURCE = "random:full"
-REVISION = "random-full-v1"
-TEXT_ENCODER_LAYERS = 51  # > text_encoder_layer (50): the last one whose output the pipeline reads
-QWEN3_VL_32B_TEXT = dict(
-    vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-    num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=262144, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
-                     "mrope_interleaved": True},
-)
-QWEN3_VL_32B_VISION = dict(
-    depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, hidden_act="gelu_pytorch_tanh", patch_size=16,
-    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=5120, num_position_embeddings=2304,
-    deepstack_visual_indexes=[8, 16, 24],
-)
-AUDIO_VAE = dict(latents_mean=[0.0] * 32, latents_std=[1.0] * 32)
 
 
 def build_in_place(factory: Callable[[], torch.nn.Module], device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -60,10 +45,11 @@ def build_in_place(factory: Callable[[], torch.nn.Module], device: str, dtype: t
     return model
 
 
-def text_encoder_factory(tokenizer, layers: int = TEXT_ENCODER_LAYERS) -> Callable[[], torch.nn.Module]:
+def text_encoder_factory(tokenizer, layers: int = presets.TEXT_ENCODER_LAYERS) -> Callable[[], torch.nn.Module]:
     from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny.qwen3_vl_config(tokenizer, {**QWEN3_VL_32B_TEXT, "num_hidden_layers": layers}, QWEN3_VL_32B_VISION)
+    config = tiny.qwen3_vl_config(tokenizer, {**presets.QWEN3_VL_32B_TEXT, "num_hidden_layers": layers},
+                                presets.QWEN3_VL_32B_VISION)
     return lambda: Qwen3VLForConditionalGeneration(config)
 
 
@@ -75,10 +61,10 @@ def _model_factory(name: str) -> Callable[[], torch.nn.Module]:
     if name == "vae":
         return AutoencoderKLMiniMaxH3
     if name == "audio_vae":
-        return lambda: AutoencoderKLMiniMaxH3Audio(**AUDIO_VAE)
+        return lambda: AutoencoderKLMiniMaxH3Audio(**presets.RANDOM_FULL_AUDIO_VAE)
     if name == "text_encoder":
-        return text_encoder_factory(tiny.build_tokenizer())
-    raise KeyError(f"the {SOURCE} source has no component {name!r}")
+        return text_encoder_factory(presets.tiny_tokenizer())
+    raise KeyError(f"the {presets.RANDOM_FULL} source has no component {name!r}")
 
 
 def build_component(name: str, device: str, dtype: torch.dtype) -> Any:

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from h3serve.v1 import common_pb2
 from h3serve.common import logs
 from h3serve.common.config import ModelServiceConfig
 from h3serve.runtime.models import ModelSource
+from h3serve.v1 import common_pb2
 
 log = logging.getLogger("h3serve.runtime")
 

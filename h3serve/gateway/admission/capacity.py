@@ -3,9 +3,9 @@
 Peak DiT memory grows with the packed-sequence length (field notes: ~11.2 GB + 6.2e-4 GB/row on one
 card), so the deployment states, per workflow and canvas, the most rows its DiT replicas take. A request
 over that is refused at submit with the frame ceiling that does fit, instead of failing after minutes
-in the queue. `packed_rows` is the one place that counts rows: text rows (`h3serve/gateway/admission/text_rows.py`: prompt,
-labels and the vision tokens of keyframes / references), conditioning rows (`h3serve/gateway/admission/media.py`) and
-the generated audio and video. Besides the table, `max_rows` bounds every request.
+in the queue. The rows are counted by the request's workflow (h3serve/model/workflows: text rows
+with the deployment's tokenizer, conditioning rows) and the model's rules (the generated video and audio).
+Besides the table, `max_rows` bounds every request.
 
 Every refusal is `OverCapacity`, answered INVALID_ARGUMENT: the same request is refused again by this
 deployment, so a client must change it (the message gives the frame ceiling) rather than retry it.
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h3serve.v1 import common_pb2, gateway_pb2
-from h3serve.gateway.admission.request import FPS, InvalidRequest, VALID_NUM_FRAMES, latent_frames
+from h3serve.model import rules, workflows
+from h3serve.model.rules import VALID_NUM_FRAMES, InvalidRequest, Rows
+from h3serve.v1 import gateway_pb2
 
-PIXELS_PER_ROW_EDGE = 32       # VAE 16x spatial compression x transformer patch 2 on each axis
-AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz
-AUDIO_CHANNELS = 2             # stereo runs as a batch of two mono rows
 ANY_CANVAS = "*"
 
 
@@ -28,33 +26,10 @@ class OverCapacity(InvalidRequest):
     """The request is valid but needs more DiT rows than the deployment admits."""
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Rows of one request's packed DiT sequence, by kind."""
-
-    text: int
-    audio: int
-    video: int
-    condition: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.text + self.audio + self.video + self.condition
-
-
-def rows_per_latent_frame(height: int, width: int) -> int:
-    return (height // PIXELS_PER_ROW_EDGE) * (width // PIXELS_PER_ROW_EDGE)
-
-
-def audio_latents(num_frames: int) -> int:
-    """round(F/24 * 40): 124 -> 207, 345 -> 575 (diffusers' audio length for a frame count)."""
-    return round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND)
-
-
 def packed_rows(height: int, width: int, num_frames: int, text_rows: int, condition_rows: int = 0) -> Rows:
-    """Rows of the packed sequence: text, 2 x audio latents, latent frames x rows per frame, conditioning."""
-    return Rows(text=text_rows, audio=AUDIO_CHANNELS * audio_latents(num_frames),
-                video=latent_frames(num_frames) * rows_per_latent_frame(height, width), condition=condition_rows)
+    """Rows of the packed sequence: text, conditioning (counted as video), and the generated video and audio."""
+    generated = rules.generated_rows(height, width, num_frames)
+    return Rows(text=text_rows, condition_video=condition_rows, video=generated.video, audio=generated.audio)
 
 
 def canvas_key(height: int, width: int) -> str:
@@ -69,10 +44,9 @@ class CapacityTable:
     max_rows: int | None = None
 
     def __post_init__(self):
-        known = {workflow_name(value) for value in common_pb2.Workflow.values() if value}
         for workflow, canvases in self.limits.items():
-            if workflow not in known:
-                raise ValueError(f"capacity: unknown workflow {workflow!r}; known: {', '.join(sorted(known))}")
+            if workflow not in workflows.names():
+                raise ValueError(f"capacity: unknown workflow {workflow!r}; known: {', '.join(workflows.names())}")
             for canvas, limit in canvases.items():
                 sides = canvas.split("x")
                 if canvas != ANY_CANVAS and not (len(sides) == 2 and all(side.isdigit() for side in sides)):
@@ -81,7 +55,7 @@ class CapacityTable:
                     raise ValueError(f"capacity.{workflow}.{canvas}: rows must be a positive integer, got {limit!r}")
 
     def limit(self, workflow: int, height: int, width: int) -> int | None:
-        canvases = self.limits.get(workflow_name(workflow), {})
+        canvases = self.limits.get(workflows.by_value(workflow).name, {})
         return canvases.get(canvas_key(height, width), canvases.get(ANY_CANVAS))
 
     def max_frames(self, limit: int, height: int, width: int, text_rows: int, condition_rows: int = 0) -> int | None:
@@ -98,7 +72,7 @@ class CapacityTable:
         canvas = canvas_key(request.height, request.width)
         limits = [(self.max_rows, "max_rows"),
                   (self.limit(request.workflow, request.height, request.width),
-                   f"{workflow_name(request.workflow)} capacity at {canvas}")]
+                   f"{workflows.by_value(request.workflow).name} capacity at {canvas}")]
         for limit, name in limits:
             if limit is not None and rows.total > limit:
                 raise self._refusal(request, rows, limit, name)
@@ -127,7 +101,3 @@ class CapacityTable:
                     frames = self.max_frames(limit, height, width, text_rows)
                 out.append((workflow, canvas, limit, frames))
         return out
-
-
-def workflow_name(workflow: int) -> str:
-    return common_pb2.Workflow.Name(workflow).removeprefix("WORKFLOW_").lower()

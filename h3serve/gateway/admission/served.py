@@ -3,7 +3,8 @@
 A DiT loads only the transformer partitions of its configured workflows, so a ref2va job sent to a
 t2va-only DiT would fail at denoise after the encode phase. Submit asks the DiT replicas instead (each
 answer cached at most 1 s, each probe bounded by a 1 s deadline, never a flag remembered from start-up)
-and refuses a workflow none of them serves. When no replica answers, nothing is known: the request is
+and refuses a workflow none of them serves. A DiT process that answers while it exits (state "failed: ...")
+says nothing either. When no replica says anything, nothing is known: the request is
 accepted and queues until a DiT is back, as any other.
 """
 
@@ -14,9 +15,11 @@ import time
 
 import grpc
 
-from h3serve.v1 import common_pb2, dit_pb2_grpc
-from h3serve.gateway.admission.capacity import workflow_name
 from h3serve.gateway.stages.replicas import HEALTH_TTL_S, PROBE_TIMEOUT_S, Replica, ReplicaSet
+from h3serve.model import workflows as registry
+from h3serve.v1 import common_pb2, dit_pb2_grpc
+
+FAILED_STATE = "failed"  # DiTInfo.state of a group whose process is exiting: "failed: <reason>"
 
 
 class WorkflowNotServed(Exception):
@@ -34,7 +37,8 @@ class ServedWorkflows:
             return workflows
         try:
             info = await dit_pb2_grpc.DiTStub(replica.channel).Info(common_pb2.InfoRequest(), timeout=PROBE_TIMEOUT_S)
-            workflows = frozenset(info.workflows) or None  # an Info without the field says nothing
+            exiting = info.state.startswith(FAILED_STATE)
+            workflows = None if exiting else frozenset(info.workflows) or None  # empty: an Info that says nothing
         except grpc.aio.AioRpcError:
             workflows = None
         self._answers[replica.address] = (time.monotonic(), workflows)
@@ -48,6 +52,6 @@ class ServedWorkflows:
     async def check(self, workflow: int) -> None:
         served = await self.served()
         if served is not None and workflow not in served:
-            names = ", ".join(workflow_name(w) for w in sorted(served))
+            names = ", ".join(registry.by_value(w).name for w in sorted(served))
             raise WorkflowNotServed(f"workflow: this deployment serves {names}; its DiT replicas do not load "
-                                    f"{workflow_name(workflow)} (the [dit] workflows setting)")
+                                    f"{registry.by_value(workflow).name} (the [dit] workflows setting)")

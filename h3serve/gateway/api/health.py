@@ -12,7 +12,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from h3serve.gateway.stages.calls import StageClients
+from h3serve.gateway.stages.calls import StageCaller
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -20,15 +20,15 @@ WATCH_PERIOD_S = 1.0
 
 
 class StageHealth(health_pb2_grpc.HealthServicer):
-    def __init__(self, stages: StageClients, service_names: list[str]) -> None:
-        self.stages = stages
+    def __init__(self, caller: StageCaller, service_names: list[str]) -> None:
+        self.caller = caller
         self.names = {"", *service_names}
         self.stopping = False
 
     async def serving(self) -> bool:
         if self.stopping:
             return False
-        return all(await asyncio.gather(*(replicas.serving() for replicas in self.stages.replicas.values())))
+        return all(await asyncio.gather(*(replicas.serving() for replicas in self.caller.replicas.values())))
 
     async def status(self) -> int:
         return SERVING if await self.serving() else NOT_SERVING

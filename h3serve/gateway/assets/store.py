@@ -7,14 +7,23 @@ reader never sees half an asset; the description is written last, and an asset e
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
+from h3serve.gateway.assets.validate import (
+    SNIFF_BYTES,
+    AssetLimits,
+    candidate_kinds,
+    inspect,
+    invalid,
+    over_limit,
+    sniff,
+)
 from h3serve.v1 import gateway_pb2
-from h3serve.gateway.assets.validate import SNIFF_BYTES, AssetLimits, candidate_kinds, inspect, invalid, over_limit, sniff
 
 _ID = re.compile(r"[0-9a-f]{64}")
 
@@ -37,11 +46,14 @@ class AssetStore:
         except FileNotFoundError:
             return None
 
-    def chunks(self, asset_id: str, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
-        """The asset's bytes, read lazily."""
-        with open(self._path("blobs", asset_id), "rb") as file:
-            while data := file.read(chunk_bytes):
+    async def read(self, asset_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
+        """The asset's bytes, chunk by chunk, read off the event loop."""
+        file = await asyncio.to_thread(open, self._path("blobs", asset_id), "rb")
+        try:
+            while data := await asyncio.to_thread(file.read, chunk_bytes):
                 yield data
+        finally:
+            file.close()
 
     async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk], inspect_in_thread) -> gateway_pb2.Asset:
         """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
@@ -78,7 +90,7 @@ class AssetStore:
             if limit and size > limit[0]:
                 raise over_limit(name or "upload", "size", f"more than {limit[0]} bytes", f"{limit[0]} bytes", limit[1])
             digest.update(chunk.data)
-            file.write(chunk.data)
+            await asyncio.to_thread(file.write, chunk.data)
         name = name or "upload"
         if not size:
             raise invalid(name, "empty file (0 bytes)")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from h3serve.v1 import gateway_pb2, media_pb2
 from h3serve.common.config import GatewayConfig
+from h3serve.v1 import gateway_pb2, media_pb2
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
 KIND_NAMES = {IMAGE: "image", VIDEO: "video", AUDIO: "audio"}

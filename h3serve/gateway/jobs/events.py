@@ -10,8 +10,8 @@ import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from h3serve.v1 import gateway_pb2
 from h3serve.gateway.jobs.store import JobStore
+from h3serve.v1 import gateway_pb2
 
 TERMINAL_EVENTS = {"done", "failed", "cancelled"}
 
@@ -25,12 +25,14 @@ class EventHub:
         self.store = store
         self._watchers: dict[str, set[asyncio.Queue]] = defaultdict(set)
 
-    def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
+    async def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
         """Persist one event (e.g. `denoising=Denoising(...)`) and hand it to the job's watchers."""
-        return self.publish(self.store.append_event(job_id, gateway_pb2.JobEvent(**kind)))
+        return self.publish(await self.store.append_event(job_id, gateway_pb2.JobEvent(**kind)))
 
-    def publish(self, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
-        """Hand an already stored event to the job's watchers."""
+    def publish(self, event: gateway_pb2.JobEvent | None) -> gateway_pb2.JobEvent | None:
+        """Hand an already stored event to the job's watchers (None: nothing was stored, nothing to hand)."""
+        if event is None:
+            return None
         for queue in self._watchers.get(event.job_id, ()):
             queue.put_nowait(event)
         return event
@@ -41,7 +43,7 @@ class EventHub:
         self._watchers[job_id].add(queue)
         try:
             last = after_seq
-            for event in self.store.events(job_id, after_seq):
+            for event in await self.store.events(job_id, after_seq):
                 last = event.seq
                 yield event
                 if is_terminal(event):

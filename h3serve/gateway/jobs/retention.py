@@ -6,6 +6,7 @@ DownloadArtifact answers NOT_FOUND for it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -22,26 +23,30 @@ class Retention:
     max_age_s: float = 0.0    # 0: no age limit
     max_bytes: int = 0        # 0: no byte cap
 
-    def enforce(self, now: float | None = None) -> list[str]:
+    async def enforce(self, now: float | None = None) -> list[str]:
         """Delete what the policy no longer keeps; returns the removed artifact ids."""
         if self.max_age_s <= 0 and self.max_bytes <= 0:
             return []
         now = time.time() if now is None else now
-        artifacts = self.store.artifacts_oldest_first()
-        total = sum(size for _, _, size, _ in artifacts)
+        artifacts = await self.store.artifacts_oldest_first()
+        total = sum(artifact.bytes for artifact in artifacts)
         removed = []
-        for artifact_id, path, size, created in artifacts:
-            too_old = self.max_age_s > 0 and now - created > self.max_age_s
+        for artifact in artifacts:
+            too_old = self.max_age_s > 0 and now - artifact.created > self.max_age_s
             over_cap = self.max_bytes > 0 and total > self.max_bytes
             if not (too_old or over_cap):
                 continue
-            self.store.delete_artifact(artifact_id)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            total -= size
-            removed.append(artifact_id)
+            await self.store.delete_artifact(artifact.artifact_id)
+            await asyncio.to_thread(_unlink, artifact.path)
+            total -= artifact.bytes
+            removed.append(artifact.artifact_id)
         if removed:
             log.info("retention removed %d artifact(s): %s", len(removed), ", ".join(removed))
         return removed
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

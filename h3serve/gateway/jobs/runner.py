@@ -1,46 +1,44 @@
-"""Runs a job through the stages: encoder -> DiT -> VAE, turning stage progress into JobEvents.
+"""Runs jobs: each job's workflow plan, stage by stage, turning stage progress into JobEvents.
 
-Each stage has its own queue and workers (`StageQueue`), so jobs overlap across stages. Every pass
-through a stage is recorded (queued, started, finished, replica, bytes). A stalled stage makes the
-job run again from the start (same seed, same result) while attempts remain.
+A plan is a list of steps of stage names (h3serve/model/workflows), the stages are declarations
+(h3serve/gateway/stages); this module only executes them. Each stage has its own queue and workers
+(`StageQueue`), so jobs overlap across stages. Every pass through a stage is recorded (queued,
+started, finished, replica, bytes). A stalled stage makes the job run again from the start (same
+seed, same result) while attempts remain; that policy, and the reasons jobs give, live here.
 
-Every job ends in exactly one terminal state, written to the store with its terminal event.
-That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the
-expected errors is still marked FAILED (the field notes' ghost "running" job).
+Every job ends in exactly one terminal state, written to the store together with its terminal event.
+That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the expected
+errors is still marked FAILED (the field notes' ghost "running" job).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Awaitable
 
 import grpc
 
-from h3serve.v1 import dit_pb2, gateway_pb2, vae_pb2
-from h3serve.gateway.jobs.artifacts import ArtifactStore
-from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.jobs.events import EventHub
-from h3serve.gateway.stages.media import encode_inputs
-from h3serve.gateway.metrics import STAGES, GatewayMetrics
-from h3serve.gateway.jobs.retention import Retention
-from h3serve.gateway.stages.queue import StageQueue
-from h3serve.gateway.stages.calls import CallRecord, StageClients
-from h3serve.gateway.jobs.store import JobStore
-from h3serve.gateway.stages.watchdog import Stuck, Watchdog
 from h3serve.common.config import GatewayConfig
 from h3serve.common.errors import describe, tail
+from h3serve.gateway.assets.store import AssetStore
+from h3serve.gateway.jobs.artifacts import ArtifactStore
+from h3serve.gateway.jobs.events import EventHub
+from h3serve.gateway.jobs.retention import Retention
+from h3serve.gateway.jobs.store import JobStore
+from h3serve.gateway.metrics import GatewayMetrics
+from h3serve.gateway.stages.calls import CallRecord, StageCaller
+from h3serve.gateway.stages.queue import StageQueue
+from h3serve.gateway.stages.stage import JobContext, Stage
+from h3serve.gateway.stages.watchdog import Stuck, Watchdog
+from h3serve.model import workflows
+from h3serve.v1 import gateway_pb2
 
 log = logging.getLogger("h3serve.gateway.jobs")
 S = gateway_pb2
-
-
-T = TypeVar("T")
-VAE_ENCODE = "vae-encode"
-REPLICAS_OF = {VAE_ENCODE: "vae"}  # a stage that runs on another stage's replicas
+CANCELLED_BY_CLIENT = "cancelled by CancelJob"
 
 
 class StageFailed(Exception):
@@ -51,38 +49,30 @@ class StageFailed(Exception):
         super().__init__(f"{stage} ({replica}): {error.details() or error.code().name}")
 
 
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return tail(f"{exc.code().name}: {exc.details()}")
-    return tail(str(exc) or type(exc).__name__)
-
-
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
     return S.Failed(code=code.value[0], code_name=code.name, message=tail(message))
 
 
-@dataclass
-class StepTimes:
-    """Denoise progress of one job, for elapsed time and ETA."""
-
-    elapsed: float = 0.0
-
-    def event(self, step: dit_pb2.StepProgress) -> gateway_pb2.Denoising:
-        self.elapsed += step.seconds
-        eta = self.elapsed / step.step * (step.total - step.step)
-        return S.Denoising(step=step.step, total=step.total, step_seconds=step.seconds,
-                           elapsed_seconds=self.elapsed, eta_seconds=eta)
+async def all_of(*calls: Awaitable) -> list:
+    """Every result; when one fails the others are cancelled, so no stage call outlives its job's attempt."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class JobRunner:
-    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, stages: StageClients,
-                 artifacts: ArtifactStore, metrics: GatewayMetrics, assets: AssetStore | None = None) -> None:
-        self.store, self.hub, self.stages, self.artifacts, self.metrics = store, hub, stages, artifacts, metrics
+    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, caller: StageCaller,
+                 artifacts: ArtifactStore, metrics: GatewayMetrics, assets: AssetStore) -> None:
+        self.store, self.hub, self.caller, self.artifacts, self.metrics = store, hub, caller, artifacts, metrics
         self.assets = assets
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
-        # One queue per stage; "vae-encode" (fl2va/ref2va conditioning) runs on the VAE replicas.
-        self.queues = {stage: StageQueue(stage, len(config.replicas(stage))) for stage in STAGES}
-        self.queues[VAE_ENCODE] = StageQueue(VAE_ENCODE, len(config.replicas(REPLICAS_OF[VAE_ENCODE])))
+        self.queues = {name: StageQueue(name, len(caller.replicas[stage.service].replicas))
+                       for name, stage in caller.stages.items()}
         self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
@@ -108,23 +98,36 @@ class JobRunner:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
+    async def resume(self) -> None:
+        """At start-up: queued jobs run; jobs a dead gateway left in flight run again or fail with the reason."""
+        reran = 0
+        for job in await self.store.unfinished():
+            if job.state == S.JOB_STATE_RUNNING:
+                reason = f"the gateway restarted while this job was in {_where(job.last_stage)}"
+                if not await self._retry_or_fail(job.job_id, job.attempts, reason, grpc.StatusCode.ABORTED):
+                    log.warning("job %s failed: interrupted by restarts %d times", job.job_id, job.attempts)
+                    continue
+                reran += 1
+            self.start(job.job_id, job.request)
+        self.metrics.job_retries.labels("restart").inc(reran)
+        if self._tasks:
+            log.info("resumed %d job(s) (%d interrupted in flight)", len(self._tasks), reran)
+
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         try:
-            while attempt := self.store.start_attempt(job_id):
+            while attempt := await self.store.start_attempt(job_id):
                 if await self._attempt(job_id, request, attempt):
                     return
         except asyncio.CancelledError:
             if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start
-                event = self.store.requeue_after_shutdown(job_id, self.max_attempts)
-                if event is not None:
-                    self.hub.publish(event)
+                await self._requeue_after_shutdown(job_id)
                 raise
-            self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason="cancelled by CancelJob"))
+            await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
         except StageFailed as exc:
-            self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
+            await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.INTERNAL, describe(exc)))
+            await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.INTERNAL, describe(exc)))
         finally:
             self._cancel_requested.discard(job_id)
 
@@ -136,96 +139,87 @@ class JobRunner:
         except Stuck as exc:
             self.metrics.stalls.labels(exc.phase).inc()
             log.warning("job %s attempt %d: %s", job_id, attempt, exc)
-            event = self.store.retry_or_fail(job_id, self.max_attempts, str(exc), grpc.StatusCode.DEADLINE_EXCEEDED)
-            if event is None:
-                return True
-            self.hub.publish(event)
-            if event.HasField("failed"):
-                return True
-            self.metrics.job_retries.labels("stall").inc()
-            return False
+            if await self._retry_or_fail(job_id, attempt, str(exc), grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.metrics.job_retries.labels("stall").inc()
+                return False
+            return True
 
-    def _finish(self, job_id: str, state: int, **terminal) -> None:
-        error = terminal.get("failed")
-        if self.store.set_state(job_id, state, error):
-            self.hub.emit(job_id, **terminal)
+    async def _retry_or_fail(self, job_id: str, attempts: int, reason: str, code: grpc.StatusCode) -> bool:
+        """An attempt was lost: queue the job again while attempts remain (True), else fail it with `reason`."""
+        if attempts < self.max_attempts:
+            retrying = S.Retrying(attempt=attempts + 1, max_attempts=self.max_attempts, reason=reason)
+            self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying)))
+            return True
+        await self._finish(job_id, S.JOB_STATE_FAILED,
+                           failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})"))
+        return False
 
-    async def _stage(self, job_id: str, attempt: int, stage: str, work: Callable[[CallRecord], Awaitable[T]]) -> T:
-        """Wait for a worker of `stage`, run `work`, and record the pass."""
-        record_id = self.store.stage_enqueued(job_id, attempt, stage)
-        waited = time.monotonic()
-        async with self.queues[stage].worker():
-            started = time.monotonic()
-            self.metrics.queue_seconds.labels(stage).observe(started - waited)
-            self.store.stage_update(record_id, started=time.time())
-            call = CallRecord()
-            try:
-                result = await work(call)
-            except BaseException as exc:
-                self.store.stage_update(record_id, replica=call.replica, tries=call.tries, error=_reason(exc))
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    raise StageFailed(stage, call.replica, exc) from exc
-                raise
-            self.store.stage_update(record_id, finished=time.time(), replica=call.replica, tries=call.tries,
-                                    bytes_in=call.bytes_in, bytes_out=call.bytes_out)
-            self.metrics.stage_seconds.labels(stage).observe(time.monotonic() - started)
-        return result
+    async def _requeue_after_shutdown(self, job_id: str) -> None:
+        """A graceful shutdown stopped this attempt: queue the job again without counting it. The `retrying`
+        event repeats the attempt's number and says why."""
+        job = await self.store.get_job(job_id)
+        where = _where(job.stage_records[-1].stage if job.stage_records else "")
+        retrying = S.Retrying(attempt=job.attempts, max_attempts=self.max_attempts,
+                              reason=f"the gateway shut down while this job was in {where}; attempt not counted")
+        self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False))
+
+    async def _finish(self, job_id: str, state: int, **terminal) -> None:
+        self.hub.publish(await self.store.finish(job_id, state, S.JobEvent(**terminal)))
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
-        inputs = await encode_inputs(self.stages, self.assets, job_id, request, self._condition_progress(job_id),
-                                     lambda stage, work: self._stage(job_id, attempt, stage, work), self.stall_s)
-        encoded = inputs.encoded
-        self.store.set_stage_seconds(job_id, "encode", encoded.summary.seconds)
-        if inputs.conditions is not None:
-            self.store.set_stage_seconds(job_id, "condition", inputs.conditions.seconds)
-        self.hub.emit(job_id, encoding=S.Encoding(cache_hit=encoded.summary.cache_hit,
-                                                  seconds=encoded.summary.seconds))
+        workflow = workflows.by_value(request.workflow)
+        job = JobContext(job_id, request, workflow.media_items(request, self.assets.get), self.assets.read,
+                         functools.partial(self.hub.emit, job_id))
+        for step in workflow.plan:
+            await all_of(*(self._stage(job, attempt, self.caller.stages[name]) for name in step))
+        await self._complete(job)
 
-        steps = StepTimes()
+    async def _stage(self, job: JobContext, attempt: int, stage: Stage) -> None:
+        """Wait for a worker of `stage`, run its call, record the pass and its timings."""
+        record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name)
+        waited = time.monotonic()
+        async with self.queues[stage.name].worker():
+            started = time.monotonic()
+            self.metrics.queue_seconds.labels(stage.name).observe(started - waited)
+            await self.store.stage_update(record_id, started=time.time())
+            record = CallRecord()
+            try:
+                output = await self.caller.run(stage, job, record, Watchdog(self.stall_s))
+            except BaseException as exc:
+                await self.store.stage_update(record_id, replica=record.replica, tries=record.tries,
+                                              error=self._reason(job.job_id, exc))
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    raise StageFailed(stage.name, record.replica, exc) from exc
+                raise
+            await self.store.stage_update(record_id, finished=time.time(), replica=record.replica,
+                                          tries=record.tries, bytes_in=record.bytes_in, bytes_out=record.bytes_out)
+            self.metrics.stage_seconds.labels(stage.name).observe(time.monotonic() - started)
+        job.outputs[stage.name] = output
+        for name, seconds in (await stage.finished(job, output)).items():
+            await self.store.set_stage_seconds(job.job_id, name, seconds)
 
-        async def on_step(step: dit_pb2.StepProgress) -> None:
-            self.hub.emit(job_id, denoising=steps.event(step))
+    def _reason(self, job_id: str, exc: BaseException) -> str:
+        """Why a stage pass ended without a result, for its record."""
+        if isinstance(exc, asyncio.CancelledError):
+            return CANCELLED_BY_CLIENT if job_id in self._cancel_requested else "the gateway shut down"
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return tail(f"{exc.code().name}: {exc.details()}")
+        return tail(str(exc) or type(exc).__name__)
 
-        denoised = await self._stage(job_id, attempt, "dit", lambda call: self.stages.denoise(
-            job_id, request, inputs.chunks, on_step, Watchdog(self.stall_s), call, inputs.spec))
-        self.store.set_stage_seconds(job_id, "denoise", denoised.summary.seconds)
-
-        decoded = await self._stage(job_id, attempt, "vae", lambda call: self.stages.decode(
-            job_id, request.include_raw, denoised.chunks, self._decode_progress(job_id), Watchdog(self.stall_s), call))
-        self.store.set_stage_seconds(job_id, "decode", decoded.summary.decode_seconds)
-        self.store.set_stage_seconds(job_id, "mux", decoded.summary.mux_seconds)
-        self._complete(job_id, decoded)
-
-    def _condition_progress(self, job_id: str):
-        async def on_progress(progress: vae_pb2.ConditionProgress) -> None:
-            self.hub.emit(job_id, conditioning=S.Conditioning(done=progress.done, total=progress.total))
-
-        return on_progress
-
-    def _decode_progress(self, job_id: str):
-        video_total = 0
-
-        async def on_progress(progress: vae_pb2.DecodeProgress) -> None:
-            nonlocal video_total
-            if progress.phase == vae_pb2.DECODE_PHASE_VIDEO:
-                video_total = progress.total
-                self.hub.emit(job_id, decoding=S.Decoding(chunk=progress.done, total=video_total + 1))
-            elif progress.phase == vae_pb2.DECODE_PHASE_AUDIO:
-                self.hub.emit(job_id, decoding=S.Decoding(chunk=video_total + 1, total=video_total + 1))
-            else:
-                self.hub.emit(job_id, muxing=S.Muxing(done=progress.done, total=progress.total))
-
-        return on_progress
-
-    def _complete(self, job_id: str, decoded) -> None:
-        video, path = self.artifacts.save(job_id, "video", decoded.files["video.mp4"])
-        self.store.add_artifact(job_id, "video", video, path)
+    async def _complete(self, job: JobContext) -> None:
+        decoded = job.outputs["vae"]
+        video, path = await asyncio.to_thread(self.artifacts.save, job.job_id, "video", decoded.files["video.mp4"])
+        await self.store.add_artifact(job.job_id, "video", video, path)
         done = S.Done(video=video, duration_s=decoded.summary.duration_s)
         if "raw.npz" in decoded.files:
-            raw, raw_path = self.artifacts.save(job_id, "raw", decoded.files["raw.npz"])
-            self.store.add_artifact(job_id, "raw", raw, raw_path)
+            raw, raw_path = await asyncio.to_thread(self.artifacts.save, job.job_id, "raw", decoded.files["raw.npz"])
+            await self.store.add_artifact(job.job_id, "raw", raw, raw_path)
             done.raw.CopyFrom(raw)
         if video.sha256 != decoded.summary.sha256:
             raise RuntimeError(f"video.mp4 arrived with sha256 {video.sha256}, the VAE sent {decoded.summary.sha256}")
-        self._finish(job_id, S.JOB_STATE_SUCCEEDED, done=done)
-        self.retention.enforce()
+        await self._finish(job.job_id, S.JOB_STATE_SUCCEEDED, done=done)
+        await self.retention.enforce()
+
+
+def _where(stage: str) -> str:
+    return f"the {stage} stage" if stage else "the queue"

@@ -1,49 +1,25 @@
-"""Durable job store: jobs, their event logs, artifacts and stage timings in one SQLite file (WAL).
+"""The job store's contract: what the gateway persists and the atomic steps it takes on it.
 
-One connection shared by all threads behind one lock. A read cursor left open while another connection wrote
-once locked the database at start-up, so every read is fetched whole and its cursor closed at once, and every
-write is its own transaction.
+Jobs, their event logs, stage records, stage timings and artifact files' records. Every method is a
+coroutine and never blocks the event loop: an implementation does its I/O elsewhere (SQLite on one
+thread of its own: sqlite.py). Each method is one transaction; in particular a job's terminal state and
+its terminal event are written together (`finish`), so no reader ever sees one without the other.
+
+The store holds no policy: how many attempts a job gets and why it runs again are the job runner's
+(h3serve/gateway/jobs/runner.py). PostgreSQL is the documented next implementation
+(docs/architecture.md, "Storage"): the same methods, one transaction each, `events` rows keyed by a
+sequence for `log_seq`.
 """
 
 from __future__ import annotations
 
-import os
-import sqlite3
-import threading
-import time
-from contextlib import closing
 from dataclasses import dataclass
-
-import grpc
+from typing import Protocol
 
 from h3serve.v1 import gateway_pb2
-from h3serve.common.errors import tail
 
 TERMINAL_STATES = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
-_UNFINISHED_STATES = (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, state INTEGER NOT NULL, request BLOB NOT NULL,
-    created REAL NOT NULL, updated REAL NOT NULL, error BLOB, last_seq INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS events (
-    job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, event BLOB NOT NULL,
-    PRIMARY KEY (job_id, seq));
-CREATE TABLE IF NOT EXISTS artifacts (
-    artifact_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, kind TEXT NOT NULL, file_name TEXT NOT NULL,
-    path TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, media_type TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS artifacts_by_job ON artifacts (job_id);
-CREATE TABLE IF NOT EXISTS stages (
-    job_id TEXT NOT NULL, stage TEXT NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (job_id, stage));
-CREATE TABLE IF NOT EXISTS stage_runs (
-    job_id TEXT NOT NULL, attempt INTEGER NOT NULL, stage TEXT NOT NULL, enqueued REAL NOT NULL,
-    started REAL NOT NULL DEFAULT 0, finished REAL NOT NULL DEFAULT 0, replica TEXT NOT NULL DEFAULT '',
-    bytes_in INTEGER NOT NULL DEFAULT 0, bytes_out INTEGER NOT NULL DEFAULT 0, tries INTEGER NOT NULL DEFAULT 0,
-    error TEXT NOT NULL DEFAULT '');
-CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
-"""
-# Columns added after the first release: (name, declaration); added in place to an older file.
-_JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"))
+UNFINISHED_STATES = (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING)
 
 
 class QueueFull(Exception):
@@ -62,302 +38,84 @@ class RequestIdConflict(Exception):
 
 
 @dataclass(frozen=True)
-class Recovery:
-    """What a start-up found: jobs to run again (with their request) and jobs failed for good."""
+class Unfinished:
+    """A queued or running job, as a start-up finds it."""
 
-    rerun: list[tuple[str, gateway_pb2.ResolvedRequest]]
-    failed: list[str]
-
-
-def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
-    """A copy whose message is cut from the front: the cause of an error is at its end."""
-    trimmed = gateway_pb2.Failed()
-    trimmed.CopyFrom(failed)
-    trimmed.message = tail(failed.message)
-    return trimmed
+    job_id: str
+    state: int
+    request: gateway_pb2.ResolvedRequest
+    attempts: int
+    last_stage: str  # the stage of its last stage record ("" if it never reached one)
 
 
-class JobStore:
-    def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._lock = threading.Lock()
-        self._conn = sqlite3.connect(path, check_same_thread=False)
-        with self._lock:
-            self._rows("PRAGMA journal_mode=WAL")
-            self._rows("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
-            self._add_missing_columns()
+@dataclass(frozen=True)
+class StoredArtifact:
+    artifact_id: str
+    path: str
+    bytes: int
+    created: float
 
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
 
-    def _add_missing_columns(self) -> None:
-        present = {row[1] for row in self._rows("PRAGMA table_info(jobs)")}
-        with self._conn:
-            for name, declaration in _JOB_COLUMNS:
-                if name not in present:
-                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) "
-                               "WHERE request_id IS NOT NULL")
+class JobStore(Protocol):
+    async def close(self) -> None: ...
 
-    # Callers hold self._lock; writers also hold a transaction (`with self._conn`).
+    # Jobs and events.
 
-    def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
-        with closing(self._conn.execute(sql, params)) as cursor:
-            return cursor.fetchall()
+    async def submit(self, job_id: str, request: gateway_pb2.ResolvedRequest, request_id: str = "",
+                     digest: str = "", max_unfinished: int = 0,
+                     first_event: gateway_pb2.JobEvent | None = None) -> tuple[gateway_pb2.Job, bool]:
+        """Create a QUEUED job (and its first event); returns (job, created). A known request_id returns its job
+        with created False (RequestIdConflict if `digest` differs); QueueFull when `max_unfinished` (> 0) jobs are
+        queued or running, and nothing is written."""
 
-    def _write_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
-        now = time.time()
-        seq = self._rows("UPDATE jobs SET last_seq = last_seq + 1, updated = ? WHERE job_id = ? RETURNING last_seq",
-                         (now, job_id))
-        if not seq:
-            raise KeyError(job_id)
-        stored = gateway_pb2.JobEvent()
-        stored.CopyFrom(event)
-        stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
-        if stored.HasField("failed"):
-            stored.failed.message = tail(stored.failed.message)
-        with closing(self._conn.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
-                                        (job_id, stored.seq, now, stored.SerializeToString()))) as cursor:
-            stored.log_seq = cursor.lastrowid  # stored blobs lack it: reads take it from the rowid
-        return stored
-
-    def _write_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
-        blob = None if error is None else _kept_end(error).SerializeToString()
-        with closing(self._conn.execute(
-                f"UPDATE jobs SET state = ?, updated = ?, error = COALESCE(?, error) "
-                f"WHERE job_id = ? AND state NOT IN ({', '.join('?' * len(TERMINAL_STATES))})",
-                (state, time.time(), blob, job_id, *TERMINAL_STATES))) as cursor:
-            return cursor.rowcount == 1
-
-    # Writes.
-
-    def create_job(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> gateway_pb2.Job:
-        job, _ = self.submit(job_id, request)
-        return job
-
-    def submit(self, job_id: str, request: gateway_pb2.ResolvedRequest, request_id: str = "", digest: str = "",
-               max_unfinished: int = 0, first_event: gateway_pb2.JobEvent | None = None
-               ) -> tuple[gateway_pb2.Job, bool]:
-        """Create a QUEUED job (and its first event) in one transaction; returns (job, created).
-
-        A known request_id returns its job with created False (RequestIdConflict if `digest` differs).
-        QueueFull when `max_unfinished` (> 0) jobs are already queued or running: nothing is written."""
-        with self._lock, self._conn:
-            if request_id:
-                known = self._rows("SELECT job_id, request_digest FROM jobs WHERE request_id = ?", (request_id,))
-                if known:
-                    if known[0][1] != digest:
-                        raise RequestIdConflict(request_id, known[0][0])
-                    return self._job(known[0][0]), False
-            if max_unfinished > 0:
-                depth = self._rows("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", _UNFINISHED_STATES)[0][0]
-                if depth >= max_unfinished:
-                    raise QueueFull(depth, max_unfinished)
-            now = time.time()
-            self._conn.execute(
-                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, gateway_pb2.JOB_STATE_QUEUED, request.SerializeToString(), now, now, request_id or None,
-                 digest or None))
-            if first_event is not None:
-                self._write_event(job_id, first_event)
-            return self._job(job_id), True
-
-    def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+    async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
         """Store the event as the job's next seq, stamped now; returns the stored copy. KeyError: unknown job."""
-        with self._lock, self._conn:
-            return self._write_event(job_id, event)
 
-    def set_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None = None) -> bool:
-        """False when the job is unknown or already terminal: a finished job never changes again."""
-        with self._lock, self._conn:
-            return self._write_state(job_id, state, error)
-
-    def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
-        with self._lock, self._conn:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (artifact.artifact_id, job_id, kind, artifact.file_name, path, artifact.bytes, artifact.sha256,
-                 artifact.media_type, time.time()))
-
-    def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
-        # An upsert rather than REPLACE keeps the row id, which orders stages as they first ran.
-        with self._lock, self._conn:
-            self._conn.execute("INSERT INTO stages VALUES (?, ?, ?) "
-                               "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
-                               (job_id, stage, seconds))
-
-    def start_attempt(self, job_id: str) -> int:
+    async def start_attempt(self, job_id: str) -> int:
         """Mark the job RUNNING and count one more attempt; returns its number (0: the job is already final)."""
-        with self._lock, self._conn:
-            if not self._write_state(job_id, gateway_pb2.JOB_STATE_RUNNING, None):
-                return 0
-            return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts",
-                              (job_id,))[0][0]
 
-    def retry_or_fail(self, job_id: str, max_attempts: int, reason: str,
-                      code: grpc.StatusCode = grpc.StatusCode.ABORTED) -> gateway_pb2.JobEvent | None:
-        """An attempt was lost (restart, stall): queue the job again with a `retrying` event while attempts remain,
-        else fail it with `reason`. Returns the event written (None if the job was already final)."""
-        with self._lock, self._conn:
-            rows = self._rows("SELECT attempts FROM jobs WHERE job_id = ?", (job_id,))
-            if not rows:
-                return None
-            attempts = rows[0][0]
-            if attempts < max_attempts:
-                if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
-                    return None
-                retrying = gateway_pb2.Retrying(attempt=attempts + 1, max_attempts=max_attempts, reason=reason)
-                return self._write_event(job_id, gateway_pb2.JobEvent(retrying=retrying))
-            failed = gateway_pb2.Failed(code=code.value[0], code_name=code.name,
-                                        message=f"{reason} (attempt {attempts} of {max_attempts})")
-            if not self._write_state(job_id, gateway_pb2.JOB_STATE_FAILED, failed):
-                return None
-            return self._write_event(job_id, gateway_pb2.JobEvent(failed=failed))
+    async def requeue(self, job_id: str, event: gateway_pb2.JobEvent,
+                      count_attempt: bool = True) -> gateway_pb2.JobEvent | None:
+        """Queue an unfinished job again with `event` (its `retrying`); without `count_attempt` the interrupted
+        attempt is taken back. Returns the stored event, None when the job is already final."""
 
-    def requeue_after_shutdown(self, job_id: str, max_attempts: int) -> gateway_pb2.JobEvent | None:
-        """A graceful shutdown stopped this attempt: queue the job again without counting it. The `retrying`
-        event repeats the attempt's number and says why (None if the job was already final)."""
-        reason = f"the gateway shut down while this job was in {self._current_stage(job_id)}; attempt not counted"
-        with self._lock, self._conn:
-            if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
-                return None
-            attempts = self._rows("UPDATE jobs SET attempts = MAX(attempts - 1, 0) WHERE job_id = ? "
-                                  "RETURNING attempts", (job_id,))[0][0]
-            retrying = gateway_pb2.Retrying(attempt=attempts + 1, max_attempts=max_attempts, reason=reason)
-            return self._write_event(job_id, gateway_pb2.JobEvent(retrying=retrying))
+    async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+        """Set a terminal state with its terminal event (its `failed` also becomes the job's error). Returns the
+        stored event, None when the job was already final: a finished job never changes again."""
 
-    def recover(self, max_attempts: int) -> Recovery:
-        """At start-up: queued jobs run; jobs a dead gateway left running run again from the start while attempts
-        remain, else they are failed with the stage they were in."""
-        with self._lock:
-            rows = self._rows("SELECT job_id, state, request FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid",
-                              _UNFINISHED_STATES)
-        rerun, failed = [], []
-        for job_id, state, request in rows:
-            if state == gateway_pb2.JOB_STATE_RUNNING:
-                reason = f"the gateway restarted while this job was in {self._current_stage(job_id)}"
-                event = self.retry_or_fail(job_id, max_attempts, reason)
-                if event is not None and event.HasField("failed"):
-                    failed.append(job_id)
-                    continue
-            rerun.append((job_id, gateway_pb2.ResolvedRequest.FromString(request)))
-        return Recovery(rerun, failed)
+    async def unfinished(self) -> list[Unfinished]:
+        """Queued and running jobs, oldest first."""
 
-    def _current_stage(self, job_id: str) -> str:
-        with self._lock:
-            rows = self._rows("SELECT stage FROM stage_runs WHERE job_id = ? ORDER BY rowid DESC LIMIT 1", (job_id,))
-        return f"the {rows[0][0]} stage" if rows else "the queue"
+    # Stage records and timings.
 
-    # Stage records: one row per pass of a job through a stage.
+    async def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
+        """A new stage record (the job joined the stage's queue); returns its id."""
 
-    def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
-        with self._lock, self._conn:
-            with closing(self._conn.execute("INSERT INTO stage_runs (job_id, attempt, stage, enqueued) "
-                                            "VALUES (?, ?, ?, ?)", (job_id, attempt, stage, time.time()))) as cur:
-                return cur.lastrowid
+    async def stage_update(self, record_id: int, **values) -> None:
+        """Set columns of a stage record: started, finished, replica, bytes_in, bytes_out, tries, error."""
 
-    def stage_update(self, record_id: int, **values) -> None:
-        """Set columns of a stage record (started, finished, replica, bytes_in, bytes_out, tries, error)."""
-        unknown = set(values) - set(_RECORD_COLUMNS)
-        if unknown:
-            raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
-        assignments = ", ".join(f"{name} = ?" for name in values)
-        with self._lock, self._conn:
-            self._conn.execute(f"UPDATE stage_runs SET {assignments} WHERE rowid = ?", (*values.values(), record_id))
+    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None: ...
 
-    # Artifact retention.
+    # Artifacts.
 
-    def artifacts_oldest_first(self) -> list[tuple[str, str, int, float]]:
-        """(artifact_id, path, bytes, created) of every artifact, oldest first."""
-        with self._lock:
-            return self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, rowid")
+    async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None: ...
 
-    def delete_artifact(self, artifact_id: str) -> None:
-        with self._lock, self._conn:
-            self._conn.execute("DELETE FROM artifacts WHERE artifact_id = ?", (artifact_id,))
+    async def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
+        """The artifact and its file path."""
+
+    async def artifacts_oldest_first(self) -> list[StoredArtifact]: ...
+
+    async def delete_artifact(self, artifact_id: str) -> None: ...
 
     # Reads.
 
-    def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        with self._lock:
-            rows = self._rows("SELECT artifact_id, file_name, bytes, sha256, media_type, path FROM artifacts "
-                              "WHERE artifact_id = ?", (artifact_id,))
-        if not rows:
-            return None
-        *fields, path = rows[0]
-        return _artifact(fields), path
+    async def get_job(self, job_id: str) -> gateway_pb2.Job | None: ...
 
-    def get_job(self, job_id: str) -> gateway_pb2.Job | None:
-        with self._lock:
-            return self._job(job_id)
-
-    def _job(self, job_id: str, records: bool = True) -> gateway_pb2.Job | None:
-        jobs = self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,))
-        if not jobs:
-            return None
-        job = _job_from_row(jobs[0])
-        job.artifacts.extend(_artifact(row) for row in self._rows(
-            "SELECT artifact_id, file_name, bytes, sha256, media_type FROM artifacts "
-            "WHERE job_id = ? ORDER BY kind != 'video', created", (job_id,)))
-        job.stages.extend(gateway_pb2.StageTiming(stage=stage, seconds=seconds) for stage, seconds in self._rows(
-            "SELECT stage, seconds FROM stages WHERE job_id = ? ORDER BY rowid", (job_id,)))
-        if records:
-            job.stage_records.extend(gateway_pb2.StageRecord(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), row)))
-                                     for row in self._rows(f"SELECT stage, attempt, {', '.join(_RECORD_COLUMNS)} "
-                                                           f"FROM stage_runs WHERE job_id = ? ORDER BY rowid",
-                                                           (job_id,)))
-        return job
-
-    def list_jobs(self, states: list[int], limit: int, before_rowid: int = 0) -> tuple[list[gateway_pb2.Job], int]:
-        """Up to `limit` jobs newest first (rowid below `before_rowid` when > 0); returns them and the rowid to
+    async def list_jobs(self, states: list[int], limit: int,
+                        before_rowid: int = 0) -> tuple[list[gateway_pb2.Job], int]:
+        """Up to `limit` jobs newest first (older than `before_rowid` when > 0); returns them and the cursor to
         continue from (0: no more)."""
-        where, params = ["1"], []
-        if states:
-            where.append(f"state IN ({', '.join('?' * len(states))})")
-            params.extend(states)
-        if before_rowid > 0:
-            where.append("rowid < ?")
-            params.append(before_rowid)
-        with self._lock:
-            rows = self._rows(f"SELECT rowid, job_id FROM jobs WHERE {' AND '.join(where)} ORDER BY rowid DESC "
-                              f"LIMIT ?", (*params, limit + 1))
-            jobs = [self._job(job_id, records=False) for _, job_id in rows[:limit]]
-        return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
 
-    def count_by_state(self) -> dict[int, int]:
-        with self._lock:
-            return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+    async def count_by_state(self) -> dict[int, int]: ...
 
-    def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
-        with self._lock:
-            rows = self._rows("SELECT rowid, event FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
-                              (job_id, after_seq))
-        events = []
-        for rowid, blob in rows:
-            event = gateway_pb2.JobEvent.FromString(blob)
-            event.log_seq = rowid
-            events.append(event)
-        return events
-
-
-_JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts"
-_RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
-
-
-def _job_from_row(row) -> gateway_pb2.Job:
-    job_id, state, request, created, updated, error, last_seq, request_id, attempts = row
-    job = gateway_pb2.Job(job_id=job_id, state=state, request=gateway_pb2.ResolvedRequest.FromString(request),
-                          created=created, updated=updated, last_event_seq=last_seq, request_id=request_id or "",
-                          attempts=attempts)
-    if error is not None:
-        job.error.ParseFromString(error)
-    return job
-
-
-def _artifact(row) -> gateway_pb2.Artifact:
-    artifact_id, file_name, size, sha256, media_type = row
-    return gateway_pb2.Artifact(artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256,
-                                media_type=media_type)
+    async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]: ...

@@ -1,10 +1,11 @@
-"""The replicas of one stage: health probed on demand (cached at most 1 s) and least-loaded routing.
+"""The replicas of one service: health probed on demand (cached at most 1 s) and least-loaded routing.
 
 Health is never a remembered flag alone: `probe` asks the replica's gRPC health service when the last
 answer is older than HEALTH_TTL_S. Routing uses the last known health (a failed call marks a replica
 down at once; a down replica is probed again before routing, and a successful probe or call brings it
 back) and picks the healthy replica with the fewest calls in flight; when every replica looks down it
-still tries one, so a call fails with the real error.
+still tries one, so a call fails with the real error. A replica can serve several stages (the VAE
+service decodes and encodes conditions), so its call counters are kept per stage.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.common.server import GRPC_OPTIONS
+from h3serve.v1 import gateway_pb2
 
 HEALTH_TTL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
@@ -30,16 +33,32 @@ def open_channel(address: str, root_pem: bytes | None) -> grpc.aio.Channel:
 
 
 @dataclass
+class CallStats:
+    """One stage's calls on one replica."""
+
+    in_flight: int = 0
+    calls: int = 0
+    failures: int = 0
+    last_error: str = ""   # why the last call failed; cleared when a call succeeds
+
+
+@dataclass
 class Replica:
     address: str
     channel: grpc.aio.Channel
     healthy: bool = True       # last known health, from a probe or a call
+    health_error: str = ""     # why the last probe said it is down
     probed_at: float = -math.inf
-    in_flight: int = 0
-    calls: int = 0
-    failures: int = 0
-    last_error: str = ""
     failed_at: float = -math.inf
+    stats: dict[str, CallStats] = field(default_factory=lambda: defaultdict(CallStats))
+
+    @property
+    def in_flight(self) -> int:
+        return sum(s.in_flight for s in self.stats.values())
+
+    @property
+    def calls(self) -> int:
+        return sum(s.calls for s in self.stats.values())
 
     async def probe(self) -> bool:
         if time.monotonic() - self.probed_at <= HEALTH_TTL_S:
@@ -48,32 +67,40 @@ class Replica:
             reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
                                                                          timeout=PROBE_TIMEOUT_S)
             self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if not self.healthy:
-                self.last_error = f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            self.health_error = "" if self.healthy else \
+                f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
         except grpc.aio.AioRpcError as exc:
-            self.healthy, self.last_error = False, f"health probe: {exc.code().name}: {exc.details()}"
+            self.healthy, self.health_error = False, f"health probe: {exc.code().name}: {exc.details()}"
         self.probed_at = time.monotonic()
         return self.healthy
 
-    def succeeded(self) -> None:
-        self.healthy = True
+    def succeeded(self, stage: str) -> None:
+        self.healthy, self.health_error = True, ""
+        self.stats[stage].last_error = ""
 
-    def failed(self, error: str, down: bool) -> None:
+    def failed(self, stage: str, error: str, down: bool) -> None:
         """A call failed; `down` (a transient failure or a stall) takes it out of routing until it answers again."""
-        self.failures += 1
-        self.last_error = error
+        self.stats[stage].failures += 1
+        self.stats[stage].last_error = error
         if down:
             self.healthy, self.failed_at = False, time.monotonic()
+
+    def info(self, stage: str) -> gateway_pb2.ReplicaInfo:
+        """How this replica looks to one stage: its health and that stage's calls on it."""
+        stats = self.stats[stage]
+        return gateway_pb2.ReplicaInfo(address=self.address, healthy=self.healthy, in_flight=stats.in_flight,
+                                       calls=stats.calls, failures=stats.failures,
+                                       last_error=stats.last_error or self.health_error)
 
 
 @dataclass
 class ReplicaSet:
-    stage: str
+    service: str
     replicas: list[Replica] = field(default_factory=list)
 
     @classmethod
-    def open(cls, stage: str, addresses: tuple[str, ...], root_pem: bytes | None) -> ReplicaSet:
-        return cls(stage, [Replica(address, open_channel(address, root_pem)) for address in addresses])
+    def open(cls, service: str, addresses: tuple[str, ...], root_pem: bytes | None) -> ReplicaSet:
+        return cls(service, [Replica(address, open_channel(address, root_pem)) for address in addresses])
 
     async def close(self) -> None:
         for replica in self.replicas:
@@ -96,6 +123,3 @@ class ReplicaSet:
 
     async def serving(self) -> bool:
         return any(await self.probe_all())
-
-    def describe(self) -> str:
-        return ", ".join(f"{r.address} ({'up' if r.healthy else 'down: ' + r.last_error})" for r in self.replicas)

@@ -79,7 +79,11 @@ def bind(name: str) -> None:
 def install(kernel: Callable) -> None:
     """Put `kernel` (q, k, v, softmax_scale, causal; (batch, rows, heads, head_dim)) in the slot, whose
     backend is registered here with Ulysses."""
-    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName, _AttentionBackendRegistry
+    from diffusers.models.attention_dispatch import (
+        _HUB_KERNELS_REGISTRY,
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+    )
 
     slot = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB]
     if slot.kernel_fn not in (None, kernel):

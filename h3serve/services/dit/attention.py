@@ -15,6 +15,7 @@ import logging
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from h3serve.model import rules
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.dit.attention")
@@ -88,23 +89,14 @@ def no_math_kernel(name: str, device: torch.device, tokens: int, limit: int):
     return sdpa_kernel(FUSED)
 
 
-def condition_rows(inputs: dict) -> int:
-    """Packed rows of fl2va / ref2va conditioning: latent frames x 2x2 patches, plus reference audio rows."""
-    video = sum(t.shape[2] * (t.shape[3] // 2) * (t.shape[4] // 2) for t in inputs.get("condition_latents", []))
-    return video + sum(t.shape[0] for t in inputs.get("audio_condition_latents", []))
-
-
-def packed_length(text_tokens: int, height: int, width: int, num_frames: int, conditioning_rows: int = 0) -> int:
-    """Rows of the packed sequence: text + conditioning + stereo audio latents + video patches (docs §3.3)."""
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
-        align_num_frames,
-        audio_latent_num_frames,
-        video_latent_num_frames,
-    )
-
-    num_frames = align_num_frames(max(num_frames, 1), 17, 5)  # as the blocks align it
-    video_rows = video_latent_num_frames(num_frames, 17, 5) * (height // 32) * (width // 32)
-    return text_tokens + conditioning_rows + 2 * audio_latent_num_frames(num_frames) + video_rows
+def packed_length(text_tokens: int, spec, conditioning: dict) -> int:
+    """Rows of the packed sequence: text, the conditioning latents' rows (latent frames x 2x2 patches, and
+    reference audio rows) and the generated video and audio (h3serve/model/rules.py)."""
+    video = sum(t.shape[2] * (t.shape[3] // rules.PATCH) * (t.shape[4] // rules.PATCH)
+                for t in conditioning.get("condition_latents", []))
+    audio = sum(t.shape[0] for t in conditioning.get("audio_condition_latents", []))
+    generated = rules.generated_rows(spec.height, spec.width, rules.align_num_frames(max(spec.num_frames, 1)))
+    return text_tokens + video + audio + generated.total
 
 
 def _describe(device: torch.device) -> str:

@@ -22,13 +22,11 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from h3serve.v1 import dit_pb2
-from h3serve.runtime import wire
 from h3serve.common.errors import describe
-from h3serve.services.dit import attention
-from h3serve.services.dit import parallel
-from h3serve.services.dit.runner import DenoiseJob, DenoiseRunner, StepClock
-from h3serve.services.dit.workflows import Conditioning
+from h3serve.runtime import wire
+from h3serve.services.dit import attention, parallel
+from h3serve.services.dit.runner import DenoiseRunner, StepClock
+from h3serve.v1 import dit_pb2
 
 log = logging.getLogger("h3serve.dit.group")
 IDLE, JOB = "idle", "job"
@@ -47,9 +45,9 @@ class Message:
     """What rank 0 broadcasts: a job with its inputs, or an idle beat."""
 
     kind: str
-    job: DenoiseJob | None = None
+    spec: dit_pb2.DenoiseSpec | None = None
     tensors: dict[str, torch.Tensor] | None = None  # prompt_embeds, text_token_tags
-    conditioning: Conditioning | None = None          # fl2va / ref2va inputs
+    conditioning: dict | None = None                  # the workflow's denoise inputs (keyframes, references)
 
 
 class Cancelled(BaseException):
@@ -109,7 +107,7 @@ class GroupMember:
         self.steps_served = 0
 
     def run(self, message: Message, on_step: Callable[[int, int], None], wants_stop: Callable[[], bool]) -> Outcome:
-        job, tensors = message.job, message.tensors
+        spec, tensors = message.spec, message.tensors
 
         def observe(step: int, total: int) -> None:
             self.steps_served += 1
@@ -120,11 +118,10 @@ class GroupMember:
         parallel.reset_peak_memory(self.device)
         outcome = Outcome()
         try:
-            embeds, conditioning = tensors["prompt_embeds"], message.conditioning or Conditioning()
-            tokens = attention.packed_length(embeds.shape[1], job.height, job.width, job.num_frames,
-                                             attention.condition_rows(conditioning.inputs))
+            embeds, conditioning = tensors["prompt_embeds"], message.conditioning or {}
+            tokens = attention.packed_length(embeds.shape[1], spec, conditioning)
             with attention.no_math_kernel(self.backend, self.device, tokens, self.max_math_tokens):
-                outcome.latents = self.runner.run(job, embeds, tensors["text_token_tags"], observe, conditioning)
+                outcome.latents = self.runner.run(spec, embeds, tensors["text_token_tags"], observe, conditioning)
             outcome.condition_rows = self.runner.condition_rows
         except Cancelled:
             pass
@@ -192,10 +189,9 @@ class Driver:
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="dit-group", daemon=True).start()
 
-    def submit(self, job_id: str, job: DenoiseJob, tensors: dict[str, torch.Tensor],
-               conditioning: Conditioning) -> Ticket:
+    def submit(self, spec: dit_pb2.DenoiseSpec, tensors: dict[str, torch.Tensor], conditioning: dict) -> Ticket:
         text = {name: tensors[name] for name in ("prompt_embeds", "text_token_tags")}
-        ticket = Ticket(job_id, Message(JOB, job, text, conditioning))
+        ticket = Ticket(spec.job_id, Message(JOB, spec, text, conditioning))
         with self._lock:
             if self.broken:
                 raise JobFailed(grpc.StatusCode.UNAVAILABLE, self.broken)
@@ -265,7 +261,7 @@ class Driver:
         for chunk in wire.encode_many(outcome.latents):
             ticket.events.put(dit_pb2.DenoiseEvent(chunk=chunk))
         self.requests_served += 1
-        seconds, steps = time.perf_counter() - started, ticket.message.job.num_inference_steps - 1
+        seconds, steps = time.perf_counter() - started, ticket.message.spec.params.num_inference_steps - 1
         log.info("job %s: %d steps in %.2f s on %d rank(s) (waited %.2f s)", ticket.job_id, steps, seconds,
                  self.member.control.world_size, queue_seconds)
         video_rows, audio_rows = outcome.condition_rows

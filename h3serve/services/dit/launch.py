@@ -18,17 +18,14 @@ from pathlib import Path
 
 import torch
 
-from h3serve.runtime import random_full
-
-from h3serve.runtime import tiny
 from h3serve.common.config import DiTConfig
+from h3serve.model import presets
 from h3serve.runtime.models import DTYPES
 from h3serve.services.dit import attention
-from h3serve.services.dit import workflows as wf
 from h3serve.services.dit.parallel import Layout
+from h3serve.services.dit.runner import partitions, served
 
 # Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
-RELEASED_SHAPE = (56, 128)  # attention heads, head dim: MiniMaxH3Transformer3DModel's defaults, the released ones
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -56,11 +53,11 @@ def decode_config(text: str) -> DiTConfig:
 def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     """(attention heads, head dim) of the transformer partition that will be served."""
     if not model_dir:
-        return tiny.TRANSFORMER["num_attention_heads"], tiny.TRANSFORMER["attention_head_dim"]
-    if model_dir == random_full.SOURCE:
-        return RELEASED_SHAPE
+        return presets.TINY_TRANSFORMER["num_attention_heads"], presets.TINY_TRANSFORMER["attention_head_dim"]
+    if model_dir == presets.RANDOM_FULL:
+        return presets.RELEASED_ATTENTION_SHAPE
     config = json.loads((Path(model_dir) / partition / "config.json").read_text())
-    return config.get("num_attention_heads", RELEASED_SHAPE[0]), config.get("attention_head_dim", RELEASED_SHAPE[1])
+    return config.get("num_attention_heads", presets.RELEASED_ATTENTION_SHAPE[0]), config.get("attention_head_dim", presets.RELEASED_ATTENTION_SHAPE[1])
 
 
 def check(config: DiTConfig) -> Layout:
@@ -68,7 +65,7 @@ def check(config: DiTConfig) -> Layout:
     layout = Layout.from_config(config)
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
-    partition = wf.partitions(wf.served(config.workflows))[0]
+    partition = partitions(served(config.workflows))[0]
     config.fast_path()  # fp8 without bf16 is refused here
     device = torch.device(config.device)
     if device.type == "cuda":

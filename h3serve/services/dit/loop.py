@@ -10,12 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from diffusers.modular_pipelines import ModularPipelineBlocks
-from diffusers.modular_pipelines.minimax_h3.denoise import (
-    MiniMaxH3DenoiseStep,
-    MiniMaxH3LoopDenoiser,
-    MiniMaxH3LoopSchedulerStep,
-)
-from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
 from diffusers.modular_pipelines.modular_pipeline_utils import InputParam
 
 StepObserver = Callable[[int, int], None]
@@ -41,13 +35,12 @@ class StepObserverBlock(ModularPipelineBlocks):
         return components, block_state
 
 
-class ObservedDenoiseStep(MiniMaxH3DenoiseStep):
-    block_classes = [MiniMaxH3LoopDenoiser, MiniMaxH3LoopSchedulerStep, StepObserverBlock]
-    block_names = ["denoiser", "update", "observe"]
-
-
-def t2va_core_blocks() -> MiniMaxH3CoreDenoiseStep:
-    """The t2va core denoise blocks with the observed loop in place of diffusers' loop."""
-    core = MiniMaxH3CoreDenoiseStep()
-    core.sub_blocks["denoise"] = ObservedDenoiseStep()
+def observed(core):
+    """A workflow's core denoise step with its loop (`denoise`) extended by the step observer."""
+    loop = type(core.sub_blocks["denoise"])
+    observed_loop = type(f"Observed{loop.__name__}", (loop,), {
+        "block_classes": [*loop.block_classes, StepObserverBlock],
+        "block_names": [*loop.block_names, "observe"],
+    })
+    core.sub_blocks["denoise"] = observed_loop()
     return core

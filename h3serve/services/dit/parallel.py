@@ -17,11 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from h3serve.runtime import fastpath
 from h3serve.common.config import DiTConfig
+from h3serve.runtime import fastpath
 from h3serve.runtime.fastpath import FastPath
-from h3serve.services.dit import attention
-from h3serve.services.dit import gloo_shims
+from h3serve.services.dit import attention, gloo_shims
 
 log = logging.getLogger("h3serve.dit.parallel")
 

@@ -20,19 +20,18 @@ import threading
 import time
 from dataclasses import replace
 
-from h3serve.v1 import dit_pb2, dit_pb2_grpc
 from h3serve.common import logs
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
+from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
 from h3serve.runtime.models import DTYPES
 from h3serve.runtime.service import load_model_service
-from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
 from h3serve.services.dit import parallel
-from h3serve.services.dit import workflows as wf
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
 from h3serve.services.dit.launch import decode_config
-from h3serve.services.dit.runner import DenoiseRunner
+from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
 log = logging.getLogger("h3serve.dit.rank")
 MAX_BACKOFF_S = 30.0
@@ -50,7 +49,7 @@ class Endpoint:
         state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
         self.view = GroupView(state=state)
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
-        self.view.info.workflows.extend(wf.served(config.workflows))  # Denoise checks requests against them
+        self.view.info.workflows.extend(flow.value for flow in served(config.workflows))  # Denoise checks requests against them
         servicer = DiTServicer(self.view)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
                                                 [SERVICE_NAME], config.address,
@@ -104,12 +103,12 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     layout = parallel.Layout.from_config(config)
     device = parallel.rank_device(config.device)
     control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
-    served = wf.served(config.workflows)
-    loaded = wf.partitions(served)
-    components, model = load_model_service("dit", [*loaded, *wf.SCHEDULERS], replace(config, device=str(device)))
+    flows = served(config.workflows)
+    loaded = partitions(flows)
+    components, model = load_model_service("dit", [*loaded, *SCHEDULERS], replace(config, device=str(device)))
     for partition in loaded:
         parallel.prepare_transformer(components[partition], layout, config.fast_path(), device, DTYPES[config.dtype])
-    member = GroupMember(control, DenoiseRunner(components, tuple(served)), device, config.attention_backend,
+    member = GroupMember(control, DenoiseRunner(components, flows), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
     info = dit_pb2.DiTInfo(

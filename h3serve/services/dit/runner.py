@@ -1,55 +1,59 @@
-"""Runs one denoise request (t2va, fl2va or ref2va) on the transformer: the DiT service's model runner."""
+"""Runs one denoise request (any workflow) on the transformer: the DiT service's model runner."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from h3serve.v1 import common_pb2
-from h3serve.services.dit import workflows as wf
-from h3serve.services.dit.loop import StepObserver
+from h3serve.model import workflows
+from h3serve.model.workflows.base import Workflow
+from h3serve.services.dit.loop import StepObserver, observed
+from h3serve.v1 import dit_pb2
 
+SCHEDULERS = ["scheduler", "audio_scheduler"]
 CONDITION_ROWS = ("num_condition_video_rows", "num_condition_audio_rows")
 
 
-@dataclass(frozen=True)
-class DenoiseJob:
-    height: int
-    width: int
-    num_frames: int
-    num_inference_steps: int
-    seed: int
-    workflow: int = common_pb2.WORKFLOW_T2VA
+def served(names: tuple[str, ...] | list[str]) -> list[Workflow]:
+    """The workflows of the config's names; ValueError names the unknown ones."""
+    if not names:
+        raise ValueError(f"workflows: none given; choose from {', '.join(workflows.names())}")
+    return [workflows.by_name(name) for name in names]
+
+
+def partitions(flows: list[Workflow]) -> list[str]:
+    """The transformer partitions `flows` run on, in a fixed order."""
+    needed = {flow.partition for flow in flows}
+    return [name for name in ("transformer", "transformer_ref") if name in needed]
 
 
 class DenoiseRunner:
-    """Holds the pipeline; not re-entrant (the schedulers keep per-request state)."""
+    """Holds one pipeline per served workflow; not re-entrant (the schedulers keep per-request state)."""
 
-    def __init__(self, components: dict, workflows: tuple[int, ...] = (common_pb2.WORKFLOW_T2VA,)) -> None:
+    def __init__(self, components: dict, flows: list[Workflow]) -> None:
         self.pipes = {}
-        for workflow in workflows:
-            pipe = wf.core_blocks(workflow).init_pipeline()
+        for flow in flows:
+            pipe = observed(flow.core_denoise_step()).init_pipeline()
             pipe.set_progress_bar_config(disable=True)  # progress leaves as events, not as a bar on stderr
-            pipe.update_components(**{name: components[name] for name in [wf.PARTITIONS[workflow], *wf.SCHEDULERS]})
-            self.pipes[workflow] = pipe
-        self.device = components[wf.partitions(list(workflows))[0]].device
+            pipe.update_components(**{name: components[name] for name in [flow.partition, *SCHEDULERS]})
+            self.pipes[flow.value] = pipe
+        self.device = components[partitions(flows)[0]].device
         self.condition_rows = (0, 0)  # of the last run: (video, audio) rows taken by keyframes / references
 
     @torch.no_grad()
-    def run(self, job: DenoiseJob, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor,
-            observer: StepObserver, conditioning: wf.Conditioning | None = None) -> dict[str, torch.Tensor]:
+    def run(self, spec: dit_pb2.DenoiseSpec, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor,
+            observer: StepObserver, conditioning: dict | None = None) -> dict[str, torch.Tensor]:
         # Noise is drawn on the CPU from the request's generator, as the reference pipeline does,
         # so a seed means the same video on every device. The packed layout is built on the CPU
         # too, from CPU row tags (as the text-encoder block returns them).
         # Conditioning latents stay on the CPU, as diffusers' VAE-encode blocks return them.
-        out = self.pipes[job.workflow](
+        out = self.pipes[workflows.by_value(spec.workflow).value](
             prompt_embeds=prompt_embeds.to(self.device), text_token_tags=text_token_tags.cpu(),
-            height=job.height, width=job.width, num_frames=job.num_frames,
-            num_inference_steps=job.num_inference_steps, generator=torch.Generator().manual_seed(job.seed),
-            step_observer=observer, output=["latents", "audio_latents", *CONDITION_ROWS],
-            **(conditioning or wf.Conditioning()).inputs,
+            height=spec.height, width=spec.width, num_frames=spec.num_frames,
+            num_inference_steps=spec.params.num_inference_steps,
+            generator=torch.Generator().manual_seed(spec.params.seed),
+            step_observer=observer, output=["latents", "audio_latents", *CONDITION_ROWS], **(conditioning or {}),
         )
         self.condition_rows = tuple(int(out[name] or 0) for name in CONDITION_ROWS)
         return {name: out[name].to("cpu", torch.float32) for name in ("latents", "audio_latents")}

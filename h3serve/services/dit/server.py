@@ -12,21 +12,22 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
+from h3serve.model import workflows
+from h3serve.model.workflows.base import Workflow
 from h3serve.runtime import wire
-from h3serve.services.dit import workflows as wf
 from h3serve.services.dit.group import Driver, JobFailed
-from h3serve.services.dit.runner import DenoiseJob
+from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
 SERVICE_NAME = dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name
 
 
-def job_from_spec(spec: dit_pb2.DenoiseSpec, served: list[int]) -> DenoiseJob:
-    workflow = spec.workflow or common_pb2.WORKFLOW_T2VA
-    if workflow not in served:
-        names = ", ".join(common_pb2.Workflow.Name(w) for w in served)
-        raise ValueError(f"workflow: {common_pb2.Workflow.Name(workflow)} is not served by this DiT (serves {names})")
-    return DenoiseJob(spec.height, spec.width, spec.num_frames, spec.num_inference_steps, spec.seed, workflow)
+def served_workflow(spec: dit_pb2.DenoiseSpec, served: list[int]) -> Workflow:
+    """The spec's workflow when this DiT serves it; ValueError names what it serves."""
+    workflow = workflows.by_value(spec.workflow)
+    if workflow.value not in served:
+        names = ", ".join(workflows.by_value(value).name for value in served)
+        raise ValueError(f"workflow: {workflow.name} is not served by this DiT (serves {names})")
+    return workflow
 
 
 @dataclass
@@ -44,16 +45,16 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
     def Denoise(self, request_iterator, context):
         try:
-            spec, tensors = wire.read_spec_stream(request_iterator, wf.tensor_names)
-            job = job_from_spec(spec, list(self.view.info.workflows))
-            conditioning = wf.Conditioning.from_spec(spec, tensors)
+            spec, tensors = wire.read_spec_stream(
+                request_iterator, lambda spec: workflows.by_value(spec.workflow).tensor_names(spec))
+            conditioning = served_workflow(spec, list(self.view.info.workflows)).denoise_inputs(spec, tensors)
         except ValueError as exc:  # WireError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         driver = self.view.driver
         try:
             if driver is None:
                 raise JobFailed(grpc.StatusCode.UNAVAILABLE, f"the DiT group is {self.view.state}")
-            ticket = driver.submit(spec.job_id, job, tensors, conditioning)
+            ticket = driver.submit(spec, tensors, conditioning)
             context.add_callback(ticket.cancel)
             yield from ticket.stream()
         except JobFailed as failed:

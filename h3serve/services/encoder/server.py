@@ -7,14 +7,16 @@ import time
 
 import grpc
 
-from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
-from h3serve.runtime import wire
 from h3serve.common.config import ModelServiceConfig
-from h3serve.runtime.media import MediaError, MediaPreparer, read_media_stream
-from h3serve.runtime.service import load_model_service
 from h3serve.common.server import run_server
+from h3serve.model import rules
+from h3serve.model.workflows.base import MediaError
+from h3serve.runtime import wire
+from h3serve.runtime.media import MediaPreparer, read_media_stream
+from h3serve.runtime.service import load_model_service
 from h3serve.services.encoder.cache import ByteLRU
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
+from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger("h3serve.encoder")
 
@@ -28,16 +30,14 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.media = MediaPreparer(config.geometry)
 
     def _check_prompt(self, prompt: str, context) -> None:
-        if not prompt.strip():
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: must not be empty")
-        if len(prompt) > self.config.max_prompt_chars:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"prompt: {len(prompt)} characters, at most {self.config.max_prompt_chars} allowed")
+        problem = rules.prompt_problem(prompt, self.config.max_prompt_chars)
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {problem}")
 
     def Encode(self, request, context):
         self._check_prompt(request.prompt, context)
         yield from self._cached(request.job_id, (self.model.model_revision, request.prompt),
-                                lambda: self.runner.encode(request.prompt))
+                                lambda: self.runner.encode(request.prompt, common_pb2.WORKFLOW_T2VA))
 
     def EncodeMedia(self, request_iterator, context):
         """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
@@ -50,7 +50,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                tuple((item.role, item.asset_id) for item in spec.items))
         try:
             yield from self._cached(spec.job_id, key,
-                                    lambda: self.runner.encode_media(spec.prompt, self.media.prepare(spec, assets)))
+                                    lambda: self.runner.encode(spec.prompt, spec.workflow,
+                                                               self.media.prepare(spec, assets)))
         except MediaError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

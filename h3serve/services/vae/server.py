@@ -14,20 +14,20 @@ import grpc
 import numpy as np
 import torch
 
-from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 from h3serve.common import errors
-from h3serve.runtime import fastpath
-from h3serve.runtime import wire
 from h3serve.common.config import ModelServiceConfig
-from h3serve.runtime.media import MediaError, MediaPreparer, read_media_stream
+from h3serve.common.server import run_server
+from h3serve.model.workflows.base import MediaError
+from h3serve.runtime import fastpath, wire
+from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.pump import ClientGone, pump
 from h3serve.runtime.service import load_model_service
-from h3serve.common.server import run_server
 from h3serve.services.vae import mux
 from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, Decoded, InvalidLatents, Progress, VaeDecoder
-from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.services.vae.tiles import batch_tiles
+from h3serve.services.vae.validate import InvalidOutput, validate
+from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 
 FILE_CHUNK_BYTES = 1 << 20
 TENSORS = ("latents", "audio_latents")
@@ -116,7 +116,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
         except (wire.WireError, InvalidLatents) as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if spec.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
+        if spec.params.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
@@ -157,7 +157,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                                    phase_reporter(report, vae_pb2.DECODE_PHASE_MUX))
             muxed_at = time.perf_counter()
             raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, sample_rate)
-                   if spec.include_raw else None)
+                   if spec.params.include_raw else None)
             self.requests_served += 1
         summary = summarize(checked, video, raw)
         summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
@@ -188,10 +188,8 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
         with self._lock:
             started = time.perf_counter()
-            conditions = self.conditions.encode(self.media.prepare(spec, assets), progress)
-        summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started,
-                                           keyframe_anchors=conditions.keyframe_anchors,
-                                           references=conditions.references)
+            conditions = self.conditions.encode(spec.workflow, self.media.prepare(spec, assets), progress)
+        summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started, **conditions.manifest)
         log.info("job %s: encoded %d conditions in %.2f s", spec.job_id, len(assets), summary.seconds)
         return summary, conditions.tensors
 

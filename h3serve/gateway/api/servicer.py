@@ -1,0 +1,169 @@
+"""The public gRPC API (h3serve.v1.Gateway): admission, durable jobs, event streams, listings, downloads, Info."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import uuid
+
+import grpc
+
+from h3serve.common.config import GatewayConfig
+from h3serve.gateway.admission.capacity import CapacityTable
+from h3serve.gateway.admission.request import RequestLimits, resolve
+from h3serve.gateway.admission.served import ServedWorkflows, WorkflowNotServed
+from h3serve.gateway.admission.text_rows import TextRows
+from h3serve.gateway.api.health import StageHealth
+from h3serve.gateway.assets.store import AssetStore
+from h3serve.gateway.assets.validate import AssetRefused
+from h3serve.gateway.jobs.events import EventHub
+from h3serve.gateway.jobs.runner import JobRunner
+from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, QueueFull, RequestIdConflict
+from h3serve.model.rules import InvalidRequest
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
+
+log = logging.getLogger("h3serve.gateway")
+DOWNLOAD_CHUNK = 1 << 20
+MAX_ID_CHARS = 128
+MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
+
+
+def _request_id(value: str) -> str:
+    if len(value) > MAX_ID_CHARS or not all(" " < c <= "~" for c in value):
+        raise InvalidRequest("request_id", f"at most {MAX_ID_CHARS} printable ASCII characters without spaces, "
+                                           f"got {len(value)} characters")
+    return value
+
+
+def _digest(request: gateway_pb2.GenerateRequest) -> str:
+    """What a request_id stands for: the request as sent (without the id), so a retry matches its original."""
+    copy = gateway_pb2.GenerateRequest()
+    copy.CopyFrom(request)
+    copy.ClearField("request_id")
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).hexdigest()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
+                 health: StageHealth, assets: AssetStore, text_rows: TextRows) -> None:
+        self.config, self.limits = config, RequestLimits.from_config(config)
+        self.capacity = CapacityTable(config.capacity, config.max_rows)
+        self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
+        self.text_rows = text_rows
+        self.workflows = ServedWorkflows(runner.caller.replicas["dit"])
+
+    async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
+        """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
+        try:
+            request_id = _request_id(request.request_id)
+            resolved = resolve(request, self.limits, self.assets.get)
+            await self.workflows.check(resolved.workflow)
+            resolved.text_rows = self.text_rows(resolved, self.assets.get)
+            resolved.total_rows = self.capacity.admit(resolved).total
+            job, created = await self.store.submit(
+                uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
+                first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
+        except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except WorkflowNotServed as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RequestIdConflict as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        if created:
+            self.runner.start(job.job_id, resolved)
+            log.info("job %s accepted: %dx%d, %d frames, %d steps, seed %d", job.job_id, resolved.height,
+                     resolved.width, resolved.num_frames, resolved.params.num_inference_steps, resolved.params.seed)
+        return job
+
+    async def Submit(self, request, context):
+        return await self._submit(request, context)
+
+    async def Generate(self, request, context):
+        job = await self._submit(request, context)
+        async for event in self.hub.watch(job.job_id):
+            yield event
+
+    async def Watch(self, request, context):
+        job = await self._job_or_abort(request.job_id, context)
+        if request.after_seq < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"after_seq: must be >= 0, got {request.after_seq}")
+        async for event in self.hub.watch(job.job_id, request.after_seq):
+            yield event
+
+    async def GetJob(self, request, context):
+        return await self._job_or_abort(request.job_id, context)
+
+    async def ListJobs(self, request, context):
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"page_size: must be within 1..{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), "
+                                f"got {request.page_size}")
+        unknown = [s for s in request.states if s not in gateway_pb2.JobState.values() or s == 0]
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"states: unknown job state(s) {unknown}; known: 1..{max(gateway_pb2.JobState.values())}")
+        token = request.page_token
+        if token and not (token.isdigit() and len(token) <= 19):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "page_token: pass the next_page_token of the previous page unchanged")
+        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, int(token or 0))
+        return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
+
+    async def CancelJob(self, request, context):
+        job = await self._job_or_abort(request.job_id, context)
+        if self.runner.cancel(job.job_id):
+            async for _ in self.hub.watch(job.job_id):
+                pass  # returns once the job has reached its terminal state
+        return await self.store.get_job(job.job_id)
+
+    async def DownloadArtifact(self, request, context):
+        found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None
+        if found is None or not await asyncio.to_thread(os.path.isfile, found[1]):
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"artifact_id: no artifact {request.artifact_id[:MAX_ID_CHARS]!r} (never made, or "
+                                f"removed by the retention policy)")
+        artifact, path = found
+        file = await asyncio.to_thread(open, path, "rb")
+        try:
+            first = True
+            while data := await asyncio.to_thread(file.read, DOWNLOAD_CHUNK):
+                chunk = gateway_pb2.ArtifactChunk(data=data)
+                if first:
+                    chunk.file_name, chunk.total_bytes, first = artifact.file_name, artifact.bytes, False
+                yield chunk
+        finally:
+            file.close()
+
+    async def Info(self, request, context):
+        caller = self.runner.caller
+        counts = await self.store.count_by_state()
+        info = gateway_pb2.GatewayInfo(unfinished_jobs=sum(counts.get(state, 0) for state in UNFINISHED_STATES),
+                                       max_unfinished_jobs=self.config.max_unfinished_jobs,
+                                       serving=await self.health.serving())
+        for name, stage in caller.stages.items():
+            queue = self.runner.queues[name]
+            info.stages.add(stage=name, queue_depth=queue.depth, busy_workers=queue.busy, workers=queue.workers,
+                            cache_hit_rate=stage.cache_hit_rate(),
+                            replicas=[r.info(name) for r in caller.replicas[stage.service].replicas])
+        return info
+
+    async def UploadAsset(self, request_iterator, context):
+        try:
+            asset = await self.assets.upload(request_iterator, asyncio.to_thread)
+        except AssetRefused as exc:
+            await context.abort(exc.code, exc.message)
+        log.info("asset %s (%s, %s, %d bytes)%s", asset.asset_id[:16], media_pb2.AssetKind.Name(asset.kind),
+                 asset.format, asset.bytes, " already stored" if asset.deduplicated else "")
+        return asset
+
+    async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
+        job = await self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {job_id[:MAX_ID_CHARS]!r}")
+        return job
+

@@ -1,0 +1,331 @@
+"""The job store on one SQLite file (WAL): jobs, their event logs, stage records, timings, artifacts.
+
+One connection, owned by one thread of the store's own: every query runs there, in order, so the
+event loop never waits on disk and no lock is needed. A read cursor left open while another
+connection wrote once locked a database at start-up in the field, so every read is fetched whole and
+its cursor closed at once, and every method is its own transaction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+from h3serve.common.errors import tail
+from h3serve.gateway.jobs.store import (
+    TERMINAL_STATES,
+    UNFINISHED_STATES,
+    JobStore,
+    QueueFull,
+    RequestIdConflict,
+    StoredArtifact,
+    Unfinished,
+)
+from h3serve.v1 import gateway_pb2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, state INTEGER NOT NULL, request BLOB NOT NULL,
+    created REAL NOT NULL, updated REAL NOT NULL, error BLOB, last_seq INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS events (
+    job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, event BLOB NOT NULL,
+    PRIMARY KEY (job_id, seq));
+CREATE TABLE IF NOT EXISTS artifacts (
+    artifact_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, kind TEXT NOT NULL, file_name TEXT NOT NULL,
+    path TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, media_type TEXT NOT NULL, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS artifacts_by_job ON artifacts (job_id);
+CREATE TABLE IF NOT EXISTS stages (
+    job_id TEXT NOT NULL, stage TEXT NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (job_id, stage));
+CREATE TABLE IF NOT EXISTS stage_runs (
+    job_id TEXT NOT NULL, attempt INTEGER NOT NULL, stage TEXT NOT NULL, enqueued REAL NOT NULL,
+    started REAL NOT NULL DEFAULT 0, finished REAL NOT NULL DEFAULT 0, replica TEXT NOT NULL DEFAULT '',
+    bytes_in INTEGER NOT NULL DEFAULT 0, bytes_out INTEGER NOT NULL DEFAULT 0, tries INTEGER NOT NULL DEFAULT 0,
+    error TEXT NOT NULL DEFAULT '');
+CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
+"""
+# Columns added after the first release: (name, declaration); added in place to an older file.
+_JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"))
+
+
+
+def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
+    """A copy whose message is cut from the front: the cause of an error is at its end."""
+    trimmed = gateway_pb2.Failed()
+    trimmed.CopyFrom(failed)
+    trimmed.message = tail(failed.message)
+    return trimmed
+
+
+class _Database:
+    """The JobStore methods as plain functions on one connection; called only from the store's thread."""
+
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._conn = sqlite3.connect(path)
+        self._rows("PRAGMA journal_mode=WAL")
+        self._rows("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
+        self._add_missing_columns()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def _add_missing_columns(self) -> None:
+        present = {row[1] for row in self._rows("PRAGMA table_info(jobs)")}
+        with self._conn:
+            for name, declaration in _JOB_COLUMNS:
+                if name not in present:
+                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
+            self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) "
+                               "WHERE request_id IS NOT NULL")
+
+    # Writers hold a transaction (`with self._conn`).
+
+    def _rows(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with closing(self._conn.execute(sql, params)) as cursor:
+            return cursor.fetchall()
+
+    def _write_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+        now = time.time()
+        seq = self._rows("UPDATE jobs SET last_seq = last_seq + 1, updated = ? WHERE job_id = ? RETURNING last_seq",
+                         (now, job_id))
+        if not seq:
+            raise KeyError(job_id)
+        stored = gateway_pb2.JobEvent()
+        stored.CopyFrom(event)
+        stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
+        if stored.HasField("failed"):
+            stored.failed.message = tail(stored.failed.message)
+        with closing(self._conn.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
+                                        (job_id, stored.seq, now, stored.SerializeToString()))) as cursor:
+            stored.log_seq = cursor.lastrowid  # stored blobs lack it: reads take it from the rowid
+        return stored
+
+    def _write_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
+        blob = None if error is None else _kept_end(error).SerializeToString()
+        with closing(self._conn.execute(
+                f"UPDATE jobs SET state = ?, updated = ?, error = COALESCE(?, error) "
+                f"WHERE job_id = ? AND state NOT IN ({', '.join('?' * len(TERMINAL_STATES))})",
+                (state, time.time(), blob, job_id, *TERMINAL_STATES))) as cursor:
+            return cursor.rowcount == 1
+
+    # Writes.
+
+    def submit(self, job_id: str, request: gateway_pb2.ResolvedRequest, request_id: str = "", digest: str = "",
+               max_unfinished: int = 0, first_event: gateway_pb2.JobEvent | None = None
+               ) -> tuple[gateway_pb2.Job, bool]:
+        with self._conn:
+            if request_id:
+                known = self._rows("SELECT job_id, request_digest FROM jobs WHERE request_id = ?", (request_id,))
+                if known:
+                    if known[0][1] != digest:
+                        raise RequestIdConflict(request_id, known[0][0])
+                    return self._job(known[0][0]), False
+            if max_unfinished > 0:
+                depth = self._rows("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", UNFINISHED_STATES)[0][0]
+                if depth >= max_unfinished:
+                    raise QueueFull(depth, max_unfinished)
+            now = time.time()
+            self._conn.execute(
+                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, gateway_pb2.JOB_STATE_QUEUED, request.SerializeToString(), now, now, request_id or None,
+                 digest or None))
+            if first_event is not None:
+                self._write_event(job_id, first_event)
+            return self._job(job_id), True
+
+    def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+        with self._conn:
+            return self._write_event(job_id, event)
+
+    def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (artifact.artifact_id, job_id, kind, artifact.file_name, path, artifact.bytes, artifact.sha256,
+                 artifact.media_type, time.time()))
+
+    def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
+        # An upsert rather than REPLACE keeps the row id, which orders stages as they first ran.
+        with self._conn:
+            self._conn.execute("INSERT INTO stages VALUES (?, ?, ?) "
+                               "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
+                               (job_id, stage, seconds))
+
+    def start_attempt(self, job_id: str) -> int:
+        with self._conn:
+            if not self._write_state(job_id, gateway_pb2.JOB_STATE_RUNNING, None):
+                return 0
+            return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts",
+                              (job_id,))[0][0]
+
+    def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True
+                ) -> gateway_pb2.JobEvent | None:
+        with self._conn:
+            if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
+                return None
+            if not count_attempt:
+                self._rows("UPDATE jobs SET attempts = MAX(attempts - 1, 0) WHERE job_id = ?", (job_id,))
+            return self._write_event(job_id, event)
+
+    def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+        with self._conn:
+            failed = event.failed if event.HasField("failed") else None
+            if not self._write_state(job_id, state, failed):
+                return None
+            return self._write_event(job_id, event)
+
+    def unfinished(self) -> list[Unfinished]:
+        rows = self._rows(
+            "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
+            "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), '') FROM jobs WHERE state IN (?, ?) "
+            "ORDER BY created, rowid", UNFINISHED_STATES)
+        return [Unfinished(job_id, state, _request(request), attempts, stage)
+                for job_id, state, request, attempts, stage in rows]
+
+    # Stage records: one row per pass of a job through a stage.
+
+    def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
+        with self._conn:
+            with closing(self._conn.execute("INSERT INTO stage_runs (job_id, attempt, stage, enqueued) "
+                                            "VALUES (?, ?, ?, ?)", (job_id, attempt, stage, time.time()))) as cur:
+                return cur.lastrowid
+
+    def stage_update(self, record_id: int, **values) -> None:
+        unknown = set(values) - set(_RECORD_COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
+        assignments = ", ".join(f"{name} = ?" for name in values)
+        with self._conn:
+            self._conn.execute(f"UPDATE stage_runs SET {assignments} WHERE rowid = ?", (*values.values(), record_id))
+
+    # Artifact retention.
+
+    def artifacts_oldest_first(self) -> list[StoredArtifact]:
+        return [StoredArtifact(*row) for row in
+                self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, rowid")]
+
+    def delete_artifact(self, artifact_id: str) -> None:
+        with self._conn:
+            self._conn.execute("DELETE FROM artifacts WHERE artifact_id = ?", (artifact_id,))
+
+    # Reads.
+
+    def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
+        rows = self._rows("SELECT artifact_id, file_name, bytes, sha256, media_type, path FROM artifacts "
+                          "WHERE artifact_id = ?", (artifact_id,))
+        if not rows:
+            return None
+        *fields, path = rows[0]
+        return _artifact(fields), path
+
+    def get_job(self, job_id: str) -> gateway_pb2.Job | None:
+        return self._job(job_id)
+
+    def _job(self, job_id: str, records: bool = True) -> gateway_pb2.Job | None:
+        jobs = self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,))
+        if not jobs:
+            return None
+        job = _job_from_row(jobs[0])
+        job.artifacts.extend(_artifact(row) for row in self._rows(
+            "SELECT artifact_id, file_name, bytes, sha256, media_type FROM artifacts "
+            "WHERE job_id = ? ORDER BY kind != 'video', created", (job_id,)))
+        job.stages.extend(gateway_pb2.StageTiming(stage=stage, seconds=seconds) for stage, seconds in self._rows(
+            "SELECT stage, seconds FROM stages WHERE job_id = ? ORDER BY rowid", (job_id,)))
+        if records:
+            job.stage_records.extend(gateway_pb2.StageRecord(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), row)))
+                                     for row in self._rows(f"SELECT stage, attempt, {', '.join(_RECORD_COLUMNS)} "
+                                                           f"FROM stage_runs WHERE job_id = ? ORDER BY rowid",
+                                                           (job_id,)))
+        return job
+
+    def list_jobs(self, states: list[int], limit: int, before_rowid: int = 0) -> tuple[list[gateway_pb2.Job], int]:
+        where, params = ["1"], []
+        if states:
+            where.append(f"state IN ({', '.join('?' * len(states))})")
+            params.extend(states)
+        if before_rowid > 0:
+            where.append("rowid < ?")
+            params.append(before_rowid)
+        rows = self._rows(f"SELECT rowid, job_id FROM jobs WHERE {' AND '.join(where)} ORDER BY rowid DESC "
+                          f"LIMIT ?", (*params, limit + 1))
+        jobs = [self._job(job_id, records=False) for _, job_id in rows[:limit]]
+        return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
+
+    def count_by_state(self) -> dict[int, int]:
+        return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+
+    def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
+        rows = self._rows("SELECT rowid, event FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
+                          (job_id, after_seq))
+        events = []
+        for rowid, blob in rows:
+            event = gateway_pb2.JobEvent.FromString(blob)
+            event.log_seq = rowid
+            events.append(event)
+        return events
+
+
+_JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts"
+_RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
+
+
+def _job_from_row(row) -> gateway_pb2.Job:
+    job_id, state, request, created, updated, error, last_seq, request_id, attempts = row
+    job = gateway_pb2.Job(job_id=job_id, state=state, request=_request(request),
+                          created=created, updated=updated, last_event_seq=last_seq, request_id=request_id or "",
+                          attempts=attempts)
+    if error is not None:
+        job.error.ParseFromString(error)
+    return job
+
+
+def _artifact(row) -> gateway_pb2.Artifact:
+    artifact_id, file_name, size, sha256, media_type = row
+    return gateway_pb2.Artifact(artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256,
+                                media_type=media_type)
+
+
+def _request(blob: bytes) -> gateway_pb2.ResolvedRequest:
+    """A stored request; one stored before GenerationParams existed takes them from its top-level copies."""
+    request = gateway_pb2.ResolvedRequest.FromString(blob)
+    if not request.HasField("params"):
+        request.params.num_inference_steps, request.params.include_raw = request.num_inference_steps, \
+            request.include_raw
+        request.params.seed = request.seed
+    return request
+
+
+class SqliteJobStore:
+    """JobStore on one SQLite file: each method runs `_Database`'s of the same name on the store's own thread."""
+
+    def __init__(self, path: str):
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3serve-jobstore")
+        self._db = self._thread.submit(_Database, path).result()
+
+    async def _on_thread(self, name: str, *args, **kwargs):
+        return await asyncio.wrap_future(self._thread.submit(getattr(self._db, name), *args, **kwargs))
+
+    async def close(self) -> None:
+        await self._on_thread("close")
+        self._thread.shutdown()
+
+
+def _delegate(name: str):
+    async def method(self: SqliteJobStore, *args, **kwargs):
+        return await self._on_thread(name, *args, **kwargs)
+
+    method.__name__, method.__qualname__ = name, f"SqliteJobStore.{name}"
+    method.__doc__ = getattr(JobStore, name).__doc__
+    return method
+
+
+STORE_METHODS = tuple(name for name, value in vars(JobStore).items()
+                      if asyncio.iscoroutinefunction(value) and not name.startswith("_") and name != "close")
+for _name in STORE_METHODS:
+    setattr(SqliteJobStore, _name, _delegate(_name))

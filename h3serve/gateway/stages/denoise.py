@@ -1,0 +1,48 @@
+"""The `dit` stage: prompt embeddings (and conditioning latents) to latents, one progress event per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from h3serve.gateway.stages.stage import JobContext, Request, Stage, StageOutput
+from h3serve.gateway.stages.watchdog import Watchdog
+from h3serve.v1 import dit_pb2, dit_pb2_grpc, gateway_pb2
+
+
+@dataclass
+class StepTimes:
+    """Denoise progress of one job, for elapsed time and ETA."""
+
+    elapsed: float = 0.0
+
+    def event(self, step: dit_pb2.StepProgress) -> gateway_pb2.Denoising:
+        self.elapsed += step.seconds
+        eta = self.elapsed / step.step * (step.total - step.step)
+        return gateway_pb2.Denoising(step=step.step, total=step.total, step_seconds=step.seconds,
+                                     elapsed_seconds=self.elapsed, eta_seconds=eta)
+
+
+class DenoiseStage(Stage):
+    name, service, phase, deadline = "dit", "dit", "denoise", "denoise_deadline_s"
+    stub = dit_pb2_grpc.DiTStub
+
+    def request(self, job: JobContext) -> Request:
+        request = job.request
+        spec = dit_pb2.DenoiseSpec(job_id=job.job_id, workflow=request.workflow, height=request.height,
+                                   width=request.width, num_frames=request.num_frames, params=request.params)
+        chunks = list(job.outputs["encoder"].chunks)
+        conditions = job.outputs.get("vae-encode")
+        if conditions is not None:  # the manifest the VAE made of the media, and their latents
+            spec.keyframe_anchors.extend(conditions.summary.keyframe_anchors)
+            spec.references.extend(conditions.summary.references)
+            chunks += conditions.chunks
+        inputs = [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in chunks)]
+        return Request("Denoise", lambda: iter(inputs), sum(len(c.tensor.data) for c in chunks))
+
+    async def progress(self, job: JobContext, kind: str, event, watchdog: Watchdog) -> None:
+        watchdog.progress(self.phase)
+        self.metrics.step_seconds.observe(event.seconds)
+        await job.emit(denoising=job.scratch.setdefault(self.name, StepTimes()).event(event))
+
+    async def finished(self, job: JobContext, output: StageOutput) -> dict[str, float]:
+        return {"denoise": output.summary.seconds}
