@@ -97,8 +97,8 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
     assert (config.dit.world_size, config.dit.fsdp) == (1, False)
     assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
-    assert config.dit.fast_path() == FastPath("flash4", compile=True, fp8=True)
-    assert config.vae.fast_path() == FastPath("native", compile=True) and config.vae.tile_batch == 28
+    assert FastPath.of(config.dit) == FastPath("flash4", compile=True, fp8=True)
+    assert FastPath.of(config.vae) == FastPath("native", compile=True) and config.vae.tile_batch == 28
     assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
     assert config.gateway.data_dir == str(tmp_path / "gateway")
 

@@ -25,12 +25,12 @@ def test_an_unknown_attention_backend_is_refused_by_name():
 
 def test_fp8_needs_bf16_weights():
     with pytest.raises(ValueError, match='fp8 needs dtype = "bfloat16"'):
-        ModelServiceConfig(fp8=True).fast_path()
-    assert ModelServiceConfig(dtype="bfloat16", fp8=True, compile=True).fast_path().describe() == "native+compile+fp8"
+        FastPath.of(ModelServiceConfig(fp8=True))
+    assert FastPath.of(ModelServiceConfig(dtype="bfloat16", fp8=True, compile=True)).describe() == "native+compile+fp8"
 
 
 def test_the_default_fast_path_is_diffusers_native_eager():
-    assert ModelServiceConfig().fast_path() == FastPath(attention="native", compile=False, fp8=False)
+    assert FastPath.of(ModelServiceConfig()) == FastPath(attention="native", compile=False, fp8=False)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None, reason="nvidia-cudnn-frontend is installed here")

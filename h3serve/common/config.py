@@ -38,14 +38,6 @@ class ModelServiceConfig:
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     tile_batch: int = 1            # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
 
-    def fast_path(self):
-        """The services/common/fastpath.FastPath these fields select (imported here: it needs torch)."""
-        from h3serve.runtime.fastpath import FastPath
-
-        if self.fp8 and self.dtype != "bfloat16":
-            raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {self.dtype!r}")
-        return FastPath(attention=self.attention_backend, compile=self.compile, fp8=self.fp8)
-
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"

@@ -20,6 +20,7 @@ import torch
 
 from h3serve.common.config import DiTConfig
 from h3serve.model import presets
+from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
 from h3serve.services.dit import attention
 from h3serve.services.dit.parallel import Layout
@@ -66,7 +67,7 @@ def check(config: DiTConfig) -> Layout:
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
     partition = partitions(served(config.workflows))[0]
-    config.fast_path()  # fp8 without bf16 is refused here
+    FastPath.of(config)  # fp8 without bf16 is refused here
     device = torch.device(config.device)
     if device.type == "cuda":
         per_node, visible = config.world_size // config.nnodes, torch.cuda.device_count()

@@ -24,6 +24,7 @@ from h3serve.common import logs
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
+from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
 from h3serve.runtime.service import load_model_service
 from h3serve.services.dit import parallel
@@ -107,7 +108,8 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     loaded = partitions(flows)
     components, model = load_model_service("dit", [*loaded, *SCHEDULERS], replace(config, device=str(device)))
     for partition in loaded:
-        parallel.prepare_transformer(components[partition], layout, config.fast_path(), device, DTYPES[config.dtype])
+        parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
+                                     DTYPES[config.dtype])
     member = GroupMember(control, DenoiseRunner(components, flows), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))

@@ -19,6 +19,7 @@ from h3serve.common.config import ModelServiceConfig
 from h3serve.common.server import run_server
 from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import fastpath, wire
+from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.pump import ClientGone, pump
 from h3serve.runtime.service import load_model_service
@@ -200,7 +201,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
 def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("vae", COMPONENTS, config)
-    fastpath.apply(components["vae"], config.fast_path())
+    fastpath.apply(components["vae"], FastPath.of(config))
     batch_tiles(components["vae"], config.tile_batch)
     servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
