@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 import grpc
 import pytest
@@ -53,9 +54,11 @@ def test_the_checked_head_shape_is_the_served_transformers(tiny_model_dir):
 
 
 def test_torchrun_command_single_node_and_multi_node():
-    single = torchrun_argv(DiTConfig(world_size=2, max_restarts=5))
+    config = DiTConfig(world_size=2, max_restarts=5)
+    single = torchrun_argv(config)
     assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
-    assert single[-3:-1] == ["-m", "h3serve.services.dit.rank"] and decode_config(single[-1]).world_size == 2
+    assert single[-3:-1] == ["-m", "h3serve.services.dit.rank"]
+    assert json.loads(single[-1])["world_size"] == 2 and decode_config(single[-1]) == config  # JSON, not a pickle
     multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
     assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
             "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3serve.common.config import SERVICES, load_deploy, override
+from h3serve.common.config import SERVICES, ConfigError, load_deploy, override
 
 
 def _serve(args) -> None:
@@ -242,7 +242,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except ConfigError as exc:  # a refused deployment file or flag: its reasons, not a traceback
+        raise SystemExit(f"h3serve {args.command}: {exc}") from None
 
 
 if __name__ == "__main__":

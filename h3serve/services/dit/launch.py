@@ -9,10 +9,8 @@ before any rank starts.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import pickle
 import sys
 from pathlib import Path
 
@@ -43,12 +41,12 @@ def torchrun_argv(config: DiTConfig) -> list[str]:
 
 
 def encode_config(config: DiTConfig) -> str:
-    """The resolved config as one argument for every rank (nested dataclasses and all)."""
-    return base64.b64encode(pickle.dumps(config)).decode()
+    """The resolved config as one JSON argument for every rank (checked again when a rank reads it)."""
+    return config.model_dump_json()
 
 
 def decode_config(text: str) -> DiTConfig:
-    return pickle.loads(base64.b64decode(text))
+    return DiTConfig.model_validate_json(text)
 
 
 def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:

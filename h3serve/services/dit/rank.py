@@ -1,4 +1,4 @@
-"""One rank of the DiT group, as torchrun starts it: `python -m h3serve.services.dit.rank <DiTConfig, encoded>`.
+"""One rank of the DiT group, as torchrun starts it: `python -m h3serve.services.dit.rank <DiTConfig as JSON>`.
 
 Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start clients get
 "starting" with the reason instead of a closed port. Every rank then waits its restart
@@ -18,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import replace
 
 from h3serve.common import logs
 from h3serve.common.config import DiTConfig
@@ -106,7 +105,7 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
     flows = served(config.workflows)
     loaded = partitions(flows)
-    components, model = load_model_service("dit", [*loaded, *SCHEDULERS], replace(config, device=str(device)))
+    components, model = load_model_service("dit", [*loaded, *SCHEDULERS], config.replace(device=str(device)))
     for partition in loaded:
         parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
                                      DTYPES[config.dtype])
