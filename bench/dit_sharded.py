@@ -39,6 +39,7 @@ import torch
 from bench.common import Size, denoise_spec, software
 from bench.dit_step import TEXT_TOKENS
 from bench.results import Record, add_output_arguments, update_results
+from h3serve.model import presets
 from h3serve.runtime import random_full
 from h3serve.runtime.fastpath import FastPath
 
@@ -149,11 +150,9 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    from h3serve.runtime.tiny import TRANSFORMER
-
     if args.quick or config is not None:
         torch.manual_seed(0)  # the same weights on every rank: drawn on the CPU, then moved
-        sized = functools.partial(MiniMaxH3Transformer3DModel, **(config or TRANSFORMER))
+        sized = functools.partial(MiniMaxH3Transformer3DModel, **(config or presets.TINY_TRANSFORMER))
         transformer = random_full.build_in_place(sized, "cpu", dtype).to(device)
     else:  # released size, built on this rank's GPU, seeded alike on every rank
         transformer = random_full.build_component("transformer", str(device), dtype)
@@ -229,12 +228,11 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
 
 def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]:
     """Latents after a short request: N ranks for each split and FSDP setting vs 1 rank, same weights."""
-    from h3serve.runtime.tiny import TRANSFORMER
     from h3serve.services.dit import parallel
     from h3serve.services.dit.group import GroupMember
     from h3serve.services.dit.runner import DenoiseRunner, served
 
-    dtype, config = getattr(torch, args.dtype), TRANSFORMER if args.quick else MID_SIZE
+    dtype, config = getattr(torch, args.dtype), presets.TINY_TRANSFORMER if args.quick else MID_SIZE
     size = Size.parse(args.sizes if args.quick else "480x832x124")
     message = job_message(size, 2, config["text_dim"])
     reference = None

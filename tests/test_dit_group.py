@@ -150,7 +150,7 @@ class HealthLog:
 
 def denoise_inputs(steps: int) -> list[dit_pb2.DenoiseInput]:
     spec = dit_pb2.DenoiseSpec(job_id="kill-probe", height=LONG["height"], width=LONG["width"], num_frames=124,
-                               num_inference_steps=steps, seed=9)
+                               params=common_pb2.GenerationParams(num_inference_steps=steps, seed=9))
     tensors = {"prompt_embeds": torch.randn(1, 12, 32), "text_token_tags": torch.ones(12, dtype=torch.int64)}
     return [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
 

@@ -141,8 +141,9 @@ def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailab
             dit = dit_pb2_grpc.DiTStub(channel)
             assert dit.Info(common_pb2.InfoRequest()).state == "restarting (restart 1 of 3)"
             tensors = {"prompt_embeds": torch.zeros(1, 4, 32), "text_token_tags": torch.ones(4, dtype=torch.int64)}
-            inputs = [dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
-                                                                    num_inference_steps=3)),
+            spec = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
+                                       params=common_pb2.GenerationParams(num_inference_steps=3))
+            inputs = [dit_pb2.DenoiseInput(spec=spec),
                       *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
             with pytest.raises(grpc.RpcError) as err:
                 list(dit.Denoise(iter(inputs), timeout=30))

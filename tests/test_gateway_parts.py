@@ -123,6 +123,29 @@ def test_watchdog_limits_are_per_phase_and_progress_keeps_a_call_alive():
         Watchdog({"sleep": 1.0})
 
 
+def test_a_cancelled_watchdog_leaves_no_task_behind():
+    """A job cancelled while its stage call runs (CancelJob, shutdown) must not leave a pending task for the garbage
+    collector: asyncio then logs "Task was destroyed but it is pending!" (it did, during Watch / cancel / resubmit)."""
+    import gc
+
+    async def scenario():
+        loop, problems = asyncio.get_running_loop(), []
+        loop.set_exception_handler(lambda _, context: problems.append(context["message"]))
+        cancelled = asyncio.Event()
+        call = asyncio.create_task(Watchdog({"denoise": 30.0}).run("denoise", wait_forever(cancelled)))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        assert cancelled.is_set() and call.cancelled()
+        for _ in range(3):
+            await asyncio.sleep(0)
+            gc.collect()
+        assert problems == []
+        assert len(asyncio.all_tasks()) == 1, "only this scenario is left"
+
+    run(scenario())
+
+
 # Retries: only transient codes, moving between replicas.
 
 class FailingEncoder(encoder_pb2_grpc.EncoderServicer):

@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from h3serve.runtime import random_full, tiny
+from h3serve.model import presets
+from h3serve.runtime import random_full
 from h3serve.runtime.models import ModelSource
 
 MODELS = ["transformer", "transformer_ref", "vae", "audio_vae", "text_encoder"]
@@ -22,8 +23,8 @@ def params_by_dtype(module: torch.nn.Module) -> Counter:
 
 @pytest.fixture(scope="module")
 def parts():
-    source = ModelSource(random_full.SOURCE)
-    assert source.revision() == random_full.REVISION and source.label == "random:full"
+    source = ModelSource(presets.RANDOM_FULL)
+    assert source.revision() == presets.RANDOM_FULL_REVISION and source.label == "random:full"
     return source.load([*MODELS, "tokenizer", "processor", "scheduler", "audio_scheduler"], "meta", "bfloat16")
 
 
@@ -64,7 +65,7 @@ def test_text_encoder_is_qwen3_vl_32b_truncated_after_the_layer_the_pipeline_rea
 
 
 def test_small_components_are_the_tiny_presets(parts):
-    assert len(parts["tokenizer"]) == len(tiny.build_tokenizer())
+    assert len(parts["tokenizer"]) == len(presets.tiny_tokenizer())
     assert (parts["scheduler"].config.shift, parts["audio_scheduler"].config.shift) == (12.0, 3.0)
     with pytest.raises(KeyError, match="no component 'unet'"):
         random_full.build_component("unet", "meta", torch.bfloat16)

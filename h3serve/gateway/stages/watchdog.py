@@ -14,6 +14,8 @@ from collections.abc import Awaitable
 
 from h3serve.common.config import STALL_DEFAULTS
 
+CHECK_PERIOD_S = 1.0
+
 
 class Stuck(Exception):
     def __init__(self, phase: str, limit_s: float):
@@ -30,29 +32,25 @@ class Watchdog:
                              f"known: {', '.join(STALL_DEFAULTS)}")
         self.phase = ""
         self._last = time.monotonic()
-        self._changed = asyncio.Event()  # wakes `run` to re-read the phase and its limit
 
     def progress(self, phase: str) -> None:
         """A progress event of `phase` (which also becomes the current phase): its clock starts again."""
         self.phase, self._last = phase, time.monotonic()
-        self._changed.set()
 
     async def run(self, phase: str, call: Awaitable):
-        """Await `call` in `phase`; cancel it and raise Stuck when the current phase goes quiet too long."""
+        """Await `call` in `phase`; cancel it and raise Stuck when the current phase goes quiet too long.
+
+        The limit is looked at again at least every CHECK_PERIOD_S, so a phase change to a shorter limit takes
+        effect within that; the only task besides the caller's is the call itself, cancelled on every way out."""
         self.progress(phase)
         task = asyncio.ensure_future(call)
         try:
             while True:
                 remaining = self.limits[self.phase] - (time.monotonic() - self._last)
                 if remaining <= 0:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
                     raise Stuck(self.phase, self.limits[self.phase])
-                self._changed.clear()
-                woken = asyncio.ensure_future(self._changed.wait())
-                done, _ = await asyncio.wait({task, woken}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                woken.cancel()
-                if task in done:
+                done, _ = await asyncio.wait({task}, timeout=min(remaining, CHECK_PERIOD_S))
+                if done:
                     return task.result()
         finally:
             if not task.done():
