@@ -31,7 +31,7 @@ from h3serve.gateway.jobs.store import JobStore
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages.calls import CallRecord, StageCaller
 from h3serve.gateway.stages.queue import StageQueue
-from h3serve.gateway.stages.stage import JobContext, Stage
+from h3serve.gateway.stages.stage import JobContext, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
 from h3serve.model import workflows
 from h3serve.v1 import gateway_pb2
@@ -171,11 +171,16 @@ class JobRunner:
         job = JobContext(job_id, request, workflow.media_items(request, self.assets.get), self.assets.read,
                          functools.partial(self.hub.emit, job_id))
         for step in workflow.plan:
-            await all_of(*(self._stage(job, attempt, self.caller.stages[name]) for name in step))
+            stages = [self.caller.stages[name] for name in step]
+            outputs = await all_of(*(self._stage(job, attempt, stage) for stage in stages))
+            for stage, output in zip(stages, outputs):  # in the plan's order, however the calls ended
+                job.outputs[stage.name] = output
+                for name, seconds in (await stage.finished(job, output)).items():
+                    await self.store.set_stage_seconds(job.job_id, name, seconds)
         await self._complete(job)
 
-    async def _stage(self, job: JobContext, attempt: int, stage: Stage) -> None:
-        """Wait for a worker of `stage`, run its call, record the pass and its timings."""
+    async def _stage(self, job: JobContext, attempt: int, stage: Stage) -> StageOutput:
+        """Wait for a worker of `stage`, run its call, record the pass."""
         record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name)
         waited = time.monotonic()
         async with self.queues[stage.name].worker():
@@ -194,9 +199,7 @@ class JobRunner:
             await self.store.stage_update(record_id, finished=time.time(), replica=record.replica,
                                           tries=record.tries, bytes_in=record.bytes_in, bytes_out=record.bytes_out)
             self.metrics.stage_seconds.labels(stage.name).observe(time.monotonic() - started)
-        job.outputs[stage.name] = output
-        for name, seconds in (await stage.finished(job, output)).items():
-            await self.store.set_stage_seconds(job.job_id, name, seconds)
+        return output
 
     def _reason(self, job_id: str, exc: BaseException) -> str:
         """Why a stage pass ended without a result, for its record."""
