@@ -202,7 +202,7 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
     baseline = 0.0
     if control.rank == 0:  # one GPU, whole model, the service's runner (= diffusers, bench/dit_step)
         runner = DenoiseRunner(parts, served(["t2va"]))
-        baseline, _ = timed_steps(lambda m, obs: runner.run(m.job, *m.tensors.values(), obs), device, message, warm)
+        baseline, _ = timed_steps(lambda m, obs: runner.run(m.spec, *m.tensors.values(), obs), device, message, warm)
     control.any(False)  # the other ranks wait here for the baseline
     layout = layout_of(args)
     parallel.parallelize(parts["transformer"], layout, device)
