@@ -1,11 +1,13 @@
 """Wall time of each workflow through the whole stack with the tiny model on CPU.
 
-Starts encoder, DiT, VAE and gateway as processes (the reference geometry shrunk through the pipeline
-configs, as the CPU tests do), makes its own small media, uploads it, and runs t2va, fl2va (first +
-last keyframe) and ref2va (video with sound + image + audio) twice each: the first run of a workflow
-pays its cold caches, the second is warm (a new seed, the encoder cache missed by a new prompt).
+Starts encoder, DiT, VAE and gateway as processes with the geometry ([model]), threads and default steps
+of a deployment file (the demo's by default; on free ports, with the tiny model written to disk), makes its own small
+media, uploads it, and runs t2va, fl2va (first + last keyframe) and ref2va (video with sound + image +
+audio) twice each, without a size (and without steps unless --steps), so the deployment's defaults
+apply: the first run of a workflow pays its cold caches, the second is warm (a new seed, the encoder
+cache missed by a new prompt).
 
-    python -m bench.workflows [--steps 8]
+    python -m bench.workflows [--config docs/deploy/tiny-cpu.toml] [--steps N]
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from pathlib import Path
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
-from h3serve.common.config import load_deploy
-from h3serve.model.rules import Geometry
+from h3serve.common.config import DeployConfig, load_deploy
 from h3serve.runtime.tiny import write_tiny_model
 from h3serve.v1 import gateway_pb2
 from tests.media_files import image, mp4, wav
 
-GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+DEMO = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "tiny-cpu.toml"
 
 
 def _port() -> int:
@@ -33,12 +34,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _config(root: Path) -> Path:
+def _config(root: Path, base: DeployConfig) -> Path:
+    """A deployment on free ports with `base`'s geometry, threads and default steps."""
     model = write_tiny_model(root / "tiny-h3")
     ports = {name: _port() for name in ("encoder", "dit", "vae", "gateway")}
-    lines = [f'[model]\ndir = "{model}"', *(f"{k} = {v}" for k, v in GEOMETRY.pipeline_configs().items())]
-    lines += [f"\n[{name}]\nport = {ports[name]}" for name in ("encoder", "dit", "vae")]
-    lines.append(f'\n[gateway]\nport = {ports["gateway"]}\ndata_dir = "{root / "gateway"}"')
+    geometry = base.gateway.geometry.pipeline_configs()
+    lines = [f'[model]\ndir = "{model}"', *(f"{k} = {v}" for k, v in geometry.items())]
+    lines += [f"\n[{name}]\nport = {ports[name]}\nthreads = {base.service(name).threads}"
+              for name in ("encoder", "dit", "vae")]
+    lines.append(f'\n[gateway]\nport = {ports["gateway"]}\ndata_dir = "{root / "gateway"}"\n'
+                 f"default_steps = {base.gateway.default_steps}")
     path = root / "deploy.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -49,7 +54,7 @@ def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gatew
         image(media / "last.png", 48, 32, seed=2))
     refs = [client.upload(mp4(media / "clip.mp4", 64, 36, 30, seed=3)),
             client.upload(image(media / "ref.png", 40, 30, seed=4)), client.upload(wav(media / "voice.wav", 2.0))]
-    common = dict(height=32, width=64, num_inference_steps=steps)
+    common = dict(num_inference_steps=steps)  # no size: the deployment's canvas (fl2va: the first keyframe's aspect)
     return {
         "t2va": gateway_pb2.GenerateRequest(prompt="a kite over the dunes", **common),
         "fl2va": gateway_pb2.GenerateRequest(prompt="<Picture 1> melts into <Picture 2>", first_frame=first.asset_id,
@@ -62,11 +67,12 @@ def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gatew
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--config", default=str(DEMO), help="deployment whose geometry, threads and steps apply")
+    parser.add_argument("--steps", type=int, default=0, help="num_inference_steps (0: the deployment's default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="h3-bench-") as tmp:
         root = Path(tmp)
-        config = _config(root)
+        config = _config(root, load_deploy(args.config))
         with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)):
             deploy = load_deploy(config)
             client = GatewayClient(f"127.0.0.1:{deploy.gateway.port}")
@@ -74,12 +80,14 @@ def main() -> None:
             for name, request in _requests(client, root / "media", args.steps).items():
                 for run in ("cold", "warm"):
                     request.seed, request.prompt = len(run), request.prompt + " ."
-                    started = time.perf_counter()
-                    final = client.generate(request)
+                    started, events = time.perf_counter(), []
+                    final = client.generate(request, events.append)
                     wall = time.perf_counter() - started
                     assert final.WhichOneof("kind") == "done", final
+                    accepted = events[0].accepted.request
+                    shape = f"{accepted.height}x{accepted.width} {accepted.params.num_inference_steps} steps"
                     stages = "  ".join(f"{s.stage} {s.seconds:.2f} s" for s in client.job(final.job_id).stages)
-                    print(f"{name:7s} {run}: {wall:6.2f} s   {stages}", flush=True)
+                    print(f"{name:7s} {run}: {wall:6.2f} s  {shape}   {stages}", flush=True)
             client.close()
 
 

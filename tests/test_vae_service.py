@@ -15,18 +15,23 @@ import numpy as np
 import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
+from media_files import image, mp4, wav
 
 from h3serve.common.config import ModelServiceConfig
 from h3serve.common.server import GRPC_OPTIONS
+from h3serve.model import workflows
 from h3serve.model.presets import TINY_REVISION
+from h3serve.model.rules import Geometry
 from h3serve.runtime import wire
+from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.tiny import build_component
+from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
 from h3serve.services.vae.mux import encode_mp4, to_uint8
 from h3serve.services.vae.server import VaeServicer, decode_checked
 from h3serve.services.vae.tiles import batch_tiles
 from h3serve.services.vae.validate import InvalidOutput, validate
-from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
+from h3serve.v1 import common_pb2, media_pb2, vae_pb2, vae_pb2_grpc
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
 AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz
@@ -294,6 +299,103 @@ def test_batched_tiles_decode_what_diffusers_decodes_tile_by_tile():
 def test_tile_batch_must_be_positive():
     with pytest.raises(ValueError, match="tile_batch must be at least 1, got 0"):
         batch_tiles(build_component("vae"), 0)
+
+
+# EncodeConditions: progress per encoder call
+
+GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+IMAGE, VIDEO_ASSET, AUDIO_ASSET = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
+FIRST, LAST = media_pb2.MEDIA_ROLE_FIRST_FRAME, media_pb2.MEDIA_ROLE_LAST_FRAME
+REFERENCE = media_pb2.MEDIA_ROLE_REFERENCE
+# (workflow, assets, encoder calls with diffusers' 256 px tiles, with 32 px tiles overlapping by 16). Keyframes go
+# onto the 32x64 canvas: one tile, or 1 x 3 small ones. The 35-frame clip keeps 22 frames (2 clips of 17, not 3) at
+# 32x64; the 40x30 (HxW) image is encoded at 96x64: 5 x 3 small tiles; each soundtrack is one audio-encoder call.
+CONDITION_CASES = {
+    "fl2va": (common_pb2.WORKFLOW_FL2VA, [("wide", IMAGE, FIRST), ("tall", IMAGE, LAST)], 2, 6),
+    "ref2va": (common_pb2.WORKFLOW_REF2VA, [("clip", VIDEO_ASSET, REFERENCE), ("tall", IMAGE, REFERENCE),
+                                            ("voice", AUDIO_ASSET, REFERENCE)], 5, 2 * 3 + 1 + 15 + 1),
+}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> dict[str, bytes]:
+    d = tmp_path_factory.mktemp("media")
+    files = {"wide": image(d / "wide.png", 48, 32, seed=1), "tall": image(d / "tall.jpg", 30, 40, seed=2, fmt="JPEG"),
+             "clip": mp4(d / "clip.mp4", 64, 36, 35, seed=3), "voice": wav(d / "voice.wav", 2.0, seed=4)}
+    return {name: path.read_bytes() for name, path in files.items()}
+
+
+def media_inputs(media: dict[str, bytes], case: str) -> list[media_pb2.MediaInput]:
+    workflow, assets = CONDITION_CASES[case][:2]
+    items = [media_pb2.MediaItem(asset_id=name, kind=kind, role=role, bytes=len(media[name]))
+             for name, kind, role in assets]
+    spec = media_pb2.MediaSpec(job_id="test", workflow=workflow, height=32, width=64, num_frames=124, items=items)
+    return [media_pb2.MediaInput(spec=spec), *(media_pb2.MediaInput(chunk=media_pb2.MediaChunk(
+        asset_id=item.asset_id, data=media[item.asset_id])) for item in items)]
+
+
+def condition_components(small_tiles: bool) -> tuple:
+    vae, audio_vae = fresh_components()
+    if small_tiles:
+        vae.enable_tiling(32, 32, 16, 16)
+    return vae, audio_vae
+
+
+def count_forwards(*modules: torch.nn.Module) -> list:
+    """A list that gets one entry per forward of any of `modules`."""
+    calls = []
+    for module in modules:
+        module.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("small_tiles", [False, True], ids=["released tiles", "small tiles"])
+@pytest.mark.parametrize("case", CONDITION_CASES)
+def test_condition_progress_counts_every_encoder_call(media, case, small_tiles):
+    vae, audio_vae = condition_components(small_tiles)
+    prepared = MediaPreparer(GEOMETRY).prepare(*read_media_stream(media_inputs(media, case)))
+    forwards = count_forwards(vae.encoder, audio_vae.encoder)
+    progress = []
+    ConditionEncoder(vae, audio_vae).encode(CONDITION_CASES[case][0], prepared, lambda *p: progress.append(p))
+    total = CONDITION_CASES[case][3 if small_tiles else 2]
+    assert len(forwards) == total, "the total computed up front is the calls the encoders make"
+    assert progress == [(done, total) for done in range(1, total + 1)]
+    assert len(vae.encoder._forward_hooks) == len(audio_vae.encoder._forward_hooks) == 1  # only the test's own
+
+
+@pytest.mark.fidelity
+@pytest.mark.parametrize("case", CONDITION_CASES)
+def test_encode_conditions_streams_progress_then_the_latents_of_the_in_process_block(media, case):
+    vae, audio_vae = condition_components(small_tiles=True)
+    inputs = media_inputs(media, case)
+    with vae_service(vae, audio_vae, ModelServiceConfig(geometry=GEOMETRY)) as stub:
+        events = list(stub.EncodeConditions(iter(inputs)))
+    total = CONDITION_CASES[case][3]
+    assert [(e.progress.done, e.progress.total) for e in events if e.HasField("progress")] == \
+        [(done, total) for done in range(1, total + 1)]
+    kinds = [e.WhichOneof("kind") for e in events]
+    assert kinds == ["progress"] * total + ["chunk"] * (len(kinds) - total - 1) + ["summary"]
+    served = wire.decode(e.chunk for e in events if e.HasField("chunk"))
+    # diffusers' block over every asset at once, on the media the service prepared
+    prepared = MediaPreparer(GEOMETRY).prepare(*read_media_stream(inputs))
+    pipe = workflows.by_value(CONDITION_CASES[case][0]).vae_encoder_block().init_pipeline()
+    pipe.update_components(**{name: c for name, c in (("vae", vae), ("audio_vae", audio_vae))
+                              if name in pipe.component_names})
+    expected = pipe(**prepared.inputs, output=["condition_latents", "audio_condition_latents"])
+    expected = {f"{name}.{i}": t for name, tensors in expected.items() for i, t in enumerate(tensors or [])}
+    assert sorted(served) == sorted(expected) and len(expected) == {"fl2va": 2, "ref2va": 4}[case]
+    assert all(torch.equal(served[name], expected[name]) for name in expected)
+
+
+def test_cancelled_encode_stops_and_frees_the_service(media):
+    vae, audio_vae = condition_components(small_tiles=True)
+    inputs = media_inputs(media, "ref2va")
+    with vae_service(vae, audio_vae, ModelServiceConfig(geometry=GEOMETRY)) as stub:
+        call = stub.EncodeConditions(iter(inputs))
+        assert next(call).progress.done == 1
+        call.cancel()
+        assert list(stub.EncodeConditions(iter(inputs)))[-1].HasField("summary")
+    assert not vae.encoder._forward_hooks and not audio_vae.encoder._forward_hooks
 
 
 # validate.py

@@ -1,19 +1,27 @@
 """Keyframes and references to conditioning latents: the workflow's own VAE-encode block, asset by asset.
 
-The block runs once per keyframe or reference, which reports progress per asset and is bit-identical
-to one call over all of them: every visual condition samples its posterior under its own fresh
-seed-42 generator, and soundtracks take the posterior mode.
+The block runs once per keyframe or reference, which is bit-identical to one call over all of them:
+every visual condition samples its posterior under its own fresh seed-42 generator, and soundtracks
+take the posterior mode. Progress counts encoder calls, known before the first one: each video-encoder
+input (temporal clips x spatial tiles of every keyframe, image and video reference) and each soundtrack's
+audio-encoder call, counted by forward hooks on both encoders.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Reference
 
 from h3serve.model import workflows
 from h3serve.model.workflows.base import PreparedMedia
+
+Progress = Callable[[int, int], None]
+"""Called with (encoder calls done, encoder calls in the request); it may raise to stop the encode."""
 
 
 @dataclass
@@ -22,10 +30,61 @@ class Conditions:
     manifest: dict                     # the DenoiseSpec fields the DiT needs with them
 
 
+def encoder_calls(vae, frames: int, height: int, width: int) -> int:
+    """How many inputs `AutoencoderKLMiniMaxH3._encode` gives `vae.encoder` for one (1, 3, frames, height, width)
+    video: one per `clip_length`-frame clip (a single frame is one, not padded to a clip) and, with tiling on, per
+    spatial tile of `_encode_clip`."""
+    clips = 1 if frames == 1 else math.ceil(frames / vae.config.clip_length)
+    if not vae.use_tiling:
+        return clips
+    rows = vae._split_tiles(height, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
+    cols = vae._split_tiles(width, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
+    return clips * len(rows[0]) * len(cols[0])
+
+
+def snapped_frames(vae, frames: int) -> int:
+    """The 17n+5 frames of a video reference that the ref2va encode block keeps (it snaps down, n >= 1)."""
+    per_clip, kept = vae.config.clip_length, vae.tokens_chunk_size
+    return max(1, (frames - kept) // per_clip) * per_clip + kept
+
+
+def condition_calls(vae, item) -> int:
+    """Encoder calls of one prepared asset: an fl2va keyframe (a PIL image on the canvas) or a ref2va
+    reference (its image or frames through the video encoder, its soundtrack through the audio encoder)."""
+    if not isinstance(item, MiniMaxH3Reference):
+        return encoder_calls(vae, 1, item.height, item.width)
+    calls = int(item.has_audio)
+    if item.kind == "image":
+        calls += encoder_calls(vae, 1, item.image.height, item.image.width)
+    elif item.kind == "video":
+        frames, height, width = item.frames.shape[:3]
+        calls += encoder_calls(vae, snapped_frames(vae, frames), height, width)
+    return calls
+
+
+@contextmanager
+def _calls_reported(encoders: list[torch.nn.Module], total: int, progress: Progress) -> Iterator[None]:
+    """Report every forward of any of `encoders` as (calls so far, total) while the blocks run."""
+    done = 0
+
+    def hook(module, args, output) -> None:
+        nonlocal done
+        done += 1  # one tile of one clip, or one soundtrack (its two channels are one batch)
+        progress(done, total)
+
+    handles = [encoder.register_forward_hook(hook) for encoder in encoders]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 class ConditionEncoder:
     """Not re-entrant: the VAE service serialises it with decoding."""
 
     def __init__(self, vae, audio_vae) -> None:
+        self.vae, self.audio_vae = vae, audio_vae
         self.pipes = {}
         for workflow in workflows.WORKFLOWS:
             if workflow.media_fields:
@@ -34,15 +93,18 @@ class ConditionEncoder:
                                           if name in pipe.component_names})
                 self.pipes[workflow.value] = pipe
 
+    def total_calls(self, media: PreparedMedia) -> int:
+        return sum(condition_calls(self.vae, item) for item in media.items)
+
     @torch.no_grad()
-    def encode(self, workflow: int, media: PreparedMedia, progress: Callable[[int, int], None]) -> Conditions:
+    def encode(self, workflow: int, media: PreparedMedia, progress: Progress) -> Conditions:
         flow, pipe = workflows.by_value(workflow), self.pipes[workflow]
         video, audio = [], []
-        for done, item in enumerate(media.items, start=1):
-            visual, sound = flow.encode_condition(pipe, item)
-            video += visual
-            audio += sound
-            progress(done, len(media.items))
+        with _calls_reported([self.vae.encoder, self.audio_vae.encoder], self.total_calls(media), progress):
+            for item in media.items:
+                visual, sound = flow.encode_condition(pipe, item)
+                video += visual
+                audio += sound
         tensors = {f"condition_latents.{i}": t for i, t in enumerate(video)}
         tensors.update({f"audio_condition_latents.{j}": t for j, t in enumerate(audio)})
         return Conditions(tensors, media.manifest)
