@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Reference
 
-from h3serve.model import workflows
+from h3serve.model import rules, workflows
 from h3serve.model.workflows.base import PreparedMedia
 
 Progress = Callable[[int, int], None]
@@ -42,12 +42,6 @@ def encoder_calls(vae, frames: int, height: int, width: int) -> int:
     return clips * len(rows[0]) * len(cols[0])
 
 
-def snapped_frames(vae, frames: int) -> int:
-    """The 17n+5 frames of a video reference that the ref2va encode block keeps (it snaps down, n >= 1)."""
-    per_clip, kept = vae.config.clip_length, vae.tokens_chunk_size
-    return max(1, (frames - kept) // per_clip) * per_clip + kept
-
-
 def condition_calls(vae, item) -> int:
     """Encoder calls of one prepared asset: an fl2va keyframe (a PIL image on the canvas) or a ref2va
     reference (its image or frames through the video encoder, its soundtrack through the audio encoder)."""
@@ -58,7 +52,7 @@ def condition_calls(vae, item) -> int:
         calls += encoder_calls(vae, 1, item.image.height, item.image.width)
     elif item.kind == "video":
         frames, height, width = item.frames.shape[:3]
-        calls += encoder_calls(vae, snapped_frames(vae, frames), height, width)
+        calls += encoder_calls(vae, rules.snap_down(frames), height, width)  # what the block keeps
     return calls
 
 
