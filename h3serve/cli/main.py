@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -34,14 +35,22 @@ def _up(args) -> None:
     from h3serve.cli.launcher import ServiceGroup
 
     config = load_deploy(args.config)
-    with ServiceGroup(config, args.config, args.log_dir):
+    group = ServiceGroup(config, args.config, args.log_dir)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # the services have sessions of their own: stop them here
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        group.start()
+        group.wait_healthy()
         print(f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
               flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("stopping", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the stop short
+            signal.signal(signum, signal.SIG_IGN)
+        group.stop()
 
 
 def _request(args):
@@ -196,7 +205,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")
     p.add_argument("--config")
-    p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.add_argument("--log-dir", help="write each service's log here instead of the terminal (created if missing)")
     p.set_defaults(run=_up)
 
     p = sub.add_parser("generate", help="generate one video through the gateway")

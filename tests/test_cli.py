@@ -1,0 +1,93 @@
+"""The `h3serve` command as a user runs it: `up` with Ctrl-C, `generate` against TLS and a token, `reference`
+byte for byte, `demo`, and the Python walkthrough of docs/client.md; real processes, the tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import free_port, write_config
+
+from h3serve.cli.launcher import children, is_serving
+
+CLI = [sys.executable, "-m", "h3serve.cli"]
+
+
+def descendants(pid: int) -> list[int]:
+    return [p for child in children(pid) for p in (child, *descendants(child))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Up:
+    process: subprocess.Popen
+    config: Path
+    log_dir: Path
+    output: Path
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory, tiny_model_dir):
+    """`h3serve up` as from a terminal (its own process group, the foreground job), with threads = 1 model services
+    as in docs/deploy/tiny-cpu.toml and a log directory that does not exist yet. The last test stops it."""
+    root = tmp_path_factory.mktemp("up")
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+    config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
+                          service_keys={"threads": 1})
+    log_dir, output = root / "logs" / "up", root / "up.out"
+    with open(output, "wb") as out:
+        process = subprocess.Popen([*CLI, "up", "--config", str(config), "--log-dir", str(log_dir)], stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    started = []
+    try:
+        deadline = time.monotonic() + 240
+        while not is_serving(f"127.0.0.1:{ports['gateway']}"):
+            assert process.poll() is None, output.read_text()
+            assert time.monotonic() < deadline, "not healthy in time"
+            time.sleep(0.5)
+        started = descendants(process.pid)
+        yield Up(process, config, log_dir, output)
+    finally:
+        started = started or descendants(process.pid)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for pid in started:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_up_creates_a_missing_log_dir(up):
+    assert sorted(path.name for path in up.log_dir.iterdir()) == ["dit.log", "encoder.log", "gateway.log", "vae.log"]
+
+
+def test_ctrl_c_stops_up_with_clean_logs_and_no_process_left(up):
+    """Runs last in this module: it stops the `up` fixture."""
+    processes = descendants(up.process.pid)
+    assert len(processes) >= 5, "encoder, torchrun and its rank, vae, gateway"
+    os.killpg(up.process.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
+    assert up.process.wait(60) == 0, up.output.read_text()
+    deadline = time.monotonic() + 10  # orphaned zombies are reaped by init
+    while any(alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in processes if alive(pid)] == []
+    assert up.output.read_text().rstrip().endswith("stopping")
+    for log in sorted(up.log_dir.glob("*.log")):
+        text = log.read_text()
+        assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
