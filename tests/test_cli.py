@@ -11,12 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import free_port, write_config
 
 from h3serve.cli.launcher import children, is_serving
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
+README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison
 
 
 def descendants(pid: int) -> list[int]:
@@ -75,6 +77,18 @@ def up(tmp_path_factory, tiny_model_dir):
 
 def test_up_creates_a_missing_log_dir(up):
     assert sorted(path.name for path in up.log_dir.iterdir()) == ["dit.log", "encoder.log", "gateway.log", "vae.log"]
+
+
+@pytest.mark.fidelity
+def test_served_raw_is_byte_identical_to_reference_with_the_same_config(up, tmp_path):
+    """The README's comparison: threads = 1 services against `reference --config` (not torch's default threads)."""
+    config = ["--config", str(up.config), *README_REQUEST]
+    subprocess.run([*CLI, "generate", *config, "--out", str(tmp_path), "--raw", str(tmp_path / "served.npz")],
+                   check=True, capture_output=True)
+    subprocess.run([*CLI, "reference", *config, "--raw", str(tmp_path / "ref.npz")], check=True, capture_output=True)
+    served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")
+    assert served["frames"].shape == (124, 32, 64, 3)
+    assert {key for key in served if not np.array_equal(served[key], reference[key])} == set()
 
 
 def test_ctrl_c_stops_up_with_clean_logs_and_no_process_left(up):

@@ -123,15 +123,22 @@ def _generate(args) -> None:
 
 def _reference(args) -> None:
     import numpy as np
+    import torch
 
-    from h3serve.cli.reference import ReferenceRequest, run_reference
+    from h3serve.cli.reference import ReferenceRequest, run_reference, service_threads
     from h3serve.runtime.models import ModelSource
 
+    config = load_deploy(args.config)
+    threads, note = service_threads(config)
+    if note:
+        print(f"reference: {note}", file=sys.stderr)
+    if threads:
+        torch.set_num_threads(threads)
     frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
     references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
-    result = run_reference(ModelSource(args.model_dir), ReferenceRequest(
+    result = run_reference(ModelSource(args.model_dir or config.dit.model_dir or None), ReferenceRequest(
         args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed, references=references, **frames),
-        args.device, args.dtype, load_deploy(args.config).gateway.geometry)
+        args.device, args.dtype, config.gateway.geometry)
     np.savez(args.raw, **result)
     print(f"reference: {Path(args.raw).resolve()}")
 
@@ -222,14 +229,16 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
-    p.add_argument("--model-dir", help="diffusers model directory (default: the tiny preset)")
+    p.add_argument("--model-dir", help="diffusers model directory (default: --config's [model] dir, else the tiny "
+                                       "preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     _add_request_args(p, steps=50)
     p.add_argument("--num-frames", type=int, default=124)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
-    p.add_argument("--config", help="deployment TOML whose [model] pipeline configs (geometry) to apply")
+    p.add_argument("--config", help="deployment TOML: its [model] dir and pipeline configs (geometry), and the "
+                                    "model services' threads, so the bytes match the served ones")
     _add_media_args(p)
     p.set_defaults(run=_reference)
 
