@@ -4,6 +4,8 @@ byte for byte, `demo`, and the Python walkthrough of docs/client.md; real proces
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from h3serve.cli.launcher import children, is_serving
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
 README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison
+QUICK = ["--height", "32", "--width", "64", "--steps", "2"]
 
 
 def descendants(pid: int) -> list[int]:
@@ -105,3 +108,18 @@ def test_ctrl_c_stops_up_with_clean_logs_and_no_process_left(up):
     for log in sorted(up.log_dir.glob("*.log")):
         text = log.read_text()
         assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
+
+
+def test_demo_keeps_its_jobs_in_a_fresh_data_dir(tmp_path, tiny_model_dir):
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+    up_data = tmp_path / "up-data"
+    config = write_config(tmp_path / "deploy.toml", str(tiny_model_dir), up_data, ports)
+    out = subprocess.run([*CLI, "demo", "--config", str(config), *QUICK, "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr
+    jobs = Path(re.search(r"jobs in (\S+): a fresh data directory", out.stdout).group(1))
+    try:
+        assert not up_data.exists(), "the demo does not touch the deployment's data_dir"
+        assert [path.name for path in jobs.rglob("h3-*.mp4")] == [path.name for path in (tmp_path / "out").iterdir()]
+    finally:
+        shutil.rmtree(jobs.parent)

@@ -66,17 +66,19 @@ def children(pid: int) -> list[int]:
 
 class ServiceGroup:
     def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
-                 names: tuple[str, ...] = START_ORDER, ready=is_serving) -> None:
+                 names: tuple[str, ...] = START_ORDER, ready=is_serving,
+                 flags: dict[str, list[str]] | None = None) -> None:
         self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
         self.config = config
         self.names = names
         self.config_path = config_path
         self.log_dir = log_dir
+        self.flags = flags or {}  # per service: `h3serve serve` flags that override the config file
         self.running: list[Running] = []
 
     def _command(self, name: str) -> list[str]:
         command = [sys.executable, "-m", "h3serve.cli", "serve", name]
-        return command + (["--config", self.config_path] if self.config_path else [])
+        return command + (["--config", self.config_path] if self.config_path else []) + self.flags.get(name, [])
 
     def _env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)

@@ -150,14 +150,19 @@ def _write_tiny(args) -> None:
 
 
 def _demo(args) -> None:
-    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything."""
+    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything.
+
+    The gateway keeps its jobs in a fresh directory, so the demo neither shows nor leaves jobs in `up`'s data_dir.
+    """
     from h3serve.cli.launcher import ServiceGroup
 
+    work = Path(tempfile.mkdtemp(prefix="h3serve-demo-"))
+    log_dir, data_dir = work / "logs", work / "gateway"
     config = load_deploy(args.config)
-    log_dir = tempfile.mkdtemp(prefix="h3serve-demo-logs-")
     started = time.perf_counter()
-    with ServiceGroup(config, args.config, log_dir):
-        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir})", flush=True)
+    with ServiceGroup(config, args.config, str(log_dir), flags={"gateway": ["--data-dir", str(data_dir)]}):
+        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir}, "
+              f"jobs in {data_dir}: a fresh data directory for this demo)", flush=True)
         out = Path(args.out or "out")
         out.mkdir(parents=True, exist_ok=True)
         job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), out, None)
