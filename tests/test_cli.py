@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from conftest import free_port, write_config
 
-from h3serve.cli.launcher import children, is_serving
+from h3serve.cli.launcher import ServiceGroup, children, is_serving
+from h3serve.common.config import load_deploy
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
 README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison
@@ -123,3 +124,34 @@ def test_demo_keeps_its_jobs_in_a_fresh_data_dir(tmp_path, tiny_model_dir):
         assert [path.name for path in jobs.rglob("h3-*.mp4")] == [path.name for path in (tmp_path / "out").iterdir()]
     finally:
         shutil.rmtree(jobs.parent)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tls")
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_generate_reaches_a_tls_gateway_with_a_token(stack, tmp_path, certificate):
+    cert, key = certificate
+    ports = {**stack.ports, "gateway": free_port()}
+    config = write_config(tmp_path / "tls.toml", str(stack.model_dir), tmp_path / "gateway", ports,
+                          auth_token="s3cret", tls_cert=str(cert), tls_key=str(key))
+    env = {k: v for k, v in os.environ.items() if k != "H3SERVE_TOKEN"}
+    with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("gateway",)):
+        generate = [*CLI, "generate", "--gateway", f"127.0.0.1:{ports['gateway']}", "--ca", str(cert), *QUICK]
+        flag = subprocess.run([*generate, "--token", "s3cret", "--out", str(tmp_path / "flag.mp4")], env=env,
+                              capture_output=True, text=True)
+        assert flag.returncode == 0, flag.stderr
+        from_env = subprocess.run([*generate, "--out", str(tmp_path / "env.mp4")], capture_output=True, text=True,
+                                  env={**env, "H3SERVE_TOKEN": "s3cret"})
+        assert from_env.returncode == 0, from_env.stderr
+        refused = subprocess.run([*generate, "--out", str(tmp_path / "no.mp4")], env=env, capture_output=True,
+                                 text=True)
+    assert (tmp_path / "flag.mp4").stat().st_size > 0 and (tmp_path / "env.mp4").stat().st_size > 0
+    assert refused.returncode != 0 and not (tmp_path / "no.mp4").exists()
+    assert refused.stderr.startswith("h3serve generate: UNAUTHENTICATED: "), refused.stderr

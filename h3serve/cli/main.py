@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -67,14 +68,16 @@ def _request(args):
         seconds=given("seconds") or 0.0, params=params, request_id=given("request_id") or "")
 
 
-def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None):
+def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None,
+             root_pem: bytes | None = None, token: str | None = None):
     """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
 
     `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
+    `root_pem` and `token` reach a gateway that serves TLS and requires a bearer token.
     """
     from h3serve.client import GatewayClient, describe_event
 
-    client = GatewayClient(address)
+    client = GatewayClient(address, root_pem, token)
     try:
         _attach_media(client, request, media)
         final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
@@ -116,8 +119,15 @@ def print_timings(job, path: Path) -> None:
 
 
 def _generate(args) -> None:
+    import grpc
+
     address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
-    job, path = generate(address, _request(args), args.out, args.raw, media=args.media)
+    root_pem = Path(args.ca).read_bytes() if args.ca else None
+    try:
+        job, path = generate(address, _request(args), args.out, args.raw, media=args.media, root_pem=root_pem,
+                             token=args.token)
+    except grpc.RpcError as exc:
+        raise SystemExit(f"h3serve generate: {exc.code().name}: {exc.details()}") from None
     print_timings(job, path)
 
 
@@ -230,6 +240,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
     p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
                                         "same job instead of starting another")
+    p.add_argument("--ca", metavar="FILE", help="PEM root certificate of a gateway that serves TLS")
+    p.add_argument("--token", default=os.environ.get("H3SERVE_TOKEN"),
+                   help="bearer token the gateway requires (default: $H3SERVE_TOKEN)")
     _add_media_args(p)
     p.set_defaults(run=_generate)
 
