@@ -21,6 +21,7 @@ from h3serve.cli.launcher import ServiceGroup, children, is_serving
 from h3serve.common.config import load_deploy
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
+ROOT = Path(__file__).resolve().parents[1]
 README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison
 QUICK = ["--height", "32", "--width", "64", "--steps", "2"]
 
@@ -155,3 +156,16 @@ def test_generate_reaches_a_tls_gateway_with_a_token(stack, tmp_path, certificat
     assert (tmp_path / "flag.mp4").stat().st_size > 0 and (tmp_path / "env.mp4").stat().st_size > 0
     assert refused.returncode != 0 and not (tmp_path / "no.mp4").exists()
     assert refused.stderr.startswith("h3serve generate: UNAUTHENTICATED: "), refused.stderr
+
+
+def test_the_client_walkthrough_runs_as_written(stack, tmp_path, monkeypatch):
+    """Every python block of docs/client.md, in order, against the stack's gateway."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    monkeypatch.setenv("H3SERVE_GATEWAY", stack.address("gateway"))
+    monkeypatch.delenv("H3SERVE_TOKEN", raising=False)
+    monkeypatch.delenv("H3SERVE_CA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    exec(compile("\n".join(blocks), str(ROOT / "docs" / "client.md"), "exec"), {"__name__": "client_md"})
+    for name in ("kite.mp4", "dawn.mp4"):
+        assert (tmp_path / name).stat().st_size > 0, name
