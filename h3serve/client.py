@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,9 +12,37 @@ from h3serve.common.server import GRPC_OPTIONS
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 
+class _CallDetails(namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
+                   grpc.ClientCallDetails):
+    pass
+
+
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (metadata, so it also works without TLS)."""
+
+    def __init__(self, token: str) -> None:
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _call(self, continuation, details, request):
+        metadata = [*(details.metadata or ()), self.header]
+        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                         details.wait_for_ready, details.compression), request)
+
+    intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _call
+
+
 class GatewayClient:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    """`root_pem`: PEM root certificate(s) of a gateway that serves TLS (None: plaintext); `token`: the bearer
+    token it requires (None or empty: none sent)."""
+
+    def __init__(self, address: str, root_pem: bytes | None = None, token: str | None = None) -> None:
+        if root_pem is None:
+            self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        else:
+            self.channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS)
+        if token:
+            self.channel = grpc.intercept_channel(self.channel, BearerToken(token))
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def close(self) -> None:

@@ -1,10 +1,12 @@
 """`h3serve up`: start encoder, DiT, VAE and gateway as processes, wait until healthy, stop cleanly.
 
-Each model service sees only its own GPUs (CUDA_VISIBLE_DEVICES from its `gpus` setting).
+Each model service sees only its own GPUs (CUDA_VISIBLE_DEVICES from its `gpus` setting). Each runs in a
+session of its own, so a Ctrl-C at the terminal reaches the launcher only, which stops them in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -52,19 +54,31 @@ def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = No
         return False
 
 
+def children(pid: int) -> list[int]:
+    """The direct child processes of `pid` (Linux /proc; empty where unknown)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as file:
+                found += [int(child) for child in file.read().split()]
+    return found
+
+
 class ServiceGroup:
     def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
-                 names: tuple[str, ...] = START_ORDER, ready=is_serving) -> None:
+                 names: tuple[str, ...] = START_ORDER, ready=is_serving,
+                 flags: dict[str, list[str]] | None = None) -> None:
         self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
         self.config = config
         self.names = names
         self.config_path = config_path
         self.log_dir = log_dir
+        self.flags = flags or {}  # per service: `h3serve serve` flags that override the config file
         self.running: list[Running] = []
 
     def _command(self, name: str) -> list[str]:
         command = [sys.executable, "-m", "h3serve.cli", "serve", name]
-        return command + (["--config", self.config_path] if self.config_path else [])
+        return command + (["--config", self.config_path] if self.config_path else []) + self.flags.get(name, [])
 
     def _env(self, name: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -84,10 +98,12 @@ class ServiceGroup:
         section = self.config.service(name) if name != "gateway" else self.config.gateway
         output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
         process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
-                                   stderr=subprocess.STDOUT if output else None)
+                                   stderr=subprocess.STDOUT if output else None, start_new_session=True)
         return Running(name, f"{section.host}:{section.port}", process)
 
     def start(self) -> None:
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
         self.running.extend(self._spawn(name) for name in self.names)
 
     def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
@@ -113,11 +129,21 @@ class ServiceGroup:
                 raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")
             time.sleep(0.2)
 
+    @staticmethod
+    def _stop_targets(item: Running) -> list[int]:
+        """Who gets the stop signal. The DiT's process is torchrun, which turns any signal into a SignalException
+        (a traceback) and a failed group; its ranks exit 0 on SIGTERM, and torchrun then ends, exit 0, as a
+        finished group."""
+        ranks = children(item.process.pid) if item.name == "dit" else []
+        return ranks or [item.process.pid]
+
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM in reverse start order (gateway first), then SIGKILL whatever outlives the grace."""
         for item in reversed(self.running):
             if item.process.poll() is None:
-                item.process.send_signal(signal.SIGTERM)
+                for pid in self._stop_targets(item):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for item in reversed(self.running):
             try:

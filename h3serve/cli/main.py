@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import tempfile
 import time
@@ -34,14 +36,22 @@ def _up(args) -> None:
     from h3serve.cli.launcher import ServiceGroup
 
     config = load_deploy(args.config)
-    with ServiceGroup(config, args.config, args.log_dir):
+    group = ServiceGroup(config, args.config, args.log_dir)
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # the services have sessions of their own: stop them here
+        signal.signal(signum, signal.default_int_handler)
+    try:
+        group.start()
+        group.wait_healthy()
         print(f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
               flush=True)
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            print("stopping", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the stop short
+            signal.signal(signum, signal.SIG_IGN)
+        group.stop()
 
 
 def _request(args):
@@ -58,14 +68,16 @@ def _request(args):
         seconds=given("seconds") or 0.0, params=params, request_id=given("request_id") or "")
 
 
-def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None):
+def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None,
+             root_pem: bytes | None = None, token: str | None = None):
     """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
 
     `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
+    `root_pem` and `token` reach a gateway that serves TLS and requires a bearer token.
     """
     from h3serve.client import GatewayClient, describe_event
 
-    client = GatewayClient(address)
+    client = GatewayClient(address, root_pem, token)
     try:
         _attach_media(client, request, media)
         final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
@@ -107,22 +119,36 @@ def print_timings(job, path: Path) -> None:
 
 
 def _generate(args) -> None:
+    import grpc
+
     address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
-    job, path = generate(address, _request(args), args.out, args.raw, media=args.media)
+    root_pem = Path(args.ca).read_bytes() if args.ca else None
+    try:
+        job, path = generate(address, _request(args), args.out, args.raw, media=args.media, root_pem=root_pem,
+                             token=args.token)
+    except grpc.RpcError as exc:
+        raise SystemExit(f"h3serve generate: {exc.code().name}: {exc.details()}") from None
     print_timings(job, path)
 
 
 def _reference(args) -> None:
     import numpy as np
+    import torch
 
-    from h3serve.cli.reference import ReferenceRequest, run_reference
+    from h3serve.cli.reference import ReferenceRequest, run_reference, service_threads
     from h3serve.runtime.models import ModelSource
 
+    config = load_deploy(args.config)
+    threads, note = service_threads(config)
+    if note:
+        print(f"reference: {note}", file=sys.stderr)
+    if threads:
+        torch.set_num_threads(threads)
     frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
     references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
-    result = run_reference(ModelSource(args.model_dir), ReferenceRequest(
+    result = run_reference(ModelSource(args.model_dir or config.dit.model_dir or None), ReferenceRequest(
         args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed, references=references, **frames),
-        args.device, args.dtype, load_deploy(args.config).gateway.geometry)
+        args.device, args.dtype, config.gateway.geometry)
     np.savez(args.raw, **result)
     print(f"reference: {Path(args.raw).resolve()}")
 
@@ -134,14 +160,19 @@ def _write_tiny(args) -> None:
 
 
 def _demo(args) -> None:
-    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything."""
+    """Start everything with the tiny model on CPU, generate one MP4 with sound, stop everything.
+
+    The gateway keeps its jobs in a fresh directory, so the demo neither shows nor leaves jobs in `up`'s data_dir.
+    """
     from h3serve.cli.launcher import ServiceGroup
 
+    work = Path(tempfile.mkdtemp(prefix="h3serve-demo-"))
+    log_dir, data_dir = work / "logs", work / "gateway"
     config = load_deploy(args.config)
-    log_dir = tempfile.mkdtemp(prefix="h3serve-demo-logs-")
     started = time.perf_counter()
-    with ServiceGroup(config, args.config, log_dir):
-        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir})", flush=True)
+    with ServiceGroup(config, args.config, str(log_dir), flags={"gateway": ["--data-dir", str(data_dir)]}):
+        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir}, "
+              f"jobs in {data_dir}: a fresh data directory for this demo)", flush=True)
         out = Path(args.out or "out")
         out.mkdir(parents=True, exist_ok=True)
         job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), out, None)
@@ -196,7 +227,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")
     p.add_argument("--config")
-    p.add_argument("--log-dir", help="write each service's log here instead of the terminal")
+    p.add_argument("--log-dir", help="write each service's log here instead of the terminal (created if missing)")
     p.set_defaults(run=_up)
 
     p = sub.add_parser("generate", help="generate one video through the gateway")
@@ -209,18 +240,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
     p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
                                         "same job instead of starting another")
+    p.add_argument("--ca", metavar="FILE", help="PEM root certificate of a gateway that serves TLS")
+    p.add_argument("--token", default=os.environ.get("H3SERVE_TOKEN"),
+                   help="bearer token the gateway requires (default: $H3SERVE_TOKEN)")
     _add_media_args(p)
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
-    p.add_argument("--model-dir", help="diffusers model directory (default: the tiny preset)")
+    p.add_argument("--model-dir", help="diffusers model directory (default: --config's [model] dir, else the tiny "
+                                       "preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     _add_request_args(p, steps=50)
     p.add_argument("--num-frames", type=int, default=124)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
-    p.add_argument("--config", help="deployment TOML whose [model] pipeline configs (geometry) to apply")
+    p.add_argument("--config", help="deployment TOML: its [model] dir and pipeline configs (geometry), and the "
+                                    "model services' threads, so the bytes match the served ones")
     _add_media_args(p)
     p.set_defaults(run=_reference)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from h3serve.common.config import SERVICES, DeployConfig
 from h3serve.model import workflows
 from h3serve.model.rules import Geometry
 from h3serve.runtime.media import decode_reference
@@ -43,6 +44,22 @@ class ReferenceRequest:
         decoded = {field: [decode_reference(KINDS[kind], path) for kind, path in items]
                    for field, items in files.items() if items}
         return workflows.of_fields(decoded).pipeline_inputs(decoded)
+
+
+def service_threads(config: DeployConfig) -> tuple[int, str]:
+    """The torch threads the reference runs with, and a note when the services disagree.
+
+    The thread count decides how CPU kernels split their reductions, so matching bytes need the services' own
+    `threads` (0: torch's default). One process runs every stage here; when they differ, the DiT's wins.
+    """
+    threads = {name: config.service(name).threads for name in SERVICES}
+    if len(set(threads.values())) == 1:
+        return threads["dit"], ""
+    chosen = threads["dit"]
+    listed = ", ".join(f"{name} {count or 'default'}" for name, count in threads.items())
+    others = ", ".join(name for name, count in threads.items() if count != chosen)
+    return chosen, (f"the services' threads differ ({listed}): using the DiT's ({chosen or 'default'}); "
+                    f"the {others} stage may differ from the served bytes in the last bits")
 
 
 def reference_pipeline(source: ModelSource, with_references: bool = False, device: str = "cpu",

@@ -5,6 +5,12 @@ Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start 
 back-off, joins the compute and control groups, loads and prepares the transformer, and
 rank 0 turns SERVING. A rank whose parent (the torchrun agent) dies is sent SIGTERM, so no
 rank outlives its group.
+
+SIGTERM / SIGINT is a stop, not a failure (torchrun sends it to restart the group after a rank
+exited, `h3serve up` to shut the service down): rank 0 stops its server gracefully, the other
+ranks follow it to the end of what it runs, and every rank exits 0, so torchrun counts a group
+stopped that way as finished instead of restarting it. A broken group is reported where it is
+seen, by the driver.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from h3serve.v1 import dit_pb2, dit_pb2_grpc
 log = logging.getLogger("h3serve.dit.rank")
 MAX_BACKOFF_S = 30.0
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_WAIT_S = 1.0  # a group broken by rank 0 leaving: how long this rank's own stop signal may trail it
 
 
 def backoff_seconds(config: DiTConfig, restart: int) -> float:
@@ -56,8 +64,8 @@ class Endpoint:
                                                 tls=(config.tls_cert, config.tls_key), serving=False)
         self.finished = threading.Event()
         self.exit_code = 1
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
 
     def start_group(self, config: DiTConfig, restart: int) -> None:
         try:
@@ -81,13 +89,16 @@ class Endpoint:
         self.finished.set()
 
     def _on_signal(self, signum, _frame) -> None:
+        """Stop like every server: NOT_SERVING, then the RPCs in flight get the grace (a cancelled one ends at its
+        next step). If the group broke meanwhile, the driver fails them with the reason."""
         self.exit_code = 0
-        reason = (f"the DiT group is stopping: signal {signum} from its launcher (a rank exited and the group "
-                  "restarts, or the service is shutting down)")
         if self.view.driver is None:  # still joining: nothing in flight, nothing to wait for
             self.server.stop(0)
             os._exit(0)
-        self.view.driver.fail(reason)
+        log.info("signal %d: stopping (grace %.0f s)", signum, GRACE_SECONDS)
+        self.view.state = "stopping"
+        set_serving(self.health, [SERVICE_NAME], False)
+        self.finished.set()
 
     def wait_and_exit(self) -> None:
         """Block until the group breaks or a signal comes; let failed RPCs deliver their status; exit."""
@@ -120,6 +131,30 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     return member, info
 
 
+class FollowerStop:
+    """Stop signals on a rank above 0. Before it follows rank 0 the rank exits at once; while it follows, it keeps
+    following until rank 0 has left (the group breaks) and then exits 0: leaving first would break the
+    collectives of a request rank 0 still runs, which the driver reports as a failed group."""
+
+    def __init__(self) -> None:
+        self.following = False
+        self.requested = False
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, _signum, _frame) -> None:
+        if not self.following:
+            os._exit(0)
+        self.requested = True
+
+    def group_broke(self) -> None:
+        """Exit 0 if the break is a stop: this rank got (or gets within STOP_WAIT_S) its own stop signal."""
+        self.following = False
+        if self.requested:
+            os._exit(0)
+        time.sleep(STOP_WAIT_S)  # a signal now ends the process in _on_signal
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -135,12 +170,18 @@ def main(argv: list[str] | None = None) -> None:
         endpoint = Endpoint(config, restart)
         threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()
         endpoint.wait_and_exit()  # the main thread stays free, so a signal is handled even while joining
+    stop = FollowerStop()
     try:
         member, _ = join(config, rank, restart)
     except BaseException as exc:
         log.error("rank %d could not join the DiT group: %s", rank, describe(exc))
         raise
-    follow(member)  # returns only by an exception: the group broke
+    stop.following = True
+    try:
+        follow(member)  # returns only by an exception: the group broke
+    except BaseException:
+        stop.group_broke()
+        raise
 
 
 if __name__ == "__main__":
