@@ -57,7 +57,7 @@ async def _chunks(data: bytes, size: int, name: str):
 
 def _upload(tmp_path: Path, path: Path, limits: AssetLimits, chunk: int = 4096):
     store = AssetStore(str(tmp_path / "store"), limits)
-    return store, asyncio.run(store.upload(_chunks(path.read_bytes(), chunk, path.name), asyncio.to_thread))
+    return store, asyncio.run(store.upload(_chunks(path.read_bytes(), chunk, path.name)))
 
 
 def test_a_file_over_its_kinds_byte_limit_is_refused_while_streaming(tmp_path):

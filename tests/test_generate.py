@@ -116,7 +116,9 @@ def test_cancel_mid_denoise_stops_within_one_step(stack, client):
     last_step = max(e.denoising.step for e in events if e.HasField("denoising"))
     ran = dit.Info(common_pb2.InfoRequest()).steps_served - before
     assert ran <= last_step + 1 < 59, f"the DiT ran {ran} steps after the client saw {last_step}"
-    assert client.job(final.job_id).state == gateway_pb2.JOB_STATE_CANCELLED
+    job = client.job(final.job_id)
+    assert job.state == gateway_pb2.JOB_STATE_CANCELLED
+    assert [(r.stage, r.finished, r.error) for r in job.stage_records][-1] == ("dit", 0.0, "cancelled by CancelJob")
     after, _ = run(client, **SMALL, seed=4)
     assert after.WhichOneof("kind") == "done"
 

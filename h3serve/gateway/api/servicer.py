@@ -21,6 +21,7 @@ from h3serve.gateway.assets.validate import AssetRefused
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, QueueFull, RequestIdConflict
+from h3serve.model import workflows
 from h3serve.model.rules import InvalidRequest
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 
@@ -52,15 +53,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.capacity = CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
         self.text_rows = text_rows
-        self.workflows = ServedWorkflows(runner.caller.replicas["dit"])
+        self.served = ServedWorkflows(runner.caller.replicas["dit"])
 
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
             request_id = _request_id(request.request_id)
-            resolved = resolve(request, self.limits, self.assets.get)
-            await self.workflows.check(resolved.workflow)
-            resolved.text_rows = self.text_rows(resolved, self.assets.get)
+            assets = await self.assets.find(workflows.asset_ids(request))
+            resolved = resolve(request, self.limits, assets.get)
+            await self.served.check(resolved.workflow)
+            resolved.text_rows = self.text_rows(resolved, assets.get)
             resolved.total_rows = self.capacity.admit(resolved).total
             job, created = await self.store.submit(
                 uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
@@ -154,7 +156,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def UploadAsset(self, request_iterator, context):
         try:
-            asset = await self.assets.upload(request_iterator, asyncio.to_thread)
+            asset = await self.assets.upload(request_iterator)
         except AssetRefused as exc:
             await context.abort(exc.code, exc.message)
         log.info("asset %s (%s, %s, %d bytes)%s", asset.asset_id[:16], media_pb2.AssetKind.Name(asset.kind),

@@ -12,7 +12,7 @@ import hashlib
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 from h3serve.gateway.assets.validate import (
     SNIFF_BYTES,
@@ -55,27 +55,33 @@ class AssetStore:
         finally:
             file.close()
 
-    async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk], inspect_in_thread) -> gateway_pb2.Asset:
-        """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
+    async def find(self, asset_ids: Iterable[str]) -> dict[str, gateway_pb2.Asset]:
+        """The stored descriptions of `asset_ids` (unknown ids left out), read off the event loop."""
+        found = await asyncio.to_thread(lambda: {asset_id: self.get(asset_id) for asset_id in set(asset_ids)})
+        return {asset_id: asset for asset_id, asset in found.items() if asset is not None}
 
-        `inspect_in_thread(fn, *args)` runs the blocking decode off the event loop.
-        """
-        fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
+    async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk]) -> gateway_pb2.Asset:
+        """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
+        The disk work and the decode run off the event loop."""
+        fd, tmp = await asyncio.to_thread(tempfile.mkstemp, dir=os.path.join(self.root, "tmp"))
         try:
             with os.fdopen(fd, "wb") as file:
                 name, fmt, size, digest = await self._spool(chunks, file)
-            existing = self.get(digest)
-            if existing is not None:
-                existing.deduplicated = True
-                return existing
-            asset = await inspect_in_thread(inspect, tmp, name, fmt, size, self.limits)
-            asset.asset_id, asset.file_name = digest, name
-            os.replace(tmp, self._path("blobs", digest))
-            self._write_meta(asset)
-            return asset
+            return await asyncio.to_thread(self._keep, tmp, name, fmt, size, digest)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            await asyncio.to_thread(_remove_if_present, tmp)
+
+    def _keep(self, tmp: str, name: str, fmt: str, size: int, digest: str) -> gateway_pb2.Asset:
+        """The spooled file `tmp` as a stored asset: decoded and described, unless the same bytes are stored."""
+        existing = self.get(digest)
+        if existing is not None:
+            existing.deduplicated = True
+            return existing
+        asset = inspect(tmp, name, fmt, size, self.limits)
+        asset.asset_id, asset.file_name = digest, name
+        os.replace(tmp, self._path("blobs", digest))
+        self._write_meta(asset)
+        return asset
 
     async def _spool(self, chunks, file) -> tuple[str, str, int, str]:
         name, fmt, size, head = "", None, 0, b""
@@ -112,3 +118,8 @@ class AssetStore:
             file.write(asset.SerializeToString())
         os.replace(tmp, self._path("meta", asset.asset_id))
 
+
+
+def _remove_if_present(path: str) -> None:
+    if os.path.exists(path):
+        os.remove(path)

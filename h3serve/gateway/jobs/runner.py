@@ -168,7 +168,8 @@ class JobRunner:
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
         workflow = workflows.by_value(request.workflow)
-        job = JobContext(job_id, request, workflow.media_items(request, self.assets.get), self.assets.read,
+        assets = await self.assets.find(workflows.asset_ids(request))
+        job = JobContext(job_id, request, workflow.media_items(request, assets.get), self.assets.read,
                          functools.partial(self.hub.emit, job_id))
         for step in workflow.plan:
             stages = [self.caller.stages[name] for name in step]

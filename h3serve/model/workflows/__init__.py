@@ -33,6 +33,16 @@ def names() -> list[str]:
     return [w.name for w in WORKFLOWS]
 
 
+def asset_ids(request) -> list[str]:
+    """Every asset id a GenerateRequest or ResolvedRequest names in the media fields of any workflow."""
+    ids = []
+    for workflow in WORKFLOWS:
+        for field in workflow.media_fields:
+            value = getattr(request, field)
+            ids += [value] if isinstance(value, str) else [item.asset_id for item in value]
+    return [asset_id for asset_id in ids if asset_id]
+
+
 def of_fields(fields) -> Workflow:
     """The workflow whose media `fields` (GenerateRequest field names) carry; none: t2va. With media of two
     workflows, the later one in the registry (the request is then refused for the other's fields)."""
