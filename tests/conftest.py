@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,31 @@ class Stack:
 
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory) -> tuple[Path, Path]:
+    """A self-signed certificate and key for localhost / 127.0.0.1 (openssl from the OS)."""
+    root = tmp_path_factory.mktemp("tls")
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def with_store(path: Path, scenario) -> None:
+    """Run `await scenario(store)` on a fresh SqliteJobStore at `path`, closed afterwards."""
+    from h3serve.gateway.jobs.sqlite import SqliteJobStore
+
+    async def go():
+        store = SqliteJobStore(str(path))
+        try:
+            await scenario(store)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
 
 
 @pytest.fixture(scope="session")

@@ -127,16 +127,6 @@ def test_demo_keeps_its_jobs_in_a_fresh_data_dir(tmp_path, tiny_model_dir):
         shutil.rmtree(jobs.parent)
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("tls")
-    cert, key = root / "cert.pem", root / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
-
-
 def test_generate_reaches_a_tls_gateway_with_a_token(stack, tmp_path, certificate):
     cert, key = certificate
     ports = {**stack.ports, "gateway": free_port()}

@@ -8,12 +8,12 @@ import os
 
 import grpc
 import pytest
+from conftest import with_store
 
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.runner import all_of
-from h3serve.gateway.jobs.sqlite import SqliteJobStore
 from h3serve.gateway.jobs.store import QueueFull, RequestIdConflict
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import STAGE_NAMES
@@ -219,16 +219,6 @@ def test_a_replica_keeps_call_counters_per_stage_and_clears_its_error_when_a_cal
 
 # The store: submission rules and listings.
 
-def store_scenario(tmp_path, scenario):
-    async def go():
-        store = SqliteJobStore(str(tmp_path / "jobs.sqlite"))
-        try:
-            await scenario(store)
-        finally:
-            await store.close()
-    run(go())
-
-
 def test_submit_is_idempotent_and_bounded(tmp_path):
     async def scenario(store):
         accepted = S.JobEvent(accepted=S.Accepted(request=REQUEST))
@@ -248,7 +238,7 @@ def test_submit_is_idempotent_and_bounded(tmp_path):
         await store.finish("j4", S.JOB_STATE_SUCCEEDED, DONE)
         assert (await store.submit("j5", REQUEST, max_unfinished=2))[1]
 
-    store_scenario(tmp_path, scenario)
+    with_store(tmp_path / "jobs.sqlite", scenario)
 
 
 def test_list_jobs_pages_newest_first(tmp_path):
@@ -266,7 +256,7 @@ def test_list_jobs_pages_newest_first(tmp_path):
         assert [j.job_id for j in failed] == ["j3", "j1"]
         assert await store.count_by_state() == {S.JOB_STATE_QUEUED: 3, S.JOB_STATE_FAILED: 2}
 
-    store_scenario(tmp_path, scenario)
+    with_store(tmp_path / "jobs.sqlite", scenario)
 
 
 def test_stage_records_are_returned_in_order(tmp_path):
@@ -283,7 +273,7 @@ def test_stage_records_are_returned_in_order(tmp_path):
         with pytest.raises(ValueError, match="unknown stage record column"):
             await store.stage_update(first, job_id="other")
 
-    store_scenario(tmp_path, scenario)
+    with_store(tmp_path / "jobs.sqlite", scenario)
 
 
 # Artifact retention.
@@ -306,7 +296,7 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
         assert await store.artifact("mid-video") is None
         assert [a.artifact_id for a in (await store.get_job("new")).artifacts] == ["new-video"]
 
-    store_scenario(tmp_path, scenario)
+    with_store(tmp_path / "jobs.sqlite", scenario)
 
 
 def test_a_failed_stage_of_a_step_cancels_the_others():

@@ -182,16 +182,6 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
             client.close()
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("tls")
-    cert, key = root / "cert.pem", root / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return cert, key
-
-
 def test_tls_on_every_server_and_a_bearer_token(stack, tmp_path, certificate):
     cert, key = certificate
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}

@@ -10,6 +10,7 @@ from contextlib import closing
 
 import grpc
 import pytest
+from conftest import with_store
 
 from h3serve.common.config import GatewayConfig
 from h3serve.common.errors import MAX_ERROR_CHARS
@@ -51,23 +52,21 @@ def test_the_sqlite_store_implements_every_method_of_the_protocol():
 
 
 def test_journal_mode_is_wal(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         with closing(sqlite3.connect(db_path)) as other:
             assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_queries_run_off_the_event_loop_thread(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         seen = await store._on_thread("_rows", "SELECT 1")  # any query: which thread ran it
         thread = await asyncio.wrap_future(store._thread.submit(threading.current_thread))
         assert seen == [(1,)] and thread is not threading.current_thread()
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_round_trip_survives_reopen(db_path):
@@ -114,19 +113,17 @@ def test_a_request_stored_before_params_reads_with_them(db_path):
     old = gateway_pb2.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8,
                                       seed=7, include_raw=True)
 
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("old", old)
         job = await store.get_job("old")
         assert job.request.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
         assert [u.request.params.seed for u in await store.unfinished()] == [7]
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_seq_is_one_to_n_and_ordered(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         stored = [await store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=5)))
                   for i in range(1, 6)]
@@ -138,13 +135,12 @@ def test_seq_is_one_to_n_and_ordered(db_path):
         assert await store.events("other") == []
         with pytest.raises(KeyError):
             await store.append_event("ghost", CANCEL)
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         tasks, per_task = 8, 25
 
@@ -158,13 +154,12 @@ def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
         assert all(seqs == sorted(seqs) for seqs in returned)
         assert [e.seq for e in await store.events("j")] == list(range(1, total + 1))
         assert (await store.get_job("j")).last_event_seq == total
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         assert await store.start_attempt("j") == 1
         cancelled = await store.finish("j", CANCELLED, CANCEL)
@@ -176,13 +171,12 @@ def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path
         job = await store.get_job("j")
         assert job.state == CANCELLED and not job.HasField("error") and job.last_event_seq == 1
         assert await store.finish("ghost", FAILED, late) is None
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_requeue_counts_the_attempt_or_takes_it_back(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         await store.start_attempt("j")
         retrying = gateway_pb2.JobEvent(retrying=gateway_pb2.Retrying(attempt=2, max_attempts=2, reason="stall"))
@@ -192,13 +186,12 @@ def test_requeue_counts_the_attempt_or_takes_it_back(db_path):
         await store.start_attempt("j")
         await store.requeue("j", retrying, count_attempt=False)
         assert (await store.get_job("j")).attempts == 1
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_long_error_keeps_its_end(db_path):
-    async def check():
-        store = SqliteJobStore(db_path)
+    async def check(store):
         await store.submit("j", REQUEST)
         message = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "RuntimeError: CUDA out of memory"
         failed = gateway_pb2.Failed(code=grpc.StatusCode.INTERNAL.value[0], code_name="INTERNAL", message=message)
@@ -209,8 +202,8 @@ def test_long_error_keeps_its_end(db_path):
             assert kept.endswith("RuntimeError: CUDA out of memory")
             assert len(kept) <= MAX_ERROR_CHARS + len("...\n")
             assert not kept.startswith("Traceback")
-        await store.close()
-    run(check())
+
+    with_store(db_path, check)
 
 
 def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
