@@ -86,27 +86,34 @@ class GatewayClient:
         return target
 
 
+def _accepted(event: gateway_pb2.JobEvent) -> str:
+    r = event.accepted.request
+    return (f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
+            f"{r.params.num_inference_steps} steps, seed {r.params.seed}")
+
+
+def _denoising(event: gateway_pb2.JobEvent) -> str:
+    d = event.denoising
+    return (f"denoising step {d.step}/{d.total}  {d.step_seconds:.2f} s/step  "
+            f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s")
+
+
+_LINES = {
+    "accepted": _accepted,
+    "conditioning": lambda e: f"encoding keyframes / references: encoder call {e.conditioning.done}/"
+                              f"{e.conditioning.total}",
+    "encoding": lambda e: f"encoded ({'cache hit' if e.encoding.cache_hit else 'cache miss'}) in "
+                          f"{e.encoding.seconds:.2f} s",
+    "denoising": _denoising,
+    "decoding": lambda e: f"decoding {e.decoding.chunk}/{e.decoding.total}",
+    "muxing": lambda e: f"muxing {e.muxing.done}/{e.muxing.total} s",
+    "retrying": lambda e: f"retrying: attempt {e.retrying.attempt}/{e.retrying.max_attempts}: {e.retrying.reason}",
+    "done": lambda e: f"done: {e.done.video.file_name} ({e.done.video.bytes} bytes, {e.done.duration_s:.2f} s)",
+    "failed": lambda e: f"failed: {e.failed.code_name}: {e.failed.message}",
+    "cancelled": lambda e: f"cancelled: {e.cancelled.reason}",
+}
+
+
 def describe_event(event: gateway_pb2.JobEvent) -> str:
     """One human line per event, for the CLI's progress display."""
-    kind = event.WhichOneof("kind")
-    value = getattr(event, kind)
-    if kind == "accepted":
-        r = value.request
-        return (f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
-                f"{r.params.num_inference_steps} steps, seed {r.params.seed}")
-    if kind == "conditioning":
-        return f"encoding keyframes / references {value.done}/{value.total}"
-    if kind == "encoding":
-        return f"encoded ({'cache hit' if value.cache_hit else 'cache miss'}) in {value.seconds:.2f} s"
-    if kind == "denoising":
-        return (f"denoising step {value.step}/{value.total}  {value.step_seconds:.2f} s/step  "
-                f"elapsed {value.elapsed_seconds:.1f} s  eta {value.eta_seconds:.1f} s")
-    if kind == "decoding":
-        return f"decoding {value.chunk}/{value.total}"
-    if kind == "muxing":
-        return f"muxing {value.done}/{value.total} s"
-    if kind == "done":
-        return f"done: {value.video.file_name} ({value.video.bytes} bytes, {value.duration_s:.2f} s)"
-    if kind == "failed":
-        return f"failed: {value.code_name}: {value.message}"
-    return f"cancelled: {value.reason}"
+    return _LINES[event.WhichOneof("kind")](event)
