@@ -3,8 +3,8 @@
 A DiT loads only the transformer partitions of its configured workflows, so a ref2va job sent to a
 t2va-only DiT would fail at denoise after the encode phase. Submit asks the DiT replicas instead (each
 answer cached at most 1 s, each probe bounded by a 1 s deadline, never a flag remembered from start-up)
-and refuses a workflow none of them serves. A DiT process that answers while it exits (state "failed: ...")
-says nothing either. When no replica says anything, nothing is known: the request is
+and refuses a workflow none of them serves. A DiT process that answers while it exits (state "stopping" or
+"failed: ...") says nothing either. When no replica says anything, nothing is known: the request is
 accepted and queues until a DiT is back, as any other.
 """
 
@@ -19,7 +19,8 @@ from h3serve.gateway.stages.replicas import HEALTH_TTL_S, PROBE_TIMEOUT_S, Repli
 from h3serve.model import workflows as registry
 from h3serve.v1 import common_pb2, dit_pb2_grpc
 
-FAILED_STATE = "failed"  # DiTInfo.state of a group whose process is exiting: "failed: <reason>"
+# DiTInfo.state of a group whose process is exiting: it was told to stop, or it failed ("failed: <reason>").
+STOPPING_STATE, FAILED_STATE = "stopping", "failed"
 
 
 class WorkflowNotServed(Exception):
@@ -37,7 +38,7 @@ class ServedWorkflows:
             return workflows
         try:
             info = await dit_pb2_grpc.DiTStub(replica.channel).Info(common_pb2.InfoRequest(), timeout=PROBE_TIMEOUT_S)
-            exiting = info.state.startswith(FAILED_STATE)
+            exiting = info.state == STOPPING_STATE or info.state.startswith(FAILED_STATE)
             workflows = None if exiting else frozenset(info.workflows) or None  # empty: an Info that says nothing
         except grpc.aio.AioRpcError:
             workflows = None
