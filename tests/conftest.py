@@ -46,6 +46,9 @@ def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, in
     return path
 
 
+# Test deployments give up on a stage that stays down after a second (the shipped defaults wait minutes).
+QUICK_OUTAGE = {stage: 1.0 for stage in ("encoder", "vae-encode", "dit", "vae")}
+
 # The stack's admission table: one canvas no other test uses, so only the admission test meets the limit.
 STACK_CAPACITY = {"t2va": {"512x512": 20000}}
 
@@ -99,7 +102,7 @@ def stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("stack")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics")}
     config_path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                               retry_attempts=2, retry_backoff_s=0.1, metrics_port=ports["metrics"],
+                               outage_s=QUICK_OUTAGE, retry_backoff_s=0.1, metrics_port=ports["metrics"],
                                capacity=STACK_CAPACITY)
     group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
     with group:

@@ -44,7 +44,9 @@ def refusal(tmp_path: Path, text: str) -> str:
                                          "give both or neither"),
     ('[encoder]\ntls_key = "key.pem"', "deploy.toml [encoder] tls_key: tls_cert and tls_key go together: "
                                        "give both or neither"),
-    ("[gateway]\nretry_attempts = 0", "deploy.toml [gateway] retry_attempts: Input should be greater than 0 (got 0)"),
+    ("[gateway]\nmax_backoff_s = 0", "deploy.toml [gateway] max_backoff_s: Input should be greater than 0 (got 0)"),
+    ("[gateway.outage_s]\nrender = 5", "deploy.toml [gateway] outage_s.render: Input should be 'encoder', 'vae-encode', "
+                                       "'dit' or 'vae' (got 'render')"),
     ("[gateway]\ndit = []", "deploy.toml [gateway] dit: at least one address is required"),
     ('[gateway.capacity.t2va]\n"768x1344" = 0',
      "deploy.toml [gateway] capacity.t2va.768x1344: Input should be greater than 0 (got 0)"),

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
@@ -59,7 +59,7 @@ def group(stack, tmp_path_factory):
     root = tmp_path_factory.mktemp("dit-group")
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
     config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports, dit=DIT2,
-                          retry_attempts=10, retry_backoff_s=0.5)
+                          outage_s={**QUICK_OUTAGE, "dit": 60.0}, retry_backoff_s=0.5)
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("dit", "gateway")):
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['dit']}")
         client = GatewayClient(f"127.0.0.1:{ports['gateway']}")

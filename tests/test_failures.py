@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from safetensors.torch import load_file, save_file
 
 from h3serve.cli.launcher import ServiceGroup, is_answering, is_serving
@@ -21,7 +21,7 @@ SMALL = dict(prompt="a kite over a beach", height=32, width=64, num_inference_st
 
 def start(root: Path, name: str, names: tuple[str, ...], model_dir: str, ports: dict[str, int],
           ready=is_serving) -> ServiceGroup:
-    config = write_config(root / f"{name}.toml", model_dir, root / name, ports, retry_attempts=2,
+    config = write_config(root / f"{name}.toml", model_dir, root / name, ports, outage_s=QUICK_OUTAGE,
                           retry_backoff_s=0.1)
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=names, ready=ready)
     group.__enter__()

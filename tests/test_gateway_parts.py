@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
 import pytest
@@ -17,7 +18,7 @@ from h3serve.gateway.jobs.runner import all_of
 from h3serve.gateway.jobs.store import QueueFull, RequestIdConflict
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import STAGE_NAMES
-from h3serve.gateway.stages.calls import CallRecord, StageCaller
+from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
 from h3serve.gateway.stages.queue import StageQueue
 from h3serve.gateway.stages.stage import JobContext
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
@@ -157,7 +158,7 @@ class FailingEncoder(encoder_pb2_grpc.EncoderServicer):
         await context.abort(self.code, f"refused by a test replica ({self.code.name})")
 
 
-async def _encode_against(code: grpc.StatusCode):
+async def _encode_against(code: grpc.StatusCode, outage_s: float = 0.3):
     servers, servicers, addresses = [], [], []
     for _ in range(2):
         server, servicer = grpc.aio.server(), FailingEncoder(code)
@@ -167,15 +168,16 @@ async def _encode_against(code: grpc.StatusCode):
         servers.append(server)
         servicers.append(servicer)
     metrics = GatewayMetrics(STAGE_NAMES)
-    caller = StageCaller(GatewayConfig(encoder=addresses, retry_attempts=3, retry_backoff_s=0.01), metrics)
-    record = CallRecord()
+    config = GatewayConfig(encoder=addresses, retry_backoff_s=0.01, max_backoff_s=0.05, outage_s={"encoder": outage_s})
+    caller, record, events = StageCaller(config, metrics), CallRecord(), []
 
     async def emit(**event):
-        raise AssertionError("a failed encode tells the job nothing")
+        events.append(event)
 
     job = JobContext("job", REQUEST, [], read_asset=None, emit=emit)
+    started = time.monotonic()
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(StageFailed) as err:
             await caller.run(caller.stages["encoder"], job, record, Watchdog({}))
         stats = [r.info("encoder") for r in caller.replicas["encoder"].replicas]
     finally:
@@ -183,22 +185,27 @@ async def _encode_against(code: grpc.StatusCode):
         for server in servers:
             await server.stop(None)
     retries = metrics.registry.get_sample_value("h3serve_stage_retries_total", {"stage": "encoder"})
-    return err.value.code(), [s.calls for s in servicers], record, retries, addresses, stats
+    return err.value, [s.calls for s in servicers], record, retries, events, stats, time.monotonic() - started
 
 
 def test_invalid_argument_is_never_retried():
-    code, calls, record, retries, _, stats = run(_encode_against(grpc.StatusCode.INVALID_ARGUMENT))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and sum(calls) == 1 and record.tries == 1 and retries == 0
+    error, calls, record, retries, events, stats, _ = run(_encode_against(grpc.StatusCode.INVALID_ARGUMENT))
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and sum(calls) == 1 and record.tries == 1 and retries == 0
+    assert str(error).endswith("refused by a test replica (INVALID_ARGUMENT)") and events == []
     failed = [s for s in stats if s.calls]
     assert len(failed) == 1 and failed[0].healthy and failed[0].failures == 1, "a bad request is not the replica's fault"
     assert failed[0].last_error == "INVALID_ARGUMENT: refused by a test replica (INVALID_ARGUMENT)"
 
 
-def test_unavailable_is_retried_on_the_other_replica():
-    code, calls, record, retries, addresses, stats = run(_encode_against(grpc.StatusCode.UNAVAILABLE))
-    assert code == grpc.StatusCode.UNAVAILABLE and calls == [2, 1]
-    assert record.tries == 3 and record.replica == addresses[0] and retries == 2
-    assert [(s.calls, s.failures, s.healthy) for s in stats] == [(2, 2, False), (1, 1, False)]
+def test_unavailable_is_tried_on_every_replica_until_the_outage_limit():
+    error, calls, record, retries, events, stats, seconds = run(_encode_against(grpc.StatusCode.UNAVAILABLE))
+    assert error.code == grpc.StatusCode.UNAVAILABLE and seconds >= 0.3
+    assert str(error).endswith("no encoder replica took the call for 0.3 s (its outage limit)")
+    assert min(calls) >= 2 and abs(calls[0] - calls[1]) <= 1, "tries alternate between the replicas"
+    assert record.tries == sum(calls) and retries == record.tries - 1
+    assert events == [{"waiting": S.Waiting(stage="encoder", limit_s=0.3,
+                                            reason="UNAVAILABLE: refused by a test replica (UNAVAILABLE)")}]
+    assert all(not s.healthy and s.failures == s.calls for s in stats)
 
 
 def test_a_replica_keeps_call_counters_per_stage_and_clears_its_error_when_a_call_succeeds():
@@ -295,6 +302,35 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
         assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
         assert await store.artifact("mid-video") is None
         assert [a.artifact_id for a in (await store.get_job("new")).artifacts] == ["new-video"]
+
+    with_store(tmp_path / "jobs.sqlite", scenario)
+
+
+def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_path):
+    from media_files import audio
+
+    from h3serve.gateway.assets.store import AssetStore
+    from h3serve.gateway.assets.validate import AssetLimits
+
+    assets = AssetStore(str(tmp_path / "assets"), AssetLimits())
+
+    async def upload(seconds: float) -> str:
+        async def chunks():
+            yield S.UploadAssetChunk(file_name="a.wav", data=audio(tmp_path / f"{seconds}.wav", seconds).read_bytes())
+        return (await assets.upload(chunks())).asset_id
+
+    async def scenario(store):
+        named, loose, fresh = [await upload(seconds) for seconds in (0.5, 0.6, 0.7)]
+        for asset_id in (named, loose):
+            os.utime(assets._path("meta", asset_id), (1000.0, 1000.0))  # uploaded long ago
+        request = S.ResolvedRequest(prompt="x", workflow=2, first_frame=named)
+        await store.submit("queued-job", request)
+        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [loose]
+        assert await assets.find([named, loose, fresh]) == {a: assets.get(a) for a in (named, fresh)}
+        assert not os.path.exists(assets._path("blobs", loose))
+        await store.finish("queued-job", S.JOB_STATE_SUCCEEDED, DONE)
+        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [named], \
+            "once no unfinished job names it, an old upload goes too"
 
     with_store(tmp_path / "jobs.sqlite", scenario)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -31,7 +31,7 @@ small_or_any = st.one_of(st.sampled_from([0, 32, 64, 124, 141, 345, 768, 1344]),
 def stub(tmp_path_factory):
     root = tmp_path_factory.mktemp("property")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(root / "deploy.toml", "", root / "gateway", ports, retry_attempts=1,
+    config = write_config(root / "deploy.toml", "", root / "gateway", ports, outage_s=QUICK_OUTAGE,
                           max_unfinished_jobs=5000)
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("gateway",), ready=is_answering):
         with grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}") as channel:

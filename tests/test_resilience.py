@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
@@ -27,7 +27,7 @@ STALL_S = 4.0
 
 
 def group(root: Path, name: str, names: tuple[str, ...], model_dir, ports: dict[str, int], **gateway) -> ServiceGroup:
-    config = write_config(root / f"{name}.toml", str(model_dir), root / name, ports, retry_attempts=2,
+    config = write_config(root / f"{name}.toml", str(model_dir), root / name, ports, outage_s=QUICK_OUTAGE,
                           retry_backoff_s=0.1, **gateway)
     return ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=names)
 

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from media_files import image
 
 from h3serve.cli.launcher import ServiceGroup
@@ -28,7 +28,7 @@ def t2va_stack(tmp_path_factory, tiny_model_dir):
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
     config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
                           model=GEOMETRY.pipeline_configs(), service_keys={"workflows": ["t2va"]},
-                          retry_attempts=1)
+                          outage_s=QUICK_OUTAGE)
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
         yield group, ports
 

@@ -207,7 +207,8 @@ def test_long_error_keeps_its_end(db_path):
 
 
 def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
-    """The job runner's restart policy (JobRunner.resume) on a store a dead gateway left behind."""
+    """The job runner's restart policy (JobRunner.resume) on a store a dead gateway left behind: an interrupted
+    attempt counts only when it did work; one that only waited for its first stage is given back."""
     from h3serve.gateway.jobs.events import EventHub
     from h3serve.gateway.jobs.runner import JobRunner
     from h3serve.gateway.metrics import GatewayMetrics
@@ -216,12 +217,17 @@ def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_
 
     async def leave_behind():
         store = SqliteJobStore(db_path)
-        for job_id in ("queued", "running", "worn", "done", "cancelled"):
-            await store.submit(job_id, REQUEST)
+        for job_id in ("queued", "running", "waited", "worn", "done", "cancelled"):
+            await store.submit(job_id, REQUEST, first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted()))
         assert await store.start_attempt("running") == 1
+        await store.append_event("running", gateway_pb2.JobEvent(encoding=gateway_pb2.Encoding()))
         await store.stage_enqueued("running", 1, "dit")
-        for _ in range(2):
-            assert await store.start_attempt("worn") >= 1
+        assert await store.start_attempt("waited") == 1
+        await store.stage_enqueued("waited", 1, "encoder")
+        await store.append_event("waited", gateway_pb2.JobEvent(waiting=gateway_pb2.Waiting(stage="encoder")))
+        for attempt in (1, 2):
+            assert await store.start_attempt("worn") == attempt
+            await store.append_event("worn", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding()))
         await store.stage_enqueued("worn", 2, "vae")
         await store.finish("done", SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
         await store.finish("cancelled", CANCELLED, CANCEL)
@@ -234,13 +240,19 @@ def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_
         started = []
         runner.start = lambda job_id, request: started.append((job_id, request))
         await runner.resume()
-        assert [job_id for job_id, _ in started] == ["queued", "running"]
+        assert [job_id for job_id, _ in started] == ["queued", "running", "waited"]
         assert all(request == REQUEST for _, request in started)
-        assert (await store.get_job("queued")).state == QUEUED and await store.events("queued") == []
+        queued = await store.get_job("queued")
+        assert queued.state == QUEUED and [e.WhichOneof("kind") for e in await store.events("queued")] == ["accepted"]
         running = await store.get_job("running")
         assert running.state == QUEUED and running.attempts == 1
         assert (await store.events("running"))[-1].retrying == gateway_pb2.Retrying(
             attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
+        waited = await store.get_job("waited")
+        assert waited.state == QUEUED and waited.attempts == 0
+        assert (await store.events("waited"))[-1].retrying == gateway_pb2.Retrying(
+            attempt=1, max_attempts=2, reason="the gateway restarted while this job waited in the encoder stage "
+                                              "before any work; attempt not counted")
         worn = await store.get_job("worn")
         assert worn.state == FAILED and worn.error == gateway_pb2.Failed(
             code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",

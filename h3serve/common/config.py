@@ -38,11 +38,16 @@ class ConfigError(ValueError):
 
 # Phases the watchdog times: the stage call starts a phase; each progress event restarts its clock.
 STALL_DEFAULTS = {"encode": 300.0, "denoise": 900.0, "decode": 600.0, "mux": 300.0}
+# How long a job waits for a stage with no replica that can take its call (down, restarting, loading
+# weights) before it fails UNAVAILABLE: a DiT group restart reloads the transformer, so the DiT waits longest.
+OUTAGE_DEFAULTS = {"encoder": 300.0, "vae-encode": 300.0, "dit": 900.0, "vae": 300.0}
+DAY_S = 24 * 3600.0
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
 Phase = Literal[tuple(STALL_DEFAULTS)]
+StageName = Literal[tuple(OUTAGE_DEFAULTS)]
 Workflows = Annotated[tuple[Literal[tuple(workflow_names())], ...], Field(min_length=1, strict=False)]  # TOML: a list
 
 
@@ -159,8 +164,11 @@ class GatewayConfig(Section):
     encode_deadline_s: PositiveFloat = 600.0  # per stage call
     denoise_deadline_s: PositiveFloat = 3600.0
     decode_deadline_s: PositiveFloat = 1800.0
-    retry_attempts: PositiveInt = 3   # tries for a stage call that fails UNAVAILABLE
-    retry_backoff_s: NonNegativeFloat = 0.5  # first back-off, doubled per try
+    # A stage call failing UNAVAILABLE (the replica is down or restarting) is tried again, on the next replica,
+    # with back-off from retry_backoff_s doubling to max_backoff_s, until the stage's outage limit has passed.
+    retry_backoff_s: NonNegativeFloat = 0.5
+    max_backoff_s: PositiveFloat = 5.0
+    outage_s: dict[StageName, PositiveFloat] = Field(default_factory=lambda: dict(OUTAGE_DEFAULTS))
     max_image_bytes: PositiveInt = 20 << 20  # UploadAsset limits, per asset
     max_video_bytes: PositiveInt = 100 << 20
     max_audio_bytes: PositiveInt = 30 << 20
@@ -174,7 +182,7 @@ class GatewayConfig(Section):
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is
                                               # RESOURCE_EXHAUSTED (0: no bound)
-    max_attempts: PositiveInt = 2     # runs of one job: re-runs after a gateway restart or a stalled stage
+    max_attempts: PositiveInt = 3     # runs of one job that started work: re-runs after a gateway crash or a stall
     # Per-phase stall limits in seconds, measured from the phase's last progress event.
     stall_s: dict[Phase, PositiveFloat] = Field(default_factory=lambda: dict(STALL_DEFAULTS))
     # Admission capacity: {workflow: {"HxW" or "*": max packed-sequence rows}}; a canvas not listed
@@ -187,8 +195,11 @@ class GatewayConfig(Section):
     tls_key: str = ""
     stage_tls_ca: str = ""            # PEM root for TLS stage services (empty: plaintext to the stages)
     max_request_bytes: PositiveInt = 4 << 20  # largest request message the public API accepts (uploads come in chunks)
-    artifact_max_age_s: NonNegativeFloat = 0.0  # retention: delete artifacts older than this (0: keep)
-    artifact_max_bytes: NonNegativeInt = 0  # retention: keep at most this many artifact bytes, oldest first (0: no cap)
+    # Retention, enforced after every job and every minute (0: keep for ever / no cap).
+    artifact_max_age_s: NonNegativeFloat = 7 * DAY_S  # artifacts older than this are deleted
+    artifact_max_bytes: NonNegativeInt = 50 << 30     # beyond this many artifact bytes the oldest go first
+    asset_max_age_s: NonNegativeFloat = 7 * DAY_S     # uploads older than this go unless a queued or running job
+                                                      # names them
 
     @field_validator("default_steps")
     @classmethod

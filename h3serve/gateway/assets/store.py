@@ -55,6 +55,19 @@ class AssetStore:
         finally:
             file.close()
 
+    def remove_older_than(self, cutoff: float, keep: set[str]) -> list[str]:
+        """Delete the assets stored before `cutoff` (unix seconds) but those in `keep`; returns their ids."""
+        removed = []
+        for name in os.listdir(os.path.join(self.root, "meta")):
+            asset_id = name.removesuffix(".pb")
+            meta = self._path("meta", asset_id)
+            if asset_id in keep or not _ID.fullmatch(asset_id) or os.path.getmtime(meta) >= cutoff:
+                continue
+            os.remove(meta)  # first: without its description the asset no longer exists
+            _remove_if_present(self._path("blobs", asset_id))
+            removed.append(asset_id)
+        return removed
+
     async def find(self, asset_ids: Iterable[str]) -> dict[str, gateway_pb2.Asset]:
         """The stored descriptions of `asset_ids` (unknown ids left out), read off the event loop."""
         found = await asyncio.to_thread(lambda: {asset_id: self.get(asset_id) for asset_id in set(asset_ids)})

@@ -1,7 +1,8 @@
-"""Artifact retention: files older than the age limit go, then the oldest until the byte cap holds.
+"""Retention: artifacts older than the age limit go, then the oldest until the byte cap holds; uploaded assets
+older than theirs go unless a queued or running job names them.
 
 A removed artifact disappears from the store too, so GetJob never lists a file that is gone and
-DownloadArtifact answers NOT_FOUND for it.
+DownloadArtifact answers NOT_FOUND for it; a removed asset is an unknown asset_id to the next request.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.jobs.store import JobStore
+from h3serve.model import workflows
 
 log = logging.getLogger("h3serve.gateway.retention")
 
@@ -20,14 +23,28 @@ log = logging.getLogger("h3serve.gateway.retention")
 @dataclass(frozen=True)
 class Retention:
     store: JobStore
-    max_age_s: float = 0.0    # 0: no age limit
-    max_bytes: int = 0        # 0: no byte cap
+    max_age_s: float = 0.0          # artifacts; 0: no age limit
+    max_bytes: int = 0              # artifacts; 0: no byte cap
+    assets: AssetStore | None = None
+    asset_max_age_s: float = 0.0    # 0: keep uploads
 
     async def enforce(self, now: float | None = None) -> list[str]:
-        """Delete what the policy no longer keeps; returns the removed artifact ids."""
+        """Delete what the policy no longer keeps; returns the removed artifact and asset ids."""
+        now = time.time() if now is None else now
+        removed = await self._artifacts(now) + await self._assets(now)
+        if removed:
+            log.info("retention removed %d file(s): %s", len(removed), ", ".join(removed))
+        return removed
+
+    async def _assets(self, now: float) -> list[str]:
+        if self.assets is None or self.asset_max_age_s <= 0:
+            return []
+        in_use = {asset_id for job in await self.store.unfinished() for asset_id in workflows.asset_ids(job.request)}
+        return await asyncio.to_thread(self.assets.remove_older_than, now - self.asset_max_age_s, in_use)
+
+    async def _artifacts(self, now: float) -> list[str]:
         if self.max_age_s <= 0 and self.max_bytes <= 0:
             return []
-        now = time.time() if now is None else now
         artifacts = await self.store.artifacts_oldest_first()
         total = sum(artifact.bytes for artifact in artifacts)
         removed = []
@@ -40,8 +57,6 @@ class Retention:
             await asyncio.to_thread(_unlink, artifact.path)
             total -= artifact.bytes
             removed.append(artifact.artifact_id)
-        if removed:
-            log.info("retention removed %d artifact(s): %s", len(removed), ", ".join(removed))
         return removed
 
 

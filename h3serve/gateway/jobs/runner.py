@@ -29,7 +29,7 @@ from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.store import JobStore
 from h3serve.gateway.metrics import GatewayMetrics
-from h3serve.gateway.stages.calls import CallRecord, StageCaller
+from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
 from h3serve.gateway.stages.queue import StageQueue
 from h3serve.gateway.stages.stage import JobContext, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
@@ -39,14 +39,8 @@ from h3serve.v1 import gateway_pb2
 log = logging.getLogger("h3serve.gateway.jobs")
 S = gateway_pb2
 CANCELLED_BY_CLIENT = "cancelled by CancelJob"
-
-
-class StageFailed(Exception):
-    """A stage call ended with a gRPC error; the message names the stage and the replica."""
-
-    def __init__(self, stage: str, replica: str, error: grpc.aio.AioRpcError):
-        self.code = error.code()
-        super().__init__(f"{stage} ({replica}): {error.details() or error.code().name}")
+ATTEMPT_STARTS = ("accepted", "retrying")  # event kinds that begin an attempt
+WORK_EVENTS = ("encoding", "conditioning", "denoising", "decoding", "muxing")  # a stage made progress
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -73,7 +67,8 @@ class JobRunner:
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
         self.queues = {name: StageQueue(name, len(caller.replicas[stage.service].replicas))
                        for name, stage in caller.stages.items()}
-        self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes)
+        self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes, assets,
+                                   config.asset_max_age_s)
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -99,19 +94,32 @@ class JobRunner:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def resume(self) -> None:
-        """At start-up: queued jobs run; jobs a dead gateway left in flight run again or fail with the reason."""
+        """At start-up: queued jobs run; jobs a dead gateway left in flight run again, their attempt counted only
+        when it did work (a job that was still waiting for its first stage loses nothing), or fail with the reason
+        when their attempts are spent."""
         reran = 0
         for job in await self.store.unfinished():
             if job.state == S.JOB_STATE_RUNNING:
-                reason = f"the gateway restarted while this job was in {_where(job.last_stage)}"
-                if not await self._retry_or_fail(job.job_id, job.attempts, reason, grpc.StatusCode.ABORTED):
+                where = _where(job.last_stage)
+                if not await self._worked(job.job_id):
+                    await self._requeue_uncounted(job.job_id, "the gateway restarted while this job waited in "
+                                                              "{where} before any work")
+                elif await self._retry_or_fail(job.job_id, job.attempts, f"the gateway restarted while this job was "
+                                                                         f"in {where}", grpc.StatusCode.ABORTED):
+                    reran += 1
+                else:
                     log.warning("job %s failed: interrupted by restarts %d times", job.job_id, job.attempts)
                     continue
-                reran += 1
             self.start(job.job_id, job.request)
         self.metrics.job_retries.labels("restart").inc(reran)
         if self._tasks:
             log.info("resumed %d job(s) (%d interrupted in flight)", len(self._tasks), reran)
+
+    async def _worked(self, job_id: str) -> bool:
+        """Whether the job's latest attempt produced any stage progress."""
+        kinds = [event.WhichOneof("kind") for event in await self.store.events(job_id)]
+        starts = [i for i, kind in enumerate(kinds) if kind in ATTEMPT_STARTS]
+        return any(kind in WORK_EVENTS for kind in kinds[starts[-1] if starts else 0:])
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         try:
@@ -120,7 +128,7 @@ class JobRunner:
                     return
         except asyncio.CancelledError:
             if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start
-                await self._requeue_after_shutdown(job_id)
+                await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
         except StageFailed as exc:
@@ -154,13 +162,13 @@ class JobRunner:
                            failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})"))
         return False
 
-    async def _requeue_after_shutdown(self, job_id: str) -> None:
-        """A graceful shutdown stopped this attempt: queue the job again without counting it. The `retrying`
-        event repeats the attempt's number and says why."""
+    async def _requeue_uncounted(self, job_id: str, why: str) -> None:
+        """Queue the job again without counting the interrupted attempt; the `retrying` event repeats its number and
+        says `why` ("{where}": the stage the job was in)."""
         job = await self.store.get_job(job_id)
         where = _where(job.stage_records[-1].stage if job.stage_records else "")
         retrying = S.Retrying(attempt=job.attempts, max_attempts=self.max_attempts,
-                              reason=f"the gateway shut down while this job was in {where}; attempt not counted")
+                              reason=why.format(where=where) + "; attempt not counted")
         self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False))
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
@@ -194,8 +202,6 @@ class JobRunner:
             except BaseException as exc:
                 await self.store.stage_update(record_id, replica=record.replica, tries=record.tries,
                                               error=self._reason(job.job_id, exc))
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    raise StageFailed(stage.name, record.replica, exc) from exc
                 raise
             await self.store.stage_update(record_id, finished=time.time(), replica=record.replica,
                                           tries=record.tries, bytes_in=record.bytes_in, bytes_out=record.bytes_out)
@@ -206,8 +212,6 @@ class JobRunner:
         """Why a stage pass ended without a result, for its record."""
         if isinstance(exc, asyncio.CancelledError):
             return CANCELLED_BY_CLIENT if job_id in self._cancel_requested else "the gateway shut down"
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return tail(f"{exc.code().name}: {exc.details()}")
         return tail(str(exc) or type(exc).__name__)
 
     async def _complete(self, job: JobContext) -> None:

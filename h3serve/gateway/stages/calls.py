@@ -8,13 +8,14 @@ all) is final at once. Each try runs under the watchdog of its phase.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.metrics import GatewayMetrics
@@ -22,6 +23,7 @@ from h3serve.gateway.stages import SERVICES, STAGES
 from h3serve.gateway.stages.replicas import Replica, ReplicaSet
 from h3serve.gateway.stages.stage import JobContext, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
+from h3serve.v1 import gateway_pb2
 
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
 T = TypeVar("T")
@@ -29,6 +31,18 @@ T = TypeVar("T")
 
 def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TRANSIENT
+
+
+class StageFailed(Exception):
+    """A stage call ended with a gRPC error for good; the message names the stage and the replica."""
+
+    def __init__(self, stage: str, replica: str, code: grpc.StatusCode, details: str | None):
+        self.code = code
+        super().__init__(f"{stage} ({replica}): {details or code.name}")
+
+
+def _status(exc: grpc.aio.AioRpcError) -> str:
+    return f"{exc.code().name}: {exc.details()}"
 
 
 @dataclass
@@ -55,7 +69,7 @@ class StageCaller:
             await replicas.close()
 
     async def run(self, stage: Stage, job: JobContext, record: CallRecord, watchdog: Watchdog) -> StageOutput:
-        """The stage's call for `job` on one of its replicas, retried while transient; the reply stream read."""
+        """The stage's call for `job` on one of its replicas, tried through outages; the reply stream read."""
         request = stage.request(job)
         record.bytes_in = request.bytes_in
         timeout = getattr(self.config, stage.deadline)
@@ -64,27 +78,43 @@ class StageCaller:
             return await watchdog.run(stage.phase, stage.read(job, stage.call(replica.channel, request, timeout),
                                                               watchdog))
 
-        output = await self._retrying(stage, record, once)
+        output = await self._through_outages(stage, job, record, watchdog, once)
         record.bytes_out = output.payload_bytes
         self.metrics.tensor_bytes.labels(stage.name, "in").inc(record.bytes_in)
         self.metrics.tensor_bytes.labels(stage.name, "out").inc(record.bytes_out)
         return output
 
-    async def _retrying(self, stage: Stage, record: CallRecord, once: Callable[[Replica], Awaitable[T]]) -> T:
-        """Run `once` on a replica; retry transient failures on the next replica with back-off."""
-        replicas, tried = self.replicas[stage.service], set()
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(_is_transient), reraise=True,
-            stop=stop_after_attempt(self.config.retry_attempts),
-            wait=wait_exponential(multiplier=self.config.retry_backoff_s, max=10),
-            before_sleep=lambda _: self.metrics.stage_retries.labels(stage.name).inc(),
-        )
-        async for attempt in retrying:
-            with attempt:
-                replica = await replicas.pick(tried)
-                tried.add(replica.address)
-                record.tries, record.replica = record.tries + 1, replica.address
+    async def _through_outages(self, stage: Stage, job: JobContext, record: CallRecord, watchdog: Watchdog,
+                               once: Callable[[Replica], Awaitable[T]]) -> T:
+        """Run `once` on a replica; after a transient failure, again on the next one with back-off, until the
+        stage has taken no call and made no progress for its outage limit (StageFailed then)."""
+        replicas, tried, limit = self.replicas[stage.service], set(), self.config.outage_s[stage.name]
+        delays, outage_since = self._backoff(), None
+        while True:
+            replica = await replicas.pick(tried)
+            tried.add(replica.address)
+            record.tries, record.replica = record.tries + 1, replica.address
+            events = watchdog.events
+            try:
                 return await self._try(stage.name, replica, once)
+            except grpc.aio.AioRpcError as exc:
+                if not _is_transient(exc):
+                    raise StageFailed(stage.name, replica.address, exc.code(), exc.details()) from exc
+                if outage_since is None or watchdog.events > events:  # a new outage: the job hears of it once
+                    outage_since, delays = time.monotonic(), self._backoff()
+                    await job.emit(waiting=gateway_pb2.Waiting(stage=stage.name, reason=_status(exc), limit_s=limit))
+                if time.monotonic() - outage_since >= limit:
+                    raise StageFailed(stage.name, replica.address, exc.code(),
+                                      f"{exc.details()}; no {stage.name} replica took the call for {limit:g} s "
+                                      f"(its outage limit)") from exc
+            self.metrics.stage_retries.labels(stage.name).inc()
+            await asyncio.sleep(next(delays))
+
+    def _backoff(self) -> Iterator[float]:
+        delay = self.config.retry_backoff_s
+        while True:
+            yield delay
+            delay = min(self.config.max_backoff_s, max(delay, 0.05) * 2)
 
     @staticmethod
     async def _try(stage: str, replica: Replica, once: Callable[[Replica], Awaitable[T]]) -> T:
@@ -94,7 +124,7 @@ class StageCaller:
         try:
             result = await once(replica)
         except grpc.aio.AioRpcError as exc:
-            replica.failed(stage, f"{exc.code().name}: {exc.details()}", down=_is_transient(exc))
+            replica.failed(stage, _status(exc), down=_is_transient(exc))
             raise
         except Stuck as exc:
             replica.failed(stage, str(exc), down=True)

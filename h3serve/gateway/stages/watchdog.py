@@ -31,10 +31,15 @@ class Watchdog:
             raise ValueError(f"stall_s: unknown phase(s) {', '.join(sorted(unknown))}; "
                              f"known: {', '.join(STALL_DEFAULTS)}")
         self.phase = ""
+        self.events = 0  # progress events seen: a try that made some, made progress
         self._last = time.monotonic()
 
     def progress(self, phase: str) -> None:
         """A progress event of `phase` (which also becomes the current phase): its clock starts again."""
+        self._enter(phase)
+        self.events += 1
+
+    def _enter(self, phase: str) -> None:
         self.phase, self._last = phase, time.monotonic()
 
     async def run(self, phase: str, call: Awaitable):
@@ -42,7 +47,7 @@ class Watchdog:
 
         The limit is looked at again at least every CHECK_PERIOD_S, so a phase change to a shorter limit takes
         effect within that; the only task besides the caller's is the call itself, cancelled on every way out."""
-        self.progress(phase)
+        self._enter(phase)
         task = asyncio.ensure_future(call)
         try:
             while True:
