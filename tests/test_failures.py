@@ -122,7 +122,7 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
     assert first_step.seq < kinds.index("retrying") + 1 and kinds[-1] == "done"
     assert kinds.count("accepted") == 1 and kinds.count("retrying") == 1
     assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
-        attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
+        attempt=2, max_attempts=3, reason="the gateway restarted while this job was in the dit stage")
     assert rerun.state == gateway_pb2.JOB_STATE_SUCCEEDED and rerun.attempts == 2
     first = [(r.stage, r.finished > 0) for r in rerun.stage_records if r.attempt == 1]
     second = [(r.stage, r.finished > 0) for r in rerun.stage_records if r.attempt == 2]
@@ -147,7 +147,7 @@ def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_att
     assert [e.seq for e in events] == list(range(1, len(events) + 1)), "nothing lost, nothing repeated"
     assert kinds.count("retrying") == 1 and kinds[-1] == "done"
     assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
-        attempt=1, max_attempts=2, reason="the gateway shut down while this job was in the dit stage; attempt not counted")
+        attempt=1, max_attempts=3, reason="the gateway shut down while this job was in the dit stage; attempt not counted")
     assert rerun.state == gateway_pb2.JOB_STATE_SUCCEEDED and rerun.attempts == 1
     assert [(r.stage, r.attempt, r.finished > 0) for r in rerun.stage_records] == [
         ("encoder", 1, True), ("dit", 1, False), ("encoder", 1, True), ("dit", 1, True), ("vae", 1, True)]
