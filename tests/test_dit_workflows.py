@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from h3serve.model import workflows
-from h3serve.services.dit.runner import partitions, served
 from h3serve.services.dit.checks import served_workflow
+from h3serve.services.dit.runner import partitions, served
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
 T2VA, FL2VA, REF2VA = common_pb2.WORKFLOW_T2VA, common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA
