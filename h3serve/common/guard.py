@@ -54,14 +54,20 @@ def _rebuilt(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
                    response_serializer=handler.response_serializer)
 
 
+def _rpc(method: str) -> str:
+    """"/h3serve.v1.DiT/Denoise" as "h3serve.v1.DiT.Denoise"."""
+    return method.strip("/").replace("/", ".")
+
+
 def _undecodable(method: str, context, request: Undecodable) -> tuple[grpc.StatusCode, str]:
-    log.warning("%s from %s: undecodable request: %s", method, context.peer(), request.reason)
-    return grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes sent to {method} do not decode ({request.reason})"
+    log.warning("%s from %s: undecodable request: %s", _rpc(method), context.peer(), request.reason)
+    return grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes sent to {_rpc(method)} do not decode " \
+                                             f"({request.reason})"
 
 
 def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-    log.exception("%s: unexpected error", method)
-    return grpc.StatusCode.INTERNAL, f"{method}: internal error: {brief(exc)}"
+    log.exception("%s: unexpected error", _rpc(method))
+    return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}"
 
 
 UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED,
