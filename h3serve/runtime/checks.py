@@ -14,7 +14,7 @@ import torch
 from h3serve.common.bounds import check_id
 from h3serve.model import rules, workflows
 from h3serve.model.rules import Geometry, InvalidRequest
-from h3serve.model.workflows.base import MediaError, Workflow
+from h3serve.model.workflows.base import MediaError
 from h3serve.v1 import media_pb2
 
 
@@ -26,7 +26,7 @@ def spec_checked(messages: Iterable, check: Callable[[object], None]) -> Iterato
         yield message
 
 
-def check_media_spec(spec: media_pb2.MediaSpec, geometry: Geometry, max_input_bytes: int) -> Workflow:
+def check_media_spec(spec: media_pb2.MediaSpec, geometry: Geometry, max_input_bytes: int) -> None:
     """A MediaSpec (Encoder.EncodeMedia, VAE.EncodeConditions) before any asset byte is read."""
     check_id("job_id", spec.job_id)
     workflow = workflows.by_value(spec.workflow)
@@ -41,7 +41,6 @@ def check_media_spec(spec: media_pb2.MediaSpec, geometry: Geometry, max_input_by
     if total > max_input_bytes:
         raise InvalidRequest("items", f"{total} bytes of assets, over the {max_input_bytes} bytes a request may "
                                       f"carry here (max_input_bytes)")
-    return workflow
 
 
 def check_dtype(name: str, tensor: torch.Tensor, *dtypes: torch.dtype) -> None:
