@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -160,7 +161,8 @@ async def _bugs_are_internal_async(method: str, context):
 
 
 def _guarded_async(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """h3serve's asyncio servicers are coroutines (unary responses) and async generators (streamed ones)."""
+    """A streamed response comes from an async generator, or from a coroutine that writes it with context.write
+    (or only aborts, as the bearer-token refusal does)."""
     inner = getattr(handler, _kind(handler))
 
     async def requests(request, context):
@@ -171,7 +173,11 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
     if handler.response_streaming:
         async def behavior(request, context):
             async with _bugs_are_internal_async(method, context):
-                async for response in inner(await requests(request, context), context):
+                responses = inner(await requests(request, context), context)
+                if inspect.isawaitable(responses):
+                    await responses
+                    return
+                async for response in responses:
                     yield response
     else:
         async def behavior(request, context):
