@@ -81,6 +81,26 @@ def test_pixel_and_duration_limits_name_the_limit(tmp_path):
                                  "(max_video_seconds)")
 
 
+@pytest.mark.parametrize("head", [b"\x89PNG\r\n\x1a\n", b"\x00\x00\x00\x18ftypmp42"], ids=["png", "mp4"])
+def test_an_undecodable_upload_is_named_by_its_file_name_never_by_the_servers_path(tmp_path, head):
+    path = tmp_path / "broken.bin"
+    path.write_bytes(head + b"\x00" * 64)
+    with pytest.raises(AssetRefused) as err:
+        _upload(tmp_path, path, AssetLimits())
+    assert err.value.message.startswith("asset 'broken.bin': not a decodable ")
+    assert str(tmp_path) not in err.value.message and "/tmp" not in err.value.message, err.value.message
+
+
+def test_a_refusal_cuts_a_long_file_name(tmp_path):
+    async def chunks():
+        yield gateway_pb2.UploadAssetChunk(file_name="n" * 100_000, data=b"not media at all, just text")
+
+    with pytest.raises(AssetRefused) as err:
+        asyncio.run(AssetStore(str(tmp_path / "store"), AssetLimits()).upload(chunks()))
+    assert err.value.message.startswith("asset 'nnn") and "(100000 characters)" in err.value.message
+    assert len(err.value.message) < 500
+
+
 def test_an_upload_is_stored_under_its_sha256(tmp_path):
     import hashlib
 

@@ -40,7 +40,7 @@ def test_a_value_larger_than_the_bound_is_not_kept():
 def encoder():
     model = common_pb2.ModelInfo(model_revision="tiny-v1")
     servicer = EncoderServicer(TextEncoderRunner(ModelSource(None).load(COMPONENTS, "cpu", "float32")), model,
-                               ModelServiceConfig(cache_bytes=10_000, max_prompt_chars=100))
+                               ModelServiceConfig(cache_bytes=10_000, max_prompt_chars=100, max_prompt_tokens=80))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -76,8 +76,22 @@ def test_eviction_in_the_service_respects_its_byte_bound(encoder):
     assert info.cache_evictions > 0
 
 
-@pytest.mark.parametrize("prompt,needle", [("", "must not be blank"), ("x" * 101, "at most 100")])
-def test_bad_prompts_are_refused(encoder, prompt, needle):
+@pytest.mark.parametrize("prompt,needle", [
+    ("", "must not be blank"), ("x" * 101, "at most 100 characters"),
+    ("\U0001f98a" * 21, "prompt: at most 80 tokens, got 84 (max_prompt_tokens)"),  # 21 characters of 4 bytes
+])
+def test_bad_prompts_are_refused_before_any_model_runs(encoder, prompt, needle):
+    runs = encoder.Info(common_pb2.InfoRequest()).model_runs
     with pytest.raises(grpc.RpcError) as err:
         encode(encoder, prompt)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+    assert encoder.Info(common_pb2.InfoRequest()).model_runs == runs
+
+
+@pytest.mark.parametrize("job_id", ["j" * 129, "has space", "tab\t", "\u00e9"])
+def test_a_job_id_that_is_no_id_is_refused_without_echoing_it(encoder, job_id):
+    with pytest.raises(grpc.RpcError) as err:
+        list(encoder.Encode(encoder_pb2.EncodeRequest(prompt="a fox", job_id=job_id)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (f"job_id: at most 128 printable ASCII characters without spaces, got {len(job_id)} "
+                                   f"characters")

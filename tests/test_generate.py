@@ -166,7 +166,8 @@ def test_unknown_job_and_artifact_are_not_found(client):
 def test_dit_refuses_a_spec_the_model_rejects(stack):
     dit = dit_pb2_grpc.DiTStub(grpc.insecure_channel(stack.address("dit")))
     with pytest.raises(grpc.RpcError) as err:
-        list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(height=32, width=64))])))
+        list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(
+            height=32, width=64, num_frames=124, params=common_pb2.GenerationParams(num_inference_steps=2)))])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_embeds" in err.value.details()
 

@@ -255,17 +255,21 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
     encoder = _stub(media_stack, "encoder", encoder_pb2_grpc, "Encoder")
     vae = _stub(media_stack, "vae", vae_pb2_grpc, "VAE")
     data = files["voice"].read_bytes()
-    item = media_pb2.MediaItem(asset_id="a", kind=media_pb2.ASSET_KIND_AUDIO, role=media_pb2.MEDIA_ROLE_REFERENCE,
-                               bytes=len(data))
-    spec = media_pb2.MediaSpec(workflow=common_pb2.WORKFLOW_REF2VA, height=32, width=64, num_frames=124,
-                               items=[item], prompt="a voice")
     chunk = media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id="a", data=data))
+
+    def spec(kind: int) -> media_pb2.MediaInput:
+        item = media_pb2.MediaItem(asset_id="a", kind=kind, role=media_pb2.MEDIA_ROLE_REFERENCE, bytes=len(data))
+        return media_pb2.MediaInput(spec=media_pb2.MediaSpec(workflow=common_pb2.WORKFLOW_REF2VA, height=32, width=64,
+                                                             num_frames=124, items=[item], prompt="a voice"))
+
     cases = [
         ([chunk], "unexpected chunk message: send one spec, then the assets' chunks"),
-        ([media_pb2.MediaInput(spec=spec)], f"asset 'a' truncated: 0 of {len(data)} bytes arrived"),
-        # Complete and well formed, but the model's own rule refuses audio on its own.
-        ([media_pb2.MediaInput(spec=spec), chunk], "An audio reference has to be paired with at least one image or "
-                                                   "video reference"),
+        ([spec(media_pb2.ASSET_KIND_IMAGE)], f"asset 'a' truncated: 0 of {len(data)} bytes arrived"),
+        # The model's rule, checked on the spec before any byte is read: audio needs a picture or a video.
+        ([spec(media_pb2.ASSET_KIND_AUDIO), chunk], "items: audio references need at least one image or video "
+                                                    "reference with them"),
+        # Complete and well formed, but not what it claims to be; the decoder's message names the asset, not a path.
+        ([spec(media_pb2.ASSET_KIND_IMAGE), chunk], "asset a: cannot decode: cannot identify image file 'a'"),
     ]
     for stub, rpc in ((encoder, "EncodeMedia"), (vae, "EncodeConditions")):
         for messages, reason in cases:

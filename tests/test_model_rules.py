@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    MINIMAX_H3_AUDIO_TAG,
+    MINIMAX_H3_TEXT_TAG,
+    MINIMAX_H3_VIDEO_TAG,
     MiniMaxH3ModularPipeline,
     align_num_frames,
     audio_latent_num_frames,
@@ -38,6 +41,8 @@ def test_the_constants_are_the_pipelines():
     assert (rules.SAMPLE_RATE, rules.AUDIO_CHANNELS) == (_fact("audio_sampling_rate"), _fact("audio_channels"))
     spatial, patch = _fact("vae_spatial_compression_ratio"), _fact("patch_size")[2]
     assert (rules.VAE_SPATIAL_RATIO, rules.PATCH, rules.CANVAS_MULTIPLE) == (spatial, patch, spatial * patch)
+    assert (rules.VIDEO_TAG, rules.TEXT_TAG, rules.AUDIO_TAG) == (MINIMAX_H3_VIDEO_TAG, MINIMAX_H3_TEXT_TAG,
+                                                                  MINIMAX_H3_AUDIO_TAG)
 
 
 def test_valid_frames_are_what_diffusers_generates_unchanged():
@@ -88,6 +93,40 @@ def test_canvas_for_every_aspect_equals_diffusers(geometry):
         expected = resolve_canvas_size(width, height, 32, geometry.canvas_short_edge, geometry.canvas_max_pixels)
         assert geometry.canvas_for_aspect(width, height) == expected, (width, height)
     assert Geometry().default_canvas == resolve_canvas_size(16, 9, 32, 768, 768 * 1344) == (768, 1344)
+
+
+def _stage_takes(height: int, width: int, geometry: Geometry) -> bool:
+    try:
+        rules.check_resolved_canvas(height, width, geometry)
+        return True
+    except rules.InvalidRequest:
+        return False
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: str(g.canvas_short_edge))
+def test_a_stage_takes_every_canvas_the_gateway_resolves_and_sizes_its_buffers_for_the_largest(geometry):
+    """A keyframe's aspect rounds past the area budget (768x1344's by up to 3.6%), so the stages allow one rounding
+    step per side; the largest canvas they take is what their input buffers are sized for."""
+    resolved = {geometry.canvas_for_aspect(width, height) for width, height in ASPECTS}
+    assert max(h * w for h, w in resolved) > geometry.canvas_max_pixels, "the case the rounding step is for"
+    requested = {(h, w) for h, w in itertools.product(range(32, 4097, 32), repeat=2)
+                 if rules.aspect_ok(w, h) and h * w <= geometry.canvas_max_pixels}
+    assert all(_stage_takes(h, w, geometry) for h, w in resolved | requested)
+    taken = [h * w for h, w in itertools.product(range(32, 8193, 32), repeat=2) if _stage_takes(h, w, geometry)]
+    assert rules.largest_resolved_canvas_pixels(geometry) == max(taken) < 1.3 * geometry.canvas_max_pixels
+    for height, width, field in ((0, 64, "height"), (64, -32, "width"), (48, 64, "height"), (32, 640, "width"),
+                                 (2**31 - 32, 2**31 - 32, "height")):
+        with pytest.raises(rules.InvalidRequest, match=f"^{field}: "):
+            rules.check_resolved_canvas(height, width, geometry)
+
+
+def test_reference_canvases_stay_within_their_largest_sides():
+    for geometry in GEOMETRIES:
+        image, video = geometry.largest_reference_sides(True), geometry.largest_reference_sides(False)
+        for width, height in ASPECTS:
+            for canvas, (short, long) in ((geometry.image_reference_canvas(width, height), image),
+                                          (geometry.canvas_for_aspect(width, height), video)):
+                assert min(canvas) <= short and max(canvas) <= long, (width, height, canvas)
 
 
 def test_an_aspect_past_4_to_1_is_refused_like_diffusers():
@@ -144,6 +183,7 @@ def test_soundtrack_rows_follow_the_stages_normalisation(sample_rate):
             waveform, rules.SAMPLE_RATE, rules.SAMPLE_RATE, generated / rules.FPS)
         # The audio VAE hops 800 samples at 32 kHz: one latent row per hop, per channel.
         assert rules.soundtrack_rows(samples, sample_rate, generated) == 2 * -(-waveform.shape[-1] // 800), seconds
+        assert rules.soundtrack_rows(samples, sample_rate, generated) <= rules.max_soundtrack_rows(generated)
 
 
 def test_generated_rows_are_the_models_layout():
@@ -229,6 +269,8 @@ def test_stock_qwen3_vl_limits_give_the_models_vision_token_counts():
 
 
 def test_prompt_rules():
+    assert rules.prompt_tokens_problem(10, 10) is None
+    assert rules.prompt_tokens_problem(11, 10) == "at most 10 tokens, got 11 (max_prompt_tokens)"
     assert rules.prompt_problem("a fox", 10) is None
     assert rules.prompt_problem(" \n\t", 10) == "required and must not be blank"
     assert rules.prompt_problem("x" * 11, 10) == "at most 10 characters, got 11"

@@ -93,3 +93,58 @@ def test_header_that_lies_about_size_is_refused():
     chunks[0].tensor.nbytes = 12
     with pytest.raises(wire.WireError, match="needs 16 bytes"):
         wire.decode(chunks, "x")
+
+
+def _header(name: str, dtype: int, shape: list[int], nbytes: int) -> tensor_pb2.TensorChunk:
+    """The first chunk of a tensor as a client may send it: a header and no bytes yet."""
+    return tensor_pb2.TensorChunk(name=name, tensor=tensor_pb2.Tensor(dtype=dtype, shape=shape, nbytes=nbytes))
+
+
+F32 = tensor_pb2.DTYPE_FLOAT32
+
+
+@pytest.mark.parametrize("shape,nbytes,message", [
+    ([-1, -1], 4, r"shape \[-1, -1\]; at most 8 dimensions, none negative"),
+    ([1] * 9, 4, "at most 8 dimensions"),
+    ([2**62, 2], 2**63, r"needs 36893488147419103232 bytes, header says 9223372036854775808"),  # no wrap-around
+    ([2**30], 4, "needs 4294967296 bytes, header says 4"),
+])
+def test_a_header_that_cannot_describe_its_bytes_is_refused_before_allocating(shape, nbytes, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.TensorAssembler().add(_header("x", F32, shape, nbytes))
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(wire.WireError, match="tensor 'x': unknown dtype 99"):
+        wire.TensorAssembler().add(_header("x", 99, [1], 4))
+
+
+def test_a_receiver_takes_only_the_tensors_it_expects_within_its_budget():
+    expected = wire.Expected(("a", "b"), max_bytes=1000)
+    with pytest.raises(wire.WireError, match=r"tensor 'a': 2147483648 bytes, over the 1000 bytes a request may "
+                                             r"carry here \(0 already announced\)"):
+        wire.TensorAssembler(expected).add(_header("a", F32, [2**29], 2**31))  # 2 GiB announced in 20 bytes
+    assembler = wire.TensorAssembler(expected)
+    for chunk in wire.encode("a", torch.zeros(200)):  # 800 bytes
+        assembler.add(chunk)
+    with pytest.raises(wire.WireError, match=r"tensor 'b': 400 bytes, over .* \(800 already announced\)"):
+        assembler.add(_header("b", F32, [100], 400))
+    with pytest.raises(wire.WireError, match=r"unexpected tensor 'xxxx.*\.\.\. \(100000 characters\); send only a, b"):
+        wire.TensorAssembler(expected).add(_header("x" * 100_000, F32, [1], 4))
+
+
+def test_a_spec_stream_is_checked_when_the_spec_arrives():
+    from h3serve.v1 import vae_pb2
+
+    def refuse(spec):
+        raise ValueError("job_id: refused before any chunk")
+
+    chunks = [vae_pb2.DecodeInput(chunk=c) for c in wire.encode("latents", torch.zeros(3))]
+    read = []
+    messages = (read.append(m) or m for m in [vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec()), *chunks])
+    with pytest.raises(ValueError, match="refused before any chunk"):
+        wire.read_spec_stream(messages, refuse)
+    assert len(read) == 1, "no chunk was read"
+    spec, tensors = wire.read_spec_stream(iter([vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec()), *chunks]),
+                                          lambda spec: wire.Expected(("latents",), 12))
+    assert torch.equal(tensors["latents"], torch.zeros(3))

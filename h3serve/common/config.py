@@ -116,6 +116,10 @@ class ModelServiceConfig(Section):
                                        # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
     cache_bytes: NonNegativeInt = 256 << 20   # encoder embedding cache bound
     max_prompt_chars: PositiveInt = 8192      # encoder: longest prompt accepted
+    max_prompt_tokens: PositiveInt = 2048     # encoder: longest prompt accepted, in the tokenizer's tokens
+    max_input_bytes: PositiveInt = 2 << 30    # tensor or media bytes one request may carry (the DiT and the VAE's
+                                              # Decode also hold to what the model's geometry allows)
+    auth_token: str = ""           # the gateway's stage_token, required on every RPC but health and reflection
     max_raw_bytes: NonNegativeInt = 512 << 20  # vae: largest raw.npz payload include_raw may produce
     threads: NonNegativeInt = 0    # torch intra-op threads; 0: torch's default
     tls_cert: str = ""             # PEM certificate chain + key: serve TLS instead of plaintext
@@ -149,6 +153,8 @@ class DiTConfig(ModelServiceConfig):
     collective_timeout_s: PositiveFloat = 600.0  # a collective that takes longer fails the group (it restarts)
     heartbeat_s: PositiveFloat = 5.0  # idle ranks hear from rank 0 this often; a dead rank shows within this
     max_math_tokens: NonNegativeInt = 4096  # GPU: above this packed length attention never runs on the MATH kernel
+    max_steps: Steps = 200           # num_inference_steps accepted (as the gateway's max_steps)
+    max_rows: PositiveInt = 200_000  # packed rows of one request (as the gateway's max_rows)
 
 
 class GatewayConfig(Section):
@@ -159,6 +165,7 @@ class GatewayConfig(Section):
     dit: Addresses = "127.0.0.1:50052"
     vae: Addresses = "127.0.0.1:50053"
     max_prompt_chars: PositiveInt = 8192
+    max_prompt_tokens: PositiveInt = 2048  # the prompt in the tokenizer's tokens (a character is up to 4)
     max_steps: Steps = 200
     default_steps: Steps = 50         # at most max_steps
     encode_deadline_s: PositiveFloat = 600.0  # per stage call
@@ -194,6 +201,8 @@ class GatewayConfig(Section):
     tls_cert: str = ""                # PEM files: serve the public API over TLS
     tls_key: str = ""
     stage_tls_ca: str = ""            # PEM root for TLS stage services (empty: plaintext to the stages)
+    stage_token: str = ""             # sent to every stage service as `authorization: Bearer <token>` (their
+                                      # auth_token; empty: none)
     max_request_bytes: PositiveInt = 4 << 20  # largest request message the public API accepts (uploads come in chunks)
     # Retention, enforced after every job and every minute (0: keep for ever / no cap).
     artifact_max_age_s: NonNegativeFloat = 7 * DAY_S  # artifacts older than this are deleted

@@ -1,7 +1,8 @@
 """gRPC server bootstrap shared by every h3serve process.
 
 Unlimited message sizes (tensors are chunked anyway, but a client's limits must not bite),
-the standard health service, server reflection, and a graceful stop on SIGTERM/SIGINT.
+the standard health service, server reflection, a graceful stop on SIGTERM/SIGINT, and the
+guard around every call (h3serve/common/guard.py: undecodable requests, the stage token, bugs).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from h3serve.common.guard import Guard
 
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", -1),
@@ -59,10 +62,12 @@ def bind(server, address: str, tls_cert: str = "", tls_key: str = "") -> int:
 
 
 def start_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-                 tls: tuple[str, str] = ("", ""), serving: bool = True):
+                 tls: tuple[str, str] = ("", ""), serving: bool = True, auth_token: str = ""):
     """Start serving in the background; returns (server, health servicer). `register(server)` adds the
-    servicers; `tls` is (cert, key) PEM paths."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+    servicers; `tls` is (cert, key) PEM paths; `auth_token` (empty: none) is required on every call but
+    health and reflection."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
+                         interceptors=[Guard(auth_token)])
     register(server)
     health_servicer = add_health_and_reflection(server, service_full_names, serving)
     bind(server, address, *tls)
@@ -72,9 +77,10 @@ def start_server(register, service_full_names: list[str], address: str, max_work
 
 
 def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-               tls: tuple[str, str] = ("", "")) -> None:
-    """Serve until SIGTERM/SIGINT. `register(server)` adds the servicers; `tls` is (cert, key) PEM paths."""
-    server, health_servicer = start_server(register, service_full_names, address, max_workers, tls)
+               tls: tuple[str, str] = ("", ""), auth_token: str = "") -> None:
+    """Serve until SIGTERM/SIGINT; the arguments are start_server's."""
+    server, health_servicer = start_server(register, service_full_names, address, max_workers, tls,
+                                           auth_token=auth_token)
     stopped = threading.Event()
 
     def stop(signum, _frame):

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from h3serve.common import logs
 from h3serve.common.config import GatewayConfig
+from h3serve.common.guard import AsyncGuard
 from h3serve.common.server import GRACE_SECONDS, bind, enable_reflection
 from h3serve.gateway.admission.text_rows import TextRows
 from h3serve.gateway.api.auth import BearerTokenInterceptor
@@ -66,7 +67,7 @@ async def serve_async(config: GatewayConfig) -> None:
     metrics.watch(lambda: asyncio.run_coroutine_threadsafe(store.count_by_state(), loop).result(timeout=10),
                   lambda: {name: queue.depth for name, queue in runner.queues.items()})
     health = StageHealth(caller, [SERVICE_NAME])
-    interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+    interceptors = [AsyncGuard(), *([BearerTokenInterceptor(config.auth_token)] if config.auth_token else [])]
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(

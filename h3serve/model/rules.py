@@ -31,6 +31,11 @@ VALID_NUM_FRAMES = tuple(f for f in range(MIN_SECONDS * FPS, MAX_SECONDS * FPS +
 DEFAULT_NUM_FRAMES = VALID_NUM_FRAMES[0]            # 124: 5.17 s
 MAX_SECONDS_EXACT = VALID_NUM_FRAMES[-1] / FPS      # 345 frames = 14.375 s: the next 17n+5 (362) is past 15 s
 MIN_REFERENCE_FRAMES = FRAMES_PER_CHUNK + LATENTS_PER_CHUNK  # 22: the shortest clip the video VAE encodes
+MIN_STEPS = 2                  # sigma grid points: N gives N-1 denoise steps, so 1 would denoise nothing
+# The modality tag of a packed row (diffusers' MINIMAX_H3_*_TAG). The text encoder tags its rows text, or video for
+# the rows of a vision block; the DiT tags the generated and conditioning rows.
+VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
+TEXT_ROW_TAGS = (VIDEO_TAG, TEXT_TAG)
 
 
 class InvalidRequest(ValueError):
@@ -84,10 +89,53 @@ def audio_latents(num_frames: int) -> int:
     return round(num_frames / FPS * SAMPLE_RATE / AUDIO_HOP)
 
 
+def check_num_frames(num_frames: int) -> None:
+    """A resolved frame count, as a stage receives it: InvalidRequest unless one of VALID_NUM_FRAMES."""
+    if num_frames not in VALID_NUM_FRAMES:
+        raise InvalidRequest("num_frames", f"must be 17n+5 between {VALID_NUM_FRAMES[0]} and {VALID_NUM_FRAMES[-1]}, "
+                                           f"got {num_frames}")
+
+
+def check_steps(steps: int, max_steps: int) -> None:
+    if not MIN_STEPS <= steps <= max_steps:
+        raise InvalidRequest("num_inference_steps", f"must be between {MIN_STEPS} and {max_steps} (sigma grid "
+                                                    f"points: N gives N-1 denoise steps), got {steps}")
+
+
 # Canvases.
 
 def aspect_ok(width: float, height: float) -> bool:
     return 0 < height <= MAX_ASPECT * width and width <= MAX_ASPECT * height
+
+
+def check_resolved_canvas(height: int, width: int, geometry: Geometry) -> None:
+    """A canvas as a stage receives it, resolved by the gateway: positive multiples of 32, and within one rounding
+    step of a canvas that keeps the aspect and area rules. A requested canvas keeps them exactly; one that follows a
+    keyframe's aspect ratio (`Geometry.canvas_for_aspect`) rounds each side to the nearest multiple of 32 afterwards,
+    so it may pass them by up to half a multiple per side (768x1344's area budget by 3.6%)."""
+    for field, value in (("height", height), ("width", width)):
+        if value <= 0 or value % CANVAS_MULTIPLE:
+            raise InvalidRequest(field, f"must be a positive multiple of {CANVAS_MULTIPLE}, got {value}")
+    step = CANVAS_MULTIPLE // 2
+    if width - step > MAX_ASPECT * (height + step) or height - step > MAX_ASPECT * (width + step):
+        raise InvalidRequest("width" if width > height else "height",
+                             f"aspect ratio width/height must be within 1:{MAX_ASPECT} and {MAX_ASPECT}:1, "
+                             f"got height {height}, width {width}")
+    if (height - step) * (width - step) > geometry.canvas_max_pixels:
+        raise InvalidRequest("height", f"height*width must be at most about {geometry.canvas_max_pixels:,} pixels "
+                                       f"(canvas_max_pixels), got {height}*{width} = {height * width:,}")
+
+
+def largest_resolved_canvas_pixels(geometry: Geometry) -> int:
+    """The largest area `check_resolved_canvas` accepts: what a stage's input buffers are sized for."""
+    step, largest, height = CANVAS_MULTIPLE // 2, 0, CANVAS_MULTIPLE
+    while True:
+        widest = min(MAX_ASPECT * (height + step) + step, geometry.canvas_max_pixels // (height - step) + step)
+        width = widest - widest % CANVAS_MULTIPLE
+        if width < CANVAS_MULTIPLE or height - step > MAX_ASPECT * (width + step):
+            return largest
+        largest = max(largest, height * width)
+        height += CANVAS_MULTIPLE
 
 
 def rows_per_latent_frame(height: int, width: int) -> int:
@@ -132,6 +180,13 @@ class Geometry:
         """The canvas of a t2va / ref2va request that names none: 16:9."""
         return self.canvas_for_aspect(16, 9)
 
+    def largest_reference_sides(self, image: bool) -> tuple[int, int]:
+        """Bounds on the (short, long) sides of a reference's canvas: an image's short edge goes to
+        `reference_image_short_edge`, a video's to `canvas_short_edge` at most (less when the area cap bites), each
+        rounded to 32; the long side is within the aspect rule of the unrounded short edge."""
+        short = self.reference_image_short_edge if image else self.canvas_short_edge
+        return _round_to_canvas(short), _round_to_canvas(MAX_ASPECT * short)
+
     def image_reference_canvas(self, width: int, height: int) -> tuple[int, int]:
         """(height, width) an image reference is encoded at: its short edge to `reference_image_short_edge`, rounded
         to 32, no area cap."""
@@ -158,6 +213,12 @@ def soundtrack_rows(samples: int, sample_rate: int, generated_frames: int) -> in
     if sample_rate != SAMPLE_RATE:
         kept = round(kept * SAMPLE_RATE / sample_rate)
     return AUDIO_CHANNELS * math.ceil(kept / AUDIO_HOP)
+
+
+def max_soundtrack_rows(generated_frames: int) -> int:
+    """The most packed rows a reference soundtrack takes in a video of `generated_frames`: a whole-length track at
+    32 kHz, plus one latent per channel for the rounding of a resample to it."""
+    return AUDIO_CHANNELS * (math.ceil(generated_frames / FPS * SAMPLE_RATE / AUDIO_HOP) + 1)
 
 
 # The packed sequence.
@@ -280,4 +341,12 @@ def prompt_problem(prompt: str, max_chars: int) -> str | None:
         return "required and must not be blank"
     if len(prompt) > max_chars:
         return f"at most {max_chars} characters, got {len(prompt)}"
+    return None
+
+
+def prompt_tokens_problem(tokens: int, max_tokens: int) -> str | None:
+    """Why a prompt of `tokens` tokens (counted with the model's tokenizer) is too long, or None: characters alone
+    bound neither the text encoder's time nor its rows (one 4-byte character is up to 4 byte-level tokens)."""
+    if tokens > max_tokens:
+        return f"at most {max_tokens} tokens, got {tokens} (max_prompt_tokens)"
     return None

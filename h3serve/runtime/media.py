@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from h3serve.common.bounds import clip, without_path
 from h3serve.model import rules, workflows
 from h3serve.model.rules import Geometry
 from h3serve.model.workflows.base import MediaError, PreparedMedia
@@ -108,7 +109,8 @@ def decode_asset(asset: MediaAsset):
     except MediaError:
         raise
     except Exception as exc:  # PyAV / Pillow errors: the asset, not the service, is at fault
-        raise MediaError(f"asset {asset.item.asset_id}: cannot decode: {exc}") from exc
+        reason = clip(without_path(str(exc), path, asset.item.asset_id))  # they name the file: ours is private
+        raise MediaError(f"asset {asset.item.asset_id}: cannot decode: {reason}") from exc
     finally:
         os.remove(path)
 

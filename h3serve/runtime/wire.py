@@ -5,18 +5,25 @@ reached. Sending views the tensor's storage as bytes (no copy besides the one pr
 per chunk); receiving writes the chunks into one preallocated buffer that `torch.frombuffer`
 wraps without copying. The content key (BLAKE2b-128 over dtype, shape and bytes) is checked
 on arrival, so a corrupted, truncated or mis-assembled stream is an error, never a tensor.
+
+A first chunk's header is checked before its buffer is allocated: a known dtype, at most MAX_DIMS dimensions, none
+negative, their product matching `nbytes`, and, where the receiver says what it expects (`Expected`), a tensor it
+expects that fits in what the stream may still carry. A 60-byte header never allocates 2 GiB.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
+from h3serve.common.bounds import shown
 from h3serve.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20
+MAX_DIMS = 8  # h3serve's tensors have at most 5
 
 _TO_WIRE = {
     torch.float32: tensor_pb2.DTYPE_FLOAT32,
@@ -33,6 +40,14 @@ _FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 
 class WireError(ValueError):
     """A tensor stream that cannot be turned back into the tensor that was sent."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a receiver takes: exactly the tensors `names`, `max_bytes` of them in all."""
+
+    names: tuple[str, ...]
+    max_bytes: int
 
 
 def content_key(dtype: int, shape: Iterable[int], data) -> str:
@@ -65,9 +80,12 @@ def encode(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> l
 
 
 class TensorAssembler:
-    """Collects chunks of any number of tensors, in stream order, and checks each one."""
+    """Collects chunks of any number of tensors, in stream order, and checks each one; with `expected`, only
+    those tensors and at most that many bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: Expected | None = None) -> None:
+        self._expected = expected
+        self._allocated = 0
         self._done: dict[str, torch.Tensor] = {}
         self._name: str | None = None
         self._head: tensor_pb2.Tensor | None = None
@@ -79,30 +97,43 @@ class TensorAssembler:
             self._finish_current()
             self._start(chunk)
         elif chunk.name != self._name:
-            raise WireError(f"chunk of tensor {chunk.name!r} at offset {chunk.offset} arrived without its first chunk")
+            raise WireError(f"chunk of tensor {shown(chunk.name)} at offset {chunk.offset} arrived without its "
+                            f"first chunk")
         elif chunk.offset != self._filled:
-            raise WireError(f"tensor {chunk.name!r}: chunk at offset {chunk.offset}, expected {self._filled}")
+            raise WireError(f"tensor {shown(chunk.name)}: chunk at offset {chunk.offset}, expected {self._filled}")
         data = chunk.tensor.data
         if self._filled + len(data) > len(self._buf):
-            raise WireError(f"tensor {chunk.name!r}: more bytes than the {len(self._buf)} announced")
+            raise WireError(f"tensor {shown(chunk.name)}: more bytes than the {len(self._buf)} announced")
         self._buf[self._filled:self._filled + len(data)] = data
         self._filled += len(data)
 
     def _start(self, chunk: tensor_pb2.TensorChunk) -> None:
-        head = chunk.tensor
+        self._check_header(chunk.name, chunk.tensor)
+        self._allocated += chunk.tensor.nbytes
+        self._name, self._head = chunk.name, chunk.tensor
+        self._buf, self._filled = bytearray(chunk.tensor.nbytes), 0
+
+    def _check_header(self, name: str, head: tensor_pb2.Tensor) -> None:
+        """Everything about a tensor that decides its buffer, before the buffer exists."""
+        shown_name = shown(name)
+        if self._expected is not None and name not in self._expected.names:
+            raise WireError(f"unexpected tensor {shown_name}; send only {', '.join(self._expected.names)}")
+        if name in self._done:
+            raise WireError(f"tensor {shown_name} sent twice")
         if head.dtype not in _FROM_WIRE:
-            raise WireError(f"tensor {chunk.name!r}: unknown dtype {head.dtype}")
-        if chunk.name in self._done:
-            raise WireError(f"tensor {chunk.name!r} sent twice")
-        itemsize = torch.empty(0, dtype=_FROM_WIRE[head.dtype]).element_size()
-        expected = itemsize
-        for dim in head.shape:
-            expected *= dim
-        if expected != head.nbytes:
-            raise WireError(f"tensor {chunk.name!r}: shape {list(head.shape)} needs {expected} bytes, "
-                            f"header says {head.nbytes}")
-        self._name, self._head = chunk.name, head
-        self._buf, self._filled = bytearray(head.nbytes), 0
+            raise WireError(f"tensor {shown_name}: unknown dtype {head.dtype}")
+        shape = list(head.shape)
+        if len(shape) > MAX_DIMS or any(dim < 0 for dim in shape):
+            raise WireError(f"tensor {shown_name}: shape {shape[:MAX_DIMS + 1]}; at most {MAX_DIMS} dimensions, "
+                            f"none negative")
+        needed = torch.empty(0, dtype=_FROM_WIRE[head.dtype]).element_size()
+        for dim in shape:
+            needed *= dim  # Python integers: no overflow to a small product
+        if needed != head.nbytes:
+            raise WireError(f"tensor {shown_name}: shape {shape} needs {needed} bytes, header says {head.nbytes}")
+        if self._expected is not None and head.nbytes > self._expected.max_bytes - self._allocated:
+            raise WireError(f"tensor {shown_name}: {head.nbytes} bytes, over the {self._expected.max_bytes} bytes a "
+                            f"request may carry here ({self._allocated} already announced)")
 
     def _finish_current(self) -> None:
         if self._name is None:
@@ -110,9 +141,9 @@ class TensorAssembler:
         name, head, buf = self._name, self._head, self._buf
         self._name = None
         if self._filled != len(buf):
-            raise WireError(f"tensor {name!r} truncated: {self._filled} of {len(buf)} bytes arrived")
+            raise WireError(f"tensor {shown(name)} truncated: {self._filled} of {len(buf)} bytes arrived")
         if content_key(head.dtype, head.shape, buf) != head.key:
-            raise WireError(f"tensor {name!r}: content key mismatch, the bytes were corrupted in transit")
+            raise WireError(f"tensor {shown(name)}: content key mismatch, the bytes were corrupted in transit")
         dtype = _FROM_WIRE[head.dtype]
         flat = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
         self._done[name] = flat.reshape(tuple(head.shape))
@@ -133,31 +164,28 @@ def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str
     return assembler.finish(*required)
 
 
-def read_spec_stream(messages: Iterable, required: tuple[str, ...] | Callable[[object], tuple[str, ...]]
+def read_spec_stream(messages: Iterable, expect: Callable[[object], Expected]
                      ) -> tuple[object, dict[str, torch.Tensor]]:
     """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
 
-    Returns the spec and exactly the `required` tensors (a tuple, or a function of the spec that gives
-    it); anything else is a WireError.
+    `expect(spec)` runs as soon as the spec arrives, before any chunk is read: it checks the spec (raising to
+    refuse it) and says which tensors follow and how many bytes they may take. Returns the spec and exactly
+    those tensors; anything else is a WireError.
     """
-    spec, assembler = None, TensorAssembler()
+    spec, assembler, expected = None, None, None
     for message in messages:
         kind = message.WhichOneof("kind")
         if kind == "spec" and spec is None:
             spec = message.spec
+            expected = expect(spec)
+            assembler = TensorAssembler(expected)
         elif kind == "chunk" and spec is not None:
             assembler.add(message.chunk)
         else:
             raise WireError(f"unexpected {kind or 'empty'} message: send one spec, then the tensor chunks")
     if spec is None:
         raise WireError("stream ended without a spec")
-    if callable(required):
-        required = required(spec)
-    tensors = assembler.finish(*required)
-    unknown = sorted(set(tensors) - set(required))
-    if unknown:
-        raise WireError(f"unexpected tensor(s) {', '.join(unknown)}; send only {', '.join(required)}")
-    return spec, tensors
+    return spec, assembler.finish(*expected.names)
 
 
 def encode_many(tensors: dict[str, torch.Tensor]) -> Iterator[tensor_pb2.TensorChunk]:

@@ -6,10 +6,12 @@ import asyncio
 import hashlib
 import logging
 import os
+import re
 import uuid
 
 import grpc
 
+from h3serve.common.bounds import MAX_ID_CHARS, check_id, shown
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.admission.capacity import CapacityTable
 from h3serve.gateway.admission.request import RequestLimits, resolve
@@ -21,21 +23,22 @@ from h3serve.gateway.assets.validate import AssetRefused
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, QueueFull, RequestIdConflict
-from h3serve.model import workflows
+from h3serve.model import rules, workflows
 from h3serve.model.rules import InvalidRequest
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 
 log = logging.getLogger("h3serve.gateway")
 DOWNLOAD_CHUNK = 1 << 20
-MAX_ID_CHARS = 128
 MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
+PAGE_TOKEN = re.compile(r"[0-9]{1,19}")  # a row id: ASCII digits within int64 (str.isdigit also takes "²")
+MAX_ROWID = 2**63 - 1
 
 
-def _request_id(value: str) -> str:
-    if len(value) > MAX_ID_CHARS or not all(" " < c <= "~" for c in value):
-        raise InvalidRequest("request_id", f"at most {MAX_ID_CHARS} printable ASCII characters without spaces, "
-                                           f"got {len(value)} characters")
-    return value
+def _page_token(token: str) -> int | None:
+    """The row id a next_page_token stands for (0: the first page), or None when it is not one."""
+    if not token:
+        return 0
+    return int(token) if PAGE_TOKEN.fullmatch(token) and int(token) <= MAX_ROWID else None
 
 
 def _digest(request: gateway_pb2.GenerateRequest) -> str:
@@ -58,9 +61,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
         try:
-            request_id = _request_id(request.request_id)
+            request_id = check_id("request_id", request.request_id)
+            for field, asset_id in workflows.asset_fields(request):
+                check_id(field, asset_id)  # before any refusal echoes it
             assets = await self.assets.find(workflows.asset_ids(request))
             resolved = resolve(request, self.limits, assets.get)
+            self._check_prompt_tokens(resolved.prompt)
             await self.served.check(resolved.workflow)
             resolved.text_rows = self.text_rows(resolved, assets.get)
             resolved.total_rows = self.capacity.admit(resolved).total
@@ -80,6 +86,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             log.info("job %s accepted: %dx%d, %d frames, %d steps, seed %d", job.job_id, resolved.height,
                      resolved.width, resolved.num_frames, resolved.params.num_inference_steps, resolved.params.seed)
         return job
+
+    def _check_prompt_tokens(self, prompt: str) -> None:
+        problem = rules.prompt_tokens_problem(self.text_rows.counter.tokens(prompt), self.config.max_prompt_tokens)
+        if problem:
+            raise InvalidRequest("prompt", problem)
 
     async def Submit(self, request, context):
         return await self._submit(request, context)
@@ -107,13 +118,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 f"got {request.page_size}")
         unknown = [s for s in request.states if s not in gateway_pb2.JobState.values() or s == 0]
         if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"states: unknown job state(s) {unknown}; known: 1..{max(gateway_pb2.JobState.values())}")
-        token = request.page_token
-        if token and not (token.isdigit() and len(token) <= 19):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"states: unknown job state(s) {unknown[:8]}; "
+                                                                  f"known: 1..{max(gateway_pb2.JobState.values())}")
+        after = _page_token(request.page_token)
+        if after is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "page_token: pass the next_page_token of the previous page unchanged")
-        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, int(token or 0))
+        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, after)
         return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
 
     async def CancelJob(self, request, context):
@@ -127,7 +138,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None
         if found is None or not await asyncio.to_thread(os.path.isfile, found[1]):
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"artifact_id: no artifact {request.artifact_id[:MAX_ID_CHARS]!r} (never made, or "
+                                f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
                                 f"removed by the retention policy)")
         artifact, path = found
         file = await asyncio.to_thread(open, path, "rb")
@@ -166,6 +177,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
         job = await self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
         if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {job_id[:MAX_ID_CHARS]!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {shown(job_id, MAX_ID_CHARS)}")
         return job
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from h3serve.common.bounds import clip, shown, without_path
 from h3serve.common.config import GatewayConfig
 from h3serve.v1 import gateway_pb2, media_pb2
 
@@ -32,14 +33,19 @@ class AssetRefused(Exception):
 
 
 def invalid(name: str, reason: str) -> AssetRefused:
-    return AssetRefused(grpc.StatusCode.INVALID_ARGUMENT, f"asset {name!r}: {reason}")
+    return AssetRefused(grpc.StatusCode.INVALID_ARGUMENT, f"asset {shown(name)}: {reason}")
 
 
 def over_limit(name: str, what: str, value, limit, setting: str) -> AssetRefused:
     """INVALID_ARGUMENT like every over-limit refusal: the same file is refused again (RESOURCE_EXHAUSTED is only
     the retryable full queue)."""
     return AssetRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"asset {name!r}: {what} {value}, over the limit of {limit} ({setting})")
+                        f"asset {shown(name)}: {what} {value}, over the limit of {limit} ({setting})")
+
+
+def undecodable(path: str, name: str, what: str, exc: Exception) -> AssetRefused:
+    """Pillow and PyAV name the file they could not read: the spooled upload's path, which is the server's own."""
+    return invalid(name, f"not a decodable {what}: {clip(without_path(str(exc), path, clip(name)))}")
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ def _inspect_image(path: str, name: str, fmt: str, limits: AssetLimits) -> gatew
     except AssetRefused:
         raise
     except Exception as exc:
-        raise invalid(name, f"not a decodable {fmt} image: {exc}") from exc
+        raise undecodable(path, name, f"{fmt} image", exc) from exc
     return gateway_pb2.Asset(kind=IMAGE, width=width, height=height)
 
 
@@ -141,7 +147,7 @@ def _inspect_av(path: str, name: str, fmt: str, limits: AssetLimits) -> gateway_
     except AssetRefused:
         raise
     except Exception as exc:
-        raise invalid(name, f"not a decodable {fmt} file: {exc}") from exc
+        raise undecodable(path, name, f"{fmt} file", exc) from exc
     return asset
 
 

@@ -62,7 +62,8 @@ class StageCaller:
         self.config, self.metrics = config, metrics
         root = Path(config.stage_tls_ca).read_bytes() if config.stage_tls_ca else None
         self.stages: dict[str, Stage] = {cls.name: cls(metrics) for cls in STAGES}
-        self.replicas = {service: ReplicaSet.open(service, config.replicas(service), root) for service in SERVICES}
+        self.replicas = {service: ReplicaSet.open(service, config.replicas(service), root, config.stage_token)
+                         for service in SERVICES}
 
     async def close(self) -> None:
         for replicas in self.replicas.values():

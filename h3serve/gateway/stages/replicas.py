@@ -5,7 +5,8 @@ answer is older than HEALTH_TTL_S. Routing uses the last known health (a failed 
 down at once; a down replica is probed again before routing, and a successful probe or call brings it
 back) and picks the healthy replica with the fewest calls in flight; when every replica looks down it
 still tries one, so a call fails with the real error. A replica can serve several stages (the VAE
-service decodes and encodes conditions), so its call counters are kept per stage.
+service decodes and encodes conditions), so its call counters are kept per stage. With a stage token,
+every call on a replica's channel (stage calls and probes) carries it.
 """
 
 from __future__ import annotations
@@ -26,10 +27,40 @@ HEALTH_TTL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 
 
-def open_channel(address: str, root_pem: bytes | None) -> grpc.aio.Channel:
+class _StageToken:
+    """Adds `authorization: Bearer <token>` to a call. grpc.aio files an interceptor under the first call shape it
+    implements, so each shape has its own class below."""
+
+    def __init__(self, token: str) -> None:
+        self.metadata = (("authorization", f"Bearer {token}"),)
+
+    async def _call(self, continuation, details: grpc.aio.ClientCallDetails, request):
+        return await continuation(details._replace(metadata=(*(details.metadata or ()), *self.metadata)), request)
+
+
+class _UnaryUnary(_StageToken, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _StageToken._call
+
+
+class _UnaryStream(_StageToken, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _StageToken._call
+
+
+class _StreamUnary(_StageToken, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _StageToken._call
+
+
+class _StreamStream(_StageToken, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _StageToken._call
+
+
+def open_channel(address: str, root_pem: bytes | None, token: str = "") -> grpc.aio.Channel:
+    interceptors = [shape(token) for shape in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] \
+        if token else None
     if root_pem is None:
-        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS,
+                                   interceptors=interceptors)
 
 
 @dataclass
@@ -99,8 +130,8 @@ class ReplicaSet:
     replicas: list[Replica] = field(default_factory=list)
 
     @classmethod
-    def open(cls, service: str, addresses: tuple[str, ...], root_pem: bytes | None) -> ReplicaSet:
-        return cls(service, [Replica(address, open_channel(address, root_pem)) for address in addresses])
+    def open(cls, service: str, addresses: tuple[str, ...], root_pem: bytes | None, token: str = "") -> ReplicaSet:
+        return cls(service, [Replica(address, open_channel(address, root_pem, token)) for address in addresses])
 
     async def close(self) -> None:
         for replica in self.replicas:

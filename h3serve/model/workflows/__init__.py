@@ -33,14 +33,20 @@ def names() -> list[str]:
     return [w.name for w in WORKFLOWS]
 
 
-def asset_ids(request) -> list[str]:
-    """Every asset id a GenerateRequest or ResolvedRequest names in the media fields of any workflow."""
-    ids = []
+def asset_fields(request) -> list[tuple[str, str]]:
+    """(field, asset id) of every media field of any workflow a GenerateRequest or ResolvedRequest sets."""
+    found = []
     for workflow in WORKFLOWS:
         for field in workflow.media_fields:
             value = getattr(request, field)
-            ids += [value] if isinstance(value, str) else [item.asset_id for item in value]
-    return [asset_id for asset_id in ids if asset_id]
+            found += [(field, value)] if isinstance(value, str) else \
+                [(f"{field}[{index}].asset_id", item.asset_id) for index, item in enumerate(value)]
+    return [(field, asset_id) for field, asset_id in found if asset_id]
+
+
+def asset_ids(request) -> list[str]:
+    """Every asset id a GenerateRequest or ResolvedRequest names in the media fields of any workflow."""
+    return [asset_id for _, asset_id in asset_fields(request)]
 
 
 def of_fields(fields) -> Workflow:

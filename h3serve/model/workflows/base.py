@@ -40,6 +40,22 @@ def find_asset(assets: AssetLookup, field: str, asset_id: str) -> gateway_pb2.As
     return asset
 
 
+@dataclass(frozen=True)
+class ModelDims:
+    """The widths of the loaded model's tensors that a request's tensors must have (its transformer's config)."""
+
+    text_dim: int                # prompt_embeds (1, N, text_dim)
+    latent_channels: int         # video latents (1, C, f, h, w)
+    audio_latent_channels: int   # audio latent rows (rows, C_audio)
+
+
+def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
+    """`expected` holds the size of each dimension, None where any positive size will do."""
+    if len(shape) != len(expected) or any(s < 1 or (e is not None and s != e) for s, e in zip(shape, expected)):
+        wanted = ", ".join("*" if e is None else str(e) for e in expected)
+        raise InvalidRequest(name, f"shape {list(shape)}, expected [{wanted}]")
+
+
 class TextCounter(Protocol):
     """Counts text-encoder output rows with the deployment's tokenizer and processor (the gateway's admission)."""
 
@@ -90,6 +106,11 @@ class Workflow:
         """The assets the encoder and VAE stages receive, in packed order."""
         return []
 
+    def check_items(self, items: list[media_pb2.MediaItem]) -> None:
+        """What a stage checks of a media request's assets (MediaSpec.items) before it reads them: kinds, roles and
+        counts; MediaError naming `items`."""
+        raise MediaError(f"items: {self.name} takes no media")
+
     # Stage side (diffusers is imported inside).
 
     def setup_block(self):
@@ -120,11 +141,20 @@ class Workflow:
         """Every tensor a Denoise request of `spec` carries."""
         return ("prompt_embeds", "text_token_tags")
 
+    def check_manifest(self, spec: dit_pb2.DenoiseSpec) -> None:
+        """The spec's keyframe_anchors / references, before the DiT reads a tensor; ValueError naming the field."""
+        if spec.keyframe_anchors or spec.references:
+            raise ValueError(f"keyframe_anchors / references: {self.name} takes none")
+
+    def check_conditioning(self, spec: dit_pb2.DenoiseSpec, shapes: dict[str, tuple[int, ...]], dims: ModelDims,
+                           geometry: Geometry) -> None:
+        """The shapes of the conditioning tensors (`tensor_names` past the text ones) against the spec's manifest,
+        its canvas and frames, and the model; InvalidRequest naming the tensor."""
+
     def denoise_inputs(self, spec: dit_pb2.DenoiseSpec, tensors: dict) -> dict:
         """The core denoise step's workflow inputs from the spec's manifest and the conditioning tensors;
         ValueError for a manifest this workflow does not take."""
-        if spec.keyframe_anchors or spec.references:
-            raise ValueError(f"keyframe_anchors / references: {self.name} takes none")
+        self.check_manifest(spec)
         return {}
 
     def pipeline_inputs(self, media: dict[str, list]) -> dict:

@@ -13,9 +13,11 @@ from h3serve.model.workflows.base import (
     WITH_MEDIA_PLAN,
     AssetLookup,
     MediaError,
+    ModelDims,
     PreparedMedia,
     TextCounter,
     Workflow,
+    check_shape,
     find_asset,
     kind_name,
     numbered,
@@ -74,11 +76,15 @@ class FL2VA(Workflow):
 
         return MiniMaxH3ResizeStep()
 
-    def prepare_media(self, pipe, spec, items, decoded) -> PreparedMedia:
-        by_role = {item.role: reference.image for item, reference in zip(items, decoded)}
-        if len(by_role) != len(items) or set(by_role) - set(ROLES.values()) or \
+    def check_items(self, items) -> None:
+        roles = [item.role for item in items]
+        if not roles or len(set(roles)) != len(roles) or set(roles) - set(ROLES.values()) or \
                 any(item.kind != media_pb2.ASSET_KIND_IMAGE for item in items):
             raise MediaError("items: fl2va takes one first and/or one last keyframe, both images")
+
+    def prepare_media(self, pipe, spec, items, decoded) -> PreparedMedia:
+        self.check_items(items)
+        by_role = {item.role: reference.image for item, reference in zip(items, decoded)}
         out = pipe(image=by_role.get(ROLES["first_frame"]), last_image=by_role.get(ROLES["last_frame"]),
                    height=spec.height, width=spec.width, output=["keyframes", "keyframe_anchors"])
         return PreparedMedia({"keyframes": out["keyframes"]}, out["keyframes"],
@@ -105,11 +111,23 @@ class FL2VA(Workflow):
     def tensor_names(self, spec: dit_pb2.DenoiseSpec) -> tuple[str, ...]:
         return (*super().tensor_names(spec), *(f"condition_latents.{i}" for i in range(len(spec.keyframe_anchors))))
 
-    def denoise_inputs(self, spec, tensors) -> dict:
+    def check_manifest(self, spec) -> None:
         if spec.references:
             raise ValueError("references: fl2va takes keyframe_anchors, not references")
-        if not spec.keyframe_anchors or set(spec.keyframe_anchors) - set(ANCHORS):
-            raise ValueError(f"keyframe_anchors: fl2va needs 'first' and/or 'last', got {list(spec.keyframe_anchors)}")
+        anchors = list(spec.keyframe_anchors)
+        if not anchors or len(anchors) > len(ANCHORS) or set(anchors) - set(ANCHORS) or \
+                len(set(anchors)) != len(anchors):
+            given = [anchor[:16] for anchor in anchors] if len(anchors) <= len(ANCHORS) else f"{len(anchors)} anchors"
+            raise ValueError(f"keyframe_anchors: fl2va needs 'first' and/or 'last', got {given}")
+
+    def check_conditioning(self, spec, shapes, dims: ModelDims, geometry) -> None:
+        """Each keyframe is one latent frame of the canvas."""
+        ratio = rules.VAE_SPATIAL_RATIO
+        for name in self.tensor_names(spec)[2:]:
+            check_shape(name, shapes[name], (1, dims.latent_channels, 1, spec.height // ratio, spec.width // ratio))
+
+    def denoise_inputs(self, spec, tensors) -> dict:
+        self.check_manifest(spec)
         return {"keyframe_anchors": tuple(spec.keyframe_anchors),
                 "condition_latents": numbered(tensors, "condition_latents")}
 

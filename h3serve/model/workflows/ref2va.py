@@ -15,9 +15,12 @@ from h3serve.model.rules import Geometry, InvalidRequest, Rows
 from h3serve.model.workflows.base import (
     WITH_MEDIA_PLAN,
     AssetLookup,
+    MediaError,
+    ModelDims,
     PreparedMedia,
     TextCounter,
     Workflow,
+    check_shape,
     find_asset,
     kind_name,
     numbered,
@@ -105,6 +108,13 @@ class REF2VA(Workflow):
         return [media_pb2.MediaItem(asset_id=r.asset_id, kind=r.kind, role=media_pb2.MEDIA_ROLE_REFERENCE,
                                     bytes=assets(r.asset_id).bytes) for r in resolved.references]
 
+    def check_items(self, items) -> None:
+        if any(item.role != media_pb2.MEDIA_ROLE_REFERENCE for item in items):
+            raise MediaError("items: every ref2va asset has the role MEDIA_ROLE_REFERENCE")
+        problem = _kinds_problem([item.kind for item in items])
+        if problem:
+            raise MediaError(f"items: {problem}")
+
     def setup_block(self):
         from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
@@ -143,11 +153,38 @@ class REF2VA(Workflow):
         return (*super().tensor_names(spec), *(f"condition_latents.{i}" for i in range(visual)),
                 *(f"audio_condition_latents.{j}" for j in range(audio)))
 
-    def denoise_inputs(self, spec, tensors) -> dict:
+    def check_manifest(self, spec) -> None:
         if spec.keyframe_anchors:
             raise ValueError("keyframe_anchors: ref2va takes references, not keyframe anchors")
         if not spec.references:
             raise ValueError("references: ref2va needs at least one reference")
+        problem = _kinds_problem([entry.kind for entry in spec.references])
+        if problem:
+            raise ValueError(f"references: {problem}")
+        for index, entry in enumerate(spec.references):
+            if entry.kind == IMAGE and entry.has_audio:
+                raise ValueError(f"references[{index}]: an image reference has no audio; clear has_audio")
+            if entry.kind == AUDIO and not entry.has_audio:
+                raise ValueError(f"references[{index}]: an audio reference is its audio; set has_audio")
+
+    def check_conditioning(self, spec, shapes, dims: ModelDims, geometry: Geometry) -> None:
+        """Each image or video reference is latent frames of a canvas of its own, each soundtrack rows of both
+        channels, all within what the deployment's geometry and the generated length allow."""
+        visual = audio = 0
+        for entry in spec.references:
+            if entry.kind != AUDIO:
+                name, visual = f"condition_latents.{visual}", visual + 1
+                _check_reference_latents(name, shapes[name], entry.kind == IMAGE, spec.num_frames, dims, geometry)
+            if entry.has_audio:
+                name, audio = f"audio_condition_latents.{audio}", audio + 1
+                check_shape(name, shapes[name], (None, dims.audio_latent_channels))
+                rows, most = shapes[name][0], rules.max_soundtrack_rows(spec.num_frames)
+                if rows % rules.AUDIO_CHANNELS or rows > most:
+                    raise InvalidRequest(name, f"{rows} rows; a soundtrack takes an even number of rows (both "
+                                               f"channels), at most {most} for {spec.num_frames} frames")
+
+    def denoise_inputs(self, spec, tensors) -> dict:
+        self.check_manifest(spec)
         return {"normalized_references": [_stand_in(entry) for entry in spec.references],
                 "condition_latents": numbered(tensors, "condition_latents"),
                 "audio_condition_latents": numbered(tensors, "audio_condition_latents")}
@@ -165,6 +202,43 @@ def _check_reference(name: str, asset: gateway_pb2.Asset, num_frames: int) -> No
         if frames < rules.MIN_REFERENCE_FRAMES:
             raise InvalidRequest(name, f"a video reference needs at least {rules.MIN_REFERENCE_FRAMES} frames at "
                                        f"{rules.FPS} fps (17n+5, n >= 1), got {frames}")
+
+
+def _kinds_problem(kinds: list[int]) -> str | None:
+    """Why references of these kinds cannot go together, or None: diffusers' set-up block limits."""
+    if not kinds:
+        return "at least one reference"
+    unknown = [kind for kind in kinds if kind not in MAX_PER_KIND]
+    if unknown:
+        return f"asset kind {unknown[0]}; references are images, videos or audio"
+    if len(kinds) > MAX_REFERENCES:
+        return f"{len(kinds)} references; at most {MAX_REFERENCES} in all"
+    for kind, most in MAX_PER_KIND.items():
+        if kinds.count(kind) > most:
+            return f"{kinds.count(kind)} {kind_name(kind)} references; at most {most}"
+    if set(kinds) == {AUDIO}:
+        return "audio references need at least one image or video reference with them"
+    return None
+
+
+def _check_reference_latents(name: str, shape: tuple[int, ...], image: bool, num_frames: int, dims: ModelDims,
+                             geometry: Geometry) -> None:
+    """One latent frame of an image, or 5n+2 of a video no longer than the generated one; whole 2x2 patches of a
+    canvas within the geometry's reference sizes."""
+    check_shape(name, shape, (1, dims.latent_channels, None, None, None))
+    frames, height, width = shape[2:]
+    if image and frames != 1:
+        raise InvalidRequest(name, f"{frames} latent frames; an image reference is one")
+    if not image and (frames % rules.LATENTS_PER_CHUNK != 2 or frames < rules.LATENTS_PER_CHUNK + 2
+                      or rules.pixel_frames(frames) > num_frames):
+        raise InvalidRequest(name, f"{frames} latent frames; a video reference is 5n+2 (n >= 1), at most "
+                                   f"{rules.latent_frames(num_frames)} for {num_frames} frames")
+    if height % rules.PATCH or width % rules.PATCH:
+        raise InvalidRequest(name, f"latent canvas {height}x{width}; each side a multiple of {rules.PATCH}")
+    short, long = (side // rules.VAE_SPATIAL_RATIO for side in geometry.largest_reference_sides(image))
+    if min(height, width) > short or max(height, width) > long:
+        raise InvalidRequest(name, f"latent canvas {height}x{width}; at most {short} on the short side and {long} "
+                                   f"on the long one for {'an image' if image else 'a video'} reference here")
 
 
 def _ordinal(n: int) -> str:

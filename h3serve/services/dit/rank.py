@@ -58,10 +58,11 @@ class Endpoint:
         self.view = GroupView(state=state)
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
         self.view.info.workflows.extend(flow.value for flow in served(config.workflows))  # Denoise checks requests against them
-        servicer = DiTServicer(self.view)
+        servicer = DiTServicer(self.view, config)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
                                                 [SERVICE_NAME], config.address,
-                                                tls=(config.tls_cert, config.tls_key), serving=False)
+                                                tls=(config.tls_cert, config.tls_key), serving=False,
+                                                auth_token=config.auth_token)
         self.finished = threading.Event()
         self.exit_code = 1
         for signum in STOP_SIGNALS:

@@ -3,7 +3,8 @@
 Hosted by rank 0 of the DiT group (h3serve/services/dit/rank.py); the group's driver runs one request
 at a time on every rank, a second one waits. A client that cancels stops the loop at the next
 step boundary on all ranks. While the group starts or restarts, health is NOT_SERVING and a
-request ends UNAVAILABLE with the reason.
+request ends UNAVAILABLE with the reason. Every request is checked here first (checks.py): only
+requests the model runs reach the ranks.
 """
 
 from __future__ import annotations
@@ -12,22 +13,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from h3serve.model import workflows
-from h3serve.model.workflows.base import Workflow
+from h3serve.common.config import DiTConfig
+from h3serve.model.workflows.base import ModelDims, Workflow
 from h3serve.runtime import wire
+from h3serve.services.dit import checks
 from h3serve.services.dit.group import Driver, JobFailed
 from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
 SERVICE_NAME = dit_pb2.DESCRIPTOR.services_by_name["DiT"].full_name
-
-
-def served_workflow(spec: dit_pb2.DenoiseSpec, served: list[int]) -> Workflow:
-    """The spec's workflow when this DiT serves it; ValueError names what it serves."""
-    workflow = workflows.by_value(spec.workflow)
-    if workflow.value not in served:
-        names = ", ".join(workflows.by_value(value).name for value in served)
-        raise ValueError(f"workflow: {workflow.name} is not served by this DiT (serves {names})")
-    return workflow
 
 
 @dataclass
@@ -40,23 +33,27 @@ class GroupView:
 
 
 class DiTServicer(dit_pb2_grpc.DiTServicer):
-    def __init__(self, view: GroupView) -> None:
-        self.view = view
+    def __init__(self, view: GroupView, config: DiTConfig = DiTConfig()) -> None:
+        self.view, self.config = view, config
+
+    def _driver(self) -> Driver:
+        if self.view.driver is None:
+            raise JobFailed(grpc.StatusCode.UNAVAILABLE, f"the DiT group is {self.view.state}")
+        return self.view.driver
+
+    def _dims(self, workflow: Workflow) -> ModelDims:
+        return checks.model_dims(self._driver().member.runner, workflow)
 
     def Denoise(self, request_iterator, context):
         try:
-            spec, tensors = wire.read_spec_stream(
-                request_iterator, lambda spec: workflows.by_value(spec.workflow).tensor_names(spec))
-            conditioning = served_workflow(spec, list(self.view.info.workflows)).denoise_inputs(spec, tensors)
-        except ValueError as exc:  # WireError included
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        driver = self.view.driver
-        try:
-            if driver is None:
-                raise JobFailed(grpc.StatusCode.UNAVAILABLE, f"the DiT group is {self.view.state}")
-            ticket = driver.submit(spec, tensors, conditioning)
+            check = checks.DenoiseCheck(self.config, list(self.view.info.workflows), self._dims)
+            spec, tensors = wire.read_spec_stream(request_iterator, check.expect)
+            conditioning = check.conditioning(spec, tensors)
+            ticket = self._driver().submit(spec, tensors, conditioning)
             context.add_callback(ticket.cancel)
             yield from ticket.stream()
+        except ValueError as exc:  # WireError and InvalidRequest included
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except JobFailed as failed:
             context.abort(failed.code, failed.message)
 

@@ -15,6 +15,7 @@ OUTPUTS = ["prompt_embeds", "text_token_tags"]
 
 class TextEncoderRunner:
     def __init__(self, components: dict) -> None:
+        self.tokenizer = components["tokenizer"]  # the service counts a prompt's tokens before it runs
         self.pipes = {}
         for workflow in workflows.WORKFLOWS:
             pipe = workflow.text_encoder_block().init_pipeline()

@@ -9,11 +9,12 @@ import grpc
 
 from h3serve.common.config import ModelServiceConfig
 from h3serve.common.server import run_server
-from h3serve.model import rules
 from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import wire
+from h3serve.runtime.checks import spec_checked
 from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.service import load_model_service
+from h3serve.services.encoder import checks
 from h3serve.services.encoder.cache import ByteLRU
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
 from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
@@ -28,24 +29,23 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.config = config
         self.cache = ByteLRU(config.cache_bytes)
         self.media = MediaPreparer(config.geometry)
-
-    def _check_prompt(self, prompt: str, context) -> None:
-        problem = rules.prompt_problem(prompt, self.config.max_prompt_chars)
-        if problem:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt: {problem}")
+        self.tokens = checks.TokenCounter(runner.tokenizer)
 
     def Encode(self, request, context):
-        self._check_prompt(request.prompt, context)
+        try:
+            checks.check_encode(request, self.config, self.tokens)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         yield from self._cached(request.job_id, (self.model.model_revision, request.prompt),
                                 lambda: self.runner.encode(request.prompt, common_pb2.WORKFLOW_T2VA))
 
     def EncodeMedia(self, request_iterator, context):
         """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
         try:
-            spec, assets = read_media_stream(request_iterator)
-        except MediaError as exc:
+            spec, assets = read_media_stream(spec_checked(
+                request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens)))
+        except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._check_prompt(spec.prompt, context)
         key = (self.model.model_revision, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
                tuple((item.role, item.asset_id) for item in spec.items))
         try:
@@ -86,4 +86,4 @@ def serve(config: ModelServiceConfig) -> None:
     servicer = EncoderServicer(TextEncoderRunner(components), model, config)
     run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
                [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,
-               tls=(config.tls_cert, config.tls_key))
+               tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)

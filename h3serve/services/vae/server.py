@@ -14,24 +14,24 @@ import grpc
 import numpy as np
 import torch
 
-from h3serve.common import errors
+from h3serve.common.bounds import brief
 from h3serve.common.config import ModelServiceConfig
 from h3serve.common.server import run_server
 from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import fastpath, wire
+from h3serve.runtime.checks import check_media_spec, spec_checked
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.pump import ClientGone, pump
 from h3serve.runtime.service import load_model_service
-from h3serve.services.vae import mux
+from h3serve.services.vae import checks, mux
 from h3serve.services.vae.conditions import ConditionEncoder
-from h3serve.services.vae.decode import COMPONENTS, Decoded, InvalidLatents, Progress, VaeDecoder
+from h3serve.services.vae.decode import COMPONENTS, Decoded, Progress, VaeDecoder
 from h3serve.services.vae.tiles import batch_tiles
 from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 
 FILE_CHUNK_BYTES = 1 << 20
-TENSORS = ("latents", "audio_latents")
 
 log = logging.getLogger("h3serve.vae")
 
@@ -113,9 +113,11 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
     def Decode(self, request_iterator, context):
         try:
-            spec, tensors = wire.read_spec_stream(request_iterator, TENSORS)
+            spec, tensors = wire.read_spec_stream(
+                request_iterator, lambda spec: checks.decode_expected(spec, self.decoder, self.config))
             plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
-        except (wire.WireError, InvalidLatents) as exc:
+            checks.check_plan(plan, tensors["audio_latents"].shape[-1], self.config)
+        except ValueError as exc:  # WireError, InvalidLatents, InvalidRequest
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if spec.params.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -134,7 +136,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
     @staticmethod
     def _pumped(job_id: str, what: str, work, context, refused: type[Exception], code: grpc.StatusCode):
         """`work` through `pump`; None when the client left. `refused` errors end the RPC with `code`,
-        anything else with INTERNAL and the error's end."""
+        anything else with INTERNAL and the error's type and first line (the log has the traceback)."""
         try:
             return (yield from pump(work))
         except ClientGone:
@@ -144,7 +146,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             context.abort(code, str(exc))
         except Exception as exc:
             log.exception("job %s: %s failed", job_id, what)
-            context.abort(grpc.StatusCode.INTERNAL, errors.describe(exc))
+            context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {brief(exc)}")
 
     def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
         with self._lock:
@@ -169,8 +171,8 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
     def EncodeConditions(self, request_iterator, context):
         try:
-            spec, assets = read_media_stream(request_iterator)
-        except MediaError as exc:
+            spec, assets = read_media_stream(spec_checked(request_iterator, self._check_media))
+        except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         result = yield from self._pumped(
             spec.job_id, "condition encode",
@@ -182,6 +184,9 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         for chunk in wire.encode_many(tensors):
             yield vae_pb2.ConditionEvent(chunk=chunk)
         yield vae_pb2.ConditionEvent(summary=summary)
+
+    def _check_media(self, spec) -> None:
+        check_media_spec(spec, self.config.geometry, self.config.max_input_bytes)
 
     def _encode_conditions(self, spec, assets, report: Report):
         def progress(done: int, total: int) -> None:
@@ -206,4 +211,4 @@ def serve(config: ModelServiceConfig) -> None:
     servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
-               tls=(config.tls_cert, config.tls_key))
+               tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)

@@ -1,0 +1,192 @@
+"""What every h3serve server does around every call, before its servicer runs (sync and asyncio servers alike).
+
+- Bytes that do not decode into the method's request message are INVALID_ARGUMENT, logged as one bounded line.
+  gRPC Python answers a deserializer that raises with INTERNAL (sync) or UNKNOWN (asyncio) and logs a traceback,
+  so the deserializer never raises here: it hands the servicer an `Undecodable`, which the guard refuses.
+- With a token, every method but health and reflection needs the metadata `authorization: Bearer <token>`
+  (UNAUTHENTICATED otherwise): the credential between the gateway and the model services.
+- An exception the servicer did not turn into a status is INTERNAL with its type and first line, never UNKNOWN
+  with a traceback; the log keeps the traceback, since it is a bug.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import logging
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+import grpc
+
+from h3serve.common.bounds import brief
+
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
+          (True, True): "stream_stream"}
+
+log = logging.getLogger("h3serve.guard")
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What the deserializer hands on instead of a message it could not parse."""
+
+    reason: str
+
+
+def _tolerant(deserializer):
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data) if deserializer else data
+        except Exception as exc:
+            return Undecodable(brief(exc))
+    return deserialize
+
+
+def _kind(handler: grpc.RpcMethodHandler) -> str:
+    return _KINDS[(handler.request_streaming, handler.response_streaming)]
+
+
+def _rebuilt(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+    """`handler` with `behavior` in place of its own and a deserializer that never raises."""
+    factory = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
+    return factory(behavior, request_deserializer=_tolerant(handler.request_deserializer),
+                   response_serializer=handler.response_serializer)
+
+
+def _rpc(method: str) -> str:
+    """"/h3serve.v1.DiT/Denoise" as "h3serve.v1.DiT.Denoise"."""
+    return method.strip("/").replace("/", ".")
+
+
+def _undecodable(method: str, context, request: Undecodable) -> tuple[grpc.StatusCode, str]:
+    log.warning("%s from %s: undecodable request: %s", _rpc(method), context.peer(), request.reason)
+    return grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes sent to {_rpc(method)} do not decode " \
+                                             f"({request.reason})"
+
+
+def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    log.exception("%s: unexpected error", _rpc(method))
+    return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}"
+
+
+UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED,
+                   "authorization: this service needs the metadata 'authorization: Bearer <token>' with the "
+                   "deployment's stage token")
+
+
+def authorized(token: str, metadata) -> bool:
+    given = dict(metadata or ()).get("authorization", "")
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+
+# Sync servers (the model services).
+
+def _checked(method: str, context, request):
+    if isinstance(request, Undecodable):
+        context.abort(*_undecodable(method, context, request))
+    return request
+
+
+@contextmanager
+def _bugs_are_internal(method: str, context):
+    try:
+        yield
+    except grpc.RpcError:  # the request iterator's word that the client is gone
+        raise
+    except Exception as exc:
+        if context.code() is not None:  # the servicer aborted: its status stands
+            raise
+        context.abort(*_internal(method, exc))
+
+
+def _guarded(handler: grpc.RpcMethodHandler, method: str, allowed: bool) -> grpc.RpcMethodHandler:
+    inner = getattr(handler, _kind(handler))
+
+    def requests(request, context):
+        if not allowed:
+            context.abort(*UNAUTHENTICATED)
+        if handler.request_streaming:
+            return (_checked(method, context, item) for item in request)
+        return _checked(method, context, request)
+
+    if handler.response_streaming:
+        def behavior(request, context):
+            with _bugs_are_internal(method, context):
+                yield from inner(requests(request, context), context)
+    else:
+        def behavior(request, context):
+            with _bugs_are_internal(method, context):
+                return inner(requests(request, context), context)
+    return _rebuilt(handler, behavior)
+
+
+class Guard(grpc.ServerInterceptor):
+    """The guard of a sync server; `token` (empty: none) is required on every method but health and reflection."""
+
+    def __init__(self, token: str = "") -> None:
+        self.token = token
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None:
+            return None
+        allowed = not self.token or details.method.startswith(OPEN_METHODS) or \
+            authorized(self.token, details.invocation_metadata)
+        return _guarded(handler, details.method, allowed)
+
+
+# Asyncio servers (the gateway; its bearer token is its own interceptor's).
+
+async def _checked_async(method: str, context, request):
+    if isinstance(request, Undecodable):
+        await context.abort(*_undecodable(method, context, request))
+    return request
+
+
+async def _checked_stream(method: str, context, requests):
+    async for request in requests:
+        yield await _checked_async(method, context, request)
+
+
+@asynccontextmanager
+async def _bugs_are_internal_async(method: str, context):
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        await context.abort(*_internal(method, exc))
+
+
+def _guarded_async(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """A streamed response comes from an async generator, or from a coroutine that writes it with context.write
+    (or only aborts, as the bearer-token refusal does)."""
+    inner = getattr(handler, _kind(handler))
+
+    async def requests(request, context):
+        if handler.request_streaming:
+            return _checked_stream(method, context, request)
+        return await _checked_async(method, context, request)
+
+    if handler.response_streaming:
+        async def behavior(request, context):
+            async with _bugs_are_internal_async(method, context):
+                responses = inner(await requests(request, context), context)
+                if inspect.isawaitable(responses):
+                    await responses
+                    return
+                async for response in responses:
+                    yield response
+    else:
+        async def behavior(request, context):
+            async with _bugs_are_internal_async(method, context):
+                return await inner(await requests(request, context), context)
+    return _rebuilt(handler, behavior)
+
+
+class AsyncGuard(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        return None if handler is None else _guarded_async(handler, details.method)
