@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from h3serve.common.guard import AsyncGuard, Guard
-from h3serve.gateway.api.auth import BearerTokenInterceptor
 from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 
@@ -68,7 +67,7 @@ class Gateway(gateway_pb2_grpc.GatewayServicer):
 
 
 async def _gateway_calls(token: str) -> dict[str, grpc.StatusCode]:
-    server = grpc.aio.server(interceptors=[AsyncGuard(), BearerTokenInterceptor(token)])
+    server = grpc.aio.server(interceptors=[AsyncGuard(token)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(Gateway(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

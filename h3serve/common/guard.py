@@ -4,7 +4,8 @@
   gRPC Python answers a deserializer that raises with INTERNAL (sync) or UNKNOWN (asyncio) and logs a traceback,
   so the deserializer never raises here: it hands the servicer an `Undecodable`, which the guard refuses.
 - With a token, every method but health and reflection needs the metadata `authorization: Bearer <token>`
-  (UNAUTHENTICATED otherwise): the credential between the gateway and the model services.
+  (UNAUTHENTICATED otherwise): the public API's bearer token on the gateway, the stage token between the gateway
+  and the model services.
 - An exception the servicer did not turn into a status is INTERNAL with its type and first line, never UNKNOWN
   with a traceback; the log keeps the traceback, since it is a bug.
 """
@@ -72,12 +73,14 @@ def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED,
-                   "authorization: this service needs the metadata 'authorization: Bearer <token>' with the "
-                   "deployment's stage token")
+                   "authorization: this service needs the metadata 'authorization: Bearer <token>'")
 
 
-def authorized(token: str, metadata) -> bool:
-    given = dict(metadata or ()).get("authorization", "")
+def allowed(token: str, details) -> bool:
+    """No token set, an open method (health, reflection), or the call carries the token."""
+    if not token or details.method.startswith(OPEN_METHODS):
+        return True
+    given = dict(details.invocation_metadata or ()).get("authorization", "")
     return isinstance(given, str) and hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
 
@@ -101,11 +104,11 @@ def _bugs_are_internal(method: str, context):
         context.abort(*_internal(method, exc))
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str, allowed: bool) -> grpc.RpcMethodHandler:
+def _guarded(handler: grpc.RpcMethodHandler, method: str, authorized: bool) -> grpc.RpcMethodHandler:
     inner = getattr(handler, _kind(handler))
 
     def requests(request, context):
-        if not allowed:
+        if not authorized:
             context.abort(*UNAUTHENTICATED)
         if handler.request_streaming:
             return (_checked(method, context, item) for item in request)
@@ -130,14 +133,10 @@ class Guard(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None:
-            return None
-        allowed = not self.token or details.method.startswith(OPEN_METHODS) or \
-            authorized(self.token, details.invocation_metadata)
-        return _guarded(handler, details.method, allowed)
+        return None if handler is None else _guarded(handler, details.method, allowed(self.token, details))
 
 
-# Asyncio servers (the gateway; its bearer token is its own interceptor's).
+# Asyncio servers (the gateway).
 
 async def _checked_async(method: str, context, request):
     if isinstance(request, Undecodable):
@@ -160,12 +159,14 @@ async def _bugs_are_internal_async(method: str, context):
         await context.abort(*_internal(method, exc))
 
 
-def _guarded_async(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool) -> grpc.RpcMethodHandler:
     """A streamed response comes from an async generator, or from a coroutine that writes it with context.write
-    (or only aborts, as the bearer-token refusal does)."""
+    (or only aborts)."""
     inner = getattr(handler, _kind(handler))
 
     async def requests(request, context):
+        if not authorized:
+            await context.abort(*UNAUTHENTICATED)
         if handler.request_streaming:
             return _checked_stream(method, context, request)
         return await _checked_async(method, context, request)
@@ -187,6 +188,11 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMetho
 
 
 class AsyncGuard(grpc.aio.ServerInterceptor):
+    """The guard of an asyncio server; `token` (empty: none) as for `Guard`."""
+
+    def __init__(self, token: str = "") -> None:
+        self.token = token
+
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        return None if handler is None else _guarded_async(handler, details.method)
+        return None if handler is None else _guarded_async(handler, details.method, allowed(self.token, details))

@@ -20,7 +20,6 @@ from h3serve.common.config import GatewayConfig
 from h3serve.common.guard import AsyncGuard
 from h3serve.common.server import GRACE_SECONDS, bind, enable_reflection
 from h3serve.gateway.admission.text_rows import TextRows
-from h3serve.gateway.api.auth import BearerTokenInterceptor
 from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
 from h3serve.gateway.assets.store import AssetStore
@@ -67,8 +66,7 @@ async def serve_async(config: GatewayConfig) -> None:
     metrics.watch(lambda: asyncio.run_coroutine_threadsafe(store.count_by_state(), loop).result(timeout=10),
                   lambda: {name: queue.depth for name, queue in runner.queues.items()})
     health = StageHealth(caller, [SERVICE_NAME])
-    interceptors = [AsyncGuard(), *([BearerTokenInterceptor(config.auth_token)] if config.auth_token else [])]
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    server = grpc.aio.server(interceptors=[AsyncGuard(config.auth_token)], options=[
         ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(config, store, hub, runner, health, assets, text_rows), server)
