@@ -135,7 +135,8 @@ class JobRunner:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.INTERNAL, describe(exc)))
+            await self._finish(job_id, S.JOB_STATE_FAILED,  # the error itself; its traceback is in the log
+                               failed=failure(grpc.StatusCode.INTERNAL, describe(exc, lines=1)))
         finally:
             self._cancel_requested.discard(job_id)
 
