@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import free_port, write_config
+from conftest import QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -83,7 +83,7 @@ def fuzz(tmp_path_factory, tiny_model_dir):
     config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
                           model=GEOMETRY.pipeline_configs(), service_keys={"auth_token": TOKEN},
                           dit={"max_steps": MAX_STEPS}, stage_token=TOKEN, max_steps=MAX_STEPS, default_steps=2,
-                          retry_attempts=1, max_unfinished_jobs=8)
+                          outage_s=QUICK_OUTAGE, max_unfinished_jobs=8)
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
         channels = {name: grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
                     for name, port in ports.items()}
