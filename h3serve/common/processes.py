@@ -47,9 +47,12 @@ def spawn(argv: list[str], death_signal: int = signal.SIGTERM, **popen) -> subpr
 
 
 def describe_exit(code: int) -> str:
-    if code < 0:
+    """How a Popen's returncode reads in a log: an exit code, or the signal that killed the process."""
+    if code >= 0:
+        return f"exited with code {code}"
+    with contextlib.suppress(ValueError):
         return f"was killed by signal {signal.Signals(-code).name}"
-    return f"exited with code {code}"
+    return f"was killed by signal {-code}"
 
 
 @dataclass(frozen=True)
@@ -139,15 +142,6 @@ def end_trees(trees: list[Tree], deadline: float) -> None:
     for each in trees:
         each.signal(signal.SIGKILL)
         each.process.wait()
-
-
-def stop_tree(process: subprocess.Popen, grace: float, leads_group: bool, targets: list[int] | None = None) -> None:
-    """SIGTERM to `targets` (default: the process), then `grace` seconds for its whole tree to end, then SIGKILL."""
-    snapshot = Tree(process, leads_group)
-    for pid in targets or [process.pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    end_trees([snapshot], time.monotonic() + grace)
 
 
 class StopSignals:
