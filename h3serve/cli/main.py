@@ -222,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
     for flag in ("host", "model-dir", "device", "dtype", "attention-backend", "data-dir"):
         p.add_argument(f"--{flag}")
     p.add_argument("--port", type=int)
-    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started through torchrun")
+    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started by its launcher")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")
