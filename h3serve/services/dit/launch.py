@@ -60,7 +60,8 @@ def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     if model_dir == presets.RANDOM_FULL:
         return presets.RELEASED_ATTENTION_SHAPE
     config = json.loads((Path(model_dir) / partition / "config.json").read_text())
-    return config.get("num_attention_heads", presets.RELEASED_ATTENTION_SHAPE[0]), config.get("attention_head_dim", presets.RELEASED_ATTENTION_SHAPE[1])
+    heads, head_dim = presets.RELEASED_ATTENTION_SHAPE
+    return config.get("num_attention_heads", heads), config.get("attention_head_dim", head_dim)
 
 
 def check(config: DiTConfig) -> Layout:

@@ -59,7 +59,8 @@ class Endpoint:
         state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
         self.view = GroupView(state=state)
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
-        self.view.info.workflows.extend(flow.value for flow in served(config.workflows))  # Denoise checks requests against them
+        # Denoise checks requests against them
+        self.view.info.workflows.extend(flow.value for flow in served(config.workflows))
         servicer = DiTServicer(self.view)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
                                                 [SERVICE_NAME], config.address,
