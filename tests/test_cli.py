@@ -99,7 +99,7 @@ def test_served_raw_is_byte_identical_to_reference_with_the_same_config(up, tmp_
 def test_ctrl_c_stops_up_with_clean_logs_and_no_process_left(up):
     """Runs last in this module: it stops the `up` fixture."""
     processes = descendants(up.process.pid)
-    assert len(processes) >= 5, "encoder, torchrun and its rank, vae, gateway"
+    assert len(processes) >= 5, "encoder, the DiT's launcher and its rank, vae, gateway"
     os.killpg(up.process.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its foreground process group
     assert up.process.wait(60) == 0, up.output.read_text()
     deadline = time.monotonic() + 10  # orphaned zombies are reaped by init

@@ -33,7 +33,8 @@ def refusal(tmp_path: Path, text: str) -> str:
     ("[gateway]\ndefault_steps = 300",
      "deploy.toml [gateway] default_steps: must be within 2..max_steps (200), got 300"),
     ("[vae]\nportt = 1", "deploy.toml [vae] portt: unknown key; did you mean port?"),
-    ("[frobnicate]\nx = 1", "deploy.toml [frobnicate]: unknown section; known: model, encoder, dit, vae, gateway"),
+    ("[frobnicate]\nx = 1",
+     "deploy.toml [frobnicate]: unknown section; known: model, encoder, dit, vae, gateway, supervisor"),
     ("gateway = 5", "deploy.toml [gateway]: should be a table"),
     ('[encoder]\ndtype = "fp8"', "deploy.toml [encoder] dtype: Input should be 'float32', 'bfloat16' or 'float16' "
                                  "(got 'fp8')"),
@@ -54,6 +55,12 @@ def refusal(tmp_path: Path, text: str) -> str:
      "deploy.toml [dit] workflows.1: Input should be 't2va', 'fl2va' or 'ref2va' (got 'i2v')"),
     ('[dit]\nfsdp = "yes"', "deploy.toml [dit] fsdp: Input should be a valid boolean (got 'yes')"),
     ("[model]\ncanvas_short_edge = 0", "deploy.toml [model] canvas_short_edge: Input should be greater than 0 (got 0)"),
+    ("[supervisor]\nmax_restarts = -1",
+     "deploy.toml [supervisor] max_restarts: Input should be greater than or equal to 0 (got -1)"),
+    ("[supervisor]\nwindow = 60.0", "deploy.toml [supervisor] window: unknown key; did you mean window_s?"),
+    ("[supervisor]\nbackoff_s = 5.0\nmax_backoff_s = 1.0",
+     "deploy.toml [supervisor] max_backoff_s: must be at least backoff_s (5.0), got 1.0"),
+    ("[supervisor]\nstop_grace_s = 0", "deploy.toml [supervisor] stop_grace_s: Input should be greater than 0 (got 0)"),
 ])
 def test_a_bad_value_is_refused_naming_file_section_and_key(tmp_path, text, message):
     assert refusal(tmp_path, text + "\n") == message

@@ -16,7 +16,7 @@ from h3serve.common.server import start_server
 from h3serve.runtime import fastpath, wire
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit import attention
-from h3serve.services.dit.launch import check, decode_config, torchrun_argv, transformer_shape
+from h3serve.services.dit.launch import check, decode_config, launcher_argv, transformer_shape
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import DenoiseRunner, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
@@ -53,15 +53,16 @@ def test_the_checked_head_shape_is_the_served_transformers(tiny_model_dir):
     assert transformer_shape("random:full", "transformer") == (56, 128)
 
 
-def test_torchrun_command_single_node_and_multi_node():
+def test_one_node_runs_h3serves_launcher_and_several_nodes_torchrun():
     config = DiTConfig(world_size=2, max_restarts=5)
-    single = torchrun_argv(config)
-    assert single[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=5", "--standalone"]
-    assert single[-3:-1] == ["-m", "h3serve.services.dit.rank"]
+    single = launcher_argv(config)
+    assert single[1:3] == ["-m", "h3serve.services.dit.supervisor"]
     assert json.loads(single[-1])["world_size"] == 2 and decode_config(single[-1]) == config  # JSON, not a pickle
-    multi = torchrun_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3"))
-    assert {"--nproc-per-node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
-            "--rdzv-id=h3"} <= set(multi) and "--standalone" not in multi
+    multi = launcher_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3",
+                                    max_restarts=5))
+    assert multi[1:3] == ["-m", "torch.distributed.run"] and multi[-3:-1] == ["-m", "h3serve.services.dit.rank"]
+    assert {"--nproc-per-node=4", "--max-restarts=5", "--nnodes=2", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=h3"} <= set(multi)
 
 
 @pytest.mark.parametrize("name,reason", [

@@ -1,7 +1,11 @@
-"""`h3serve up`: start encoder, DiT, VAE and gateway as processes, wait until healthy, stop cleanly.
+"""`h3serve up`, `demo` and the tests' stacks: start encoder, DiT, VAE and gateway as processes, wait until
+healthy, stop cleanly (`up` also restarts them: h3serve/cli/supervise.py).
 
 Each model service sees only its own GPUs (CUDA_VISIBLE_DEVICES from its `gpus` setting). Each runs in a
-session of its own, so a Ctrl-C at the terminal reaches the launcher only, which stops them in order.
+session of its own, so a Ctrl-C at the terminal reaches the launcher only, which stops them in order, and
+each gets SIGTERM when the launcher dies (parent-death signal), so even `kill -9` of it leaves none behind.
+A stop ends each service's whole tree: SIGTERM, the grace, then SIGKILL of what remains of it, anything
+left in its process group included.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from h3serve.common import processes
 from h3serve.common.config import SERVICES, DeployConfig
+from h3serve.common.processes import Tree, children, end_trees
 
 START_ORDER = (*SERVICES, "gateway")
 
@@ -54,16 +60,6 @@ def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = No
         return False
 
 
-def children(pid: int) -> list[int]:
-    """The direct child processes of `pid` (Linux /proc; empty where unknown)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as file:
-                found += [int(child) for child in file.read().split()]
-    return found
-
-
 class ServiceGroup:
     def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
                  names: tuple[str, ...] = START_ORDER, ready=is_serving,
@@ -74,6 +70,7 @@ class ServiceGroup:
         self.config_path = config_path
         self.log_dir = log_dir
         self.flags = flags or {}  # per service: `h3serve serve` flags that override the config file
+        self.grace = config.supervisor.stop_grace_s
         self.running: list[Running] = []
 
     def _command(self, name: str) -> list[str]:
@@ -86,7 +83,7 @@ class ServiceGroup:
             env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
         return env
 
-    def _root_pem(self, name: str) -> bytes | None:
+    def root_pem(self, name: str) -> bytes | None:
         """How to probe a TLS service: the gateway's stage_tls_ca if set, else its own (self-signed) certificate."""
         section = self.config.service(name) if name != "gateway" else self.config.gateway
         if not section.tls_cert:
@@ -96,10 +93,16 @@ class ServiceGroup:
 
     def _spawn(self, name: str) -> Running:
         section = self.config.service(name) if name != "gateway" else self.config.gateway
-        output = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else None
-        process = subprocess.Popen(self._command(name), env=self._env(name), stdout=output,
-                                   stderr=subprocess.STDOUT if output else None, start_new_session=True)
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else contextlib.nullcontext()
+        with log as output:  # the child has its own copy
+            process = processes.spawn(self._command(name), env=self._env(name), stdout=output,
+                                      stderr=subprocess.STDOUT if output else None, start_new_session=True)
         return Running(name, f"{section.host}:{section.port}", process)
+
+    def respawn(self, name: str) -> None:
+        """Start service `name` again in its place (its old process has ended)."""
+        index = next(i for i, item in enumerate(self.running) if item.name == name)
+        self.running[index] = self._spawn(name)
 
     def start(self) -> None:
         if self.log_dir:
@@ -108,49 +111,43 @@ class ServiceGroup:
 
     def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
         """Stop one service with `signum` (SIGKILL simulates a crash), start it again, wait until healthy."""
-        index = next(i for i, item in enumerate(self.running) if item.name == name)
-        old = self.running[index].process
+        old = next(item.process for item in self.running if item.name == name)
+        tree = Tree(old, leads_group=True)
         old.send_signal(signum)
-        old.wait(30)
-        self.running[index] = self._spawn(name)
+        end_trees([tree], time.monotonic() + self.grace)
+        self.respawn(name)
         self.wait_healthy()
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
         deadline = time.monotonic() + timeout
         pending = [item for item in self.running
-                   if not self.ready(item.address, root_pem=self._root_pem(item.name))]
+                   if not self.ready(item.address, root_pem=self.root_pem(item.name))]
         while pending:
             for item in list(pending):
                 if item.process.poll() is not None:
                     raise RuntimeError(f"{item.name} exited with code {item.process.returncode} during start-up")
-                if self.ready(item.address, root_pem=self._root_pem(item.name)):
+                if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")
             time.sleep(0.2)
 
-    @staticmethod
-    def _stop_targets(item: Running) -> list[int]:
-        """Who gets the stop signal. The DiT's process is torchrun, which turns any signal into a SignalException
-        (a traceback) and a failed group; its ranks exit 0 on SIGTERM, and torchrun then ends, exit 0, as a
-        finished group."""
-        ranks = children(item.process.pid) if item.name == "dit" else []
+    def _stop_targets(self, item: Running) -> list[int]:
+        """Who gets the stop signal: the service's process, except for a DiT over several nodes, whose process is
+        torchrun, which turns any signal into a SignalException (a traceback) and a failed group; its ranks exit 0
+        on SIGTERM, and torchrun then ends, exit 0, as a finished group."""
+        ranks = children(item.process.pid) if item.name == "dit" and self.config.dit.nnodes > 1 else []
         return ranks or [item.process.pid]
 
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM in reverse start order (gateway first), then SIGKILL whatever outlives the grace."""
+    def stop(self) -> None:
+        """SIGTERM in reverse start order (gateway first), then the grace for every tree to end, then SIGKILL."""
+        trees = [Tree(item.process, leads_group=True) for item in reversed(self.running)]
         for item in reversed(self.running):
             if item.process.poll() is None:
                 for pid in self._stop_targets(item):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for item in reversed(self.running):
-            try:
-                item.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                item.process.kill()
-                item.process.wait()
+        end_trees(trees, time.monotonic() + self.grace)
         self.running.clear()
 
     def __enter__(self) -> ServiceGroup:

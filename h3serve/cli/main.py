@@ -34,24 +34,22 @@ def _serve(args) -> None:
 
 def _up(args) -> None:
     from h3serve.cli.launcher import ServiceGroup
+    from h3serve.cli.supervise import Watch
+    from h3serve.common.processes import StopSignals
 
     config = load_deploy(args.config)
+    stop = StopSignals()  # SIGINT, SIGTERM, SIGHUP: the services have sessions of their own, so stop them here
     group = ServiceGroup(config, args.config, args.log_dir)
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # the services have sessions of their own: stop them here
-        signal.signal(signum, signal.default_int_handler)
     try:
         group.start()
-        group.wait_healthy()
-        print(f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
-              flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("stopping", flush=True)
+        reason = Watch(group, stop).run(lambda: print(f"h3serve up: gateway on {config.gateway.host}:"
+                                                      f"{config.gateway.port}; Ctrl-C stops everything", flush=True))
+        print(f"h3serve up: {reason}; stopping everything" if reason else "stopping", flush=True,
+              file=sys.stderr if reason else sys.stdout)
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the stop short
-            signal.signal(signum, signal.SIG_IGN)
         group.stop()
+    if reason:
+        raise SystemExit(1)
 
 
 def _request(args):
@@ -166,6 +164,8 @@ def _demo(args) -> None:
     """
     from h3serve.cli.launcher import ServiceGroup
 
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # like Ctrl-C: the group stops its services, gateway first
+        signal.signal(signum, signal.default_int_handler)
     work = Path(tempfile.mkdtemp(prefix="h3serve-demo-"))
     log_dir, data_dir = work / "logs", work / "gateway"
     config = load_deploy(args.config)
@@ -222,7 +222,7 @@ def parser() -> argparse.ArgumentParser:
     for flag in ("host", "model-dir", "device", "dtype", "attention-backend", "data-dir"):
         p.add_argument(f"--{flag}")
     p.add_argument("--port", type=int)
-    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started through torchrun")
+    p.add_argument("--world-size", type=int, help="dit: ranks in the sharded group, started by its launcher")
     p.set_defaults(run=_serve)
 
     p = sub.add_parser("up", help="start encoder, dit, vae and gateway; Ctrl-C stops them")

@@ -136,13 +136,14 @@ class ModelServiceConfig(Section):
 
 
 class DiTConfig(ModelServiceConfig):
-    """The DiT service: one process group of `world_size` ranks started through torchrun.
+    """The DiT service: one process group of `world_size` ranks, started by h3serve's launcher on one node
+    (h3serve/services/dit/supervisor.py) and by torchrun over several.
 
     Rank 0 hosts the gRPC server; every rank holds the transformer. See README "The sharded DiT".
     """
 
     world_size: PositiveInt = 1      # ranks in the group (all nodes together); 1 runs the same code path
-    nnodes: PositiveInt = 1          # nodes; world_size / nnodes ranks start on each (torchrun --nproc-per-node)
+    nnodes: PositiveInt = 1          # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
     rdzv_endpoint: str = ""          # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
     rdzv_id: str = "h3serve-dit"     # multi-node: job id shared by the nodes' launchers
     fsdp: bool = False               # shard the weights with FSDP2 (memory) instead of replicating them (speed)
@@ -222,18 +223,36 @@ class GatewayConfig(Section):
         return _addresses(getattr(self, stage))
 
 
+class SupervisorConfig(Section):
+    """[supervisor]: how `h3serve up` restarts a service that exits, and how long a stop may take."""
+
+    max_restarts: NonNegativeInt = 5  # restarts of one service within window_s; the next exit stops `up` (exit 1)
+    window_s: PositiveFloat = 300.0
+    backoff_s: NonNegativeFloat = 1.0  # wait before the k-th restart within the window: backoff_s * 2^(k-1) ...
+    max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
+    stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
+
+    @field_validator("max_backoff_s")
+    @classmethod
+    def _not_below_backoff(cls, limit: float, info: ValidationInfo) -> float:
+        if "backoff_s" in info.data and limit < info.data["backoff_s"]:
+            raise ValueError(f"must be at least backoff_s ({info.data['backoff_s']}), got {limit}")
+        return limit
+
+
 class DeployConfig(Section):
     encoder: ModelServiceConfig = Field(default_factory=lambda: ModelServiceConfig(port=50051))
     dit: DiTConfig = Field(default_factory=lambda: DiTConfig(port=50052))
     vae: ModelServiceConfig = Field(default_factory=lambda: ModelServiceConfig(port=50053))
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     def service(self, name: str):
         return getattr(self, name)
 
 
 SERVICES = ("encoder", "dit", "vae")
-SECTIONS = ("model", *SERVICES, "gateway")
+SECTIONS = ("model", *SERVICES, "gateway", "supervisor")
 
 
 def load_deploy(path: str | Path | None) -> DeployConfig:
@@ -248,7 +267,8 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
                 for name in SERVICES}
     stages = {name: service.address for name, service in services.items()}
     gateway = _checked(config.gateway, {**shared, **stages, **tables["gateway"]}, f"{path} [gateway]")
-    return DeployConfig(gateway=gateway, **services)
+    supervisor = _checked(config.supervisor, tables["supervisor"], f"{path} [supervisor]")
+    return DeployConfig(gateway=gateway, supervisor=supervisor, **services)
 
 
 def override(section, **flags):

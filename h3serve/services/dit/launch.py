@@ -1,10 +1,12 @@
-"""`h3serve serve dit`: check the configuration here, then become torchrun for the group's ranks.
+"""`h3serve serve dit`: check the configuration here, then become the group's launcher.
 
-torchrun (torch.distributed.run) is the group's launcher: it starts `world_size / nnodes`
-ranks on this node, and when any rank exits it stops the others and starts them all again,
-at most `max_restarts` times (each rank waits its back-off first, h3serve/services/dit/rank.py).
-Errors that a restart cannot fix (the layout, an unusable attention backend) fail here, once,
-before any rank starts.
+On one node the launcher is h3serve's own (h3serve/services/dit/supervisor.py): it starts the ranks,
+serves their store on the DiT's host only, and restarts the group when a rank exits. Over several
+nodes it is torchrun (torch.distributed.run) with a c10d rendezvous, which starts `world_size / nnodes`
+ranks on each node and restarts them alike; its store listens on every interface, so the rendezvous
+port must be firewalled to the nodes. Either restarts the group at most `max_restarts` times (each rank
+waits its back-off first, h3serve/services/dit/rank.py). Errors that a restart cannot fix (the layout,
+an unusable attention backend) fail here, once, before any rank starts.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from h3serve.services.dit.runner import partitions, served
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def torchrun_argv(config: DiTConfig) -> list[str]:
-    per_node = config.world_size // config.nnodes
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={per_node}",
-            f"--max-restarts={config.max_restarts}"]
+def launcher_argv(config: DiTConfig) -> list[str]:
+    """h3serve's launcher on one node, torchrun over several."""
     if config.nnodes == 1:
-        argv.append("--standalone")  # a local rendezvous on a free port
-    else:
-        argv += [f"--nnodes={config.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={config.rdzv_endpoint}",
-                 f"--rdzv-id={config.rdzv_id}"]
-    return argv + ["-m", "h3serve.services.dit.rank", encode_config(config)]
+        return [sys.executable, "-m", "h3serve.services.dit.supervisor", encode_config(config)]
+    return torchrun_argv(config)
+
+
+def torchrun_argv(config: DiTConfig) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.world_size // config.nnodes}",
+            f"--max-restarts={config.max_restarts}", f"--nnodes={config.nnodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={config.rdzv_endpoint}", f"--rdzv-id={config.rdzv_id}",
+            "-m", "h3serve.services.dit.rank", encode_config(config)]
 
 
 def encode_config(config: DiTConfig) -> str:
@@ -56,7 +60,8 @@ def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     if model_dir == presets.RANDOM_FULL:
         return presets.RELEASED_ATTENTION_SHAPE
     config = json.loads((Path(model_dir) / partition / "config.json").read_text())
-    return config.get("num_attention_heads", presets.RELEASED_ATTENTION_SHAPE[0]), config.get("attention_head_dim", presets.RELEASED_ATTENTION_SHAPE[1])
+    heads, head_dim = presets.RELEASED_ATTENTION_SHAPE
+    return config.get("num_attention_heads", heads), config.get("attention_head_dim", head_dim)
 
 
 def check(config: DiTConfig) -> Layout:
@@ -79,14 +84,15 @@ def check(config: DiTConfig) -> Layout:
 
 
 def launch(config: DiTConfig) -> None:
-    """Replace this process with torchrun, so the launcher's signals reach the agent directly."""
+    """Replace this process with the group's launcher, so signals reach it directly (and this process's memory,
+    CUDA context included, is gone)."""
     try:
         check(config)
     except (ValueError, attention.BackendUnusable) as exc:
         raise SystemExit(f"h3serve serve dit: {exc}") from exc
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
-    argv = torchrun_argv(config)
+    argv = launcher_argv(config)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)

@@ -56,7 +56,7 @@ class Layout:
 
 
 def rank_device(config_device: str) -> torch.device:
-    """This rank's device: its local GPU under torchrun, else the configured device."""
+    """This rank's device: its local GPU (LOCAL_RANK, from the launcher), else the configured device."""
     device = torch.device(config_device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -75,7 +75,7 @@ def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
 
 
 def attempt_store(timeout: timedelta) -> dist.Store:
-    """torchrun's store, with keys private to this restart.
+    """The launcher's store (h3serve's supervisor, or torchrun's agent), with keys private to this restart.
 
     After a restart the ranks meet in the same store, where the dead attempt's keys (the old
     ranks' addresses) still lie: a new rank could read one and wait on a dead port.

@@ -1,21 +1,23 @@
-"""One rank of the DiT group, as torchrun starts it: `python -m h3serve.services.dit.rank <DiTConfig as JSON>`.
+"""One rank of the DiT group: `python -m h3serve.services.dit.rank <DiTConfig as JSON>`, started by the group's
+launcher (h3serve/services/dit/supervisor.py on one node, torchrun over several) with torchrun's environment.
 
 Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start clients get
 "starting" with the reason instead of a closed port. Every rank then waits its restart
 back-off, joins the compute and control groups, loads and prepares the transformer, and
-rank 0 turns SERVING. A rank whose parent (the torchrun agent) dies is sent SIGTERM, so no
-rank outlives its group.
+rank 0 turns SERVING. A rank whose parent (the launcher) dies gets SIGKILL, so no rank
+outlives its group or keeps its GPU memory.
 
-SIGTERM / SIGINT is a stop, not a failure (torchrun sends it to restart the group after a rank
-exited, `h3serve up` to shut the service down): rank 0 stops its server gracefully, the other
-ranks follow it to the end of what it runs, and every rank exits 0, so torchrun counts a group
-stopped that way as finished instead of restarting it. A broken group is reported where it is
-seen, by the driver.
+SIGTERM / SIGINT is a stop, not a failure (the launcher sends it to restart the group after a
+rank exited, or to shut the service down): rank 0 stops its server gracefully, the other ranks
+follow it to the end of what it runs, and every rank exits 0, so torchrun counts a group stopped
+that way as finished instead of restarting it. A rank answers the signal within seconds whatever
+it is doing: the group's work runs on a thread, so the main thread is always free to take it, and
+a follower waits at most FOLLOW_STOP_S for rank 0 to leave first. A broken group is reported where
+it is seen, by the driver.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import logging
 import os
@@ -25,7 +27,7 @@ import sys
 import threading
 import time
 
-from h3serve.common import logs
+from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
@@ -41,9 +43,9 @@ from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
 log = logging.getLogger("h3serve.dit.rank")
 MAX_BACKOFF_S = 30.0
-PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOP_WAIT_S = 1.0  # a group broken by rank 0 leaving: how long this rank's own stop signal may trail it
+FOLLOW_STOP_S = GRACE_SECONDS + 5.0  # a follower told to stop waits at most this long for rank 0 to leave first
 
 
 def backoff_seconds(config: DiTConfig, restart: int) -> float:
@@ -57,7 +59,8 @@ class Endpoint:
         state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
         self.view = GroupView(state=state)
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
-        self.view.info.workflows.extend(flow.value for flow in served(config.workflows))  # Denoise checks requests against them
+        # Denoise checks requests against them
+        self.view.info.workflows.extend(flow.value for flow in served(config.workflows))
         servicer = DiTServicer(self.view, config)
         self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
                                                 [SERVICE_NAME], config.address,
@@ -104,7 +107,7 @@ class Endpoint:
     def wait_and_exit(self) -> None:
         """Block until the group breaks or a signal comes; let failed RPCs deliver their status; exit."""
         self.finished.wait()
-        self.server.stop(GRACE_SECONDS).wait()
+        self.server.stop(GRACE_SECONDS).wait(GRACE_SECONDS + 1.0)
         logging.shutdown()
         os._exit(self.exit_code)  # the driver thread may sit in a collective that will never return
 
@@ -132,57 +135,68 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     return member, info
 
 
-class FollowerStop:
-    """Stop signals on a rank above 0. Before it follows rank 0 the rank exits at once; while it follows, it keeps
-    following until rank 0 has left (the group breaks) and then exits 0: leaving first would break the
-    collectives of a request rank 0 still runs, which the driver reports as a failed group."""
+class Follower:
+    """A rank above 0. Its work (join, then follow rank 0) runs on a thread, so the main thread takes a stop signal at
+    once, whatever the work is blocked in (the store, weight loading, a collective).
 
-    def __init__(self) -> None:
+    A stop before it follows ends the process at once. While it follows, it keeps following until rank 0 has left
+    (the group breaks), at most FOLLOW_STOP_S: leaving first would break the collectives of a request rank 0 still
+    runs, which the driver reports as a failed group. A stop exits 0; a broken group or a failed join exits 1."""
+
+    def __init__(self, config: DiTConfig, rank: int, restart: int) -> None:
+        self.config, self.rank, self.restart = config, rank, restart
         self.following = False
-        self.requested = False
+        self.stop_by: float | None = None  # set by a stop signal that came while following
+        self.done = threading.Event()      # the work ended: the group broke or the join failed
+        self.failure = ""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, _signum, _frame) -> None:
         if not self.following:
             os._exit(0)
-        self.requested = True
+        self.stop_by = self.stop_by or time.monotonic() + FOLLOW_STOP_S
 
-    def group_broke(self) -> None:
-        """Exit 0 if the break is a stop: this rank got (or gets within STOP_WAIT_S) its own stop signal."""
-        self.following = False
-        if self.requested:
-            os._exit(0)
-        time.sleep(STOP_WAIT_S)  # a signal now ends the process in _on_signal
+    def _work(self) -> None:
+        try:
+            member, _ = join(self.config, self.rank, self.restart)
+        except BaseException as exc:
+            self.failure = f"could not join the DiT group: {describe(exc)}"
+            self.done.set()
+            return
+        self.following = True
+        try:
+            follow(member)  # returns only by an exception: the group broke
+        except BaseException as exc:
+            self.failure = f"left the broken DiT group: {describe(exc, lines=1)}"
+        self.following = False  # from now on a stop signal ends the process at once
+        self.done.set()
 
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    def run_and_exit(self) -> None:
+        threading.Thread(target=self._work, name="dit-follow", daemon=True).start()
+        while not self.done.wait(0.2):
+            if self.stop_by is not None and time.monotonic() > self.stop_by:
+                log.warning("rank %d: rank 0 did not leave within %.0f s of the stop signal; leaving first",
+                            self.rank, FOLLOW_STOP_S)
+                break
+        if self.stop_by is None:
+            time.sleep(STOP_WAIT_S)  # a break that is a stop: this rank's own signal may trail it (exit 0 then)
+            log.error("rank %d %s", self.rank, self.failure)
+        logging.shutdown()
+        os._exit(0 if self.stop_by is not None else 1)
 
 
 def main(argv: list[str] | None = None) -> None:
     config = decode_config((sys.argv[1:] if argv is None else argv)[0])
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _die_with_parent()
+    processes.set_parent_death_signal(signal.SIGKILL)  # torchrun's ranks; the supervisor sets it before exec too
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     logs.setup(f"dit[{rank}]")
     if rank == 0:
         endpoint = Endpoint(config, restart)
         threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()
         endpoint.wait_and_exit()  # the main thread stays free, so a signal is handled even while joining
-    stop = FollowerStop()
-    try:
-        member, _ = join(config, rank, restart)
-    except BaseException as exc:
-        log.error("rank %d could not join the DiT group: %s", rank, describe(exc))
-        raise
-    stop.following = True
-    try:
-        follow(member)  # returns only by an exception: the group broke
-    except BaseException:
-        stop.group_broke()
-        raise
+    Follower(config, rank, restart).run_and_exit()
 
 
 if __name__ == "__main__":

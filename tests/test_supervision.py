@@ -1,0 +1,310 @@
+"""Supervision for real: `h3serve up` as a subprocess (stops, restarts, its own death) and the DiT's own launcher
+(its store's address, a rank's death, its own death and stop); processes are killed for real, the tiny model runs."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import free_port, write_config
+
+from h3serve.cli.launcher import is_serving
+from h3serve.client import GatewayClient
+from h3serve.common.processes import Proc, children, descendants
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
+
+CLI = [sys.executable, "-m", "h3serve.cli"]
+DIT2 = dict(world_size=2, heartbeat_s=1.0, restart_backoff_s=0.5, max_restarts=5, collective_timeout_s=30.0)
+SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\n"
+SMALL = dict(prompt="a kite", height=32, width=64, num_inference_steps=2, seed=3)
+
+
+def wait_until(condition, limit_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + limit_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {limit_s:.0f} s: {what}"
+        time.sleep(poll_s)
+    return value
+
+
+def living(procs) -> list[int]:
+    return sorted(proc.pid for proc in procs if proc.alive())
+
+
+class Up:
+    """`h3serve up` as from a terminal (its own process group), with every process it started collected as seen."""
+
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+        self.config = write_config(root / "deploy.toml", str(model_dir), root / "gateway", self.ports,
+                                   service_keys={"threads": 1}, dit=DIT2)
+        self.config.write_text(self.config.read_text() + "\n" + SUPERVISOR)
+        self.log_dir, self.output = root / "logs", root / "up.out"
+        with open(self.output, "wb") as out:
+            self.process = subprocess.Popen([*CLI, "up", "--config", str(self.config), "--log-dir",
+                                             str(self.log_dir)], stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        self.seen: set[Proc] = set()
+
+    def collect(self) -> set[Proc]:
+        self.seen |= {proc for proc in map(Proc.of, descendants(self.process.pid)) if proc}
+        return self.seen
+
+    def service(self, name: str) -> int | None:
+        """The pid of service `name`'s process (a child of `up`; the DiT's execs its launcher), None while it has
+        none."""
+        marks = [f"serve {name} ".encode(), *([b"-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
+        for pid in children(self.process.pid):
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ")
+            if any(mark in command for mark in marks):
+                return pid
+        return None
+
+    def wait_serving(self, limit_s: float = 240.0) -> None:
+        def serving():
+            assert self.process.poll() is None, self.output.read_text()
+            return all(is_serving(f"127.0.0.1:{port}") for port in self.ports.values())
+        wait_until(serving, limit_s, "every service SERVING", poll_s=0.5)
+        self.collect()
+
+    def generate(self):
+        client = GatewayClient(f"127.0.0.1:{self.ports['gateway']}")
+        try:
+            return client.generate(gateway_pb2.GenerateRequest(**SMALL))
+        finally:
+            client.close()
+
+    def ended_cleanly(self, code: int = 0, clean_logs: bool = True) -> None:
+        """`up` exits with `code` and leaves no process behind; its services' logs have no ERROR or Traceback."""
+        assert self.process.wait(90) == code, self.output.read_text()
+        wait_until(lambda: not living(self.seen), 10, f"every process of up's tree ends: {living(self.seen)}")
+        for log in sorted(self.log_dir.glob("*.log")) if clean_logs else []:
+            text = log.read_text()
+            assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for proc in self.seen:
+            if proc.alive():
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(tmp_path, tiny_model_dir):
+    started = Up(tmp_path, tiny_model_dir)
+    try:
+        started.wait_serving()
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_ends_up_and_every_process_it_started(up, signum):
+    assert len(up.collect()) >= 6, "encoder, the DiT's launcher and 2 ranks, vae, gateway"
+    if signum == signal.SIGINT:
+        os.killpg(up.process.pid, signum)  # Ctrl-C: the terminal signals its foreground process group
+    else:
+        up.process.send_signal(signum)
+    up.ended_cleanly()
+    assert up.output.read_text().rstrip().endswith("stopping")
+
+
+def test_a_stop_right_after_a_service_died_ends_everything(up):
+    up.collect()
+    os.kill(up.service("vae"), signal.SIGKILL)
+    up.process.send_signal(signal.SIGTERM)
+    up.ended_cleanly()
+
+
+def test_up_restarts_a_killed_service_and_gives_up_past_its_budget(up):
+    for name in ("vae", "dit"):
+        old = Proc.of(up.service(name))
+        ranks = {proc for proc in map(Proc.of, descendants(old.pid)) if proc}
+        os.kill(old.pid, signal.SIGKILL)
+        wait_until(lambda: up.service(name) not in (None, old.pid), 30, f"{name} started again")
+        assert not living(ranks), "the DiT's ranks ended with their launcher"
+        up.wait_serving()
+        final = up.generate()
+        assert final.WhichOneof("kind") == "done", final
+        assert f"{name} was killed by signal SIGKILL; restarting it" in up.output.read_text()
+    os.kill(up.service("vae"), signal.SIGKILL)  # [supervisor] max_restarts = 1: this exit is one too many
+    up.ended_cleanly(code=1)
+    assert "vae was killed by signal SIGKILL, past its restart budget" in up.output.read_text()
+
+
+def test_kill_9_of_up_ends_every_service_within_seconds(up):
+    procs = up.collect()
+    up.process.kill()
+    up.process.wait()
+    wait_until(lambda: not living(procs), 10, f"every service ends with up: {living(procs)}")
+
+
+# The DiT's own launcher: `h3serve serve dit` with nnodes = 1.
+
+LISTEN, ESTABLISHED = "0A", "01"
+
+
+def sockets(pid: int, state: str) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """(local, remote) (address, port) of process `pid`'s TCP sockets in `state`, from /proc/net/tcp and tcp6."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            inodes |= set(re.findall(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}")))
+        except OSError:  # closed meanwhile
+            pass
+    rows = [line.split() for table in ("/proc/net/tcp", "/proc/net/tcp6")
+            for line in Path(table).read_text().splitlines()[1:]]
+    return [(endpoint(row[1]), endpoint(row[2])) for row in rows if row[3] == state and row[9] in inodes]
+
+
+def endpoint(text: str) -> tuple[str, int]:
+    """A /proc/net address: 4 bytes (IPv4) or 16 (IPv6) in 32-bit words of host (little-endian) order, a hex port."""
+    hexed, port = text.split(":")
+    raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
+    return str(ipaddress.ip_address(raw)), int(port, 16)
+
+
+def environment(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        return dict(item.decode().split("=", 1) for item in file.read().split(b"\0") if b"=" in item)
+
+
+class DiT:
+    def __init__(self, root: Path) -> None:
+        self.port, self.log = free_port(), root / "dit.log"
+        config = write_config(root / "deploy.toml", "", root / "gateway", {"encoder": 1, "dit": self.port, "vae": 2,
+                                                                           "gateway": 3}, dit=DIT2)
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen([*CLI, "serve", "dit", "--config", str(config)], stdout=out,
+                                            stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.seen: set[Proc] = set()
+
+    def ranks(self, count: int = 2) -> dict[int, int]:
+        """Rank -> pid of the current start, once all `count` ranks run."""
+        def started():
+            envs = {pid: environment(pid) for pid in children(self.process.pid)}
+            found = {int(env["RANK"]): pid for pid, env in envs.items() if "RANK" in env}  # once exec'd
+            return found if len(found) == len(envs) == count else None
+        ranks = wait_until(started, 60, "the ranks started", poll_s=0.02)
+        self.seen |= {Proc.of(pid) for pid in ranks.values()} - {None}
+        return ranks
+
+    def info(self):
+        return dit_pb2_grpc.DiTStub(self.channel).Info(common_pb2.InfoRequest(), timeout=10)
+
+    def serving(self, restarts: int | None = None, limit_s: float = 120.0):
+        """Info once the group serves (after restart `restarts`, if given)."""
+        def ready():
+            assert self.process.poll() is None, self.log.read_text()
+            try:
+                info = self.info()
+            except grpc.RpcError:
+                return None
+            return info if info.state == "serving" and restarts in (None, info.restarts) else None
+        return wait_until(ready, limit_s, f"the group serving (restart {restarts})")
+
+    def starting_ranks(self) -> dict[int, int]:
+        """The ranks of a start that has not joined yet: the current one, or after a SIGKILL the next one."""
+        ranks = self.ranks()
+        with contextlib.suppress(grpc.RpcError):
+            if {rank.pid for rank in self.info().ranks} == set(ranks.values()):  # these have joined
+                os.kill(ranks[1], signal.SIGKILL)
+                wait_until(lambda: not set(children(self.process.pid)) & set(ranks.values()), 30, "the old ranks end",
+                           poll_s=0.02)
+                ranks = self.ranks()
+        return ranks
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        for proc in self.seen:
+            if proc.alive():
+                os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def dit(tmp_path_factory):
+    """One DiT launcher of 2 ranks for the tests below; the last one stops it."""
+    group = DiT(tmp_path_factory.mktemp("dit-launcher"))
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("hung", [0, 1])
+def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(dit, hung):
+    ranks = dit.starting_ranks()
+    os.kill(ranks[hung], signal.SIGSTOP)  # it never joins: the other rank waits in the rendezvous
+    waiting = Proc.of(ranks[1 - hung])
+    store_port = int(environment(waiting.pid)["MASTER_PORT"])
+    wait_until(lambda: any(remote[1] == store_port for _, remote in sockets(waiting.pid, ESTABLISHED)), 60,
+               "the rank reached the store", poll_s=0.05)
+    time.sleep(0.5)
+    os.kill(waiting.pid, signal.SIGTERM)
+    wait_until(lambda: not waiting.alive(), 3, "the waiting rank exits", poll_s=0.02)
+    os.kill(ranks[hung], signal.SIGCONT)  # the launcher stops it and starts the group again
+    wait_until(lambda: f"rank {1 - hung} (pid {waiting.pid}) exited with code 0" in dit.log.read_text(), 10,
+               "the launcher saw a stop (exit 0), not a crash")
+
+
+@pytest.mark.distributed
+def test_the_store_listens_on_the_dits_host_only(dit):
+    info = dit.serving()
+    ((address, port), _), = sockets(dit.process.pid, LISTEN)  # the store is the launcher's only server
+    assert address == "127.0.0.1"
+    for rank in info.ranks:
+        env = environment(rank.pid)
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(port))
+
+
+@pytest.mark.distributed
+def test_a_killed_rank_restarts_the_group(dit):
+    before = dit.serving()
+    dit.ranks()
+    os.kill(before.ranks[1].pid, signal.SIGKILL)
+    after = dit.serving(restarts=before.restarts + 1)
+    assert not {r.pid for r in after.ranks} & {r.pid for r in before.ranks}, "every rank was replaced"
+    assert "rank 1 (pid %d) was killed by signal SIGKILL" % before.ranks[1].pid in dit.log.read_text()
+
+
+@pytest.mark.distributed
+def test_sigterm_stops_the_launcher_with_exit_0_and_no_rank_left(dit):
+    dit.ranks()
+    logged = len(dit.log.read_text())
+    dit.process.send_signal(signal.SIGTERM)
+    assert dit.process.wait(60) == 0, dit.log.read_text()
+    assert not living(dit.seen)
+    stop = dit.log.read_text()[logged:]
+    assert "signal SIGTERM: stopping the DiT group's 2 rank(s)" in stop
+    assert "Traceback" not in stop and "ERROR" not in stop, stop
+
+
+@pytest.mark.distributed
+def test_sigkill_of_the_launcher_ends_every_rank_within_seconds(tmp_path):
+    group = DiT(tmp_path)
+    try:
+        group.serving()
+        ranks = group.ranks()
+        group.process.kill()
+        group.process.wait()
+        wait_until(lambda: not living(group.seen), 5, f"the ranks end with their launcher: {ranks}")
+    finally:
+        group.close()
