@@ -6,7 +6,7 @@ tensors), or an `idle` beat when there is none, so waiting ranks never outlive t
 timeout and a dead rank shows within one beat. At every step boundary the ranks take one
 small all-reduce of "stop?": rank 0 says yes when the client cancelled, and all leave the loop
 at the same step. Any other failure breaks the group: rank 0 fails the requests it holds with
-UNAVAILABLE and the reason, every rank exits, and torchrun starts the group again.
+UNAVAILABLE and the reason, every rank exits, and the launcher starts the group again.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
 
 def serve(config) -> None:
-    """`h3serve serve dit`: the group starts through torchrun (h3serve/services/dit/launch.py)."""
+    """`h3serve serve dit`: the group starts through its launcher (h3serve/services/dit/launch.py)."""
     from h3serve.services.dit.launch import launch
 
     launch(config)
