@@ -9,101 +9,24 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import pytest
 from conftest import free_port, write_config
+from up_process import CLI, Up, living, wait_until
 
-from h3serve.cli.launcher import is_serving
-from h3serve.client import GatewayClient
 from h3serve.common.processes import Proc, children, descendants
-from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
+from h3serve.v1 import common_pb2, dit_pb2_grpc
 
-CLI = [sys.executable, "-m", "h3serve.cli"]
 DIT2 = dict(world_size=2, heartbeat_s=1.0, restart_backoff_s=0.5, max_restarts=5, collective_timeout_s=30.0)
 SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\n"
-SMALL = dict(prompt="a kite", height=32, width=64, num_inference_steps=2, seed=3)
-
-
-def wait_until(condition, limit_s: float, what: str, poll_s: float = 0.2):
-    deadline = time.monotonic() + limit_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {limit_s:.0f} s: {what}"
-        time.sleep(poll_s)
-    return value
-
-
-def living(procs) -> list[int]:
-    return sorted(proc.pid for proc in procs if proc.alive())
-
-
-class Up:
-    """`h3serve up` as from a terminal (its own process group), with every process it started collected as seen."""
-
-    def __init__(self, root: Path, model_dir: Path) -> None:
-        self.ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-        self.config = write_config(root / "deploy.toml", str(model_dir), root / "gateway", self.ports,
-                                   service_keys={"threads": 1}, dit=DIT2)
-        self.config.write_text(self.config.read_text() + "\n" + SUPERVISOR)
-        self.log_dir, self.output = root / "logs", root / "up.out"
-        with open(self.output, "wb") as out:
-            self.process = subprocess.Popen([*CLI, "up", "--config", str(self.config), "--log-dir",
-                                             str(self.log_dir)], stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-        self.seen: set[Proc] = set()
-
-    def collect(self) -> set[Proc]:
-        self.seen |= {proc for proc in map(Proc.of, descendants(self.process.pid)) if proc}
-        return self.seen
-
-    def service(self, name: str) -> int | None:
-        """The pid of service `name`'s process (a child of `up`; the DiT's execs its launcher), None while it has
-        none."""
-        marks = [f"serve {name} ".encode(), *([b"-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
-        for pid in children(self.process.pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as file:
-                command = file.read().replace(b"\0", b" ")
-            if any(mark in command for mark in marks):
-                return pid
-        return None
-
-    def wait_serving(self, limit_s: float = 240.0) -> None:
-        def serving():
-            assert self.process.poll() is None, self.output.read_text()
-            return all(is_serving(f"127.0.0.1:{port}") for port in self.ports.values())
-        wait_until(serving, limit_s, "every service SERVING", poll_s=0.5)
-        self.collect()
-
-    def generate(self):
-        client = GatewayClient(f"127.0.0.1:{self.ports['gateway']}")
-        try:
-            return client.generate(gateway_pb2.GenerateRequest(**SMALL))
-        finally:
-            client.close()
-
-    def ended_cleanly(self, code: int = 0, clean_logs: bool = True) -> None:
-        """`up` exits with `code` and leaves no process behind; its services' logs have no ERROR or Traceback."""
-        assert self.process.wait(90) == code, self.output.read_text()
-        wait_until(lambda: not living(self.seen), 10, f"every process of up's tree ends: {living(self.seen)}")
-        for log in sorted(self.log_dir.glob("*.log")) if clean_logs else []:
-            text = log.read_text()
-            assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        for proc in self.seen:
-            if proc.alive():
-                os.kill(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture
 def up(tmp_path, tiny_model_dir):
-    started = Up(tmp_path, tiny_model_dir)
+    started = Up(tmp_path, tiny_model_dir, DIT2, SUPERVISOR)
     try:
         started.wait_serving()
         yield started
@@ -178,8 +101,13 @@ def endpoint(text: str) -> tuple[str, int]:
 
 
 def environment(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as file:
-        return dict(item.decode().split("=", 1) for item in file.read().split(b"\0") if b"=" in item)
+    """A process's environment; empty once it is gone (a stopping rank may be reaped while we look)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            raw = file.read()
+    except OSError:
+        return {}
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 class DiT:

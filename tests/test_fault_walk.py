@@ -1,0 +1,134 @@
+"""The fault walk: a deployment with the shipped defaults (`h3serve up`, its supervision, the gateway's outage limits
+and attempts), five jobs acknowledged, one process SIGKILLed mid-job. Every job ends SUCCEEDED, whichever process
+died; the gateway killed twice loses no attempt of a job that never started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from up_process import Up, wait_until
+
+from h3serve.client import GatewayClient
+from h3serve.common.processes import children
+from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+DIT = dict(world_size=2)  # two ranks: a rank and the launcher are different processes
+JOBS = 5
+STEPS = 40  # enough forwards that a kill lands mid-denoise on two CPU cores
+DONE = gateway_pb2.JOB_STATE_SUCCEEDED
+WORK = ("encoding", "conditioning", "denoising", "decoding", "muxing")
+TERMINAL = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, tiny_model_dir):
+    up = Up(tmp_path_factory.mktemp("fault-walk"), tiny_model_dir, DIT)
+    try:
+        up.wait_serving()
+        yield up
+        up.process.send_signal(signal.SIGTERM)
+        up.ended_cleanly(clean_logs=False)  # the victims' logs say they died
+    finally:
+        up.close()
+
+
+def submit(up: Up, name: str, count: int = JOBS) -> list[str]:
+    client = GatewayClient(f"127.0.0.1:{up.ports['gateway']}")
+    try:
+        params = common_pb2.GenerationParams(num_inference_steps=STEPS, seed=7)
+        return [client.stub.Submit(gateway_pb2.GenerateRequest(prompt=f"{name} {i}", height=64, width=128,
+                                                               params=params)).job_id for i in range(count)]
+    finally:
+        client.close()
+
+
+def watch(up: Up, job_id: str, timeout: float):
+    """The job's events as they come; nothing more once the deadline passes or the gateway goes away."""
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{up.ports['gateway']}") as channel:
+            yield from gateway_pb2_grpc.GatewayStub(channel).Watch(gateway_pb2.WatchRequest(job_id=job_id),
+                                                                   timeout=timeout)
+    except grpc.RpcError:
+        pass  # the deadline of a job still running, or the gateway restarting
+
+
+def events(up: Up, job_id: str) -> list[gateway_pb2.JobEvent]:
+    """All the events of a job that ended."""
+    return list(watch(up, job_id, timeout=10.0))
+
+
+def reached(up: Up, job_id: str, kind: str) -> bool:
+    """Whether the job has an event of `kind`: answered the moment it is seen, so a kill lands right after it."""
+    return any(event.HasField(kind) for event in watch(up, job_id, timeout=2.0))
+
+
+def final_jobs(up: Up, job_ids: list[str], limit_s: float = 300) -> list[gateway_pb2.Job]:
+    def ended():
+        try:
+            client = GatewayClient(f"127.0.0.1:{up.ports['gateway']}")
+            jobs = [client.stub.GetJob(gateway_pb2.GetJobRequest(job_id=job_id), timeout=5) for job_id in job_ids]
+            client.close()
+        except grpc.RpcError:
+            return None
+        return jobs if all(job.state in TERMINAL for job in jobs) else None
+    return wait_until(ended, limit_s, "every job ends", poll_s=1.0)
+
+
+def rank_zero(up: Up) -> int:
+    for pid in children(up.service("dit")):
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            if b"\0RANK=0\0" in b"\0" + file.read():
+                return pid
+    raise AssertionError("no DiT rank 0")
+
+
+VICTIMS = {  # the process to kill, and the event of the first job to wait for before killing it
+    "encoder": (lambda up: up.service("encoder"), None),
+    "dit-rank-0": (rank_zero, "denoising"),
+    "dit-launcher": (lambda up: up.service("dit"), "denoising"),
+    "vae": (lambda up: up.service("vae"), "decoding"),
+    "gateway": (lambda up: up.service("gateway"), "denoising"),
+}
+
+
+@pytest.mark.parametrize("victim", VICTIMS)
+def test_every_acknowledged_job_outlives_a_killed_process(deployment, victim):
+    up, (pid_of, moment) = deployment, VICTIMS[victim]
+    up.wait_serving()
+    jobs = submit(up, victim)
+    if moment:
+        wait_until(lambda: reached(up, jobs[0], moment), 120, f"job 1 {moment}", poll_s=0.05)
+    os.kill(pid_of(up), signal.SIGKILL)
+    ended = final_jobs(up, jobs)
+    assert [(job.state, job.error.message) for job in ended] == [(DONE, "")] * JOBS
+    up.collect()
+
+
+def test_the_gateway_killed_twice_loses_no_attempt_of_a_job_that_never_started(deployment):
+    up = deployment
+    up.wait_serving()
+    jobs = submit(up, "twice")
+    wait_until(lambda: reached(up, jobs[0], "denoising"), 120, "job 1 denoising", poll_s=0.05)
+    for _ in range(2):
+        gateway = up.service("gateway")
+        os.kill(gateway, signal.SIGKILL)
+        wait_until(lambda: up.service("gateway") not in (None, gateway), 60, "the gateway started again")
+        wait_until(lambda: reached(up, jobs[0], "accepted"), 120, "the gateway answers again")
+        time.sleep(1.0)  # the jobs are back in the stage queues when it dies again
+    ended = final_jobs(up, jobs)
+    assert [job.state for job in ended] == [DONE] * JOBS
+    for job in ended:  # an attempt counts only when the stages made progress in it
+        kinds, segment = [], []
+        for event in events(up, job.job_id):
+            kind = event.WhichOneof("kind")
+            if kind == "retrying":
+                counted = not event.retrying.reason.endswith("attempt not counted")
+                assert counted == any(k in WORK for k in segment), (job.job_id, event.retrying, segment)
+                segment = []
+            segment.append(kind)
+            kinds.append(kind)
+        assert kinds.count("retrying") >= 1 and job.attempts <= 3, (job.job_id, " ".join(kinds))
