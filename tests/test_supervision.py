@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import free_port, write_config
-from up_process import CLI, Up, living, wait_until
+from up_process import CLI, Up, kill_tree, living, wait_until
 
 from h3serve.common.processes import Proc, children, descendants
 from h3serve.v1 import common_pb2, dit_pb2_grpc
@@ -158,12 +158,7 @@ class DiT:
 
     def close(self) -> None:
         self.channel.close()
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        for proc in self.seen:
-            if proc.alive():
-                os.kill(proc.pid, signal.SIGKILL)
+        kill_tree(self.process, self.seen)
 
 
 @pytest.fixture(scope="module")

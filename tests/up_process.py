@@ -32,6 +32,16 @@ def living(procs) -> list[int]:
     return sorted(proc.pid for proc in procs if proc.alive())
 
 
+def kill_tree(process: subprocess.Popen, seen) -> None:
+    """SIGKILL a test's process and every descendant it was seen with, whatever state they are in."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for proc in seen:
+        if proc.alive():
+            os.kill(proc.pid, signal.SIGKILL)
+
+
 class Up:
     """`h3serve up` as from a terminal (its own process group), with every process it started collected as seen."""
 
@@ -85,11 +95,6 @@ class Up:
             assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        for proc in self.seen:
-            if proc.alive():
-                os.kill(proc.pid, signal.SIGKILL)
+        kill_tree(self.process, self.seen)
 
 
