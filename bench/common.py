@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -64,3 +68,28 @@ def add_variant_arguments(parser, sizes: str, repeats: int) -> None:
     parser.add_argument("--variants", default="native",
                         help="fast paths to time, in order, each only adding to the one before (see the docstring)")
     parser.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
+
+
+def gpu_holders() -> dict[int, int]:
+    """Processes other than this one holding GPU memory, pid -> MiB (empty without nvidia-smi)."""
+    if shutil.which("nvidia-smi") is None:
+        return {}
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = (line.split(",") for line in out.splitlines() if line.strip())
+    return {int(pid): int(mib) for pid, mib in rows if int(pid) != os.getpid()}
+
+
+@contextlib.contextmanager
+def leaves_gpu_empty(limit_s: float = 30.0):
+    """Around a part of a bench that starts processes on the GPU: once it ends, none of them may still hold
+    memory (a rank orphaned by a stop once kept 67 GiB and the next run failed out of memory)."""
+    yield
+    deadline = time.monotonic() + limit_s
+    while (held := gpu_holders()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if held:
+        raise RuntimeError(f"processes still hold GPU memory {limit_s:.0f} s after the bench stopped them: "
+                           + ", ".join(f"pid {pid} {mib} MiB" for pid, mib in held.items()))
+    if shutil.which("nvidia-smi"):
+        print("GPU empty after the bench: nvidia-smi lists no other compute process", flush=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import Size, denoise_spec, software
+from bench.common import Size, denoise_spec, leaves_gpu_empty, software
 from bench.dit_step import TEXT_TOKENS
 from bench.results import Record, add_output_arguments, update_results
 from h3serve.model import presets
@@ -101,7 +101,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                    f"--nproc-per-node={args.world_size}", "-m", "bench.dit_sharded", *argv, "--out", str(out),
                    "--command", " ".join(["python -m bench.dit_sharded", *argv])]
         env = {**NCCL_ENV, **os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        subprocess.run(command, check=True, env=env)
+        with leaves_gpu_empty():
+            subprocess.run(command, check=True, env=env)
         return json.loads(out.read_text())
 
 

@@ -83,7 +83,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.common import Size, device_label, software
+from bench.common import Size, device_label, leaves_gpu_empty, software
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
@@ -305,7 +305,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     config, place = load_deploy(config_path), placement(args, device)
     started = time.perf_counter()
     try:
-        with ServiceGroup(config, str(config_path), log_dir=str(work)):
+        with leaves_gpu_empty(), ServiceGroup(config, str(config_path), log_dir=str(work)):
             print(f"services healthy in {time.perf_counter() - started:.1f} s; DiT {dit_group(config, place)}",
                   flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")

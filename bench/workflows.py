@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import leaves_gpu_empty
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import DeployConfig, load_deploy
@@ -73,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="h3-bench-") as tmp:
         root = Path(tmp)
         config = _config(root, load_deploy(args.config))
-        with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)):
+        with leaves_gpu_empty(), ServiceGroup(load_deploy(config), str(config), log_dir=str(root)):
             deploy = load_deploy(config)
             client = GatewayClient(f"127.0.0.1:{deploy.gateway.port}")
             (root / "media").mkdir()

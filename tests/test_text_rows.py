@@ -99,9 +99,12 @@ def test_the_gateway_does_not_start_without_the_models_tokenizer(tmp_path):
         _load_text_rows(GatewayConfig(model_dir=str(tmp_path / "missing")))
 
 
-def test_the_gateway_reads_the_model_dirs_tokenizer_and_processor_settings(tiny_model_dir):
-    """From a saved model directory, as from the built-in preset: the same vision geometry and token counts."""
-    from_dir, preset = TextCounter.load(str(tiny_model_dir)), TextCounter.load("")
+@pytest.mark.parametrize("source", ["dir", "random:full"])
+def test_the_gateway_reads_the_model_dirs_tokenizer_and_processor_settings(tiny_model_dir, source):
+    """From a saved model directory, as from the built-in preset: the same vision geometry and token counts. The
+    random:full source (benchmarks) uses the preset's tokenizer and processor."""
+    from_dir = TextCounter.load(str(tiny_model_dir) if source == "dir" else source)
+    preset = TextCounter.load("")
     assert from_dir.vision == preset.vision
     for text in ("a fox", "<Picture 1>: ", "क़ ünïcode", "<|vision_start|>"):
         assert from_dir.tokens(text) == preset.tokens(text) > 0

@@ -33,10 +33,11 @@ class TextCounter:
 
     @classmethod
     def load(cls, model_dir: str) -> TextCounter:
-        """The tokenizer and processor settings the encoder loads from `model_dir` ("" = the tiny preset)."""
+        """The tokenizer and processor settings the encoder loads from `model_dir` ("" = the tiny preset, whose
+        tokenizer and processor random:full uses too)."""
         from transformers import Qwen2Tokenizer
 
-        if model_dir:
+        if model_dir and model_dir != presets.RANDOM_FULL:
             tokenizer = Qwen2Tokenizer.from_pretrained(str(Path(model_dir) / "tokenizer"))
             config = json.loads((Path(model_dir) / "processor" / "processor_config.json").read_text())
         else:
