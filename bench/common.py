@@ -70,14 +70,23 @@ def add_variant_arguments(parser, sizes: str, repeats: int) -> None:
     parser.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
 
 
-def gpu_holders() -> dict[int, int]:
-    """Processes other than this one holding GPU memory, pid -> MiB (empty without nvidia-smi)."""
+def _smi(query: str) -> list[list[int]]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                         check=True).stdout
+    return [[int(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
+
+
+def gpu_left_behind(slack_mib: int = 1024) -> str:
+    """What still holds GPU memory besides this process ("" when nothing): the compute processes nvidia-smi lists,
+    and memory in use beyond this process's own (which a container's nvidia-smi may not attribute to a pid)."""
     if shutil.which("nvidia-smi") is None:
-        return {}
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = (line.split(",") for line in out.splitlines() if line.strip())
-    return {int(pid): int(mib) for pid, mib in rows if int(pid) != os.getpid()}
+        return ""
+    apps = dict(_smi("--query-compute-apps=pid,used_memory"))
+    own = apps.pop(os.getpid(), 0)
+    used = [mib for (mib,) in _smi("--query-gpu=memory.used")]
+    if apps or max(used) > own + slack_mib:
+        return f"processes {apps or 'none listed'} (pid: MiB), GPUs use {used} MiB, this process {own} MiB"
+    return ""
 
 
 @contextlib.contextmanager
@@ -86,10 +95,10 @@ def leaves_gpu_empty(limit_s: float = 30.0):
     memory (a rank orphaned by a stop once kept 67 GiB and the next run failed out of memory)."""
     yield
     deadline = time.monotonic() + limit_s
-    while (held := gpu_holders()) and time.monotonic() < deadline:
+    while (held := gpu_left_behind()) and time.monotonic() < deadline:
         time.sleep(0.5)
     if held:
-        raise RuntimeError(f"processes still hold GPU memory {limit_s:.0f} s after the bench stopped them: "
-                           + ", ".join(f"pid {pid} {mib} MiB" for pid, mib in held.items()))
+        raise RuntimeError(f"GPU memory still held {limit_s:.0f} s after the bench stopped its processes: {held}")
     if shutil.which("nvidia-smi"):
-        print("GPU empty after the bench: nvidia-smi lists no other compute process", flush=True)
+        used = [mib for (mib,) in _smi("--query-gpu=memory.used")]
+        print(f"GPU empty after the bench: no other compute process, {used} MiB in use", flush=True)
