@@ -70,7 +70,6 @@ import hashlib
 import json
 import multiprocessing
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -84,6 +83,7 @@ import numpy as np
 import torch
 
 from bench.common import Size, device_label, leaves_gpu_empty, software
+from bench.deployment import free_port
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
@@ -200,12 +200,6 @@ def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, S
         runs = repeated(lambda steps: once(size, steps), args)
         sides[size] = Side.of(runs, device_used_gib(device))
     return sides
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def placement(args, device: str) -> Placement:

@@ -1,7 +1,7 @@
 """What the stage overlap buys: K jobs one after another vs K jobs submitted at once, same stack.
 
-Starts encoder, DiT, VAE and gateway with the tiny model on CPU (one thread each), runs K jobs
-serially (each submitted when the previous one is done) and then K jobs submitted together, so the
+Starts encoder, DiT, VAE and gateway with the tiny model on CPU (the demo deployment's settings, one
+thread each: bench/deployment.py), runs K jobs serially (each submitted when the previous one is done) and then K jobs submitted together, so the
 gateway pipelines them (encoder k+1 / DiT k / VAE k-1). Prints a table; --write adds the rows to
 bench/results.json and BENCHMARKS.md (ratio = serial seconds / pipelined seconds).
 
@@ -12,41 +12,24 @@ from __future__ import annotations
 
 import argparse
 import platform
-import socket
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
+from bench.deployment import tiny_deployment
 from bench.results import Record, add_output_arguments, command_line, update_results
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
-from h3serve.v1 import gateway_pb2
-
-SERVICES = ("encoder", "dit", "vae", "gateway")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _config(root: Path, model_dir: Path) -> Path:
-    ports = {name: _free_port() for name in SERVICES}
-    sections = [f'[model]\ndir = "{model_dir}"']
-    sections += [f"[{name}]\nport = {ports[name]}\nthreads = 1" for name in SERVICES[:3]]
-    sections.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{root / "gateway"}"')
-    path = root / "deploy.toml"
-    path.write_text("\n\n".join(sections) + "\n")
-    return path
+from h3serve.v1 import common_pb2, gateway_pb2
 
 
 def _requests(args, tag: str) -> list[gateway_pb2.GenerateRequest]:
     # Distinct prompts: every job pays its encode (no cache hit helps one mode over the other).
     return [gateway_pb2.GenerateRequest(prompt=f"overlap bench {tag} {i}", height=args.height, width=args.width,
-                                        num_inference_steps=args.steps, seed=i) for i in range(args.jobs)]
+                                        params=common_pb2.GenerationParams(num_inference_steps=args.steps, seed=i))
+            for i in range(args.jobs)]
 
 
 def _serial(client: GatewayClient, requests) -> float:
@@ -66,11 +49,9 @@ def _pipelined(client: GatewayClient, requests) -> float:
 
 
 def measure(args) -> tuple[float, float]:
-    from h3serve.runtime.tiny import write_tiny_model
-
     with tempfile.TemporaryDirectory(prefix="h3serve-overlap-") as tmp:
         root = Path(tmp)
-        config = _config(root, write_tiny_model(root / "tiny-h3"))
+        config = tiny_deployment(root)
         deploy = load_deploy(config)
         with ServiceGroup(deploy, str(config), log_dir=str(root)):
             client = GatewayClient(f"127.0.0.1:{deploy.gateway.port}")

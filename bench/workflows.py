@@ -13,41 +13,17 @@ cache missed by a new prompt).
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import leaves_gpu_empty
+from bench.deployment import DEMO, tiny_deployment
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
-from h3serve.common.config import DeployConfig, load_deploy
-from h3serve.runtime.tiny import write_tiny_model
-from h3serve.v1 import gateway_pb2
+from h3serve.common.config import load_deploy
+from h3serve.v1 import common_pb2, gateway_pb2
 from tests.media_files import image, mp4, wav
-
-DEMO = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "tiny-cpu.toml"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _config(root: Path, base: DeployConfig) -> Path:
-    """A deployment on free ports with `base`'s geometry, threads and default steps."""
-    model = write_tiny_model(root / "tiny-h3")
-    ports = {name: _port() for name in ("encoder", "dit", "vae", "gateway")}
-    geometry = base.gateway.geometry.pipeline_configs()
-    lines = [f'[model]\ndir = "{model}"', *(f"{k} = {v}" for k, v in geometry.items())]
-    lines += [f"\n[{name}]\nport = {ports[name]}\nthreads = {base.service(name).threads}"
-              for name in ("encoder", "dit", "vae")]
-    lines.append(f'\n[gateway]\nport = {ports["gateway"]}\ndata_dir = "{root / "gateway"}"\n'
-                 f"default_steps = {base.gateway.default_steps}")
-    path = root / "deploy.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gateway_pb2.GenerateRequest]:
@@ -55,7 +31,7 @@ def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gatew
         image(media / "last.png", 48, 32, seed=2))
     refs = [client.upload(mp4(media / "clip.mp4", 64, 36, 30, seed=3)),
             client.upload(image(media / "ref.png", 40, 30, seed=4)), client.upload(wav(media / "voice.wav", 2.0))]
-    common = dict(num_inference_steps=steps)  # no size: the deployment's canvas (fl2va: the first keyframe's aspect)
+    common = dict(params=common_pb2.GenerationParams(num_inference_steps=steps))  # no size: the deployment's canvas (fl2va: the first keyframe's aspect)
     return {
         "t2va": gateway_pb2.GenerateRequest(prompt="a kite over the dunes", **common),
         "fl2va": gateway_pb2.GenerateRequest(prompt="<Picture 1> melts into <Picture 2>", first_frame=first.asset_id,
@@ -73,14 +49,14 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="h3-bench-") as tmp:
         root = Path(tmp)
-        config = _config(root, load_deploy(args.config))
+        config = tiny_deployment(root, load_deploy(args.config))
         with leaves_gpu_empty(), ServiceGroup(load_deploy(config), str(config), log_dir=str(root)):
             deploy = load_deploy(config)
             client = GatewayClient(f"127.0.0.1:{deploy.gateway.port}")
             (root / "media").mkdir()
             for name, request in _requests(client, root / "media", args.steps).items():
                 for run in ("cold", "warm"):
-                    request.seed, request.prompt = len(run), request.prompt + " ."
+                    request.params.seed, request.prompt = len(run), request.prompt + " ."
                     started, events = time.perf_counter(), []
                     final = client.generate(request, events.append)
                     wall = time.perf_counter() - started
