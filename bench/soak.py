@@ -63,6 +63,15 @@ def tree_mib(root: Path) -> float:
     return sum(path.stat().st_size for path in root.rglob("*") if path.is_file()) / 2**20
 
 
+def sample(group: ServiceGroup, root: Path, started: float, finished: list[Finished]) -> Sample:
+    taken = Sample(time.monotonic() - started, len(finished), {r.name: rss_mib(r.process.pid) for r in group.running},
+                   tree_mib(root / "gateway"))
+    print(f"{taken.at_s:7.0f} s  {taken.jobs:6d} jobs  RSS "
+          + "  ".join(f"{name} {mib:.0f}" for name, mib in taken.rss_mib.items())
+          + f" MiB  data {taken.data_mib:.1f} MiB", flush=True)
+    return taken
+
+
 def client_loop(address: str, args, number: int, started: float, deadline: float, out: list[Finished]) -> None:
     client = GatewayClient(address)
     try:
@@ -95,15 +104,12 @@ def soak(args) -> tuple[list[Finished], list[Sample]]:
                        for n in range(args.clients)]
             for thread in clients:
                 thread.start()
-            while any(thread.is_alive() for thread in clients):
-                at = time.monotonic() - started
-                sample = Sample(at, len(finished), {r.name: rss_mib(r.process.pid) for r in group.running},
-                                tree_mib(root / "gateway"))
-                samples.append(sample)
-                print(f"{sample.at_s:7.0f} s  {sample.jobs:6d} jobs  RSS "
-                      + "  ".join(f"{name} {mib:.0f}" for name, mib in sample.rss_mib.items())
-                      + f" MiB  data {sample.data_mib:.1f} MiB", flush=True)
-                time.sleep(min(args.sample_s, max(0.1, deadline - time.monotonic() + 1)))
+            while (left := deadline - time.monotonic()) > 0:
+                samples.append(sample(group, root, started, finished))
+                time.sleep(min(args.sample_s, left))
+            for thread in clients:  # each finishes the job it is in
+                thread.join()
+            samples.append(sample(group, root, started, finished))
     return finished, samples
 
 
