@@ -3,9 +3,12 @@ their own."""
 
 from __future__ import annotations
 
+import platform
 import socket
+from datetime import date
 from pathlib import Path
 
+from bench.results import Record, command_line
 from h3serve.common.config import DeployConfig, load_deploy
 
 DEMO = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "tiny-cpu.toml"
@@ -34,3 +37,20 @@ def tiny_deployment(root: Path, base: DeployConfig | None = None) -> Path:
     path = root / "deploy.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def add_request_arguments(parser, steps: int) -> None:
+    """The t2va request a CPU bench sends: canvas and steps."""
+    parser.add_argument("--height", type=int, default=64)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=steps)
+
+
+def cpu_record(bench: str, argv: list[str] | None, **measured) -> Record:
+    """A results row of a CPU bench on a tiny deployment; `measured` gives the name, seconds, baseline and
+    variant."""
+    import torch
+
+    return Record(device="cpu (tiny model, 1 thread per service)", world_size=1, dtype="float32",
+                  command=command_line(bench, argv), date=date.today().isoformat(),
+                  software=f"torch {torch.__version__}, python {platform.python_version()}", **measured)

@@ -11,14 +11,12 @@ bench/results.json and BENCHMARKS.md (ratio = serial seconds / pipelined seconds
 from __future__ import annotations
 
 import argparse
-import platform
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-from bench.deployment import tiny_deployment
-from bench.results import Record, add_output_arguments, command_line, update_results
+from bench.deployment import add_request_arguments, cpu_record, tiny_deployment
+from bench.results import add_output_arguments, update_results
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
@@ -67,9 +65,7 @@ def measure(args) -> tuple[float, float]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=4)
-    parser.add_argument("--height", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=16)
+    add_request_arguments(parser, steps=16)
     parser.add_argument("--repeats", type=int, default=2, help="best of this many runs per mode")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -80,13 +76,9 @@ def main(argv: list[str] | None = None) -> None:
           f"| pipelined (submit all) | {pipelined:.2f} s | {pipelined / args.jobs:.2f} s |\n"
           f"speed-up: {serial / pipelined:.2f}x")
     if args.write:
-        import torch
-
-        record = Record(name=name, device="cpu (tiny model, 1 thread per service)", world_size=1, dtype="float32",
-                        seconds=pipelined, baseline_seconds=serial, ratio=serial / pipelined, peak_gib=0.0,
-                        command=command_line("bench.overlap", argv),
-                        date=date.today().isoformat(), variant="pipelined stages", baseline="same jobs, serial",
-                        software=f"torch {torch.__version__}, python {platform.python_version()}")
+        record = cpu_record("bench.overlap", argv, name=name, seconds=pipelined, baseline_seconds=serial,
+                            ratio=serial / pipelined, peak_gib=0.0, variant="pipelined stages",
+                            baseline="same jobs, serial")
         update_results([record], args.results, args.markdown)
 
 

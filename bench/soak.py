@@ -14,17 +14,15 @@ the ratio shows drift) to bench/results.json and BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from datetime import date
 from pathlib import Path
 
-from bench.deployment import tiny_deployment
-from bench.results import Record, add_output_arguments, command_line, update_results
+from bench.deployment import add_request_arguments, cpu_record, tiny_deployment
+from bench.results import add_output_arguments, update_results
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
@@ -123,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--height", type=int, default=64)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8)
+    add_request_arguments(parser, steps=8)
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between memory and disk samples")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
@@ -142,15 +138,11 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{name} {last.rss_mib[name] - first.rss_mib[name]:+.1f} MiB" for name in last.rss_mib)
           + f"; data directory {1024 * (last.data_mib - first.data_mib) / jobs:+.1f} KiB per job")
     if args.write:
-        import torch
-
-        record = Record(name=f"soak_{args.minutes:g}min_{args.clients}clients_{args.height}x{args.width}x"
-                             f"{args.steps}steps", device="cpu (tiny model, 1 thread per service)", world_size=1,
-                        dtype="float32", seconds=late, baseline_seconds=early, ratio=early / late,
-                        peak_gib=max(sum(s.rss_mib.values()) for s in samples) / 1024,
-                        command=command_line("bench.soak", argv), date=date.today().isoformat(),
-                        variant="p50 latency, last quarter", baseline="p50 latency, first quarter (drift)",
-                        software=f"torch {torch.__version__}, python {platform.python_version()}")
+        record = cpu_record("bench.soak", argv, name=f"soak_{args.minutes:g}min_{args.clients}clients_{args.height}x"
+                                                      f"{args.width}x{args.steps}steps",
+                            seconds=late, baseline_seconds=early, ratio=early / late,
+                            peak_gib=max(sum(s.rss_mib.values()) for s in samples) / 1024,
+                            variant="p50 latency, last quarter", baseline="p50 latency, first quarter (drift)")
         update_results([record], args.results, args.markdown)
 
 
