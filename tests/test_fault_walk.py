@@ -10,7 +10,7 @@ import time
 
 import grpc
 import pytest
-from up_process import Up, wait_until
+from up_process import CLEAN_EXIT, Up, environment, wait_until
 
 from h3serve.client import GatewayClient
 from h3serve.common.processes import children
@@ -31,7 +31,7 @@ def deployment(tmp_path_factory, tiny_model_dir):
         up.wait_serving()
         yield up
         up.process.send_signal(signal.SIGTERM)
-        up.ended_cleanly(clean_logs=False)  # the victims' logs say they died
+        assert up.end(clean_logs=False) == CLEAN_EXIT  # the victims' logs say they died
     finally:
         up.close()
 
@@ -80,9 +80,8 @@ def final_jobs(up: Up, job_ids: list[str], limit_s: float = 300) -> list[gateway
 
 def rank_zero(up: Up) -> int:
     for pid in children(up.service("dit")):
-        with open(f"/proc/{pid}/environ", "rb") as file:
-            if b"\0RANK=0\0" in b"\0" + file.read():
-                return pid
+        if environment(pid).get("RANK") == "0":
+            return pid
     raise AssertionError("no DiT rank 0")
 
 

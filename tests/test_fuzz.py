@@ -96,13 +96,15 @@ def fuzz(tmp_path_factory, tiny_model_dir):
 def still_standing(fuzz):
     """After every test: all four processes alive, the DiT's group never restarted."""
     yield
-    assert_standing(fuzz)
+    assert fallen(fuzz) == []
 
 
-def assert_standing(fuzz: Fuzzed) -> None:
-    assert [item.name for item in fuzz.group.running if item.process.poll() is not None] == []
+def fallen(fuzz: Fuzzed) -> list[str]:
+    """What a request knocked over: services whose process ended, a DiT group that is not serving or restarted."""
+    ended = [f"{item.name} exited" for item in fuzz.group.running if item.process.poll() is not None]
     info = fuzz.dit_info()
-    assert (info.restarts, info.state) == (0, "serving")
+    return ended + ([] if (info.restarts, info.state) == (0, "serving") else
+                    [f"DiT group {info.state!r} after {info.restarts} restart(s)"])
 
 
 def clear(err: grpc.RpcError) -> grpc.StatusCode:
@@ -431,14 +433,14 @@ def test_undecodable_and_truncated_bytes_on_every_method(fuzz, data):
                           st.integers(0, 127), st.binary(max_size=20))  # a field announcing more than follows
     messages = data.draw(st.lists(st.one_of(st.binary(max_size=48), truncated), min_size=1, max_size=3))
     fuzzed(lambda: raw(fuzz, service, method, messages))
-    assert_standing(fuzz)
+    assert fallen(fuzz) == []
 
 
 @fuzzing(EXAMPLES["denoise"])
 @given(messages=denoise_requests(), mutation=headers)
 def test_malformed_denoise_requests_never_reach_the_ranks(fuzz, messages, mutation):
     fuzzed(call_dit(fuzz, with_header(messages, "prompt_embeds", mutation)))
-    assert_standing(fuzz)
+    assert fallen(fuzz) == []
 
 
 @fuzzing(EXAMPLES["decode"])
@@ -451,6 +453,7 @@ def test_malformed_decode_requests(fuzz, job_id, latents, audio, mutation, inclu
     messages = [vae_pb2.DecodeInput(spec=spec), *chunks({"latents": latents, "audio_latents": audio},
                                                         vae_pb2.DecodeInput)]
     fuzzed(call_decode(fuzz, with_header(messages, "latents", mutation)))
+    assert fallen(fuzz) == []
 
 
 @fuzzing(EXAMPLES["media"])
@@ -468,6 +471,7 @@ def test_malformed_media_requests(fuzz, d, service, workflow, height, width, num
                                    ["", "\U0001f98a" * 8192, "x" * 9000]))))
     pieces = [media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id=item.asset_id, data=data)) for item in items]
     fuzzed(call_media(fuzz, service, [media_pb2.MediaInput(spec=spec), *pieces]))
+    assert fallen(fuzz) == []
 
 
 @fuzzing(EXAMPLES["encode"])
@@ -475,6 +479,7 @@ def test_malformed_media_requests(fuzz, d, service, workflow, height, width, num
                                                                "\U0001f98a" * 8192])), job_id=ids)
 def test_malformed_encode_requests(fuzz, prompt, job_id):
     fuzzed(call_encode(fuzz, prompt, job_id))
+    assert fallen(fuzz) == []
 
 
 @fuzzing(EXAMPLES["gateway"])
@@ -493,6 +498,7 @@ def test_malformed_gateway_lookups_and_submits(fuzz, data, job_id, token):
             num_inference_steps=data.draw(steps), height=data.draw(heights), width=data.draw(widths)),
     }[rpc]()
     fuzzed(call_gateway(fuzz, rpc, request))
+    assert fallen(fuzz) == []
 
 
 def test_after_the_fuzzing_the_logs_are_bounded_and_hold_no_traceback(fuzz):

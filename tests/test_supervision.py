@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import free_port, write_config
-from up_process import CLI, Up, kill_tree, living, wait_until
+from up_process import CLEAN_EXIT, CLI, Ended, Up, environment, eventually, kill_tree, living, wait_until
 
 from h3serve.common.processes import Proc, children, descendants
 from h3serve.v1 import common_pb2, dit_pb2_grpc
@@ -41,7 +41,7 @@ def test_a_stop_signal_ends_up_and_every_process_it_started(up, signum):
         os.killpg(up.process.pid, signum)  # Ctrl-C: the terminal signals its foreground process group
     else:
         up.process.send_signal(signum)
-    up.ended_cleanly()
+    assert up.end() == CLEAN_EXIT, up.output.read_text()[-2000:]
     assert up.output.read_text().rstrip().endswith("stopping")
 
 
@@ -49,7 +49,7 @@ def test_a_stop_right_after_a_service_died_ends_everything(up):
     up.collect()
     os.kill(up.service("vae"), signal.SIGKILL)
     up.process.send_signal(signal.SIGTERM)
-    up.ended_cleanly()
+    assert up.end() == CLEAN_EXIT, up.output.read_text()[-2000:]
 
 
 def test_up_restarts_a_killed_service_and_gives_up_past_its_budget(up):
@@ -64,7 +64,7 @@ def test_up_restarts_a_killed_service_and_gives_up_past_its_budget(up):
         assert final.WhichOneof("kind") == "done", final
         assert f"{name} was killed by signal SIGKILL; restarting it" in up.output.read_text()
     os.kill(up.service("vae"), signal.SIGKILL)  # [supervisor] max_restarts = 1: this exit is one too many
-    up.ended_cleanly(code=1)
+    assert up.end() == Ended(1, [], []), up.output.read_text()[-2000:]
     assert "vae was killed by signal SIGKILL, past its restart budget" in up.output.read_text()
 
 
@@ -72,7 +72,7 @@ def test_kill_9_of_up_ends_every_service_within_seconds(up):
     procs = up.collect()
     up.process.kill()
     up.process.wait()
-    wait_until(lambda: not living(procs), 10, f"every service ends with up: {living(procs)}")
+    assert eventually(lambda: not living(procs), 10), f"services outlived up: {living(procs)}"
 
 
 # The DiT's own launcher: `h3serve serve dit` with nnodes = 1.
@@ -98,16 +98,6 @@ def endpoint(text: str) -> tuple[str, int]:
     hexed, port = text.split(":")
     raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
     return str(ipaddress.ip_address(raw)), int(port, 16)
-
-
-def environment(pid: int) -> dict[str, str]:
-    """A process's environment; empty once it is gone (a stopping rank may be reaped while we look)."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as file:
-            raw = file.read()
-    except OSError:
-        return {}
-    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 class DiT:
@@ -182,10 +172,10 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(dit, hung):
                "the rank reached the store", poll_s=0.05)
     time.sleep(0.5)
     os.kill(waiting.pid, signal.SIGTERM)
-    wait_until(lambda: not waiting.alive(), 3, "the waiting rank exits", poll_s=0.02)
+    assert eventually(lambda: not waiting.alive(), 3, poll_s=0.02), "the waiting rank outlived SIGTERM by 3 s"
     os.kill(ranks[hung], signal.SIGCONT)  # the launcher stops it and starts the group again
-    wait_until(lambda: f"rank {1 - hung} (pid {waiting.pid}) exited with code 0" in dit.log.read_text(), 10,
-               "the launcher saw a stop (exit 0), not a crash")
+    stopped = f"rank {1 - hung} (pid {waiting.pid}) exited with code 0"  # a stop, not a crash
+    assert eventually(lambda: stopped in dit.log.read_text(), 10), dit.log.read_text()[-2000:]
 
 
 @pytest.mark.distributed
@@ -228,6 +218,6 @@ def test_sigkill_of_the_launcher_ends_every_rank_within_seconds(tmp_path):
         ranks = group.ranks()
         group.process.kill()
         group.process.wait()
-        wait_until(lambda: not living(group.seen), 5, f"the ranks end with their launcher: {ranks}")
+        assert eventually(lambda: not living(group.seen), 5), f"ranks outlived their launcher: {ranks}"
     finally:
         group.close()

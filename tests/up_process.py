@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import free_port, write_config
@@ -20,12 +21,28 @@ CLI = [sys.executable, "-m", "h3serve.cli"]
 SMALL = dict(prompt="a kite", height=32, width=64, num_inference_steps=2, seed=3)
 
 
-def wait_until(condition, limit_s: float, what: str, poll_s: float = 0.2):
+def eventually(condition, limit_s: float, poll_s: float = 0.2):
+    """`condition()`'s first truthy value within `limit_s`, else its last (falsy) value."""
     deadline = time.monotonic() + limit_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {limit_s:.0f} s: {what}"
+    while not (value := condition()) and time.monotonic() < deadline:
         time.sleep(poll_s)
     return value
+
+
+def wait_until(condition, limit_s: float, what: str, poll_s: float = 0.2):
+    value = eventually(condition, limit_s, poll_s)
+    assert value, f"not within {limit_s:.0f} s: {what}"
+    return value
+
+
+def environment(pid: int) -> dict[str, str]:
+    """A process's environment; empty once it is gone (a stopping rank may be reaped while we look)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            raw = file.read()
+    except OSError:
+        return {}
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
 
 
 def living(procs) -> list[int]:
@@ -40,6 +57,16 @@ def kill_tree(process: subprocess.Popen, seen) -> None:
     for proc in seen:
         if proc.alive():
             os.kill(proc.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Ended:
+    code: int
+    survivors: list[int]   # pids of up's tree still alive
+    log_errors: list[str]  # "<log>: <first ERROR or Traceback line>"
+
+
+CLEAN_EXIT = Ended(0, [], [])
 
 
 class Up:
@@ -86,13 +113,16 @@ class Up:
         finally:
             client.close()
 
-    def ended_cleanly(self, code: int = 0, clean_logs: bool = True) -> None:
-        """`up` exits with `code` and leaves no process behind; its services' logs have no ERROR or Traceback."""
-        assert self.process.wait(90) == code, self.output.read_text()
-        wait_until(lambda: not living(self.seen), 10, f"every process of up's tree ends: {living(self.seen)}")
+    def end(self, clean_logs: bool = True) -> Ended:
+        """How `up` ended (it was told to stop or gave up): its exit code, the processes of its tree still alive 10 s
+        later, and (with `clean_logs`) the first ERROR or Traceback line of each service log that has one."""
+        code = self.process.wait(90)
+        eventually(lambda: not living(self.seen), 10)
+        errors = []
         for log in sorted(self.log_dir.glob("*.log")) if clean_logs else []:
-            text = log.read_text()
-            assert "ERROR" not in text and "Traceback" not in text, f"{log.name}:\n{text}"
+            bad = [line for line in log.read_text().splitlines() if "ERROR" in line or "Traceback" in line]
+            errors += [f"{log.name}: {bad[0]}"] if bad else []
+        return Ended(code, living(self.seen), errors)
 
     def close(self) -> None:
         kill_tree(self.process, self.seen)
