@@ -313,3 +313,200 @@ def test_artifact_rejects_bad_kind_and_id(tmp_path):
     with pytest.raises(ValueError):
         artifacts.save("../abc", "video", b"x")
     assert os.listdir(tmp_path) == []
+
+
+# The bin (soft delete), listing order and cursors.
+
+def _finish(store, job_id):
+    return store.finish(job_id, SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
+
+
+def test_the_bin_marks_and_restores_a_job_and_never_touches_its_state(db_path):
+    async def check(store):
+        await store.submit("j", REQUEST)
+        await store.start_attempt("j")
+        await store.finish("j", CANCELLED, CANCEL)
+        before = await store.get_job("j")
+        binned = await store.set_deleted("j", True)
+        assert binned.deleted >= before.updated and binned.state == CANCELLED
+        assert (await store.get_job("j")) == binned, "GetJob still finds a job in the bin"
+        assert (await store.set_deleted("j", True)).deleted == binned.deleted, "a second delete keeps the first time"
+        restored = await store.set_deleted("j", False)
+        assert restored.deleted == 0 and restored.state == CANCELLED
+        restored.ClearField("deleted")
+        binned.ClearField("deleted")
+        assert restored == binned, "only the bin mark changed"
+        assert (await store.set_deleted("j", False)).deleted == 0
+        assert await store.set_deleted("ghost", True) is None and await store.set_deleted("ghost", False) is None
+
+    with_store(db_path, check)
+
+
+def _pages(store, limit, **options):
+    """Every page of a listing, by the cursor each page returns."""
+    async def walk():
+        pages, cursor = [], 0
+        while True:
+            jobs, cursor = await store.list_jobs([], limit, cursor, **options)
+            pages.append([job.job_id for job in jobs])
+            if not cursor:
+                return pages
+    return walk()
+
+
+def test_listing_filters_the_bin_and_pages_in_both_orders(db_path):
+    ids = [f"j{i}" for i in range(7)]
+
+    async def check(store):
+        for job_id in ids:
+            await store.submit(job_id, REQUEST)
+        for job_id in ("j1", "j4"):
+            await store.set_deleted(job_id, True)
+        await _finish(store, "j5")
+        kept = [i for i in ids if i not in ("j1", "j4")]
+        assert await _pages(store, 2) == [["j6", "j5"], ["j3", "j2"], ["j0"]]
+        assert await _pages(store, 2, oldest_first=True) == [["j0", "j2"], ["j3", "j5"], ["j6"]]
+        assert await _pages(store, 5, deleted=True) == [["j4", "j1"]]
+        assert await _pages(store, 5, deleted=True, oldest_first=True) == [["j1", "j4"]]
+        assert [j.job_id for j in (await store.list_jobs([SUCCEEDED], 9))[0]] == ["j5"]
+        assert [j.job_id for j in (await store.list_jobs([QUEUED], 9, deleted=True))[0]] == ["j4", "j1"]
+        every, _ = await store.list_jobs([], 100)
+        assert [j.job_id for j in every] == kept[::-1] and all(j.deleted == 0 for j in every)
+        # A job's position continues after it, also from a job the filters leave out (j4 is in the bin).
+        for order, expected in ((False, ["j3", "j2"]), (True, ["j5", "j6"])):
+            jobs, _ = await store.list_jobs([], 2, await store.position("j4"), oldest_first=order)
+            assert [j.job_id for j in jobs] == expected
+        assert await store.position("ghost") == 0
+
+    with_store(db_path, check)
+
+
+def test_a_listing_carries_each_jobs_artifacts_and_timings_but_not_its_records(db_path):
+    async def check(store):
+        for job_id in ("a", "b", "c"):
+            await store.submit(job_id, REQUEST)
+            await store.stage_enqueued(job_id, 1, "encoder")
+        for job_id in ("a", "c"):
+            await store.add_artifact(job_id, "raw", _artifact(job_id, "raw"), f"/data/{job_id}.npz")
+            await store.add_artifact(job_id, "video", _artifact(job_id, "video"), f"/data/{job_id}.mp4")
+            await store.set_stage_seconds(job_id, "encode", 1.0)
+            await store.set_stage_seconds(job_id, "denoise", 2.0)
+        listed, _ = await store.list_jobs([], 10)
+        assert [j.job_id for j in listed] == ["c", "b", "a"]
+        for job in listed:
+            one = await store.get_job(job.job_id)
+            assert len(one.stage_records) == 1 and not job.stage_records
+            one.ClearField("stage_records")
+            assert job == one, "a listed job is its GetJob without the stage records"
+        assert [a.artifact_id for a in listed[0].artifacts] == ["c-video", "c-raw"] and not listed[1].artifacts
+        assert [s.stage for s in listed[2].stages] == ["encode", "denoise"]
+
+    with_store(db_path, check)
+
+
+# Progress.
+
+def _event(**kind):
+    return gateway_pb2.JobEvent(**kind)
+
+
+ENCODING = _event(encoding=gateway_pb2.Encoding())
+
+
+def _denoising(step, total=8):
+    return _event(denoising=gateway_pb2.Denoising(step=step, total=total))
+
+
+def test_progress_follows_the_documented_formula():
+    from h3serve.gateway.jobs.progress import advance, progress
+
+    conditioning = [_event(conditioning=gateway_pb2.Conditioning(done=d, total=4)) for d in (1, 4)]
+    assert [advance(0.0, e) for e in conditioning] == [pytest.approx(0.0125), pytest.approx(0.05)]
+    assert advance(0.0, ENCODING) == 0.05
+    assert advance(0.05, _denoising(2)) == pytest.approx(0.05 + 0.8 * 2 / 8)
+    assert advance(0.5, _event(decoding=gateway_pb2.Decoding(chunk=1, total=4))) == pytest.approx(0.875)
+    assert advance(0.9, _event(muxing=gateway_pb2.Muxing(done=3, total=5))) == pytest.approx(0.98)
+    assert advance(0.98, _event(done=gateway_pb2.Done())) == 1.0
+    for unchanged in (_event(accepted=gateway_pb2.Accepted()), _event(waiting=gateway_pb2.Waiting()),
+                      _event(failed=gateway_pb2.Failed()), CANCEL):
+        assert advance(0.42, unchanged) == 0.42, unchanged
+    assert advance(0.42, _event(retrying=gateway_pb2.Retrying(attempt=2))) == 0.0
+    # Encoder and VAE encoder run together: a late conditioning event does not move the bar back.
+    assert advance(0.05, conditioning[0]) == 0.05
+    assert advance(0.3, _denoising(0, total=0)) == 0.3 and advance(0.0, _denoising(9)) == pytest.approx(0.85)
+    assert progress([]) == 0.0
+    assert progress([ENCODING, _denoising(4), CANCEL]) == pytest.approx(0.45)
+    assert progress([ENCODING, _denoising(8), _event(retrying=gateway_pb2.Retrying()), ENCODING]) == 0.05
+
+
+def test_the_stored_progress_advances_with_every_event_in_its_transaction(db_path):
+    from h3serve.gateway.jobs.progress import progress
+
+    async def check(store):
+        await store.submit("j", REQUEST, first_event=_event(accepted=gateway_pb2.Accepted()))
+        assert (await store.get_job("j")).progress == 0.0
+        await store.start_attempt("j")
+        seen = []
+        for event in (ENCODING, _denoising(1), _denoising(4)):
+            await store.append_event("j", event)
+            seen.append((await store.get_job("j")).progress)
+        assert seen == [0.05, pytest.approx(0.15), pytest.approx(0.45)]
+        await store.requeue("j", _event(retrying=gateway_pb2.Retrying(attempt=2)))
+        assert (await store.get_job("j")).progress == 0.0
+        await store.start_attempt("j")
+        await store.append_event("j", ENCODING)
+        await store.append_event("j", _denoising(6))
+        await store.finish("j", FAILED, _event(failed=gateway_pb2.Failed(code_name="INTERNAL", message="x")))
+        job = await store.get_job("j")
+        assert job.progress == pytest.approx(0.65) == progress(await store.events("j")), "failed keeps its progress"
+        assert (await store.list_jobs([], 1))[0][0].progress == job.progress
+        await store.submit("k", REQUEST)
+        await _finish(store, "k")
+        assert (await store.get_job("k")).progress == 1.0
+
+    with_store(db_path, check)
+
+
+# The file a gateway from before the bin and progress left behind (and before attempts and request ids).
+OLD_SCHEMA = """
+CREATE TABLE jobs (
+    job_id TEXT PRIMARY KEY, state INTEGER NOT NULL, request BLOB NOT NULL,
+    created REAL NOT NULL, updated REAL NOT NULL, error BLOB, last_seq INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE events (
+    job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, event BLOB NOT NULL,
+    PRIMARY KEY (job_id, seq));
+"""
+
+
+def test_an_old_database_gains_the_bin_and_progress_in_place(db_path):
+    os.makedirs(os.path.dirname(db_path))
+    old_events = {"old": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _denoising(4)],
+                  "older": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _event(done=gateway_pb2.Done())],
+                  "never": []}
+    with closing(sqlite3.connect(db_path)) as conn, conn:
+        conn.executescript(OLD_SCHEMA)
+        for job_id, events in old_events.items():
+            conn.execute("INSERT INTO jobs VALUES (?, ?, ?, 1.0, 2.0, NULL, ?)",
+                         (job_id, RUNNING, REQUEST.SerializeToString(), len(events)))
+            conn.executemany("INSERT INTO events VALUES (?, ?, 1.5, ?)",
+                             [(job_id, seq, e.SerializeToString()) for seq, e in enumerate(events, 1)])
+
+    async def check(store):
+        jobs = {job.job_id: job for job in (await store.list_jobs([], 10))[0]}
+        assert {job_id: (job.progress, job.deleted, job.attempts) for job_id, job in jobs.items()} == {
+            "old": (pytest.approx(0.45), 0.0, 0), "older": (1.0, 0.0, 0), "never": (0.0, 0.0, 0)}
+        assert (await store.append_event("old", _denoising(8))).seq == 4
+        assert (await store.get_job("old")).progress == pytest.approx(0.85)
+        assert (await store.set_deleted("older", True)).deleted > 0
+        assert [j.job_id for j in (await store.list_jobs([], 10, deleted=True))[0]] == ["older"]
+
+    with_store(db_path, check)
+    with closing(sqlite3.connect(db_path)) as conn:
+        columns = {row[1]: row for row in conn.execute("PRAGMA table_info(jobs)")}
+        assert columns["deleted"][2:5] == ("REAL", 1, "0") and conn.execute(
+            "SELECT COUNT(*) FROM jobs WHERE progress IS NULL").fetchone() == (0,)
+    with_store(db_path, lambda store: _expect_progress(store, "old", 0.85))  # a second open changes nothing
+
+
+async def _expect_progress(store, job_id, value):
+    assert (await store.get_job(job_id)).progress == pytest.approx(value)

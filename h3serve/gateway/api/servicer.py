@@ -120,19 +120,46 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if unknown:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"states: unknown job state(s) {unknown[:8]}; "
                                                                   f"known: 1..{max(gateway_pb2.JobState.values())}")
-        after = _page_token(request.page_token)
-        if after is None:
+        cursor = await self._list_cursor(request, context)
+        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, cursor,
+                                                      deleted=request.deleted, oldest_first=request.oldest_first)
+        return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
+
+    async def _list_cursor(self, request: gateway_pb2.ListJobsRequest, context) -> int:
+        """Where a listing continues: after the page_token's row, or after the job named by after_job_id."""
+        if request.after_job_id and request.page_token:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "after_job_id: give either after_job_id or page_token, not both")
+        if job_id := request.after_job_id:
+            position = await self.store.position(job_id) if len(job_id) <= MAX_ID_CHARS else 0
+            if not position:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"after_job_id: no job {shown(job_id, MAX_ID_CHARS)}")
+            return position
+        cursor = _page_token(request.page_token)
+        if cursor is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "page_token: pass the next_page_token of the previous page unchanged")
-        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, after)
-        return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
+        return cursor
 
     async def CancelJob(self, request, context):
         job = await self._job_or_abort(request.job_id, context)
-        if self.runner.cancel(job.job_id):
-            async for _ in self.hub.watch(job.job_id):
-                pass  # returns once the job has reached its terminal state
+        await self._cancel(job.job_id)
         return await self.store.get_job(job.job_id)
+
+    async def DeleteJob(self, request, context):
+        job = await self._job_or_abort(request.job_id, context)
+        await self._cancel(job.job_id)  # a job in the bin never runs on
+        return await self.store.set_deleted(job.job_id, True)
+
+    async def RestoreJob(self, request, context):
+        job = await self._job_or_abort(request.job_id, context)
+        return await self.store.set_deleted(job.job_id, False)
+
+    async def _cancel(self, job_id: str) -> None:
+        """Cancel a queued or running job and return once it has reached its terminal state (else at once)."""
+        if self.runner.cancel(job_id):
+            async for _ in self.hub.watch(job_id):
+                pass
 
     async def DownloadArtifact(self, request, context):
         found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 from h3serve.common.errors import tail
+from h3serve.gateway.jobs.progress import advance, progress
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
@@ -47,9 +48,10 @@ CREATE TABLE IF NOT EXISTS stage_runs (
     error TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
 """
-# Columns added after the first release: (name, declaration); added in place to an older file.
-_JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"))
-
+# Columns added after the first release: (name, declaration); added in place to an older file. `progress` is
+# NULL only in rows from before it existed (new jobs start at 0): they are filled from their events at open.
+_JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"),
+                ("deleted", "REAL NOT NULL DEFAULT 0"), ("progress", "REAL"))
 
 
 def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
@@ -82,6 +84,13 @@ class _Database:
                     self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
             self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) "
                                "WHERE request_id IS NOT NULL")
+            self._fill_progress()
+
+    def _fill_progress(self) -> None:
+        """The progress of jobs stored before the column existed, folded from their events (once: NULL only)."""
+        for (job_id,) in self._rows("SELECT job_id FROM jobs WHERE progress IS NULL"):
+            self._conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?",
+                               (progress(self.events(job_id)), job_id))
 
     # Writers hold a transaction (`with self._conn`).
 
@@ -90,11 +99,13 @@ class _Database:
             return cursor.fetchall()
 
     def _write_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
-        now = time.time()
-        seq = self._rows("UPDATE jobs SET last_seq = last_seq + 1, updated = ? WHERE job_id = ? RETURNING last_seq",
-                         (now, job_id))
-        if not seq:
+        """The job's next event, and its progress advanced by it (JobStore.append_event)."""
+        current = self._rows("SELECT progress FROM jobs WHERE job_id = ?", (job_id,))
+        if not current:
             raise KeyError(job_id)
+        now = time.time()
+        seq = self._rows("UPDATE jobs SET last_seq = last_seq + 1, updated = ?, progress = ? WHERE job_id = ? "
+                         "RETURNING last_seq", (now, advance(current[0][0], event), job_id))
         stored = gateway_pb2.JobEvent()
         stored.CopyFrom(event)
         stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
@@ -131,8 +142,8 @@ class _Database:
                     raise QueueFull(depth, max_unfinished)
             now = time.time()
             self._conn.execute(
-                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
                 (job_id, gateway_pb2.JOB_STATE_QUEUED, request.SerializeToString(), now, now, request_id or None,
                  digest or None))
             if first_event is not None:
@@ -180,6 +191,13 @@ class _Database:
                 return None
             return self._write_event(job_id, event)
 
+    def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
+        # Only a change of side writes: a second delete keeps the time the job first went to the bin.
+        with self._conn:
+            self._conn.execute("UPDATE jobs SET deleted = ? WHERE job_id = ? AND (deleted > 0) != ?",
+                               (time.time() if deleted else 0.0, job_id, deleted))
+            return self._job(job_id)
+
     def unfinished(self) -> list[Unfinished]:
         rows = self._rows(
             "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
@@ -217,8 +235,7 @@ class _Database:
     # Reads.
 
     def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        rows = self._rows("SELECT artifact_id, file_name, bytes, sha256, media_type, path FROM artifacts "
-                          "WHERE artifact_id = ?", (artifact_id,))
+        rows = self._rows(f"SELECT {_ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ?", (artifact_id,))
         if not rows:
             return None
         *fields, path = rows[0]
@@ -227,35 +244,47 @@ class _Database:
     def get_job(self, job_id: str) -> gateway_pb2.Job | None:
         return self._job(job_id)
 
-    def _job(self, job_id: str, records: bool = True) -> gateway_pb2.Job | None:
-        jobs = self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,))
-        if not jobs:
-            return None
-        job = _job_from_row(jobs[0])
-        job.artifacts.extend(_artifact(row) for row in self._rows(
-            "SELECT artifact_id, file_name, bytes, sha256, media_type FROM artifacts "
-            "WHERE job_id = ? ORDER BY kind != 'video', created", (job_id,)))
-        job.stages.extend(gateway_pb2.StageTiming(stage=stage, seconds=seconds) for stage, seconds in self._rows(
-            "SELECT stage, seconds FROM stages WHERE job_id = ? ORDER BY rowid", (job_id,)))
-        if records:
-            job.stage_records.extend(gateway_pb2.StageRecord(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), row)))
-                                     for row in self._rows(f"SELECT stage, attempt, {', '.join(_RECORD_COLUMNS)} "
-                                                           f"FROM stage_runs WHERE job_id = ? ORDER BY rowid",
-                                                           (job_id,)))
-        return job
+    def _job(self, job_id: str) -> gateway_pb2.Job | None:
+        jobs = self._filled(self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,)), records=True)
+        return jobs[0] if jobs else None
 
-    def list_jobs(self, states: list[int], limit: int, before_rowid: int = 0) -> tuple[list[gateway_pb2.Job], int]:
-        where, params = ["1"], []
+    def _filled(self, rows: list[tuple], records: bool) -> list[gateway_pb2.Job]:
+        """Jobs from their rows (_JOB_FIELDS), in order, with their artifacts, stage timings and (`records`) stage
+        records: one query per table for all of them."""
+        if not rows:
+            return []
+        jobs = {row[0]: _job_from_row(row) for row in rows}
+        ids = tuple(jobs)
+        marks = ", ".join("?" * len(ids))
+        for job_id, *fields in self._rows(f"SELECT job_id, {_ARTIFACT_FIELDS} FROM artifacts WHERE job_id IN "
+                                          f"({marks}) ORDER BY kind != 'video', created", ids):
+            jobs[job_id].artifacts.append(_artifact(fields))
+        for job_id, stage, seconds in self._rows(f"SELECT job_id, stage, seconds FROM stages WHERE job_id IN "
+                                                 f"({marks}) ORDER BY rowid", ids):
+            jobs[job_id].stages.add(stage=stage, seconds=seconds)
+        if records:
+            for job_id, *fields in self._rows(f"SELECT job_id, stage, attempt, {', '.join(_RECORD_COLUMNS)} FROM "
+                                              f"stage_runs WHERE job_id IN ({marks}) ORDER BY rowid", ids):
+                jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), fields)))
+        return list(jobs.values())
+
+    def list_jobs(self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False,
+                  oldest_first: bool = False) -> tuple[list[gateway_pb2.Job], int]:
+        where, params = [f"deleted {'>' if deleted else '='} 0"], []
         if states:
             where.append(f"state IN ({', '.join('?' * len(states))})")
             params.extend(states)
-        if before_rowid > 0:
-            where.append("rowid < ?")
-            params.append(before_rowid)
-        rows = self._rows(f"SELECT rowid, job_id FROM jobs WHERE {' AND '.join(where)} ORDER BY rowid DESC "
-                          f"LIMIT ?", (*params, limit + 1))
-        jobs = [self._job(job_id, records=False) for _, job_id in rows[:limit]]
+        if cursor > 0:
+            where.append(f"rowid {'>' if oldest_first else '<'} ?")
+            params.append(cursor)
+        rows = self._rows(f"SELECT rowid, {_JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
+                          f"ORDER BY rowid {'ASC' if oldest_first else 'DESC'} LIMIT ?", (*params, limit + 1))
+        jobs = self._filled([row[1:] for row in rows[:limit]], records=False)
         return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
+
+    def position(self, job_id: str) -> int:
+        rows = self._rows("SELECT rowid FROM jobs WHERE job_id = ?", (job_id,))
+        return rows[0][0] if rows else 0
 
     def count_by_state(self) -> dict[int, int]:
         return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
@@ -271,15 +300,16 @@ class _Database:
         return events
 
 
-_JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts"
+_JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress"
+_ARTIFACT_FIELDS = "artifact_id, file_name, bytes, sha256, media_type"
 _RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
 
 
 def _job_from_row(row) -> gateway_pb2.Job:
-    job_id, state, request, created, updated, error, last_seq, request_id, attempts = row
+    job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done = row
     job = gateway_pb2.Job(job_id=job_id, state=state, request=_request(request),
                           created=created, updated=updated, last_event_seq=last_seq, request_id=request_id or "",
-                          attempts=attempts)
+                          attempts=attempts, deleted=deleted, progress=done)
     if error is not None:
         job.error.ParseFromString(error)
     return job

@@ -1,9 +1,11 @@
 """The job store's contract: what the gateway persists and the atomic steps it takes on it.
 
-Jobs, their event logs, stage records, stage timings and artifact files' records. Every method is a
-coroutine and never blocks the event loop: an implementation does its I/O elsewhere (SQLite on one
-thread of its own: sqlite.py). Each method is one transaction; in particular a job's terminal state and
-its terminal event are written together (`finish`), so no reader ever sees one without the other.
+Jobs, their event logs, stage records, stage timings and artifact files' records. Each job also keeps
+its progress (h3serve/gateway/jobs/progress.py), advanced by every event in the event's transaction, and
+whether it is in the bin (soft delete: `set_deleted`). Every method is a coroutine and never blocks the
+event loop: an implementation does its I/O elsewhere (SQLite on one thread of its own: sqlite.py). Each
+method is one transaction; in particular a job's terminal state and its terminal event are written
+together (`finish`), so no reader ever sees one without the other.
 
 The store holds no policy: how many attempts a job gets and why it runs again are the job runner's
 (h3serve/gateway/jobs/runner.py). PostgreSQL is the documented next implementation
@@ -69,7 +71,8 @@ class JobStore(Protocol):
         queued or running, and nothing is written."""
 
     async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
-        """Store the event as the job's next seq, stamped now; returns the stored copy. KeyError: unknown job."""
+        """Store the event as the job's next seq, stamped now, and advance the job's progress with it; returns the
+        stored copy. KeyError: unknown job. (Every method that writes an event advances the progress too.)"""
 
     async def start_attempt(self, job_id: str) -> int:
         """Mark the job RUNNING and count one more attempt; returns its number (0: the job is already final)."""
@@ -109,12 +112,21 @@ class JobStore(Protocol):
 
     # Reads.
 
-    async def get_job(self, job_id: str) -> gateway_pb2.Job | None: ...
+    async def get_job(self, job_id: str) -> gateway_pb2.Job | None:
+        """The job (also one in the bin), with its stage records and progress."""
 
-    async def list_jobs(self, states: list[int], limit: int,
-                        before_rowid: int = 0) -> tuple[list[gateway_pb2.Job], int]:
-        """Up to `limit` jobs newest first (older than `before_rowid` when > 0); returns them and the cursor to
-        continue from (0: no more)."""
+    async def list_jobs(self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False,
+                        oldest_first: bool = False) -> tuple[list[gateway_pb2.Job], int]:
+        """Up to `limit` jobs in `states` (empty: all), newest first or `oldest_first`, only those in the bin when
+        `deleted`, else only those outside it; after the job at `cursor` in that order when > 0 (a returned
+        cursor or a `position`). Returns them and the cursor to continue from (0: no more)."""
+
+    async def position(self, job_id: str) -> int:
+        """The job's place in the listing order, a cursor for `list_jobs` (0: unknown job)."""
+
+    async def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
+        """Put the job in the bin (Job.deleted: now) or take it out (0); already there: unchanged. Only the bin
+        mark changes, never the state. Returns the job, None when unknown."""
 
     async def count_by_state(self) -> dict[int, int]: ...
 
