@@ -63,6 +63,11 @@ class Stack:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
+    @property
+    def http(self) -> str:
+        """Base URL of the gateway's HTTP door (OpenAI /v1/videos, SSE, the console)."""
+        return f"http://127.0.0.1:{self.ports['http']}"
+
 
 @pytest.fixture(scope="session")
 def certificate(tmp_path_factory) -> tuple[Path, Path]:
@@ -100,10 +105,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def stack(tmp_path_factory, tiny_model_dir):
     """Encoder, DiT, VAE and gateway as real processes, loading the tiny model from its directory."""
     root = tmp_path_factory.mktemp("stack")
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics")}
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics", "http")}
     config_path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
                                outage_s=QUICK_OUTAGE, retry_backoff_s=0.1, metrics_port=ports["metrics"],
-                               capacity=STACK_CAPACITY)
+                               http_port=ports["http"], capacity=STACK_CAPACITY)
     group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
     with group:
         yield Stack(config_path, group, tiny_model_dir, ports)

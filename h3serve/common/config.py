@@ -198,6 +198,8 @@ class GatewayConfig(Section):
     capacity: dict[str, dict[str, PositiveInt]] = Field(default_factory=dict)
     metrics_port: Port = 0            # Prometheus /metrics on this HTTP port (0: off)
     metrics_host: str = "127.0.0.1"
+    http_port: Port = 0               # the HTTP door: OpenAI's /v1/videos, SSE events, the web console (0: off)
+    http_host: str = "127.0.0.1"      # served with tls_cert / tls_key and auth_token as the gRPC door
     auth_token: str = ""              # bearer token the public API requires (empty: no check)
     tls_cert: str = ""                # PEM files: serve the public API over TLS
     tls_key: str = ""

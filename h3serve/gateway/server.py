@@ -24,6 +24,7 @@ from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
+from h3serve.gateway.http.door import HttpDoor, private_address
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
@@ -52,6 +53,14 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
                            f"with the model's tokenizer and processor, which did not load: {exc}") from exc
 
 
+def _http_door(config: GatewayConfig, server: grpc.aio.Server):
+    """The HTTP door (h3serve/gateway/http/), when configured: it calls this server on a private address."""
+    if not config.http_port:
+        return None
+    bind(server, private_address())
+    return HttpDoor(config)
+
+
 async def serve_async(config: GatewayConfig) -> None:
     data_dir = Path(config.data_dir)
     store = SqliteJobStore(str(data_dir / "jobs.sqlite"))
@@ -73,8 +82,11 @@ async def serve_async(config: GatewayConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [SERVICE_NAME])
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
+    door = _http_door(config, server)
     if config.metrics_port:
         metrics.serve(config.metrics_host, config.metrics_port)
+    if door:  # before the gRPC port opens: once health answers, the HTTP port is open too
+        await door.start()
     await server.start()
     await runner.resume()
     retention = loop.create_task(_retention_loop(runner))
@@ -87,6 +99,8 @@ async def serve_async(config: GatewayConfig) -> None:
     await stop.wait()
     log.info("stopping (grace %.0f s)", GRACE_SECONDS)
     health.stopping = True
+    if door:
+        await door.stop()
     retention.cancel()
     await runner.shutdown()
     await server.stop(GRACE_SECONDS)

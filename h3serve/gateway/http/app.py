@@ -1,0 +1,205 @@
+"""The routes: OpenAI's /v1/videos, h3serve's extensions (assets, cancel, restore, events) and the console.
+
+Each route is one or two calls of the gateway's gRPC API with the caller's `authorization` header; a gRPC
+error becomes OpenAI's error JSON with the same reason (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.datastructures import UploadFile
+
+from h3serve.gateway.http import videos
+from h3serve.gateway.http.errors import ApiError, from_api_error, from_rpc_error
+from h3serve.gateway.http.events import job_events
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+
+CONSOLE = Path(__file__).with_name("console")
+UPLOAD_CHUNK = 1 << 20
+MAX_LIMIT, DEFAULT_LIMIT = 100, 20
+
+
+def _metadata(request: Request) -> tuple:
+    token = request.headers.get("authorization")
+    return (("authorization", token),) if token else ()
+
+
+def _flag(value: str | None, name: str) -> bool:
+    if value in (None, "", "false", "0"):
+        return False
+    if value in ("true", "1"):
+        return True
+    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: true or false, got {value!r}", name)
+
+
+def _limit(value: str | None) -> int:
+    if value is None:
+        return DEFAULT_LIMIT
+    if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_LIMIT:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"limit: 1..{MAX_LIMIT}, got {value!r}", "limit")
+    return int(value)
+
+
+def _last_event_id(request: Request) -> int:
+    value = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not value.isascii() or not value.isdigit():
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"Last-Event-ID: a seq (digits), got {value!r}",
+                       "Last-Event-ID")
+    return int(value)
+
+
+async def _file_chunks(upload: UploadFile):
+    first = True
+    while (data := await upload.read(UPLOAD_CHUNK)) or first:
+        yield gateway_pb2.UploadAssetChunk(file_name=(upload.filename or "upload") if first else "", data=data)
+        first = False
+
+
+def _check_length(request: Request, limit: int) -> None:
+    """Refuse a body over `limit` before reading it (the gateway's upload limits apply again as it streams)."""
+    length = request.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) > limit:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is {int(length):,} bytes; this server takes at "
+                       f"most {limit:,} (its largest upload limit plus the form)", status=413)
+
+
+def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes: int) -> FastAPI:
+    """The door onto the gateway reached through `channel` (the gateway process's private in-process port);
+    `closing` ends the open event streams when the door stops; a body over `max_body_bytes` is refused."""
+    gateway = gateway_pb2_grpc.GatewayStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    app = FastAPI(title="h3serve", summary="MiniMax-H3 through OpenAI's /v1/videos", docs_url="/docs",
+                  redoc_url=None)
+    app.add_exception_handler(grpc.aio.AioRpcError, lambda request, error: from_rpc_error(error))
+    app.add_exception_handler(ApiError, lambda request, error: from_api_error(error))
+
+    async def upload(file: UploadFile, request: Request) -> gateway_pb2.Asset:
+        return await gateway.UploadAsset(_file_chunks(file), metadata=_metadata(request))
+
+    async def job(video_id: str, request: Request) -> gateway_pb2.Job:
+        return await gateway.GetJob(gateway_pb2.GetJobRequest(job_id=video_id), metadata=_metadata(request))
+
+    @app.post("/v1/videos")
+    async def create(request: Request):
+        _check_length(request, max_body_bytes)
+        form = await _body(request)
+        reference = form.pop("input_reference", None)
+        body = videos.VideoCreate.parse(form)
+        if isinstance(reference, UploadFile):  # OpenAI's image-to-video: the upload is the first keyframe
+            body.first_frame = (await upload(reference, request)).asset_id
+        elif reference is not None:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "input_reference: upload the image as a file; "
+                           "this server never fetches a URL (or pass an uploaded asset id as first_frame)",
+                           "input_reference")
+        submitted = await gateway.Submit(videos.generate_request(body, request.headers.get("idempotency-key", "")),
+                                         metadata=_metadata(request))
+        return videos.video(submitted)
+
+    @app.get("/v1/videos")
+    async def listing(request: Request, after: str = "", order: str = "desc", deleted: str | None = None,
+                      limit: str | None = None):
+        if order not in ("asc", "desc"):
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"order: asc or desc, got {order!r}", "order")
+        page = await gateway.ListJobs(gateway_pb2.ListJobsRequest(
+            page_size=_limit(limit), after_job_id=after, oldest_first=order == "asc",
+            deleted=_flag(deleted, "deleted")), metadata=_metadata(request))
+        data = [videos.video(item) for item in page.jobs]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": bool(page.next_page_token)}
+
+    @app.get("/v1/videos/{video_id}")
+    async def retrieve(video_id: str, request: Request):
+        return videos.video(await job(video_id, request))
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete(video_id: str, request: Request):
+        deleted = await gateway.DeleteJob(gateway_pb2.DeleteJobRequest(job_id=video_id), metadata=_metadata(request))
+        return {"id": deleted.job_id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/{video_id}/cancel")
+    async def cancel(video_id: str, request: Request):
+        return videos.video(await gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=video_id),
+                                                    metadata=_metadata(request)))
+
+    @app.post("/v1/videos/{video_id}/restore")
+    async def restore(video_id: str, request: Request):
+        return videos.video(await gateway.RestoreJob(gateway_pb2.RestoreJobRequest(job_id=video_id),
+                                                     metadata=_metadata(request)))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def content(video_id: str, request: Request, variant: str = "video"):
+        if variant != "video":
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"variant: only 'video' is made here, got {variant!r}",
+                           "variant")
+        found = await job(video_id, request)
+        mp4 = next((a for a in found.artifacts if a.media_type == "video/mp4"), None)
+        if mp4 is None:
+            raise ApiError(grpc.StatusCode.NOT_FOUND, f"video {video_id} is {videos.STATUS[found.state]}: its "
+                           "content exists once it is completed")
+        chunks = gateway.DownloadArtifact(gateway_pb2.DownloadArtifactRequest(artifact_id=mp4.artifact_id),
+                                          metadata=_metadata(request))
+        received = aiter(chunks)
+        first = await anext(received)  # before the 200: a file removed by retention is still a 404
+
+        async def stream():
+            yield first.data
+            async for chunk in received:
+                yield chunk.data
+
+        return StreamingResponse(stream(), media_type="video/mp4", headers={
+            "content-length": str(first.total_bytes),
+            "content-disposition": f'attachment; filename="{first.file_name}"'})
+
+    @app.get("/v1/videos/{video_id}/events")
+    async def events(video_id: str, request: Request):
+        after = _last_event_id(request)
+        await job(video_id, request)  # unknown id or a wrong token: an error status, not an empty stream
+        return StreamingResponse(job_events(gateway, video_id, after, _metadata(request), closing),
+                                 media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    @app.post("/v1/assets")
+    async def assets(request: Request):
+        _check_length(request, max_body_bytes)
+        form = await request.form()
+        file = form.get("file")
+        if not isinstance(file, UploadFile):
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "file: a multipart file field named 'file' is required",
+                           "file")
+        return videos.asset(await upload(file, request))
+
+    @app.get("/healthz")
+    async def healthz():
+        reply = await health.Check(health_pb2.HealthCheckRequest())
+        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return JSONResponse({"serving": serving}, status_code=200 if serving else 503)
+
+    @app.get("/", include_in_schema=False)
+    async def console():
+        return FileResponse(CONSOLE / "index.html")
+
+    app.mount("/console", StaticFiles(directory=CONSOLE, check_dir=False), name="console")
+    return app
+
+
+async def _body(request: Request) -> dict:
+    """The create request's fields from JSON or a multipart / urlencoded form."""
+    kind = request.headers.get("content-type", "")
+    if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await request.form()
+        return {key: value for key, value in form.multi_items()}
+    try:
+        data = await request.json()
+    except ValueError as error:
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not JSON ({error}); send JSON or a "
+                       "multipart form") from None
+    if not isinstance(data, dict):
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object")
+    return data

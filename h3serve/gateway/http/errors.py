@@ -1,0 +1,46 @@
+"""gRPC statuses as HTTP statuses and OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+RETRYABLE = {429, 503, 504}
+
+
+class ApiError(Exception):
+    """A refusal the door itself makes, with the gRPC status it stands for (so it maps like the gateway's)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param, self.status = code, message, param, status
+
+
+def error_response(code: grpc.StatusCode, message: str, param: str | None = None,
+                   status: int | None = None) -> JSONResponse:
+    """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit)."""
+    mapped, kind = _HTTP.get(code, (500, "server_error"))
+    status = status or mapped
+    # OpenAI's SDKs retry 409 and every 5xx unless told: only a busy or absent server is worth a retry.
+    headers = {"x-should-retry": "true" if status in RETRYABLE else "false"}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError) -> JSONResponse:
+    return error_response(error.code(), error.details() or error.code().name)
+
+
+def from_api_error(error: ApiError) -> JSONResponse:
+    return error_response(error.code, error.message, error.param, error.status)

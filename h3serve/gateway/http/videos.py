@@ -1,0 +1,144 @@
+"""OpenAI's video objects and create request, mapped onto h3serve's Job and GenerateRequest.
+
+A Video is a job: `status` from its state, `progress` from its step events, `seconds` and `size` from what
+runs; the `h3serve` object carries everything a client needs to run it again. The create request takes
+OpenAI's fields (prompt, model, seconds, size, input_reference) and h3serve's (workflow, steps, seed,
+keyframe and reference asset ids); an unknown field is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Literal
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from h3serve.gateway.http.errors import ApiError
+from h3serve.model import rules
+from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
+
+MODEL = "minimax-h3"
+STATUS = {
+    gateway_pb2.JOB_STATE_QUEUED: "queued",
+    gateway_pb2.JOB_STATE_RUNNING: "in_progress",
+    gateway_pb2.JOB_STATE_SUCCEEDED: "completed",
+    gateway_pb2.JOB_STATE_FAILED: "failed",
+    gateway_pb2.JOB_STATE_CANCELLED: "cancelled",
+}
+SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
+WORKFLOWS = {"t2va": common_pb2.WORKFLOW_T2VA, "fl2va": common_pb2.WORKFLOW_FL2VA,
+             "ref2va": common_pb2.WORKFLOW_REF2VA}
+KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
+
+
+def _json_list(value):
+    """A multipart form carries a list as a JSON string."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class ReferenceIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    asset_id: str
+    kind: Literal[tuple(KINDS)] | None = None
+
+
+class VideoCreate(BaseModel):
+    """POST /v1/videos, as JSON or as a multipart form (values arrive as strings and are converted)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str
+    model: str | None = None
+    seconds: float | None = None
+    size: str | None = None
+    workflow: Literal[tuple(WORKFLOWS)] | None = None
+    steps: int | None = Field(None, ge=0, le=2**31 - 1)
+    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    first_frame: str = ""
+    last_frame: str = ""
+    references: Annotated[list[ReferenceIn], BeforeValidator(_json_list)] = []
+    include_raw: bool = False
+
+    @classmethod
+    def parse(cls, data: dict) -> VideoCreate:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            field = ".".join(str(part) for part in problem["loc"])
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem['msg']}", field) from None
+        except json.JSONDecodeError as error:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"references: not a JSON list ({error})",
+                           "references") from None
+
+
+def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.GenerateRequest:
+    """The gRPC request; the gateway checks every value against the model's rules and the deployment's limits."""
+    if body.model not in (None, MODEL):
+        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"model: this server serves {MODEL!r}, not {body.model!r}",
+                       "model")
+    request = gateway_pb2.GenerateRequest(
+        prompt=body.prompt, seconds=body.seconds or 0.0, first_frame=body.first_frame, last_frame=body.last_frame,
+        workflow=WORKFLOWS.get(body.workflow, common_pb2.WORKFLOW_UNSPECIFIED), request_id=request_id,
+        params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
+        references=[gateway_pb2.ReferenceInput(asset_id=r.asset_id, kind=KINDS.get(r.kind, 0))
+                    for r in body.references])
+    if body.seed is not None:
+        request.params.seed = body.seed
+    if body.size:
+        match = SIZE.fullmatch(body.size)
+        if not match:
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"size: width x height in pixels, e.g. '1344x768', got {body.size!r}", "size")
+        request.width, request.height = int(match[1]), int(match[2])
+    return request
+
+
+def _seconds(num_frames: int) -> str:
+    return f"{num_frames / rules.FPS:.2f}".rstrip("0").rstrip(".")
+
+
+def _fields(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def video(job: gateway_pb2.Job) -> dict:
+    """A job as OpenAI's Video object, plus `deleted_at` and the `h3serve` object."""
+    r = job.request
+    finished = job.state in (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED,
+                             gateway_pb2.JOB_STATE_CANCELLED)
+    mp4 = next((a for a in job.artifacts if a.media_type == "video/mp4"), None)
+    return {
+        "id": job.job_id, "object": "video", "model": MODEL, "status": STATUS[job.state],
+        "progress": round(100 * job.progress), "created_at": int(job.created),
+        "completed_at": int(job.updated) if finished else None, "prompt": r.prompt,
+        "seconds": _seconds(r.num_frames), "size": f"{r.width}x{r.height}",
+        "error": {"code": job.error.code_name.lower(), "message": job.error.message}
+        if job.state == gateway_pb2.JOB_STATE_FAILED else None,
+        "deleted_at": int(job.deleted) if job.deleted else None,
+        "h3serve": {
+            "workflow": common_pb2.Workflow.Name(r.workflow).removeprefix("WORKFLOW_").lower(),
+            "steps": r.params.num_inference_steps, "seed": r.params.seed, "num_frames": r.num_frames,
+            "width": r.width, "height": r.height, "first_frame": r.first_frame, "last_frame": r.last_frame,
+            "references": [{"asset_id": ref.asset_id, "kind": media_pb2.AssetKind.Name(ref.kind)
+                            .removeprefix("ASSET_KIND_").lower(), "label": ref.label} for ref in r.references],
+            "request_id": job.request_id, "file_name": mp4.file_name if mp4 else None,
+        },
+    }
+
+
+def asset(found: gateway_pb2.Asset) -> dict:
+    fields = _fields(found)
+    fields.pop("asset_id")
+    return {"id": found.asset_id, "object": "asset", **fields, "bytes": found.bytes,
+            "audio_samples": found.audio_samples,
+            "kind": media_pb2.AssetKind.Name(found.kind).removeprefix("ASSET_KIND_").lower()}
+
+
+def event(message: gateway_pb2.JobEvent, progress: float) -> dict:
+    """One progress event for SSE: its kind's fields under the kind's name, and the job's progress so far."""
+    kind = message.WhichOneof("kind")
+    return {"seq": message.seq, "job_id": message.job_id, "time": message.time, "kind": kind,
+            "progress": round(100 * progress), kind: _fields(getattr(message, kind))}
