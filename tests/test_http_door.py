@@ -24,7 +24,7 @@ from PIL import Image
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
 from h3serve.common.server import GRACE_SECONDS
-from h3serve.gateway.http.door import max_body_bytes
+from h3serve.gateway.http.app import max_body_bytes
 from h3serve.gateway.jobs.progress import advance
 from h3serve.v1 import gateway_pb2
 
@@ -88,6 +88,7 @@ def test_the_openai_sdk_creates_polls_downloads_and_lists(stack, sdk):
     done = sdk.videos.poll(video.id, poll_interval_ms=200)
     assert (done.status, done.progress, done.error) == ("completed", 100, None)
     assert done.completed_at >= done.created_at
+    assert done.expires_at - done.completed_at in (7 * 24 * 3600, 7 * 24 * 3600 + 1)  # the retention's 7 days
     content = sdk.videos.download_content(done.id)
     assert content.response.headers["content-disposition"] == f'attachment; filename="h3-{done.id}.mp4"'
     assert content.response.headers["content-type"] == "video/mp4"
@@ -288,7 +289,8 @@ def test_a_gateway_stop_ends_open_event_streams(tmp_path, tiny_model_dir):
     with group:
         base = f"http://127.0.0.1:{ports['http']}/v1"
         video = json.load(urllib.request.urlopen(urllib.request.Request(  # queues: its stages are down
-            f"{base}/videos", data=b'{"prompt": "waits for its stages"}', headers={"content-type": "application/json"})))
+            f"{base}/videos", data=b'{"prompt": "waits for its stages"}',
+            headers={"content-type": "application/json"})))
         stream = urllib.request.urlopen(f"{base}/videos/{video['id']}/events", timeout=60)
         assert stream.readline().decode().startswith("id: 1")
         gateway = group.running[0].process

@@ -16,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.datastructures import UploadFile
 
+from h3serve.common.config import GatewayConfig
 from h3serve.gateway.http import videos
 from h3serve.gateway.http.errors import ApiError, from_api_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
@@ -24,6 +25,7 @@ from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 CONSOLE = Path(__file__).with_name("console")
 UPLOAD_CHUNK = 1 << 20
 MAX_LIMIT, DEFAULT_LIMIT = 100, 20
+FORM_BYTES = 1 << 20
 
 
 def _metadata(request: Request) -> tuple:
@@ -70,9 +72,15 @@ def _check_length(request: Request, limit: int) -> None:
                        f"most {limit:,} (its largest upload limit plus the form)", status=413)
 
 
-def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes: int) -> FastAPI:
+def max_body_bytes(config: GatewayConfig) -> int:
+    """The largest upload the gateway takes, plus room for the form's other fields."""
+    return max(config.max_image_bytes, config.max_video_bytes, config.max_audio_bytes) + FORM_BYTES
+
+
+def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: GatewayConfig) -> FastAPI:
     """The door onto the gateway reached through `channel` (the gateway process's private in-process port);
-    `closing` ends the open event streams when the door stops; a body over `max_body_bytes` is refused."""
+    `closing` ends the open event streams when the door stops."""
+    max_body, keep_s = max_body_bytes(config), config.artifact_max_age_s
     gateway = gateway_pb2_grpc.GatewayStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
     app = FastAPI(title="h3serve", summary="MiniMax-H3 through OpenAI's /v1/videos", docs_url="/docs",
@@ -83,12 +91,15 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes
     async def upload(file: UploadFile, request: Request) -> gateway_pb2.Asset:
         return await gateway.UploadAsset(_file_chunks(file), metadata=_metadata(request))
 
+    def as_video(found: gateway_pb2.Job) -> dict:
+        return videos.video(found, keep_s)
+
     async def job(video_id: str, request: Request) -> gateway_pb2.Job:
         return await gateway.GetJob(gateway_pb2.GetJobRequest(job_id=video_id), metadata=_metadata(request))
 
     @app.post("/v1/videos")
     async def create(request: Request):
-        _check_length(request, max_body_bytes)
+        _check_length(request, max_body)
         form = await _body(request)
         reference = form.pop("input_reference", None)
         body = videos.VideoCreate.parse(form)
@@ -100,7 +111,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes
                            "input_reference")
         submitted = await gateway.Submit(videos.generate_request(body, request.headers.get("idempotency-key", "")),
                                          metadata=_metadata(request))
-        return videos.video(submitted)
+        return as_video(submitted)
 
     @app.get("/v1/videos")
     async def listing(request: Request, after: str = "", order: str = "desc", deleted: str | None = None,
@@ -110,13 +121,13 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes
         page = await gateway.ListJobs(gateway_pb2.ListJobsRequest(
             page_size=_limit(limit), after_job_id=after, oldest_first=order == "asc",
             deleted=_flag(deleted, "deleted")), metadata=_metadata(request))
-        data = [videos.video(item) for item in page.jobs]
+        data = [as_video(item) for item in page.jobs]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                 "last_id": data[-1]["id"] if data else None, "has_more": bool(page.next_page_token)}
 
     @app.get("/v1/videos/{video_id}")
     async def retrieve(video_id: str, request: Request):
-        return videos.video(await job(video_id, request))
+        return as_video(await job(video_id, request))
 
     @app.delete("/v1/videos/{video_id}")
     async def delete(video_id: str, request: Request):
@@ -125,13 +136,13 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes
 
     @app.post("/v1/videos/{video_id}/cancel")
     async def cancel(video_id: str, request: Request):
-        return videos.video(await gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=video_id),
-                                                    metadata=_metadata(request)))
+        return as_video(await gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=video_id),
+                                                metadata=_metadata(request)))
 
     @app.post("/v1/videos/{video_id}/restore")
     async def restore(video_id: str, request: Request):
-        return videos.video(await gateway.RestoreJob(gateway_pb2.RestoreJobRequest(job_id=video_id),
-                                                     metadata=_metadata(request)))
+        return as_video(await gateway.RestoreJob(gateway_pb2.RestoreJobRequest(job_id=video_id),
+                                                 metadata=_metadata(request)))
 
     @app.get("/v1/videos/{video_id}/content")
     async def content(video_id: str, request: Request, variant: str = "video"):
@@ -167,7 +178,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, max_body_bytes
 
     @app.post("/v1/assets")
     async def assets(request: Request):
-        _check_length(request, max_body_bytes)
+        _check_length(request, max_body)
         form = await request.form()
         file = form.get("file")
         if not isinstance(file, UploadFile):

@@ -22,17 +22,11 @@ from h3serve.common.server import GRPC_OPTIONS
 from h3serve.gateway.http.app import create_app
 
 log = logging.getLogger("h3serve.gateway")
-FORM_BYTES = 1 << 20
 
 
 def private_address() -> str:
     """The gateway's in-process gRPC address for the door (Linux abstract socket: no file, gone with the process)."""
     return f"unix-abstract:h3serve-gateway-{os.getpid()}"
-
-
-def max_body_bytes(config: GatewayConfig) -> int:
-    """The largest upload the gateway takes, plus room for the form's other fields."""
-    return max(config.max_image_bytes, config.max_video_bytes, config.max_audio_bytes) + FORM_BYTES
 
 
 class _Server(uvicorn.Server):
@@ -47,7 +41,7 @@ class HttpDoor:
         self.channel = grpc.aio.insecure_channel(private_address(), options=GRPC_OPTIONS)
         self.closing = asyncio.Event()
         self.server = _Server(uvicorn.Config(
-            create_app(self.channel, self.closing, max_body_bytes(config)), log_config=None, access_log=False, lifespan="off",
+            create_app(self.channel, self.closing, config), log_config=None, access_log=False, lifespan="off",
             ssl_certfile=config.tls_cert or None, ssl_keyfile=config.tls_key or None, timeout_graceful_shutdown=5))
         self.task: asyncio.Task | None = None
 

@@ -104,8 +104,9 @@ def _fields(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def video(job: gateway_pb2.Job) -> dict:
-    """A job as OpenAI's Video object, plus `deleted_at` and the `h3serve` object."""
+def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
+    """A job as OpenAI's Video object, plus `deleted_at` and the `h3serve` object. `keep_s`: how long the
+    retention policy keeps an artifact (0: for ever), which makes `expires_at`."""
     r = job.request
     finished = job.state in (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED,
                              gateway_pb2.JOB_STATE_CANCELLED)
@@ -113,7 +114,9 @@ def video(job: gateway_pb2.Job) -> dict:
     return {
         "id": job.job_id, "object": "video", "model": MODEL, "status": STATUS[job.state],
         "progress": round(100 * job.progress), "created_at": int(job.created),
-        "completed_at": int(job.updated) if finished else None, "prompt": r.prompt,
+        "completed_at": int(job.updated) if finished else None,
+        "expires_at": int(job.updated + keep_s) if mp4 and keep_s else None,  # the MP4 is the job's last write
+        "prompt": r.prompt,
         "seconds": _seconds(r.num_frames), "size": f"{r.width}x{r.height}",
         "error": {"code": job.error.code_name.lower(), "message": job.error.message}
         if job.state == gateway_pb2.JOB_STATE_FAILED else None,
