@@ -28,3 +28,8 @@ test: all
 
 clean:
 	rm -rf $(VENV) h3serve/v1/*_pb2*.py h3serve/v1/*_pb2*.pyi var
+
+# The h3serve-client wheel (docs/client.md): h3serve/__init__.py, the stubs and h3serve/client/, into dist/.
+.PHONY: client
+client: proto
+	$(PY) tools/client_wheel.py

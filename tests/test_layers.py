@@ -15,11 +15,12 @@ ALLOWED = {
     "v1": set(),
     "model": {"v1"},
     "common": {"v1", "model"},
-    "client": {"v1", "common"},
+    "client": {"v1"},
+    "experiment": {"v1", "model", "common", "client"},
     "gateway": {"v1", "model", "common"},
     "runtime": {"v1", "model", "common"},
     "services": {"v1", "model", "common", "runtime"},
-    "cli": {"v1", "model", "common", "runtime", "services", "gateway", "client"},
+    "cli": {"v1", "model", "common", "runtime", "services", "gateway", "client", "experiment"},
 }
 TORCH = ("torch", "torchvision", "torchaudio", "diffusers")
 

@@ -71,12 +71,12 @@ def generate(address: str, request, out: str | None, raw: str | None, stream=sys
     """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
 
     `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
-    `root_pem` and `token` reach a gateway that serves TLS and requires a bearer token.
+    `root_pem` and `token` reach a gateway that serves TLS and requires a bearer token. The client submits, then
+    follows the job's events, attaching again after a gateway restart: the progress goes on where it was.
     """
     from h3serve.client import GatewayClient, describe_event
 
-    client = GatewayClient(address, root_pem, token)
-    try:
+    with GatewayClient(address, root_pem, token) as client:
         _attach_media(client, request, media)
         final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
                                                          flush=True))
@@ -87,8 +87,6 @@ def generate(address: str, request, out: str | None, raw: str | None, stream=sys
         if raw:
             client.download(final.done.raw.artifact_id, raw)
         return client.job(final.job_id), path
-    finally:
-        client.close()
 
 
 class _OrderedMedia(argparse.Action):
