@@ -244,6 +244,9 @@ def test_unknown_ids_and_unfinished_content_are_404(stack, sdk):
 
 def test_health_and_the_console_page(stack):
     assert json.load(urllib.request.urlopen(f"{stack.http}/healthz")) == {"serving": True}
+    for path in ("/", "/console/console.js", "/console/console.css"):
+        with urllib.request.urlopen(f"{stack.http}{path}") as response:
+            assert response.headers["cache-control"] == "no-cache" and response.read()
     page = urllib.request.urlopen(f"{stack.http}/").read().decode()
     assert "<html" in page.lower() and "h3serve" in page
 

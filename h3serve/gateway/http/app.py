@@ -26,6 +26,16 @@ CONSOLE = Path(__file__).with_name("console")
 UPLOAD_CHUNK = 1 << 20
 MAX_LIMIT, DEFAULT_LIMIT = 100, 20
 FORM_BYTES = 1 << 20
+REVALIDATE = {"cache-control": "no-cache"}
+
+
+class _ConsoleFiles(StaticFiles):
+    """The console's files, revalidated on every load (by ETag), so a browser sees an upgrade at once."""
+
+    def file_response(self, *args, **kwargs):
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(REVALIDATE)
+        return response
 
 
 def _metadata(request: Request) -> tuple:
@@ -194,9 +204,9 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
 
     @app.get("/", include_in_schema=False)
     async def console():
-        return FileResponse(CONSOLE / "index.html")
+        return FileResponse(CONSOLE / "index.html", headers=REVALIDATE)
 
-    app.mount("/console", StaticFiles(directory=CONSOLE, check_dir=False), name="console")
+    app.mount("/console", _ConsoleFiles(directory=CONSOLE), name="console")
     return app
 
 
