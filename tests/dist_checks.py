@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lora_files import diffusers_lora, original_lora
 from torch.distributed.tensor import DTensor
 
+from h3serve.common.config import DiTConfig
 from h3serve.model import workflows
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.kernels import local as local_kernels
 from h3serve.runtime.tiny import build_component
-from h3serve.services.dit import parallel
+from h3serve.services.dit import adapters, parallel
 from h3serve.services.dit.group import JOB, ControlPlane, GroupMember, Message
 from h3serve.services.dit.runner import DenoiseRunner
 from h3serve.v1 import common_pb2, dit_pb2, media_pb2
@@ -111,6 +114,42 @@ def applied(member: GroupMember) -> dict:
     return {"fsdp": sharded, "context_parallel": split}
 
 
+def adapter_member(control: ControlPlane, layout: parallel.Layout, config: DiTConfig) -> GroupMember:
+    """The tiny transformer with `config`'s adapters installed as rank.py installs them, then prepared for `layout`."""
+    parts = components()
+    held = adapters.install(config, {"transformer": parts["transformer"]})
+    parallel.prepare_transformer(parts["transformer"], layout, FastPath("native"), CPU, torch.float32)
+    return GroupMember(control, DenoiseRunner(parts, [T2VA], held), CPU, "native", max_math_tokens=4096)
+
+
+def adapter_checks(control: ControlPlane, root: Path) -> dict:
+    """Adapters switched per request on 2 ranks with FSDP2 (peft's own switch, and the compiled path's slots, whose
+    sharded factors are written in place) against one rank."""
+    root.mkdir(parents=True, exist_ok=True)
+    loras = {"a": str(original_lora(root / "a.safetensors", 1, 4, 2.0)),
+             "b": str(diffusers_lora(root / "b", 2, 2, 4.0))}
+    requests = [[("a", 1.0)], [("b", 1.0)], [("a", 0.5)], []]
+    jobs = []
+    for named in requests:
+        job = dit_pb2.DenoiseSpec()
+        job.CopyFrom(JOB_SPEC)
+        job.params.num_inference_steps = 3
+        job.params.adapters.extend(common_pb2.Adapter(name=name, weight=weight) for name, weight in named)
+        jobs.append(job)
+    report = {}
+    for mode, config in (("resident", DiTConfig(adapters=loras)), ("slots", DiTConfig(adapters=loras, compile=True))):
+        parts = components()
+        one_rank = DenoiseRunner(parts, [T2VA], adapters.install(config, {"transformer": parts["transformer"]}))
+        member = adapter_member(control, VARIANTS[2], config)
+        lora = [p for n, p in member.runner.pipes[T2VA.value].transformer.named_parameters() if ".lora_" in n]
+        report[f"{mode} sharded"] = bool(lora) and all(isinstance(p, DTensor) for p in lora)
+        for job, named in zip(jobs, requests):
+            message = Message(JOB, job, inputs(11)) if control.rank == 0 else None
+            expected = one_rank.run(job, *inputs(11).values(), lambda s, t: None)
+            report[f"{mode} {named}"] = max_diff(run(member, message).latents, expected)
+    return report
+
+
 def main(out_path: str) -> None:
     control = ControlPlane(parallel.init_groups(CPU, timeout_s=120))
     report = {"latents": {}, "applied": {}}
@@ -150,6 +189,8 @@ def main(out_path: str) -> None:
     mixed = run(member_for(control, VARIANTS[2], torch.bfloat16), message)
     reference = DenoiseRunner(components(torch.bfloat16), [T2VA]).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
     report["mixed_dtype_fsdp"] = max_diff(mixed.latents, reference)
+
+    report["adapters"] = adapter_checks(control, Path(out_path).parent / f"loras-{control.rank}")
 
     member = member_for(control, VARIANTS[0])
     cancelled = run(member, message, stop_at=2)

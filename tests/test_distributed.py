@@ -66,3 +66,12 @@ def test_the_local_kernel_slot_splits_the_sequence_with_ulysses(report):
 def test_compiled_blocks_split_the_sequence_like_eager_ones(report):
     # compile traces around diffusers' any-length all-to-alls (h3serve/services/dit/parallel.py), which it cannot trace
     assert report["compiled_ulysses"] <= TOLERANCE
+
+
+@pytest.mark.distributed
+def test_adapters_switched_per_request_on_fsdp2_shards_give_the_one_rank_latents(report):
+    adapters = report["adapters"]
+    assert adapters.pop("resident sharded") and adapters.pop("slots sharded"), "FSDP2 shards the LoRA factors too"
+    assert len(adapters) == 8, "two ways to switch, four requests each: a, b, a at 0.5, none"
+    for name, diff in adapters.items():
+        assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"

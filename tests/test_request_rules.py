@@ -189,7 +189,9 @@ def test_seed():
 def test_full_resolution():
     params = common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
     request = _resolve(height=512, width=896, num_frames=141, params=params)
-    # The deprecated top-level copies are kept filled for clients from before params.
+    # The deprecated top-level copies are kept filled for clients from before params; the shifts are the released
+    # model's, as no adapter recommends others.
+    params.flow_shift, params.audio_flow_shift = 12.0, 3.0
     assert request == gateway_pb2.ResolvedRequest(prompt="a fox", height=512, width=896, num_frames=141,
                                                   params=params, num_inference_steps=8, seed=7, include_raw=True,
                                                   workflow=common_pb2.WORKFLOW_T2VA)
@@ -197,7 +199,8 @@ def test_full_resolution():
 
 def test_the_deprecated_top_level_options_fold_into_params():
     legacy = _resolve(num_inference_steps=8, seed=7, include_raw=True)
-    assert legacy.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
+    assert legacy.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True,
+                                                        flow_shift=12.0, audio_flow_shift=3.0)
     agreeing = _resolve(num_inference_steps=8, params=common_pb2.GenerationParams(num_inference_steps=8, seed=3))
     assert (agreeing.params.num_inference_steps, agreeing.params.seed) == (8, 3)
     message = _refused("num_inference_steps", num_inference_steps=8,

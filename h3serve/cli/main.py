@@ -58,7 +58,9 @@ def _request(args):
     def given(name):
         return getattr(args, name, None)
 
-    params = common_pb2.GenerationParams(num_inference_steps=args.steps or 0, include_raw=bool(given("raw")))
+    params = common_pb2.GenerationParams(num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
+                                         adapters=[common_pb2.Adapter(name=n, weight=w) for n, w in args.adapter],
+                                         flow_shift=args.flow_shift, audio_flow_shift=args.audio_flow_shift)
     if given("seed") is not None:
         params.seed = args.seed
     return gateway_pb2.GenerateRequest(
@@ -131,7 +133,7 @@ def _reference(args) -> None:
     import numpy as np
     import torch
 
-    from h3serve.cli.reference import ReferenceRequest, run_reference, service_threads
+    from h3serve.cli.reference import ReferenceRequest, resolved_params, run_reference, service_threads
     from h3serve.runtime.models import ModelSource
 
     config = load_deploy(args.config)
@@ -142,9 +144,15 @@ def _reference(args) -> None:
         torch.set_num_threads(threads)
     frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
     references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
+    try:
+        params = resolved_params(config.dit.adapters, _request(args).params, config.gateway.default_steps)
+    except ValueError as exc:
+        raise SystemExit(f"h3serve reference: {exc}") from None
     result = run_reference(ModelSource(args.model_dir or config.dit.model_dir or None), ReferenceRequest(
-        args.prompt, args.height, args.width, args.num_frames, args.steps, args.seed, references=references, **frames),
-        args.device, args.dtype, config.gateway.geometry)
+        args.prompt, args.height, args.width, args.num_frames, params.num_inference_steps, args.seed,
+        references=references, adapters=tuple((a.name, a.weight) for a in params.adapters),
+        flow_shift=params.flow_shift, audio_flow_shift=params.audio_flow_shift, **frames),
+        args.device, args.dtype, config.gateway.geometry, config.dit.adapters)
     np.savez(args.raw, **result)
     print(f"reference: {Path(args.raw).resolve()}")
 
@@ -196,8 +204,20 @@ def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None
     p.add_argument("--height", type=int, default=height)
     p.add_argument("--width", type=int, default=width)
     p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
+    p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME[:WEIGHT]",
+                   help="a LoRA adapter of the DiT's [dit] adapters, weight 1 by default (repeatable, in order)")
+    p.add_argument("--flow-shift", type=float, help="the video schedule's shift (default: an adapter's, else 12)")
+    p.add_argument("--audio-flow-shift", type=float, help="the audio schedule's shift (default: an adapter's, else 3)")
     p.add_argument("--out", help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory;"
                                  " the demo uses out/)")
+
+
+def _adapter(text: str) -> tuple[str, float]:
+    name, _, weight = text.partition(":")
+    try:
+        return name, float(weight or 1.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"NAME[:WEIGHT] with a number as the weight, got {text!r}") from None
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
@@ -249,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
                                        "preset)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    _add_request_args(p, steps=50)
+    _add_request_args(p, steps=None)  # unset: an adapter's recommendation, else the deployment's default_steps
     p.add_argument("--num-frames", type=int, default=124)
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)

@@ -2,6 +2,8 @@
 
 Writes the same `.npz` layout as the VAE service's raw output, so the two can be compared
 byte for byte. Keyframes and references are decoded from their files as the stages decode them.
+LoRA adapters are loaded as a diffusers user loads them (`load_lora_weights`, `set_adapters`), from the
+deployment file's `[dit] adapters`, and the request options are resolved as the gateway resolves them.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h3serve.common.config import SERVICES, DeployConfig
-from h3serve.model import workflows
+from h3serve.common.config import SERVICES, AdapterSource, DeployConfig
+from h3serve.model import adapters, workflows
+from h3serve.model.adapters import DEFAULT_SHIFTS, AdapterCatalog, AdapterFacts
 from h3serve.model.rules import Geometry
 from h3serve.runtime.media import decode_reference
 from h3serve.runtime.models import ModelSource
-from h3serve.v1 import media_pb2
+from h3serve.v1 import common_pb2, media_pb2
 
 T2VA_COMPONENTS = ["text_encoder", "tokenizer", "processor", "transformer", "scheduler", "audio_scheduler",
                    "vae", "audio_vae"]
@@ -35,6 +38,9 @@ class ReferenceRequest:
     first_frame: str | None = None                 # fl2va keyframe files
     last_frame: str | None = None
     references: tuple[tuple[str, str], ...] = ()   # ref2va: ("image" | "video" | "audio", path), request order
+    adapters: tuple[tuple[str, float], ...] = ()   # (name, weight) in request order, from `run_reference`'s sources
+    flow_shift: float = DEFAULT_SHIFTS["flow_shift"]
+    audio_flow_shift: float = DEFAULT_SHIFTS["audio_flow_shift"]
 
     def media_inputs(self) -> dict:
         """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files (per GenerateRequest field)."""
@@ -44,6 +50,22 @@ class ReferenceRequest:
         decoded = {field: [decode_reference(KINDS[kind], path) for kind, path in items]
                    for field, items in files.items() if items}
         return workflows.of_fields(decoded).pipeline_inputs(decoded)
+
+
+def resolved_params(sources: dict[str, AdapterSource], params: common_pb2.GenerationParams,
+                    default_steps: int) -> common_pb2.GenerationParams:
+    """`params` resolved as the gateway resolves them (h3serve/model/adapters.py), the deployment file's adapters
+    and their sidecars standing in for the DiT's Info; ValueError names an adapter the file does not hold."""
+    unknown = [a.name for a in params.adapters if a.name not in sources]
+    if unknown:
+        raise ValueError(f"adapter {unknown[0]!r} is not in the deployment's [dit] adapters "
+                         f"({', '.join(sorted(sources)) or 'none'})")
+    catalog = AdapterCatalog({name: AdapterFacts(name, (), recommended=adapters.read_sidecar(source.path))
+                              for name, source in sources.items()})
+    resolved = common_pb2.GenerationParams()
+    resolved.CopyFrom(params)
+    adapters.resolve(resolved, catalog, default_steps)
+    return resolved
 
 
 def service_threads(config: DeployConfig) -> tuple[int, str]:
@@ -73,9 +95,20 @@ def reference_pipeline(source: ModelSource, with_references: bool = False, devic
     return pipe
 
 
+def load_adapters(pipe, sources: dict[str, AdapterSource]) -> None:
+    """diffusers' own loader, as a user of the pipeline calls it: each adapter under its name, routed by diffusers."""
+    for name, source in sources.items():
+        pipe.load_lora_weights(source.path, adapter_name=name, load_into_transformer_ref=source.transformer_ref)
+
+
 def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
     """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate, and the rows diffusers
-    packed: condition rows (video, audio), text rows (the text encoder's output) and the whole sequence."""
+    packed: condition rows (video, audio), text rows (the text encoder's output) and the whole sequence. The
+    request's adapters must be loaded (`load_adapters`)."""
+    if request.adapters:
+        pipe.set_adapters([name for name, _ in request.adapters], [weight for _, weight in request.adapters])
+    pipe.scheduler.set_shift(request.flow_shift)
+    pipe.audio_scheduler.set_shift(request.audio_flow_shift)
     out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
                num_inference_steps=request.num_inference_steps,
                generator=torch.Generator().manual_seed(request.seed), output_type="np",
@@ -87,7 +120,10 @@ def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
             "text_rows": np.asarray(len(out["text_token_tags"])), "packed_rows": np.asarray(len(out["token_tags"]))}
 
 
-def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu",
-                  dtype: str = "float32", geometry: Geometry = Geometry()) -> dict[str, np.ndarray]:
+def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu", dtype: str = "float32",
+                  geometry: Geometry = Geometry(), adapter_sources: dict[str, AdapterSource] | None = None,
+                  ) -> dict[str, np.ndarray]:
+    """One request on a fresh pipeline; `adapter_sources` (the [dit] adapters) holds the adapters it names."""
     pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
+    load_adapters(pipe, {name: (adapter_sources or {})[name] for name, _ in request.adapters})
     return run_pipeline(pipe, request)

@@ -28,6 +28,7 @@ from pydantic import (
     field_validator,
 )
 
+from h3serve.model import adapters as adapter_rules
 from h3serve.model.rules import Geometry
 from h3serve.model.workflows import names as workflow_names
 
@@ -103,6 +104,38 @@ class ModelSection(Section):
         return {"model_dir": self.dir, "geometry": Geometry(**self.model_dump(exclude={"dir"}))}
 
 
+class AdapterSource(Section):
+    """One `[dit] adapters` entry: a LoRA file (diffusers' layout or an original MiniMax-H3 one, converted by
+    diffusers), given as its path or as a table. Its sidecar JSON (same stem, `.json`) is checked with it."""
+
+    path: str
+    transformer_ref: bool = False  # diffusers' load_into_transformer_ref: a `transformer.`-prefixed (or original)
+                                   # file goes into the ref2va partition instead of the t2va/fl2va one
+
+
+def _adapter_source(value):
+    return {"path": value} if isinstance(value, str) else value
+
+
+def _adapter_file(source: AdapterSource) -> AdapterSource:
+    if not Path(source.path).is_file():
+        raise ValueError(f"no such file: {source.path}")
+    if Path(source.path).suffix != ".safetensors":
+        raise ValueError(f"must be a .safetensors file (pickled checkpoints are not loaded), got {source.path}")
+    adapter_rules.read_sidecar(source.path)
+    return source
+
+
+def _adapter_name(name: str) -> str:
+    if not adapter_rules.NAME.fullmatch(name):
+        raise ValueError(f"an adapter name is {adapter_rules.NAME_RULE}, got {name!r}")
+    return name
+
+
+AdapterName = Annotated[str, AfterValidator(_adapter_name)]
+Adapter = Annotated[AdapterSource, BeforeValidator(_adapter_source), AfterValidator(_adapter_file)]
+
+
 class ModelServiceConfig(Section):
     """One model service process (encoder, dit or vae)."""
 
@@ -156,6 +189,19 @@ class DiTConfig(ModelServiceConfig):
     max_math_tokens: NonNegativeInt = 4096  # GPU: above this packed length attention never runs on the MATH kernel
     max_steps: Steps = 200           # num_inference_steps accepted (as the gateway's max_steps)
     max_rows: PositiveInt = 200_000  # packed rows of one request (as the gateway's max_rows)
+    # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
+    # (GenerationParams.adapters). See docs/adapters.md.
+    adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
+    adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
+    adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
+
+    @field_validator("adapter_mode")
+    @classmethod
+    def _fused_needs_one(cls, mode: str, info: ValidationInfo) -> str:
+        if mode == "fused" and "adapters" in info.data and len(info.data["adapters"]) != 1:
+            raise ValueError(f'"fused" merges exactly one adapter into the weights; adapters has '
+                             f"{len(info.data['adapters'])}")
+        return mode
 
 
 class GatewayConfig(Section):

@@ -9,7 +9,8 @@ it. None changes the math of the released model; what each costs in accuracy is 
   downloaded (h3serve/runtime/kernels/local.py).
 - `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
 - `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
-  the AdaLN projections stay bf16 (they run on a handful of rows). Opt-in: it changes the numbers.
+  the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
+  Opt-in: it changes the numbers.
 """
 
 from __future__ import annotations
@@ -79,8 +80,12 @@ def quantize_fp8(transformer: torch.nn.Module) -> None:
     except ImportError as exc:
         raise RuntimeError(f"fp8 needs the torchao package: {exc}") from exc
 
-    def block_linear(module: torch.nn.Module, name: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
-                and ".adaln_proj." not in name)
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fp8_target)
 
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=block_linear)
+
+def fp8_target(module: torch.nn.Module, name: str) -> bool:
+    """The block linears fp8 quantises. A LoRA adapter's own linears (peft's `<layer>.lora_A.<adapter>`) stay in
+    their dtype: they are small, and adapters switch by writing them; the layer they adapt (`<layer>.base_layer`)
+    is quantised as any other."""
+    return (isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
+            and ".adaln_proj." not in name and ".lora_" not in name)

@@ -14,9 +14,10 @@ import secrets
 from dataclasses import dataclass
 
 from h3serve.common.config import GatewayConfig
-from h3serve.model import rules, workflows
+from h3serve.model import adapters, rules, workflows
+from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import VALID_NUM_FRAMES, Geometry, InvalidRequest
-from h3serve.model.workflows.base import AssetLookup
+from h3serve.model.workflows.base import AssetLookup, Workflow
 from h3serve.v1 import common_pb2, gateway_pb2
 
 # Top-level GenerateRequest fields from before GenerationParams; each is the params field of the same name.
@@ -44,15 +45,16 @@ def _no_assets(asset_id: str) -> None:
     return None
 
 
-def resolve(req: gateway_pb2.GenerateRequest, limits: RequestLimits,
-            assets: AssetLookup = _no_assets) -> gateway_pb2.ResolvedRequest:
-    """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one."""
+def resolve(req: gateway_pb2.GenerateRequest, limits: RequestLimits, assets: AssetLookup = _no_assets,
+            catalog: AdapterCatalog = AdapterCatalog()) -> gateway_pb2.ResolvedRequest:
+    """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one.
+    `catalog`: the adapters the DiT loaded (its Info), which the request's adapters must name."""
     problem = rules.prompt_problem(req.prompt, limits.max_prompt_chars)
     if problem:
         raise InvalidRequest("prompt", problem)
     workflow = workflows.of_request(req)
     height, width = _canvas(req.height, req.width, limits.geometry)
-    params = _params(req, limits)
+    params = _params(req, limits, workflow, catalog)
     resolved = gateway_pb2.ResolvedRequest(
         prompt=req.prompt, height=height, width=width, num_frames=_num_frames(req.num_frames, req.seconds),
         workflow=workflow.value, params=params, num_inference_steps=params.num_inference_steps, seed=params.seed,
@@ -105,8 +107,10 @@ def _num_frames(num_frames: int, seconds: float) -> int:
     return num_frames
 
 
-def _params(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> common_pb2.GenerationParams:
-    """The request's options with the deprecated top-level fields folded in, every default applied."""
+def _params(req: gateway_pb2.GenerateRequest, limits: RequestLimits, workflow: Workflow,
+            catalog: AdapterCatalog) -> common_pb2.GenerationParams:
+    """The request's options with the deprecated top-level fields folded in, every default applied: the adapters'
+    weights, and the steps and shifts their sidecars recommend when the request leaves them unset."""
     params = common_pb2.GenerationParams()
     params.CopyFrom(req.params)
     for name in LEGACY_PARAMS:
@@ -116,7 +120,9 @@ def _params(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> common_p
             raise InvalidRequest(name, f"set at the top level ({getattr(req, name)}) and in params "
                                        f"({getattr(params, name)}); set params.{name} only")
         setattr(params, name, getattr(req, name))
-    steps = params.num_inference_steps or limits.default_steps
+    adapters.check(params, workflow, catalog)
+    adapters.resolve(params, catalog, limits.default_steps)
+    steps = params.num_inference_steps
     if not 2 <= steps <= limits.max_steps:
         raise InvalidRequest("num_inference_steps", f"must be between 2 and {limits.max_steps} (sigma grid points: "
                                                     f"N gives N-1 denoise steps, so 1 would denoise nothing), "

@@ -15,7 +15,7 @@ from h3serve.common.bounds import MAX_ID_CHARS, check_id, shown
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.admission.capacity import CapacityTable
 from h3serve.gateway.admission.request import RequestLimits, resolve
-from h3serve.gateway.admission.served import ServedWorkflows, WorkflowNotServed
+from h3serve.gateway.admission.served import AdaptersUnknown, ServedWorkflows, WorkflowNotServed
 from h3serve.gateway.admission.text_rows import TextRows
 from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.assets.store import AssetStore
@@ -24,6 +24,7 @@ from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, QueueFull, RequestIdConflict
 from h3serve.model import rules, workflows
+from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 
@@ -65,9 +66,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for field, asset_id in workflows.asset_fields(request):
                 check_id(field, asset_id)  # before any refusal echoes it
             assets = await self.assets.find(workflows.asset_ids(request))
-            resolved = resolve(request, self.limits, assets.get)
+            offer = await self.served.offer()
+            catalog = offer.adapters if offer else None
+            if catalog is None and request.params.adapters:
+                raise AdaptersUnknown("adapters: no DiT replica is serving now (down or still loading), so the "
+                                      "adapters cannot be checked nor their recommended steps and shifts applied; "
+                                      "try again")
+            resolved = resolve(request, self.limits, assets.get, AdapterCatalog() if catalog is None else catalog)
             self._check_prompt_tokens(resolved.prompt)
-            await self.served.check(resolved.workflow)
+            self.served.check(resolved.workflow, offer)
             resolved.text_rows = self.text_rows(resolved, assets.get)
             resolved.total_rows = self.capacity.admit(resolved).total
             job, created = await self.store.submit(
@@ -77,6 +84,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except WorkflowNotServed as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except AdaptersUnknown as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestIdConflict as exc:

@@ -2,9 +2,10 @@
 model runs, so a bad one is INVALID_ARGUMENT here and never breaks the group.
 
 The spec is checked as it arrives, before any tensor byte is read: the id, a served workflow, the canvas and the
-frame count the gateway resolves, the steps within `max_steps`, the workflow's manifest, and the packed rows of
-the generated video within `max_rows`. The rows left for the text and the conditioning bound the bytes the
-tensors may take. Once they arrived: their dtypes, the text's shape against the model's text width and its row
+frame count the gateway resolves, the steps within `max_steps`, the workflow's manifest, the packed rows of
+the generated video within `max_rows`, and the adapters and shifts (h3serve/model/adapters.py: loaded here,
+targeting the workflow's partition, within bounds). The rows left for the text and the conditioning bound the
+bytes the tensors may take. Once they arrived: their dtypes, the text's shape against the model's text width and its row
 tags, the conditioning latents against the manifest (the workflow's rules), and the whole packed sequence.
 """
 
@@ -16,7 +17,8 @@ import torch
 
 from h3serve.common.bounds import check_id
 from h3serve.common.config import DiTConfig
-from h3serve.model import rules, workflows
+from h3serve.model import adapters, rules, workflows
+from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
 from h3serve.model.workflows.base import ModelDims, Workflow, check_shape
 from h3serve.runtime import wire
@@ -52,10 +54,12 @@ def row_bytes(dims: ModelDims) -> int:
 
 class DenoiseCheck:
     """One Denoise request's checks: `expect` when its spec arrives, `conditioning` once its tensors have.
-    `dims_of(workflow)` gives the served model's widths (it raises when the group cannot run anything now)."""
+    `dims_of(workflow)` gives the served model's widths (it raises when the group cannot run anything now);
+    `catalog` the adapters the group loaded."""
 
-    def __init__(self, config: DiTConfig, served: list[int], dims_of: Callable[[Workflow], ModelDims]) -> None:
-        self.config, self.served, self.dims_of = config, served, dims_of
+    def __init__(self, config: DiTConfig, served: list[int], dims_of: Callable[[Workflow], ModelDims],
+                 catalog: AdapterCatalog = AdapterCatalog()) -> None:
+        self.config, self.served, self.dims_of, self.catalog = config, served, dims_of, catalog
         self.workflow: Workflow | None = None
         self.dims: ModelDims | None = None
 
@@ -71,6 +75,7 @@ class DenoiseCheck:
             raise InvalidRequest("num_frames", f"{spec.height}x{spec.width} at {spec.num_frames} frames is "
                                                f"{generated} packed rows, over max_rows {self.config.max_rows}")
         self.dims = self.dims_of(self.workflow)
+        adapters.check(spec.params, self.workflow, self.catalog)
         budget = (self.config.max_rows - generated) * row_bytes(self.dims)
         return wire.Expected(self.workflow.tensor_names(spec), min(self.config.max_input_bytes, budget))
 

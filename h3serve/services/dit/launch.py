@@ -6,7 +6,8 @@ nodes it is torchrun (torch.distributed.run) with a c10d rendezvous, which start
 ranks on each node and restarts them alike; its store listens on every interface, so the rendezvous
 port must be firewalled to the nodes. Either restarts the group at most `max_restarts` times (each rank
 waits its back-off first, h3serve/services/dit/rank.py). Errors that a restart cannot fix (the layout,
-an unusable attention backend) fail here, once, before any rank starts.
+an unusable attention backend, an adapter file that does not fit the transformer) fail here, once, before any
+rank starts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from h3serve.common.config import DiTConfig
 from h3serve.model import presets
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
-from h3serve.services.dit import attention
+from h3serve.services.dit import adapters, attention
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import partitions, served
 
@@ -64,12 +65,27 @@ def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     return config.get("num_attention_heads", heads), config.get("attention_head_dim", head_dim)
 
 
+def transformer_skeleton(model_dir: str, partition: str) -> torch.nn.Module:
+    """The partition's modules on the meta device (no weights, no memory): what adapter files are checked against."""
+    from diffusers import MiniMaxH3Transformer3DModel as Transformer
+
+    with torch.device("meta"):
+        if not model_dir:
+            return Transformer(**presets.TINY_TRANSFORMER)
+        if model_dir == presets.RANDOM_FULL:
+            return Transformer()
+        return Transformer.from_config(Transformer.load_config(str(Path(model_dir) / partition)))
+
+
 def check(config: DiTConfig) -> Layout:
     """Fail now, with the reason, on what no restart can fix."""
     layout = Layout.from_config(config)
     if config.nnodes > 1 and not config.rdzv_endpoint:
         raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
-    partition = partitions(served(config.workflows))[0]
+    loaded = partitions(served(config.workflows))
+    partition = loaded[0]
+    if config.adapters:
+        adapters.read_all(config, {name: transformer_skeleton(config.model_dir, name) for name in loaded})
     FastPath.of(config)  # fp8 without bf16 is refused here
     device = torch.device(config.device)
     if device.type == "cuda":

@@ -34,7 +34,7 @@ from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
 from h3serve.runtime.service import load_model_service
-from h3serve.services.dit import parallel
+from h3serve.services.dit import adapters, parallel
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
 from h3serve.services.dit.launch import decode_config
 from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
@@ -121,16 +121,18 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     flows = served(config.workflows)
     loaded = partitions(flows)
     components, model = load_model_service("dit", [*loaded, *SCHEDULERS], config.replace(device=str(device)))
+    # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
+    held = adapters.install(config, {partition: components[partition] for partition in loaded})
     for partition in loaded:
         parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
                                      DTYPES[config.dtype])
-    member = GroupMember(control, DenoiseRunner(components, flows), device, config.attention_backend,
+    member = GroupMember(control, DenoiseRunner(components, flows, held), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
     info = dit_pb2.DiTInfo(
         model=model, attention_backend=config.attention_backend, world_size=layout.world_size,
         ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp=layout.fsdp,
-        compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded,
+        compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded, **held.describe(),
         ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks])
     return member, info
 

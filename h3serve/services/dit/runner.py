@@ -7,7 +7,9 @@ import time
 import torch
 
 from h3serve.model import workflows
+from h3serve.model.adapters import DEFAULT_SHIFTS
 from h3serve.model.workflows.base import Workflow
+from h3serve.services.dit.adapters import Adapters
 from h3serve.services.dit.loop import StepObserver, observed
 from h3serve.v1 import dit_pb2
 
@@ -31,7 +33,9 @@ def partitions(flows: list[Workflow]) -> list[str]:
 class DenoiseRunner:
     """Holds one pipeline per served workflow; not re-entrant (the schedulers keep per-request state)."""
 
-    def __init__(self, components: dict, flows: list[Workflow]) -> None:
+    def __init__(self, components: dict, flows: list[Workflow], adapters: Adapters | None = None) -> None:
+        self.adapters = adapters or Adapters()
+        self.schedulers = [components[name] for name in SCHEDULERS]  # shared by the pipes, in DEFAULT_SHIFTS' order
         self.pipes = {}
         for flow in flows:
             pipe = observed(flow.core_denoise_step()).init_pipeline()
@@ -48,7 +52,10 @@ class DenoiseRunner:
         # so a seed means the same video on every device. The packed layout is built on the CPU
         # too, from CPU row tags (as the text-encoder block returns them).
         # Conditioning latents stay on the CPU, as diffusers' VAE-encode blocks return them.
-        out = self.pipes[workflows.by_value(spec.workflow).value](
+        flow = workflows.by_value(spec.workflow)
+        self.adapters.apply(flow.partition, spec.params.adapters)
+        self._set_shifts(spec.params)
+        out = self.pipes[flow.value](
             prompt_embeds=prompt_embeds.to(self.device), text_token_tags=text_token_tags.cpu(),
             height=spec.height, width=spec.width, num_frames=spec.num_frames,
             num_inference_steps=spec.params.num_inference_steps,
@@ -57,6 +64,12 @@ class DenoiseRunner:
         )
         self.condition_rows = tuple(int(out[name] or 0) for name in CONDITION_ROWS)
         return {name: out[name].to("cpu", torch.float32) for name in ("latents", "audio_latents")}
+
+    def _set_shifts(self, params) -> None:
+        """Each schedule's shift for this request (unset: the scheduler's configured one), before the pipeline sets
+        its timesteps: the schedulers are shared, so every request sets both."""
+        for scheduler, key in zip(self.schedulers, DEFAULT_SHIFTS):
+            scheduler.set_shift(getattr(params, key) if params.HasField(key) else scheduler.config.shift)
 
 
 class StepClock:

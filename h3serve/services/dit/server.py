@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from h3serve.common.config import DiTConfig
+from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.workflows.base import ModelDims, Workflow
 from h3serve.runtime import wire
 from h3serve.services.dit import checks
@@ -46,7 +47,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
     def Denoise(self, request_iterator, context):
         try:
-            check = checks.DenoiseCheck(self.config, list(self.view.info.workflows), self._dims)
+            check = checks.DenoiseCheck(self.config, list(self.view.info.workflows), self._dims,
+                                        AdapterCatalog.from_info(self.view.info))
             spec, tensors = wire.read_spec_stream(request_iterator, check.expect)
             conditioning = check.conditioning(spec, tensors)
             ticket = self._driver().submit(spec, tensors, conditioning)
