@@ -85,6 +85,7 @@ def test_the_openai_sdk_creates_polls_downloads_and_lists(stack, sdk):
     video = sdk.videos.create(prompt="a red fox trotting through fresh snow", **SMALL)
     assert video.status in ("queued", "in_progress") and video.model == "minimax-h3"
     assert (video.size, video.seconds, video.h3serve["steps"], video.h3serve["seed"]) == ("64x32", "5.17", 4, 5)
+    assert (video.h3serve["flow_shift"], video.h3serve["audio_flow_shift"], video.h3serve["adapters"]) == (12, 3, [])
     done = sdk.videos.poll(video.id, poll_interval_ms=200)
     assert (done.status, done.progress, done.error) == ("completed", 100, None)
     assert done.completed_at >= done.created_at
@@ -101,6 +102,21 @@ def test_the_openai_sdk_creates_polls_downloads_and_lists(stack, sdk):
     assert hashlib.sha256(content.content).hexdigest() == job.done.video.sha256
     listed = sdk.videos.list(limit=100)
     assert done.id in [item.id for item in listed.data]
+
+
+def test_shifts_and_adapters_reach_the_request(stack, sdk):
+    """A multipart form (the SDK's way) with the shifts; an adapter the DiT does not load is refused by name."""
+    video = sdk.videos.create(prompt="a slow pan over a harbour", size="64x32",
+                              extra_body={"steps": 4, "flow_shift": 6, "audio_flow_shift": 2.5})
+    assert (video.h3serve["flow_shift"], video.h3serve["audio_flow_shift"]) == (6, 2.5)
+    with pytest.raises(openai.BadRequestError, match="turbo4") as caught:
+        sdk.videos.create(prompt="a slow pan", size="64x32", extra_body={"adapters": "turbo4:0.8,style"})
+    assert "this DiT loads none" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:  # JSON: objects inside lists
+        sdk.post("/videos", cast_to=openai.types.Video, body={"prompt": "a slow pan",
+                                                               "adapters": [{"name": "a", "strength": 1}]})
+    assert caught.value.body["param"] == "adapters.0.strength"
+    assert sdk.videos.poll(video.id, poll_interval_ms=200).status == "completed"
 
 
 def test_paging_follows_after_and_order(stack, sdk):
@@ -215,6 +231,9 @@ def _multipart(field: str, name: str, data: bytes) -> bytes:
     (dict(extra_body={"steps": 100000}), 400, None, "num_inference_steps"),
     (dict(extra_body={"workflow": "t2v"}), 400, "workflow", "workflow:"),
     (dict(input_reference=("notes.txt", b"not an image", "text/plain")), 400, None, "notes.txt"),
+    (dict(extra_body={"adapters": ["turbo4:0.8"]}), 400, None, "turbo4"),
+    (dict(extra_body={"flow_shift": 500}), 400, None, "flow_shift"),
+    (dict(extra_body={"references": "[not json"}), 400, "references", "references:"),
 ])
 def test_bad_requests_are_4xx_with_the_reason(stack, sdk, kwargs, status, param, reason):
     with pytest.raises(openai.APIStatusError) as caught:

@@ -190,7 +190,7 @@ class DiTConfig(ModelServiceConfig):
     max_steps: Steps = 200           # num_inference_steps accepted (as the gateway's max_steps)
     max_rows: PositiveInt = 200_000  # packed rows of one request (as the gateway's max_rows)
     # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
-    # (GenerationParams.adapters). See docs/adapters.md.
+    # (GenerationParams.adapters). See README "Adapters (LoRA) and few-step clips per request".
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)

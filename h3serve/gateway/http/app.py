@@ -211,11 +211,15 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
 
 
 async def _body(request: Request) -> dict:
-    """The create request's fields from JSON or a multipart / urlencoded form."""
+    """The create request's fields from JSON or a multipart / urlencoded form, where a repeated field, or one named
+    `name[]` (how OpenAI's SDKs send a list), is a list."""
     kind = request.headers.get("content-type", "")
     if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form()
-        return {key: value for key, value in form.multi_items()}
+        fields: dict[str, list] = {}
+        for key, value in (await request.form()).multi_items():
+            fields.setdefault(key, []).append(value)
+        return {key.removesuffix("[]"): values if len(values) > 1 or key.endswith("[]") else values[0]
+                for key, values in fields.items()}
     try:
         data = await request.json()
     except ValueError as error:

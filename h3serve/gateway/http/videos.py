@@ -35,14 +35,31 @@ KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDE
 
 
 def _json_list(value):
-    """A multipart form carries a list as a JSON string."""
-    return json.loads(value) if isinstance(value, str) else value
+    """A form field carries a list as JSON ("[...]") or comma-separated ("turbo4:0.8,style"); a JSON error is a
+    ValueError, which pydantic reports against the field."""
+    if not isinstance(value, str):
+        return value
+    return json.loads(value) if value.lstrip().startswith("[") else [item for item in value.split(",") if item]
 
 
 class ReferenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     asset_id: str
     kind: Literal[tuple(KINDS)] | None = None
+
+
+def _adapter(value):
+    """An adapter as the CLI writes it, "name[:weight]", or as an object {"name", "weight"}."""
+    if isinstance(value, str):
+        name, _, weight = value.partition(":")
+        return {"name": name, "weight": weight or 0.0}
+    return value
+
+
+class AdapterIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    weight: float = 0.0  # 0: 1.0; the gateway checks the bounds
 
 
 class VideoCreate(BaseModel):
@@ -59,6 +76,9 @@ class VideoCreate(BaseModel):
     first_frame: str = ""
     last_frame: str = ""
     references: Annotated[list[ReferenceIn], BeforeValidator(_json_list)] = []
+    adapters: Annotated[list[Annotated[AdapterIn, BeforeValidator(_adapter)]], BeforeValidator(_json_list)] = []
+    flow_shift: float | None = None
+    audio_flow_shift: float | None = None
     include_raw: bool = False
 
     @classmethod
@@ -69,9 +89,6 @@ class VideoCreate(BaseModel):
             problem = error.errors()[0]
             field = ".".join(str(part) for part in problem["loc"])
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem['msg']}", field) from None
-        except json.JSONDecodeError as error:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"references: not a JSON list ({error})",
-                           "references") from None
 
 
 def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.GenerateRequest:
@@ -85,8 +102,10 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
         params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
         references=[gateway_pb2.ReferenceInput(asset_id=r.asset_id, kind=KINDS.get(r.kind, 0))
                     for r in body.references])
-    if body.seed is not None:
-        request.params.seed = body.seed
+    for name in ("seed", "flow_shift", "audio_flow_shift"):  # unset: the gateway's default (or an adapter's)
+        if getattr(body, name) is not None:
+            setattr(request.params, name, getattr(body, name))
+    request.params.adapters.extend(common_pb2.Adapter(name=a.name, weight=a.weight) for a in body.adapters)
     if body.size:
         match = SIZE.fullmatch(body.size)
         if not match:
@@ -127,6 +146,8 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
             "width": r.width, "height": r.height, "first_frame": r.first_frame, "last_frame": r.last_frame,
             "references": [{"asset_id": ref.asset_id, "kind": media_pb2.AssetKind.Name(ref.kind)
                             .removeprefix("ASSET_KIND_").lower(), "label": ref.label} for ref in r.references],
+            "adapters": [{"name": a.name, "weight": a.weight} for a in r.params.adapters],
+            "flow_shift": r.params.flow_shift, "audio_flow_shift": r.params.audio_flow_shift,
             "request_id": job.request_id, "file_name": mp4.file_name if mp4 else None,
         },
     }
