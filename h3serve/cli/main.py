@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from h3serve.cli import experiment
 from h3serve.common.config import SERVICES, ConfigError, load_deploy, override
 
 
@@ -59,7 +60,7 @@ def _request(args):
         return getattr(args, name, None)
 
     params = common_pb2.GenerationParams(num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
-                                         adapters=[common_pb2.Adapter(name=n, weight=w) for n, w in args.adapter],
+                                         adapters=args.adapter,
                                          flow_shift=args.flow_shift, audio_flow_shift=args.audio_flow_shift)
     if given("seed") is not None:
         params.seed = args.seed
@@ -212,12 +213,13 @@ def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None
                                  " the demo uses out/)")
 
 
-def _adapter(text: str) -> tuple[str, float]:
-    name, _, weight = text.partition(":")
+def _adapter(text: str):
+    from h3serve.model import adapters
+
     try:
-        return name, float(weight or 1.0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"NAME[:WEIGHT] with a number as the weight, got {text!r}") from None
+        return adapters.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
@@ -291,6 +293,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config")
     _add_request_args(p, steps=8, height=64, width=128)
     p.set_defaults(run=_demo)
+
+    experiment.add_parser(sub)
     return root
 
 

@@ -31,6 +31,15 @@ UNFUSED, FUSED = "unfused", "fused"
 SIDECAR_KEYS = ("steps", *DEFAULT_SHIFTS)
 
 
+def parse(text: str) -> common_pb2.Adapter:
+    """An adapter as people write it, "name[:weight]" (no weight: 0, which means 1.0); ValueError says why not."""
+    name, _, weight = text.partition(":")
+    try:
+        return common_pb2.Adapter(name=name, weight=float(weight or 0.0))
+    except ValueError:
+        raise ValueError(f"NAME[:WEIGHT] with a number as the weight, got {text!r}") from None
+
+
 def shift_problem(value: float) -> str:
     """Why `value` is not a usable shift ("" when it is)."""
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -17,7 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from h3serve.gateway.http.errors import ApiError
-from h3serve.model import rules
+from h3serve.model import adapters, rules
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 
 MODEL = "minimax-h3"
@@ -51,8 +51,8 @@ class ReferenceIn(BaseModel):
 def _adapter(value):
     """An adapter as the CLI writes it, "name[:weight]", or as an object {"name", "weight"}."""
     if isinstance(value, str):
-        name, _, weight = value.partition(":")
-        return {"name": name, "weight": weight or 0.0}
+        parsed = adapters.parse(value)  # a ValueError: pydantic names the field
+        return {"name": parsed.name, "weight": parsed.weight}
     return value
 
 
