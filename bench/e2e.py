@@ -90,8 +90,8 @@ from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
-from h3serve.cli.reference import ReferenceRequest, reference_pipeline, run_pipeline
-from h3serve.common.config import DeployConfig, load_deploy
+from h3serve.cli.reference import ReferenceRequest, load_adapters, reference_pipeline, run_pipeline
+from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import encode_mp4
 
@@ -99,6 +99,7 @@ PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind l
           "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
           "breath steaming, then bounds away over a ridge as black crows call above.")
 SEED = 1234
+ADAPTER = "turbo"  # --adapter-rank: a random LoRA of that rank on every block linear, named so on both sides
 OUTPUTS = (".mp4", ".npz")  # what each side's last request leaves for the comparison: the MP4, the raw output
 RAW_BYTES = 8 << 30  # the VAE's include_raw limit here: a 768x1344x124 video is 1.5 GB of float frames
 STAGES = ("encode", "denoise", "decode", "mux")
@@ -181,12 +182,16 @@ def in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Si
 
 def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
     pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
+    if args.adapter_file:  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
+        load_adapters(pipe, {ADAPTER: AdapterSource(path=args.adapter_file)})
     clock = StageClock(pipe, PIPELINE_STAGES, device)
+    options = dict(adapters=((ADAPTER, 1.0),) if args.adapter_file else (), flow_shift=args.flow_shift)
 
     def once(size: Size, steps: int) -> Run:
         clock.reset()
         started = time.perf_counter()
-        result = run_pipeline(pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED))
+        result = run_pipeline(pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED,
+                                                     **options))
         muxed = time.perf_counter()
         video = encode_mp4(result["frames"], result["audio"], int(result["sample_rate"]), lambda *_: None)
         (out / f"in-process-{size}.mp4").write_bytes(video)
@@ -219,7 +224,8 @@ def deployment(args, device: str, work: Path) -> Path:
             f"[encoder]\n{common(place.encoder)}cache_bytes = 0\n\n"
             f'[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n'
             f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
-            f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n\n"
+            f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n"
+            + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "") + "\n"
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
             f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
             f"max_raw_bytes = {RAW_BYTES}\n\n"
@@ -229,28 +235,32 @@ def deployment(args, device: str, work: Path) -> Path:
     return path
 
 
-def served_request(client, size: Size, steps: int, events: list, include_raw: bool = False):
+def served_request(client, size: Size, steps: int, events: list, args, include_raw: bool = False):
     from h3serve.client import describe_event
-    from h3serve.v1 import gateway_pb2
+    from h3serve.v1 import common_pb2, gateway_pb2
 
+    params = common_pb2.GenerationParams(num_inference_steps=steps, seed=SEED, include_raw=include_raw,
+                                         flow_shift=args.flow_shift,
+                                         adapters=[common_pb2.Adapter(name=ADAPTER)] if args.adapter_file
+                                         else [])
     request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width, num_frames=size.frames,
-                                          num_inference_steps=steps, seed=SEED, include_raw=include_raw)
+                                          params=params)
     final = client.generate(request, events.append)
     if final.WhichOneof("kind") != "done":
         raise RuntimeError(f"job {final.job_id} {describe_event(final)}")
     return final
 
 
-def served_raw(client, size: Size, steps: int, out: Path) -> Path:
+def served_raw(client, size: Size, steps: int, out: Path, args) -> Path:
     """The same request once more, untimed, with the decoded frames and waveform (raw.npz) downloaded."""
-    final = served_request(client, size, steps, [], include_raw=True)
+    final = served_request(client, size, steps, [], args, include_raw=True)
     return client.download(final.done.raw.artifact_id, out / f"served-{size}.npz")
 
 
-def served_once(client, size: Size, steps: int, out: Path) -> Run:
+def served_once(client, size: Size, steps: int, out: Path, args) -> Run:
     events = []
     started = time.perf_counter()
-    final = served_request(client, size, steps, events)
+    final = served_request(client, size, steps, events, args)
     path = client.download(final.done.video.artifact_id, out / f"served-{size}.mp4")
     seconds = time.perf_counter() - started
     hits = [e.encoding.cache_hit for e in events if e.WhichOneof("kind") == "encoding"]
@@ -307,8 +317,8 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                 sides = {}
                 for size in sizes:
                     print(f"services {size}: warm-up + {args.repeats} runs", flush=True)
-                    runs = repeated(lambda steps: served_once(client, size, steps, work), args)
-                    served_raw(client, size, args.steps, work)
+                    runs = repeated(lambda steps: served_once(client, size, steps, work, args), args)
+                    served_raw(client, size, args.steps, work, args)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks)
@@ -323,7 +333,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
 def setup(args) -> dict:
     """What a saved baseline must share with the services run it is compared with."""
     return {"sizes": args.sizes, "steps": args.steps, "warmup_steps": args.warmup_steps, "dtype": args.dtype,
-            "model_dir": args.model_dir}
+            "model_dir": args.model_dir, "adapter_rank": args.adapter_rank, "flow_shift": args.flow_shift}
 
 
 def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
@@ -362,10 +372,17 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         device=device_label(device, place.gpus), world_size=place.world_size, dtype=args.dtype,
         peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, command=command,
         date=datetime.date.today().isoformat(), software=software(),
-        variant=f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}",
-        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux")
+        variant=f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
+                + adapted(args),
+        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args))
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
             for n, s, b in rows]
+
+
+def adapted(args) -> str:
+    """What the request ran with beyond the base model, on both sides."""
+    lora = f", LoRA rank {args.adapter_rank} on every block linear" if args.adapter_rank else ""
+    return lora + (f", flow shift {args.flow_shift:g}" if args.flow_shift != 12.0 else "")
 
 
 def print_table(comparisons: list[Comparison]) -> None:
@@ -384,6 +401,15 @@ def baseline_output(baseline_file: Path, size: Size, suffix: str) -> Path:
     """Where a `--side in-process` call keeps its MP4 (.mp4) and raw output (.npz) for the `--side services`
     calls that compare with it."""
     return baseline_file.with_name(f"{baseline_file.stem}-{size}{suffix}")
+
+
+def adapter_file(args, work: Path) -> str:
+    """The random LoRA both sides load (bench/adapters.py's), written from a weightless transformer."""
+    from bench.adapters import write_lora
+    from bench.dit_step import components
+
+    model = components(args.quick, "cpu" if args.quick else "meta", getattr(torch, args.dtype))["transformer"]
+    return str(write_lora(model, work / f"{ADAPTER}.safetensors", args.adapter_rank, seed=0))
 
 
 def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparison], str]:
@@ -444,6 +470,10 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
                    help="one side per call when both do not fit in one: in-process saves its medians to "
                         "--baseline-file, services compares with them (the same machine, the same options)")
     p.add_argument("--baseline-file", default="var/e2e-baseline.json")
+    p.add_argument("--adapter-rank", type=int, default=0,
+                   help="both sides run a random LoRA of this rank on every block linear (a few-step adapter's "
+                        "cost; 0: none), loaded by diffusers' load_lora_weights in process, by [dit] adapters served")
+    p.add_argument("--flow-shift", type=float, default=12.0, help="the video schedule's shift on both sides")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
@@ -454,6 +484,7 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="h3serve-e2e-") as scratch:
         work = Path(args.out or scratch)
         work.mkdir(parents=True, exist_ok=True)
+        args.adapter_file = adapter_file(args, work) if args.adapter_rank else ""
         comparisons, command = run(args, sizes, device, work)
     if not comparisons:
         return []
