@@ -44,6 +44,10 @@ STALL_DEFAULTS = {"encode": 300.0, "denoise": 900.0, "decode": 600.0, "mux": 300
 OUTAGE_DEFAULTS = {"encoder": 300.0, "vae-encode": 300.0, "dit": 900.0, "vae": 300.0}
 DAY_S = 24 * 3600.0
 
+FLOAT16_REFUSED = ("float16 is refused for the MiniMax-H3 DiT: its activations pass float16's largest value (65504) "
+                   "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
+                   'inside attention_backend = "sage")')
+
 Port = Annotated[int, Field(ge=0, le=65535)]
 Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
@@ -162,10 +166,29 @@ class ModelServiceConfig(Section):
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     tile_batch: PositiveInt = 1    # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+    memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
+                                              # emulate a 22 GB card on a bigger one; 0: the whole device
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+
+class EncoderConfig(ModelServiceConfig):
+    """The text encoder service. Qwen3-VL-32B is ~62 GiB in bf16: on small cards it is spread over the
+    process's `gpus`, quantized, or offloaded (README "Small GPUs")."""
+
+    quantize: Literal["none", "int8", "nf4"] = "none"  # weight-only: int8 (torchao), nf4 (bitsandbytes, sm_75 too);
+                                                       # changes the embeddings (the cache key says which)
+    spread: bool = False             # the decoder layers spread over every visible GPU (accelerate's device map)
+    cpu_offload: bool = False        # weights in host memory, each layer moved to the device as it runs (slow)
+
+    @field_validator("cpu_offload")
+    @classmethod
+    def _one_placement(cls, offload: bool, info: ValidationInfo) -> bool:
+        if offload and info.data.get("spread"):
+            raise ValueError("spread and cpu_offload are two placements of the same layers: choose one")
+        return offload
 
 
 class DiTConfig(ModelServiceConfig):
@@ -194,6 +217,29 @@ class DiTConfig(ModelServiceConfig):
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
+    fsdp_offload: bool = False       # fsdp = true: parameters live in host memory, each block's gathered to the GPU
+    offload: Literal["none", "group"] = "none"  # one rank: diffusers' block-level group offload, CUDA-stream prefetch
+
+    @field_validator("dtype")
+    @classmethod
+    def _not_float16(cls, dtype: str) -> str:
+        if dtype == "float16":
+            raise ValueError(FLOAT16_REFUSED)
+        return dtype
+
+    @field_validator("fsdp_offload")
+    @classmethod
+    def _offload_needs_fsdp(cls, offload: bool, info: ValidationInfo) -> bool:
+        if offload and not info.data.get("fsdp"):
+            raise ValueError("fsdp_offload keeps FSDP2's shards in host memory: it needs fsdp = true")
+        return offload
+
+    @field_validator("offload")
+    @classmethod
+    def _group_offload_one_rank(cls, offload: str, info: ValidationInfo) -> str:
+        if offload == "group" and info.data.get("world_size", 1) > 1:
+            raise ValueError('"group" offload runs one rank; a group of ranks shards with fsdp (and fsdp_offload)')
+        return offload
 
     @field_validator("adapter_mode")
     @classmethod
@@ -289,7 +335,7 @@ class SupervisorConfig(Section):
 
 
 class DeployConfig(Section):
-    encoder: ModelServiceConfig = Field(default_factory=lambda: ModelServiceConfig(port=50051))
+    encoder: EncoderConfig = Field(default_factory=lambda: EncoderConfig(port=50051))
     dit: DiTConfig = Field(default_factory=lambda: DiTConfig(port=50052))
     vae: ModelServiceConfig = Field(default_factory=lambda: ModelServiceConfig(port=50053))
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
