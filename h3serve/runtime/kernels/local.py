@@ -3,7 +3,8 @@
 diffusers 0.42.1 reaches FlashAttention 4 through a hub-kernel slot (`_HUB_KERNELS_REGISTRY`) that it
 fills by downloading; h3serve never downloads, so the slot is filled with a locally installed kernel:
 - `flash4`: FlashAttention 4 (the `flash-attn-4` package, Hopper and newer), bf16, same error as cuDNN;
-- `cudnn_fp8`: cuDNN's FP8 attention with finer scaling around it (h3serve/runtime/kernels/fp8_attention.py).
+- `cudnn_fp8`: cuDNN's FP8 attention with finer scaling around it (h3serve/runtime/kernels/fp8_attention.py);
+- `sage`: SageAttention's Triton kernels, INT8 Q.K and FP16 P.V, for GPUs from sm_75 (h3serve/runtime/kernels/sage.py).
 Either runs as an opaque custom op, which keeps the compiled blocks whole (fullgraph). diffusers registers
 `flash_4_hub` without context parallelism; the backend is registered again here with Ulysses (the
 sequence split by heads: each rank runs the plain kernel on all rows of its heads), so a sharded DiT group
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h3serve.runtime.kernels import fp8_attention
+from h3serve.runtime.kernels import fp8_attention, sage
 
 log = logging.getLogger("h3serve.local_kernels")
 FLASH4 = "flash4"
@@ -53,6 +54,7 @@ class LocalKernel:
     module: str        # what must import for the kernel to run
     package: str       # what to install when it does not
     kernel: Callable   # (q, k, v, softmax_scale, causal) on (batch, rows, heads, head_dim)
+    capability: tuple[int, int]  # the oldest NVIDIA compute capability it runs on
 
     def check(self, name: str) -> None:
         """Raise RuntimeError, with the reason, unless the kernel can run in this process."""
@@ -60,13 +62,17 @@ class LocalKernel:
             importlib.import_module(self.module)
         except ImportError as exc:
             raise RuntimeError(f"attention backend {name!r} needs the {self.package} installed: {exc}") from exc
-        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-            raise RuntimeError(f"attention backend {name!r} needs an NVIDIA GPU of compute capability 9.0 or newer")
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < self.capability:
+            raise RuntimeError(f"attention backend {name!r} needs an NVIDIA GPU of compute capability "
+                               f"{'.'.join(map(str, self.capability))} or newer")
 
 
 KERNELS = {
-    FLASH4: LocalKernel("flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel),
-    fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention),
+    FLASH4: LocalKernel("flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel,
+                        (9, 0)),
+    fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention, (9, 0)),
+    sage.NAME: LocalKernel("sageattention", "sageattention package", sage.attention,
+                           (7, 5)),
 }
 
 

@@ -5,6 +5,10 @@ materialises the S x S score matrix and runs out of memory on a long packed sequ
 backend is set by name (diffusers checks the package), probed once with the model's head shape
 and dtype on the rank's device (a kernel that cannot run fails the start with its reason), and
 `native` on a GPU runs with MATH disabled above `max_math_tokens`.
+
+Before any probe, the backend is checked against the GPU's compute capability: on sm_75 (the seeds' RTX 2080 Ti)
+no fused bf16 SDPA kernel exists, so `native` and the `_native_*` backends are refused there with the reason, and
+`sage` (INT8 Q.K, FP16 P.V) is what runs. The start log names the backend and the kernels this GPU has.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ log = logging.getLogger("h3serve.dit.attention")
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
 PROBE_TOKENS = 256
 MATERIALISING = ("_native_math", "flex")  # S x S scores in memory (flex: without torch.compile)
+SDPA = ("native", "_native_cudnn", "_native_flash", "_native_efficient")
+# The oldest compute capability on which each diffusers backend's kernel takes bf16: PyTorch's flash,
+# memory-efficient and cuDNN SDPA kernels and flash-attn 2 from sm_80; FlashAttention 3 and SageAttention's
+# fp8 P.V kernels on sm_90 / sm_89 only. The local kernels carry their own (h3serve/runtime/kernels/local.py).
+BF16_CAPABILITY = {**dict.fromkeys(SDPA, (8, 0)), "flash": (8, 0), "flash_varlen": (8, 0), "_flash_3": (9, 0),
+                   "_flash_varlen_3": (9, 0), "_sage_qk_int8_pv_fp8_cuda": (8, 9),
+                   "_sage_qk_int8_pv_fp8_cuda_sm90": (9, 0)}
 
 
 class BackendUnusable(RuntimeError):
@@ -34,6 +45,31 @@ def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype
     check(name, heads, head_dim, device, dtype)
     log.info("attention backend %s: usable on %s with %s (heads %d, head dim %d)", name, _describe(device), dtype,
              heads, head_dim)
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        log.info("fused attention kernels for %s with %s: %s", _sm(capability), dtype,
+                 ", ".join(kernels_for(capability, dtype)))
+
+
+def capability_refusal(name: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
+    """Why backend `name` has no kernel for a GPU of this compute capability and dtype; None when it has."""
+    if name in local_kernels.KERNELS:
+        needed = local_kernels.KERNELS[name].capability
+    else:
+        needed = BF16_CAPABILITY.get(name) if dtype == torch.bfloat16 else None
+    if needed is None or capability >= needed:
+        return None
+    if name in SDPA:
+        return (f"attention backend {name!r}: PyTorch has no fused bf16 attention kernel on {_sm(capability)} (flash, "
+                "memory-efficient and cuDNN attention take bf16 from sm_80), so only MATH is left, which materialises "
+                'the S x S scores and runs out of memory; use attention_backend = "sage" (INT8 Q.K, FP16 P.V)')
+    return f"attention backend {name!r} needs compute capability {_sm(needed)} or newer; this GPU is {_sm(capability)}"
+
+
+def kernels_for(capability: tuple[int, int], dtype: torch.dtype) -> list[str]:
+    """The fused backends with a kernel for this capability and dtype (installed or not)."""
+    names = (*SDPA[1:], *local_kernels.KERNELS, "flash", "_flash_3")
+    return [name for name in names if capability_refusal(name, capability, dtype) is None]
 
 
 def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
@@ -54,6 +90,9 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
     if name.endswith("_hub"):
         raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
                               "does; install the kernel locally and use its local backend name (e.g. flash4)")
+    if device.type == "cuda" and (refusal := capability_refusal(name, torch.cuda.get_device_capability(device),
+                                                                 dtype)):
+        raise BackendUnusable(refusal)
     if ring and name in local_kernels.KERNELS:
         raise BackendUnusable(f"attention backend {name!r} runs under Ulysses but not ring attention, which needs the "
                               "kernel's log-sum-exp; set ulysses_degree instead of ring_degree")
@@ -65,7 +104,8 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
             backend = AttentionBackendName(name)
             _check_attention_backend_requirements(backend)
     except (RuntimeError, ValueError, ImportError) as exc:
-        raise BackendUnusable(f"attention backend {name!r}: {exc}") from exc
+        message = str(exc)  # the local kernels' reasons already name the backend
+        raise BackendUnusable(message if repr(name) in message else f"attention backend {name!r}: {message}") from exc
     if sequence_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
         capable = _AttentionBackendRegistry._supports_context_parallel
         usable = ", ".join(sorted(getattr(b, "value", b) for b in capable))
@@ -101,5 +141,9 @@ def packed_length(text_tokens: int, spec, conditioning: dict) -> int:
 
 def _describe(device: torch.device) -> str:
     if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
+        return f"{device} ({torch.cuda.get_device_name(device)}, {_sm(torch.cuda.get_device_capability(device))})"
     return str(device)
+
+
+def _sm(capability: tuple[int, int]) -> str:
+    return f"sm_{capability[0]}{capability[1]}"
