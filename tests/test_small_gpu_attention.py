@@ -111,3 +111,11 @@ def _installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def test_group_offload_without_a_gpu_is_refused_before_any_rank_starts():
+    from h3serve.common.config import DiTConfig
+    from h3serve.services.dit import launch
+
+    with pytest.raises(ValueError, match='offload = "group" streams the blocks from host memory to a GPU'):
+        launch.check(DiTConfig(offload="group"))

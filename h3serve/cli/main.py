@@ -10,7 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3serve.cli import experiment
+from h3serve.cli import experiment, plan
 from h3serve.common.config import SERVICES, ConfigError, load_deploy, override
 
 
@@ -294,6 +294,7 @@ def parser() -> argparse.ArgumentParser:
     _add_request_args(p, steps=8, height=64, width=128)
     p.set_defaults(run=_demo)
 
+    plan.add_parser(sub)
     experiment.add_parser(sub)
     return root
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from h3serve.model import presets
-from h3serve.runtime import random_full, tiny
+from h3serve.runtime import random_full, sharded_load, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,6 +65,14 @@ class ModelSource:
                 if self.model_dir is not None and torch.device(device).type == "cpu":
                     _own_memory(value)
         return components
+
+    def weights(self, name: str) -> sharded_load.Weights:
+        """Where a rank reads its shards of model component `name` from (h3serve/runtime/sharded_load.py)."""
+        if self.model_dir is None:
+            raise ValueError("the tiny preset is built whole (its seeded values come from the full modules)")
+        if self.model_dir == presets.RANDOM_FULL:
+            return sharded_load.RandomWeights(name)
+        return sharded_load.Checkpoint.open(Path(self.model_dir) / name)
 
     def _load_dir(self, names: list[str], dtype: torch.dtype) -> dict[str, Any]:
         from diffusers.modular_pipelines import ModularPipeline

@@ -12,6 +12,8 @@ hold identical weights. Weight values do not change speed, so timings equal the 
   decoder layers: the pipeline reads `hidden_states[50]` (after layer 50, before the final norm), which a
   51-layer stack computes exactly, so the 13 layers it never uses are not built. Its vocabulary has the
   released size; its vision token ids are the tokenizer's.
+- under FSDP2 each DiT rank materialises only its shards, with values of its own
+  (h3serve/runtime/sharded_load.py, `RandomWeights`).
 - tokenizer / processor: the tiny preset's byte-level ones (one token per prompt byte), which is all a
   timing needs; schedulers: the released shifts.
 """
@@ -38,11 +40,16 @@ def build_in_place(factory: Callable[[], torch.nn.Module], device: str, dtype: t
             model = factory().eval()
     finally:
         torch.set_default_dtype(previous)
-    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if keep & set(name.split(".")) and tensor.is_floating_point():
+        if keeps_fp32(model, name) and tensor.is_floating_point():
             tensor.data = tensor.data.float()
     return model
+
+
+def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
+    """Whether parameter or buffer `name` lies under the model's `_keep_in_fp32_modules` (diffusers' rule)."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return any(module in name.split(".") for module in keep)
 
 
 def text_encoder_factory(tokenizer, layers: int = presets.TEXT_ENCODER_LAYERS) -> Callable[[], torch.nn.Module]:
@@ -53,7 +60,7 @@ def text_encoder_factory(tokenizer, layers: int = presets.TEXT_ENCODER_LAYERS) -
     return lambda: Qwen3VLForConditionalGeneration(config)
 
 
-def _model_factory(name: str) -> Callable[[], torch.nn.Module]:
+def model_factory(name: str) -> Callable[[], torch.nn.Module]:
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
 
     if name in ("transformer", "transformer_ref"):
@@ -71,7 +78,7 @@ def build_component(name: str, device: str, dtype: torch.dtype) -> Any:
     """One component by its pipeline name; models are seeded from the name and built on `device`."""
     if name in ("tokenizer", "processor", "scheduler", "audio_scheduler"):
         return tiny.build_component(name)
-    factory = _model_factory(name)
+    factory = model_factory(name)
     tiny.seeded(name)
     return build_in_place(factory, device, dtype)
 

@@ -9,6 +9,7 @@ import torch
 
 from h3serve.common import logs
 from h3serve.common.config import ModelServiceConfig
+from h3serve.runtime import memory
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2
 
@@ -16,10 +17,18 @@ log = logging.getLogger("h3serve.runtime")
 
 
 def load_model_service(service: str, names: list[str], config: ModelServiceConfig):
-    """Load `names` for `service` as configured; returns (components, ModelInfo)."""
+    """Load `names` for `service` as configured; returns (components, ModelInfo).
+
+    With `memory_limit_gib` on a CUDA device the process's allocator is capped first (h3serve/runtime/memory.py);
+    a limit above the card stops the start here, naming both numbers. Every model process starts here: the
+    encoder, the VAE and each DiT rank (on its own device)."""
     logs.setup(service)
     if config.threads:
         torch.set_num_threads(config.threads)
+    try:
+        memory.cap(config, config.device)
+    except memory.MemoryLimitError as exc:
+        raise SystemExit(f"h3serve serve {service}: memory_limit_gib: {exc}") from None
     source = ModelSource(config.model_dir or None)
     started = time.perf_counter()
     components = source.load(names, config.device, config.dtype)

@@ -21,9 +21,10 @@ import torch
 
 from h3serve.common.config import DiTConfig
 from h3serve.model import presets
+from h3serve.runtime import memory
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
-from h3serve.services.dit import adapters, attention
+from h3serve.services.dit import adapters, attention, parallel
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import partitions, served
 
@@ -93,7 +94,11 @@ def check(config: DiTConfig) -> Layout:
         if per_node > visible:
             raise ValueError(f"world_size {config.world_size} puts {per_node} ranks on this node, one per GPU, "
                              f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})")
+        for local_rank in range(per_node):  # each rank caps its allocator at start (runtime/service.py); a limit
+            memory.fractions(config, torch.device("cuda", local_rank))  # above a card is refused here, once
         device = torch.device("cuda", device.index or 0)
+    if config.offload == "group":
+        parallel.check_group_offload(device)
     attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
                     DTYPES[config.dtype], sequence_parallel=layout.world_size > 1, ring=layout.ring_degree > 1)
     return layout

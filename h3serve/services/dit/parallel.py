@@ -1,9 +1,11 @@
 """How the transformer is spread over the group: FSDP2 weight sharding and diffusers' context parallelism.
 
-`prepare_transformer` is the one place a loaded transformer is readied for serving, in this
+`prepare_transformer` is the one place a transformer is readied for serving, in this
 order: the fast path (h3serve/runtime/fastpath.py: attention backend, fp8, compile; context
 parallelism wraps the backend, so it must be chosen first), then weight sharding, then the
-sequence split. Every rank runs the same forward; the packed
+sequence split. With FSDP2 a rank never holds the whole transformer where it can avoid it
+(`loads_shards`): `load_sharded` readies it on the meta device and fills only this rank's
+shards (h3serve/runtime/sharded_load.py). Every rank runs the same forward; the packed
 sequence is split after it is built (diffusers' `_cp_plan`) and gathered at the output heads.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fastpath
+from h3serve.runtime import fastpath, sharded_load
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.dit import attention, gloo_shims
 
@@ -33,6 +36,7 @@ class Layout:
     ulysses_degree: int
     ring_degree: int
     fsdp: bool
+    offload: bool = False  # fsdp_offload: FSDP2 keeps the shards in (pinned) host memory
 
     @classmethod
     def from_config(cls, config: DiTConfig) -> Layout:
@@ -46,7 +50,8 @@ class Layout:
         if ulysses > 1 and ring > 1:
             raise ValueError("ulysses_degree and ring_degree both above 1 (hybrid) is not served: diffusers' hybrid "
                              "mode needs the packed length divisible by the world size; use one of them")
-        return cls(world, ulysses, ring, config.fsdp and world > 1)
+        fsdp = config.fsdp and world > 1
+        return cls(world, ulysses, ring, fsdp, config.fsdp_offload and fsdp)
 
     @property
     def split(self) -> str:
@@ -87,11 +92,30 @@ def attempt_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"h3serve-dit/attempt-{restart}", store)
 
 
+def loads_shards(config: DiTConfig, layout: Layout) -> bool:
+    """Whether each rank loads only its shards (`load_sharded`): FSDP2 over a model directory or random:full.
+    The tiny preset is built whole (a few kB, seeded as whole modules); adapters (peft injects and merges them)
+    and fp8 (scales from the values) need the whole weights before sharding, so they load whole first."""
+    return layout.fsdp and bool(config.model_dir) and not config.adapters and not config.fp8
+
+
+def load_sharded(weights: sharded_load.Weights, layout: Layout, fast: FastPath, device: torch.device,
+                 dtype: torch.dtype) -> torch.nn.Module:
+    """The transformer readied on the meta device, sharded, then only this rank's shards filled from `weights`."""
+    started = time.perf_counter()
+    transformer = sharded_load.skeleton(weights.factory, dtype)
+    prepare_transformer(transformer, layout, fast, device, dtype, weights)
+    log.info("%s: this rank's shards, %.2f GiB, loaded in %.1f s", weights.label,
+             sharded_load.shard_bytes(transformer) / 2**30, time.perf_counter() - started)
+    return transformer
+
+
 def prepare_transformer(transformer, layout: Layout, fast: FastPath, device: torch.device,
-                        dtype: torch.dtype) -> None:
-    """After load, before the first request: the fast path (attention backend first), then the parallelism."""
+                        dtype: torch.dtype, weights: sharded_load.Weights | None = None) -> None:
+    """After load (or on a meta-device skeleton with its `weights`), before the first request: the fast path
+    (attention backend first), then the parallelism."""
     ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
-    parallelize(transformer, layout, device)
+    parallelize(transformer, layout, device, weights)
 
 
 def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype,
@@ -101,34 +125,55 @@ def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.
     fastpath.apply(transformer, fast, sequence_split)
 
 
-def parallelize(transformer, layout: Layout, device: torch.device) -> None:
-    """Weight sharding, then the sequence split (context parallelism wraps the backend already set)."""
+def parallelize(transformer, layout: Layout, device: torch.device,
+                weights: sharded_load.Weights | None = None) -> None:
+    """Weight sharding (then, for a meta-device skeleton, this rank's shards filled from `weights`), then the
+    sequence split (context parallelism wraps the backend already set)."""
     if layout.world_size == 1:
         return
     if device.type == "cpu":
         gloo_shims.apply()
     if layout.fsdp:
-        shard_weights(transformer, device)
+        shard_weights(transformer, device, layout.offload)
+    if weights is not None:
+        sharded_load.materialise(transformer, weights, device, layout.offload)
     split_sequence(transformer, layout)
     log.info("transformer on %d ranks: %s, weights %s", layout.world_size, layout.split,
-             "sharded (FSDP2)" if layout.fsdp else "replicated")
+             ("sharded (FSDP2, offloaded to host)" if layout.offload else "sharded (FSDP2)") if layout.fsdp
+             else "replicated")
 
 
-def shard_weights(transformer, device: torch.device) -> None:
-    """FSDP2 per block (diffusers' `_no_split_modules`), then the root for the rest.
+def shard_weights(transformer, device: torch.device, offload: bool = False) -> None:
+    """FSDP2 per block (diffusers' `_no_split_modules`), then the root for the rest; with `offload` the shards
+    stay in host memory (pinned for the copies to a GPU) and each block is gathered onto `device` as it runs.
 
     Inference only: with gradients off FSDP accepts the bf16 blocks next to the fp32-pinned
     projections in one root group (it refuses mixed dtypes only for trainable parameters).
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     transformer.requires_grad_(False)
     blocks = [m for m in transformer.modules() if type(m).__name__ in transformer._no_split_modules]
-    for block in blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(transformer, mesh=mesh)
+    for block in [*blocks, transformer]:
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+
+
+def check_group_offload(device: torch.device) -> None:
+    """ValueError unless `offload = "group"` has a GPU to stream the blocks to."""
+    if device.type != "cuda":
+        raise ValueError(f'offload = "group" streams the blocks from host memory to a GPU; this rank runs on '
+                         f"{device.type}, where the weights are in host memory already: set offload = \"none\"")
+
+
+def offload_groups(transformer, device: torch.device) -> None:
+    """One rank on a small GPU (`offload = "group"`): the weights stay in host memory and each block is copied to
+    `device` on a side stream while the one before it runs (diffusers' block-level group offload)."""
+    check_group_offload(device)
+    transformer.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                     offload_type="block_level", num_blocks_per_group=1, use_stream=True)
 
 
 def split_sequence(transformer, layout: Layout) -> None:

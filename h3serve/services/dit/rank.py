@@ -27,12 +27,15 @@ import sys
 import threading
 import time
 
+import torch
+
 from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
+from h3serve.runtime import memory
 from h3serve.runtime.fastpath import FastPath
-from h3serve.runtime.models import DTYPES
+from h3serve.runtime.models import DTYPES, ModelSource
 from h3serve.runtime.service import load_model_service
 from h3serve.services.dit import adapters, parallel
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
@@ -120,12 +123,8 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
     flows = served(config.workflows)
     loaded = partitions(flows)
-    components, model = load_model_service("dit", [*loaded, *SCHEDULERS], config.replace(device=str(device)))
-    # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
-    held = adapters.install(config, {partition: components[partition] for partition in loaded})
-    for partition in loaded:
-        parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
-                                     DTYPES[config.dtype])
+    load = load_by_shard if parallel.loads_shards(config, layout) else load_whole
+    components, model, held = load(config, layout, device, loaded)
     member = GroupMember(control, DenoiseRunner(components, flows, held), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
@@ -135,6 +134,36 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
         compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded, **held.describe(),
         ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks])
     return member, info
+
+
+def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):
+    """The whole transformer partitions on this rank, their adapters, then the fast path and the parallelism (or,
+    with `offload = "group"`, the group offload: the weights are loaded into host memory and stay there)."""
+    grouped = config.offload == "group"
+    components, model = load_model_service("dit", [*loaded, *SCHEDULERS],
+                                           config.replace(device="cpu" if grouped else str(device)))
+    model.device = str(device)  # where it computes, also when the weights stay in host memory
+    if grouped:  # loaded on the CPU, so load_model_service capped nothing: the GPU it streams to is capped here
+        memory.cap(config, device)
+    # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
+    held = adapters.install(config, {partition: components[partition] for partition in loaded})
+    for partition in loaded:
+        parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
+                                     DTYPES[config.dtype])
+        if grouped:
+            parallel.offload_groups(components[partition], device)
+    return components, model, held
+
+
+def load_by_shard(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):
+    """Only this rank's shards of the transformer partitions (parallel.loads_shards: no adapters here)."""
+    components, model = load_model_service("dit", SCHEDULERS, config.replace(device=str(device)))
+    source = ModelSource(config.model_dir)
+    for partition in loaded:
+        components[partition] = parallel.load_sharded(source.weights(partition), layout, FastPath.of(config), device,
+                                                      DTYPES[config.dtype])
+    model.components.extend(loaded)
+    return components, model, adapters.install(config, {})
 
 
 class Follower:

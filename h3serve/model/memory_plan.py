@@ -1,0 +1,394 @@
+"""Predicted GPU memory of a deployment, GPU by GPU, from parameter counts: no torch, nothing loaded.
+
+`plan(config)` places every model process of a deployment file on the GPUs its `gpus` string names
+(CUDA_VISIBLE_DEVICES; the DiT's ranks on them in order, one per GPU), predicts each one's peak and adds up
+the processes that share a GPU. `h3serve plan` (h3serve/cli/plan.py) prints it and refuses a placement
+that cannot fit. Every number is an estimate; where each constant comes from:
+
+- Parameter counts (`TRANSFORMER`, `VIDEO_VAE`, `AUDIO_VAE`, `TEXT_ENCODER`): counted on the meta device
+  from diffusers 0.42.1's / transformers' classes at the released sizes, as h3serve/runtime/random_full.py
+  builds them (the text encoder is Qwen3-VL-32B with 51 of its 64 decoder layers); tests/test_plan.py
+  counts them again. A model directory with other sizes is not read: the plan assumes the released ones.
+- Bytes per parameter: the service's dtype, except `_keep_in_fp32_modules` (fp32 always); fp8 stores the
+  block linears `fastpath.fp8_target` picks in 1 byte. The encoder quantises its decoder layers' linears only
+  (h3serve/services/encoder/placement.py: not the embedding, lm_head or vision tower): int8 in 1 byte; nf4 in
+  0.5 byte plus its block statistics, counted as one fp32 absmax per 64 weights (0.5625; bitsandbytes' double
+  quantisation stores ~0.516, so this is a bound).
+- DiT activations (`DIT_ACT_*`): OUR measurements (BENCHMARKS.md, 1 x H200, bf16, eager, native attention):
+  peak 64.4 GiB at 480x832x124 (15,100 packed rows) and 68.3 GiB at 768x1344x124 (37,966 rows), less the
+  61.7 GiB of weights: 2.67 and 6.57 GiB, a line of 1.71e-4 GiB per row (rounded up to 1.75e-4) and 0.1 GiB.
+  A sequence split over ranks (Ulysses or ring) gives each rank rows / world_size, times `DIT_SPLIT_FACTOR`
+  1.3 for the all-to-all buffers: 2 x H200, Ulysses 2, replicated: 66.1 GiB peak, 4.37 GiB of activations
+  at 18,983 rows per rank where the line says 3.33. The field notes' ~11.2 GB + 6.2e-4 GB per token (one
+  32 GB card, another stack, before its attention/FFN chunking) is ~3.5x steeper than what diffusers'
+  path measures here, so it is not used. Compile and fp8 lower the activations (66.5 / 48.1 GiB measured at
+  768); the plan does not count that saving. Reference requests (ref2va) raise memory on every rank and are
+  not modelled: measure them (docs/capacity.md).
+- FSDP2 (h3serve/services/dit/parallel.py shards each block and the root): each rank holds 1/world_size of
+  the weights plus, while it runs, the root unit and two whole blocks (the one running and the prefetched
+  next). Checked: 2 x H200, Ulysses 2, FSDP2 measured 37.7 GiB per rank; this model says 37.8.
+  fsdp_offload keeps the shards in host memory (only the gathered blocks stay); group offload (diffusers'
+  block-level, one block per group, a CUDA stream prefetching the next) keeps what is outside the 50 blocks
+  plus two blocks.
+- Text encoder: weights as above; `spread` divides them evenly over the process's GPUs (accelerate's
+  balanced map); `cpu_offload` leaves the embedding and one decoder layer on the GPU. Activations (an
+  estimate, not measured): every hidden state (52 x 5120) and one MLP intermediate (3 x 25,600) in bf16 per
+  token of the longest prompt (`max_prompt_tokens`), plus 0.25 GiB (lm_head never runs).
+- VAE decode (`VAE_ACT_*`): calibrated on OUR measurement (BENCHMARKS.md vae_decode_768x1344x124: 11.2 GiB
+  peak at tile_batch 1, 14.0 GiB at 28): the weights (5.75 GiB in bf16: fp32 encoder and audio VAE), the
+  decoded frames twice in fp32 on the device, 2.6 GiB of tile work and 0.104 GiB per extra tile per call.
+  Condition encoding (fl2va / ref2va media) is not modelled.
+- Per process and GPU (estimates): 0.5 GiB of CUDA context (outside the allocator and outside
+  `memory_limit_gib`'s cap), 0.25 GiB more of NCCL buffers on a DiT rank of a group, and 5 % of the allocator's
+  peak for fragmentation (inside the cap).
+
+The largest request planned for: the deployment's default canvas (the largest it serves, `[model]`
+geometry) at the longest clip (345 frames), bounded by what admission lets through (`[gateway] capacity`
+for that canvas over the served workflows, `max_rows`); `--frames` / `--canvas` plan for another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from h3serve.model import rules, workflows
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QUANT_BYTES = {"int8": 1.0, "nf4": 0.5625}  # per quantised weight; "none": the dtype's
+
+DIT_ACT_FIXED_GIB = 0.1
+DIT_ACT_PER_ROW_GIB = 1.75e-4
+DIT_SPLIT_FACTOR = 1.3
+ENCODER_ACT_FIXED_GIB = 0.25
+ENCODER_ACT_PER_TOKEN_BYTES = (52 * 5120 + 3 * 25_600) * 2
+VAE_ACT_FIXED_GIB = 2.6
+VAE_ACT_PER_TILE_GIB = 0.104
+CONTEXT_GIB = 0.5
+NCCL_GIB = 0.25
+FRAGMENTATION = 0.05
+DEFAULT_TEXT_ROWS = 256
+
+
+@dataclass(frozen=True)
+class TransformerCounts:
+    """MiniMaxH3Transformer3DModel() (the released config): one partition."""
+
+    total: int = 33_122_992_896
+    fp32: int = 17_222_144             # _keep_in_fp32_modules: proj_in, time_embedder, proj_out, ...
+    blocks: int = 50
+    block: int = 645_571_840           # one of transformer_blocks
+    fp8_linears: int = 19_267_584_000  # fastpath.fp8_target's linears, all blocks (adaln_proj stays bf16)
+    fsdp_root: int = 44_758_016        # what no FSDP unit (a block, a refiner block, norm_out) holds
+
+    def bytes(self, dtype: str, fp8: bool) -> float:
+        quantised = self.fp8_linears if fp8 else 0
+        return self.fp32 * 4 + (self.total - self.fp32 - quantised) * DTYPE_BYTES[dtype] + quantised
+
+    def block_bytes(self, dtype: str, fp8: bool) -> float:
+        quantised = self.fp8_linears // self.blocks if fp8 else 0
+        return (self.block - quantised) * DTYPE_BYTES[dtype] + quantised
+
+    def outside_blocks_bytes(self, dtype: str) -> float:
+        """Everything but the 50 blocks (the fp32 modules included): what group offload keeps on the GPU."""
+        return self.bytes(dtype, False) - self.blocks * self.block * DTYPE_BYTES[dtype]
+
+    def fsdp_root_bytes(self, dtype: str) -> float:
+        return self.fp32 * 4 + (self.fsdp_root - self.fp32) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class VaeCounts:
+    total: int
+    fp32: int  # _keep_in_fp32_modules
+
+    def bytes(self, dtype: str) -> float:
+        return self.fp32 * 4 + (self.total - self.fp32) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class TextEncoderCounts:
+    """Qwen3VLForConditionalGeneration at Qwen3-VL-32B's sizes, 51 decoder layers (random_full's build)."""
+
+    total: int = 27_018_611_696
+    layers: int = 51
+    layer: int = 487_598_336
+    layer_linears: int = 24_866_979_840   # every decoder layer's linears: what int8 / nf4 quantise
+    embedding: int = 777_912_320          # embed_tokens (lm_head, untied, has as many; neither is quantised)
+
+    @property
+    def quantisable(self) -> int:
+        return self.layer_linears
+
+    def bytes(self, dtype: str, quantize: str) -> float:
+        per = QUANT_BYTES.get(quantize, DTYPE_BYTES[dtype])
+        return (self.total - self.quantisable) * DTYPE_BYTES[dtype] + self.quantisable * per
+
+    def offloaded_bytes(self, dtype: str, quantize: str) -> float:
+        """cpu_offload: the embedding and one decoder layer on the GPU at a time."""
+        per, linears = QUANT_BYTES.get(quantize, DTYPE_BYTES[dtype]), self.layer_linears // self.layers
+        return (self.embedding + self.layer - linears) * DTYPE_BYTES[dtype] + linears * per
+
+
+TRANSFORMER = TransformerCounts()
+VIDEO_VAE = VaeCounts(total=2_603_868_984, fp32=180_636_896)
+AUDIO_VAE = VaeCounts(total=151_321_489, fp32=151_321_489)
+TEXT_ENCODER = TextEncoderCounts()
+
+
+def limit_fraction(limit_gib: float, total_bytes: int) -> float:
+    """The allocator fraction `memory_limit_gib` asks of a card of `total_bytes`; ValueError (naming both) when the
+    limit is above the card. h3serve/runtime/memory.py applies it at start; the plan checks it against --gpu-gib."""
+    if limit_gib <= 0:
+        raise ValueError(f"memory_limit_gib must be positive to cap the allocator, got {limit_gib:g}")
+    limit = limit_gib * GIB
+    if limit > total_bytes:
+        raise ValueError(f"memory_limit_gib = {limit_gib:g} GiB is above the card's total of "
+                         f"{total_bytes / GIB:.2f} GiB ({total_bytes:,} bytes); lower it, or 0 for the whole card")
+    return limit / total_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The largest request planned for: its canvas, frames and packed rows, and what bounded the rows."""
+
+    height: int
+    width: int
+    frames: int
+    rows: int          # packed DiT rows: text + conditioning + generated video and audio
+    bound: str         # where `rows` comes from
+
+    @property
+    def pixels_frames(self) -> int:
+        return self.height * self.width * self.frames
+
+
+@dataclass(frozen=True)
+class Share:
+    """One process's part of one GPU, in GiB."""
+
+    gpu: str
+    process: str          # "dit rank 0", "encoder", "vae"
+    weights: float        # resident weights (a shard under FSDP; a part under spread)
+    transient: float      # gathered FSDP units, onloaded blocks or layers
+    activations: float
+    limit: float          # the process's memory_limit_gib (0: none)
+    host: float = 0.0     # weights this process keeps in host memory (offload)
+    nccl: float = 0.0
+
+    @property
+    def allocator(self) -> float:
+        """Peak of the caching allocator with fragmentation: what `memory_limit_gib` caps."""
+        return (self.weights + self.transient + self.activations) * (1 + FRAGMENTATION)
+
+    @property
+    def total(self) -> float:
+        return self.allocator + CONTEXT_GIB + self.nccl
+
+    def parts(self) -> str:
+        parts = [f"weights {self.weights:.1f}"]
+        if self.transient:
+            parts.append(f"onloaded {self.transient:.1f}")
+        parts += [f"activations {self.activations:.1f}",
+                  f"overhead {self.total - self.weights - self.transient - self.activations:.1f}"]
+        return ", ".join(parts)
+
+    def describe(self) -> str:
+        cap = f", cap {self.limit:g}" if self.limit else ""
+        host = f", host {self.host:.1f}" if self.host else ""
+        return f"{self.process:<12} {self.total:5.1f} GiB ({self.parts()}{cap}{host})"
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    gpu: str
+    card: float | None   # GiB; None: unknown
+    card_source: str
+    shares: tuple[Share, ...]
+
+    @property
+    def used(self) -> float:
+        return sum(share.total for share in self.shares)
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    gpus: tuple[GpuPlan, ...]
+    host: float                      # GiB of weights in host memory (offloaded), all processes
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def lines(self) -> list[str]:
+        w = self.workload
+        out = [f"largest request: {w.height}x{w.width}, {w.frames} frames: {w.rows:,} packed rows ({w.bound})"]
+        for gpu in self.gpus:
+            card = f"card {gpu.card:g} GiB ({gpu.card_source})" if gpu.card else "card size unknown"
+            free = f", {gpu.card - gpu.used:.1f} free" if gpu.card else ""
+            out.append(f"GPU {gpu.gpu}: {gpu.used:.1f} GiB predicted, {card}{free}")
+            out += [f"  {share.describe()}" for share in gpu.shares]
+        if self.host:
+            out.append(f"host memory for offloaded weights: {self.host:.1f} GiB")
+        out += [f"note: {note}" for note in self.notes]
+        out.append("fits" if not self.problems else f"does not fit: {len(self.problems)} problem(s)")
+        return out
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / GIB
+
+
+def _listed(gpus: str) -> list[str]:
+    return [gpu.strip() for gpu in gpus.split(",") if gpu.strip()]
+
+
+def _on_gpu(service) -> bool:
+    return service.device.split(":")[0] == "cuda"
+
+
+def _device_gpus(service, count: int, notes: list[str], name: str) -> list[str]:
+    """The GPUs (as CUDA_VISIBLE_DEVICES names them) of `count` devices of a process, from the device index on."""
+    listed = _listed(service.gpus)
+    if not listed:
+        listed = [str(i) for i in range(max(count, 1))]
+        notes.append(f"[{name}] gpus is empty (inherits CUDA_VISIBLE_DEVICES): planned as GPU(s) {','.join(listed)}")
+    _, _, index = service.device.partition(":")
+    start = int(index) if index.isdigit() else 0
+    return listed[start:start + count]
+
+
+def workload(config: Any, canvas: tuple[int, int] | None = None, frames: int | None = None,
+             text_rows: int = DEFAULT_TEXT_ROWS) -> Workload:
+    """The request to plan for (module docstring): by default the largest canvas at the longest clip, bounded by
+    admission."""
+    height, width = canvas or config.gateway.geometry.default_canvas
+    longest = frames or rules.VALID_NUM_FRAMES[-1]
+    served = [workflows.by_name(name) for name in config.dit.workflows]
+    condition = 2 * rules.rows_per_latent_frame(height, width) if any(f.name == "fl2va" for f in served) else 0
+    generated = rules.generated_rows(height, width, longest)
+    rows, bound = text_rows + condition + generated.total, (
+        f"{text_rows} text + {condition} keyframe + {generated.video:,} video + {generated.audio} audio rows")
+    limits = {"[gateway] max_rows": config.gateway.max_rows, "[dit] max_rows": config.dit.max_rows}
+    tables = [config.gateway.capacity.get(f.name, {}) for f in served]
+    per_flow = [table.get(f"{height}x{width}", table.get("*")) for table in tables]
+    if all(limit is not None for limit in per_flow):  # a workflow with no entry is not limited
+        limits[f"[gateway] capacity for {height}x{width}"] = max(per_flow)
+    source = min(limits, key=limits.get)
+    if frames is None and limits[source] < rows:
+        rows = limits[source]
+        fitting = [f for f in rules.VALID_NUM_FRAMES
+                   if text_rows + condition + rules.generated_rows(height, width, f).total <= rows]
+        longest = fitting[-1] if fitting else 0
+        bound = f"bounded by {source}; {longest} frames fit it"
+    return Workload(height, width, longest, rows, bound)
+
+
+def _dit_shares(dit, work: Workload, notes: list[str]) -> list[Share]:
+    world, per_node = dit.world_size, dit.world_size // dit.nnodes
+    partitions = sorted({workflows.by_name(name).partition for name in dit.workflows})
+    count = len(partitions)
+    fp8 = dit.fp8
+    total = _gib(TRANSFORMER.bytes(dit.dtype, fp8)) * count
+    fsdp = dit.fsdp and world > 1
+    block = _gib(TRANSFORMER.block_bytes(dit.dtype, fp8))
+    if dit.offload == "group":
+        # one partition runs at a time: its outside-the-blocks group and two blocks are on the GPU
+        weights, transient, host = 0.0, _gib(TRANSFORMER.outside_blocks_bytes(dit.dtype)) + 2 * block, total
+    elif fsdp:
+        transient = (_gib(TRANSFORMER.fsdp_root_bytes(dit.dtype)) + 2 * block)
+        weights, host = (0.0, total / world) if dit.fsdp_offload else (total / world, 0.0)
+    else:
+        weights, transient, host = total, 0.0, 0.0
+    rows = math.ceil(work.rows / world)
+    activations = DIT_ACT_FIXED_GIB + DIT_ACT_PER_ROW_GIB * rows * (DIT_SPLIT_FACTOR if world > 1 else 1.0)
+    adapters = sum(_file_gib(source.path) for source in dit.adapters.values())
+    weights += adapters / world if fsdp else adapters
+    if count > 1:
+        notes.append(f"[dit] workflows {list(dit.workflows)} load {count} partitions ({', '.join(partitions)})")
+    if dit.nnodes > 1:
+        notes.append(f"[dit] nnodes = {dit.nnodes}: the GPUs shown are one node's; every node holds the same")
+    gpus = _device_gpus(dit, per_node, notes, "dit") if _on_gpu(dit) else []
+    if _on_gpu(dit) and len(gpus) < per_node:
+        notes.append(f"[dit] {per_node} ranks per node but gpus = {dit.gpus!r} names {len(gpus)}")
+    nccl = NCCL_GIB if world > 1 else 0.0
+    return [Share(gpu, f"dit rank {rank}", weights, transient, activations, dit.memory_limit_gib, host, nccl)
+            for rank, gpu in enumerate(gpus)]
+
+
+def _file_gib(path: str) -> float:
+    try:
+        return _gib(os.path.getsize(path))
+    except OSError:
+        return 0.0
+
+
+def _encoder_shares(encoder, notes: list[str]) -> list[Share]:
+    if not _on_gpu(encoder):
+        return []
+    listed = _listed(encoder.gpus)
+    gpus = _device_gpus(encoder, len(listed) if encoder.spread and listed else 1, notes, "encoder")
+    full = _gib(TEXT_ENCODER.bytes(encoder.dtype, encoder.quantize))
+    activations = ENCODER_ACT_FIXED_GIB + _gib(ENCODER_ACT_PER_TOKEN_BYTES * encoder.max_prompt_tokens)
+    if encoder.cpu_offload:
+        weights, transient, host = 0.0, _gib(TEXT_ENCODER.offloaded_bytes(encoder.dtype, encoder.quantize)), full
+    else:
+        weights, transient, host = full / len(gpus), 0.0, 0.0
+    return [Share(gpu, "encoder", weights, transient, activations, encoder.memory_limit_gib, host if i == 0 else 0.0)
+            for i, gpu in enumerate(gpus)]
+
+
+def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
+    if not _on_gpu(vae):
+        return []
+    weights = _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))
+    frames = _gib(2 * work.pixels_frames * 3 * 4)
+    activations = VAE_ACT_FIXED_GIB + VAE_ACT_PER_TILE_GIB * (vae.tile_batch - 1) + frames
+    gpu = _device_gpus(vae, 1, notes, "vae")
+    return [Share(gpu[0], "vae", weights, 0.0, activations, vae.memory_limit_gib)] if gpu else []
+
+
+def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | None = None, frames: int | None = None,
+         text_rows: int = DEFAULT_TEXT_ROWS) -> Plan:
+    """Every GPU's predicted memory for a deployment (h3serve.common.config.DeployConfig) and what does not fit.
+
+    A GPU's card is `gpu_gib` when given, else the largest `memory_limit_gib` of the processes on it."""
+    notes: list[str] = []
+    work = workload(config, canvas, frames, text_rows)
+    shares = [*_dit_shares(config.dit, work, notes), *_encoder_shares(config.encoder, notes),
+              *_vae_shares(config.vae, work, notes)]
+    problems: list[str] = []
+    gpus = []
+    for gpu in sorted(dict.fromkeys(share.gpu for share in shares), key=lambda g: (not g.isdigit(), g.zfill(8))):
+        here = tuple(share for share in shares if share.gpu == gpu)
+        limits = [share.limit for share in here if share.limit]
+        if gpu_gib:
+            card, source = gpu_gib, "--gpu-gib"
+        else:
+            card, source = (max(limits), "memory_limit_gib") if limits else (None, "")
+        gpus.append(GpuPlan(gpu, card, source, here))
+        if card is None:
+            problems.append(f"GPU {gpu}: card size unknown ({', '.join(s.process for s in here)}): "
+                            "give --gpu-gib or memory_limit_gib")
+            continue
+        for share in here:
+            if share.limit and share.allocator > share.limit:
+                problems.append(f"GPU {gpu}: {share.process} needs {share.allocator:.1f} GiB of allocator (weights "
+                                f"{share.weights:.1f} + onloaded {share.transient:.1f} + activations "
+                                f"{share.activations:.1f}, +{FRAGMENTATION:.0%} fragmentation), over its "
+                                f"memory_limit_gib {share.limit:g}")
+            if gpu_gib and share.limit:
+                try:
+                    limit_fraction(share.limit, int(gpu_gib * GIB))
+                except ValueError as exc:
+                    problems.append(f"GPU {gpu}: {share.process}: {exc}")
+        used = sum(share.total for share in here)
+        if used > card:
+            parts = " + ".join(f"{share.process} {share.total:.1f}" for share in here)
+            problems.append(f"GPU {gpu}: {parts} = {used:.1f} GiB predicted, over the card's {card:g} GiB ({source})")
+    if not shares:
+        notes.append("no model service is on a GPU (device = \"cpu\"): nothing to place")
+    host = sum(share.host for share in shares)
+    return Plan(work, tuple(gpus), host, tuple(problems), tuple(notes))

@@ -1,0 +1,158 @@
+"""Materialise a meta-device FSDP2 module rank by rank: only this rank's shards, from safetensors files or random.
+
+A rank builds the model on the meta device (`skeleton`: no weight memory), FSDP2 shards it
+(h3serve/services/dit/parallel.py), and only then allocates parameters: this rank's Shard(0) rows of each
+(`materialise`), on the device, or in host memory with FSDP2's CPU offload. Each parameter is filled on its
+own, so besides the shards a rank holds at most one parameter's rows in transit:
+
+- `Checkpoint`: a component folder of a model directory; the rows are read from the memory-mapped
+  safetensors file, which is opened per tensor so the pages it maps never add up to more than one tensor.
+- `RandomWeights`: `random:full` (benchmarks), seeded values drawn for this rank's rows only.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from h3serve.runtime import random_full
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """This rank's part of one parameter. FSDP2's Shard(0) splits like torch.chunk: rank r holds rows
+    [r * ceil(n / world), ...), fewer on the last ranks."""
+
+    tensor: torch.Tensor  # the local shard: writing it writes what FSDP2 gathers
+    start: int            # its first row in the whole parameter
+    shape: torch.Size     # the whole parameter's
+
+    @classmethod
+    def of(cls, param: DTensor) -> LocalRows:
+        from torch.distributed.tensor import Shard
+
+        if param.placements != (Shard(0),):
+            raise ValueError(f"expected FSDP2's Shard(0) placement, got {param.placements}")
+        mesh = param.device_mesh
+        chunk = -(-param.shape[0] // mesh.size())
+        return cls(param.to_local(), mesh.get_local_rank() * chunk, param.shape)
+
+
+class Weights(Protocol):
+    """Where a component's values come from: the module to build, and each parameter's rows."""
+
+    label: str
+
+    def factory(self) -> torch.nn.Module: ...
+
+    def fill(self, name: str, rows: LocalRows) -> None: ...
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A component folder in diffusers' layout: config.json and one safetensors file, or shards named by an index."""
+
+    folder: Path
+    files: dict[str, Path]  # tensor name -> the file holding it
+
+    @classmethod
+    def open(cls, folder: str | Path) -> Checkpoint:
+        from safetensors import safe_open
+
+        folder = Path(folder)
+        index = folder / "diffusion_pytorch_model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls(folder, {name: folder / file for name, file in weight_map.items()})
+        single = folder / "diffusion_pytorch_model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"{folder} has neither {single.name} nor {index.name}")
+        with safe_open(single, framework="pt") as f:
+            return cls(folder, dict.fromkeys(f.keys(), single))
+
+    @property
+    def label(self) -> str:
+        return str(self.folder)
+
+    def factory(self) -> torch.nn.Module:
+        import diffusers
+
+        config = json.loads((self.folder / "config.json").read_text())
+        model_class = getattr(diffusers, config["_class_name"])
+        return model_class.from_config(model_class.load_config(str(self.folder)))
+
+    def fill(self, name: str, rows: LocalRows) -> None:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise KeyError(f"{self.folder}: the checkpoint has no tensor {name!r}")
+        with safe_open(self.files[name], framework="pt") as f:  # closed per tensor: its mapped pages go with it
+            rows.tensor.copy_(f.get_slice(name)[rows.start:rows.start + rows.tensor.shape[0]])
+
+
+@dataclass(frozen=True)
+class RandomWeights:
+    """Seeded values in the ranges of PyTorch's default init (weights of 2+ dims uniform within 1/sqrt(fan-in),
+    norm scales 1, biases 0), so 50 random blocks stay finite. Each rank draws only its rows, seeded by the
+    component, the parameter and the first row: the same model on every start of the same layout."""
+
+    component: str
+
+    @property
+    def label(self) -> str:
+        return f"random ({self.component})"
+
+    def factory(self) -> torch.nn.Module:
+        return random_full.model_factory(self.component)()
+
+    def fill(self, name: str, rows: LocalRows) -> None:
+        if name.endswith("bias"):
+            rows.tensor.zero_()
+        elif len(rows.shape) == 1:
+            rows.tensor.fill_(1.0)
+        else:
+            seed = zlib.crc32(f"{self.component}.{name}@{rows.start}".encode())
+            generator = torch.Generator(rows.tensor.device).manual_seed(seed)
+            bound = rows.shape[1:].numel() ** -0.5
+            rows.tensor.uniform_(-bound, bound, generator=generator)
+
+
+def skeleton(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
+    """`factory()` with its parameters on the meta device and its buffers computed on the CPU at construction
+    (non-persistent ones, such as the rope frequencies, are in no checkpoint), in fp32 like diffusers' loader
+    computes them; then the dtypes a checkpoint load gives (`_keep_in_fp32_modules` stay fp32)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = factory().eval()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if random_full.keeps_fp32(model, name) else dtype)
+    return model
+
+
+def materialise(model: torch.nn.Module, weights: Weights, device: torch.device, offload: bool) -> None:
+    """Allocate this rank's shards of the FSDP2-sharded skeleton (in host memory with `offload`, else on `device`)
+    and fill them from `weights`; the buffers built with the skeleton are kept, on `device`."""
+    buffers = dict(model.named_buffers())
+    model.to_empty(device="cpu" if offload else device)  # FSDP2 re-registers (and pads, pins) its shards
+    for name, buffer in buffers.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, buffer.to(device))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            weights.fill(name, LocalRows.of(param))
+
+
+def shard_bytes(model: torch.nn.Module) -> int:
+    """The bytes of this rank's shards."""
+    return sum(p.to_local().nbytes for p in model.parameters())
