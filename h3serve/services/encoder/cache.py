@@ -2,6 +2,10 @@
 
 Values are the encoded wire chunks (immutable protobuf bytes), so a hit sends the same bytes
 again without re-encoding, and no caller can mutate what the cache holds.
+
+Keys (`prompt_key`, `media_key`) start with the model revision and the encoder variant ("bf16", "fp32", "int8",
+"nf4": h3serve/services/encoder/placement.py::variant): the same weights quantized compute other embeddings, so a
+quantized encoder never serves bf16 embeddings from a shared cache, nor the reverse.
 """
 
 from __future__ import annotations
@@ -9,6 +13,17 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+
+
+def prompt_key(revision: str, variant: str, prompt: str) -> tuple:
+    """A t2va prompt's key."""
+    return (revision, variant, prompt)
+
+
+def media_key(revision: str, variant: str, spec) -> tuple:
+    """fl2va / ref2va (a MediaSpec): the canvas, the frame count and the assets' content addresses too."""
+    return (revision, variant, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
+            tuple((item.role, item.asset_id) for item in spec.items))
 
 
 @dataclass

@@ -13,9 +13,8 @@ from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import wire
 from h3serve.runtime.checks import spec_checked
 from h3serve.runtime.media import MediaPreparer, read_media_stream
-from h3serve.runtime.service import load_model_service
-from h3serve.services.encoder import checks
-from h3serve.services.encoder.cache import ByteLRU
+from h3serve.services.encoder import checks, placement
+from h3serve.services.encoder.cache import ByteLRU, media_key, prompt_key
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
 from h3serve.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc
 
@@ -23,11 +22,13 @@ log = logging.getLogger("h3serve.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
+    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: ModelServiceConfig,
+                 cache: ByteLRU | None = None) -> None:
         self.runner = runner
         self.model = model
         self.config = config
-        self.cache = ByteLRU(config.cache_bytes)
+        self.variant = placement.variant(config)  # in every cache key: int8 / nf4 embeddings are not bf16 ones
+        self.cache = cache if cache is not None else ByteLRU(config.cache_bytes)
         self.media = MediaPreparer(config.geometry)
         self.tokens = checks.TokenCounter(runner.tokenizer)
 
@@ -36,7 +37,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             checks.check_encode(request, self.config, self.tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        yield from self._cached(request.job_id, (self.model.model_revision, request.prompt),
+        yield from self._cached(request.job_id, prompt_key(self.model.model_revision, self.variant, request.prompt),
                                 lambda: self.runner.encode(request.prompt, common_pb2.WORKFLOW_T2VA))
 
     def EncodeMedia(self, request_iterator, context):
@@ -46,8 +47,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                 request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens)))
         except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        key = (self.model.model_revision, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
-               tuple((item.role, item.asset_id) for item in spec.items))
+        key = media_key(self.model.model_revision, self.variant, spec)
         try:
             yield from self._cached(spec.job_id, key,
                                     lambda: self.runner.encode(spec.prompt, spec.workflow,
@@ -82,7 +82,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
 
 def serve(config: ModelServiceConfig) -> None:
-    components, model = load_model_service("encoder", COMPONENTS, config)
+    try:
+        placement.check(config)  # before any weight is loaded
+        components, model = placement.load(config, COMPONENTS)  # spread refuses a model the GPUs cannot hold
+    except ValueError as exc:
+        raise SystemExit(f"h3serve serve encoder: {exc}") from exc
     servicer = EncoderServicer(TextEncoderRunner(components), model, config)
     run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
                [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,

@@ -1,0 +1,290 @@
+"""Where the text encoder (Qwen3-VL) lives: quantized, spread over GPUs, or offloaded to host memory.
+
+Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` chooses (h3serve/common/config.py,
+`EncoderConfig`):
+
+- `quantize = "int8"`: torchao weight-only int8 (`Int8WeightOnlyConfig`: one scale per output row, activations
+  stay in `dtype`) on the **decoder layers' linears** (`model.language_model.layers.*`: q/k/v/o and the MLP), which
+  hold ~96 % of the 32B weights. Left as they are:
+  - the token embedding (a lookup, not a matmul; quantizing it saves 1.5 GiB and adds error to every row),
+  - `lm_head` (never run: the pipeline reads `hidden_states[50]` off `text_encoder.model`),
+  - the vision tower (0.6 B parameters, ~2 % of the weights: little to save, and its error would reach every
+    vision token of fl2va and ref2va), and every norm.
+  Works on the CPU too (torchao dequantizes in its matmul). Needs torchao (a dependency).
+- `quantize = "nf4"`: bitsandbytes 4-bit NF4 (double-quantized statistics, compute in `dtype`) on the same
+  linears. CUDA only: refused at start on the CPU. bitsandbytes is the `gpu` extra (`pip install 'h3serve[gpu]'`)
+  and is imported only when nf4 is configured.
+- `spread = true`: accelerate's balanced device map over every visible GPU (`infer_auto_device_map` with
+  `get_balanced_memory`; Qwen3-VL's `_no_split_modules` keep each decoder layer and vision block whole), then
+  `dispatch_model`. Refused at start unless the process sees at least 2 CUDA devices: on one device it would do
+  nothing, and a setting that does nothing is refused rather than ignored (field notes); set `spread = false` to
+  load the encoder whole on one GPU. Refused too if the model does not fit the GPUs' free memory (nothing is
+  offloaded to the CPU silently). With a quantization, the bf16 layers are spread first, then quantized in place
+  on their GPUs.
+- `cpu_offload = true`: accelerate's `cpu_offload`: the weights stay in host memory and each module's weights
+  are copied to `device` when it runs (slow: every request moves the whole model over PCIe). Needs a CUDA
+  `device` (on the CPU the weights are in host memory already: refused as doing nothing), and is refused with a
+  quantization (accelerate's offload hooks copy plain tensors, not torchao's or bitsandbytes' quantized ones).
+
+Whenever one of these is set on a CUDA device the components are loaded to the CPU first and placed from there, so
+the whole bf16 model never has to fit one GPU (int8/nf4: each linear is moved to the GPU and quantized there, one
+at a time). Only quantization changes the numbers: offload gave bit-identical embeddings on the CPU
+(tests/test_encoder_placement.py), and spread runs the same kernels, only on other GPUs.
+
+Not verified on a GPU yet (no device time was left when this was written): the nf4 path, spread, and int8/offload
+on CUDA; tests/test_encoder_placement.py has `gpu` tests for them that skip without CUDA.
+
+**Variant.** `variant(config)` names the numbers the encoder produces: "int8" or "nf4" when quantized, else the
+dtype ("bf16", "fp32", "fp16"). It is part of every embedding-cache key (h3serve/services/encoder/cache.py), so a
+quantized encoder never serves bf16 embeddings from a shared cache, nor the reverse; `Info` reports it in
+`ModelInfo.dtype` ("bfloat16 (int8 weights)") and the placement in `ModelInfo.device`.
+
+**The documented int8 error** (prompt_embeds of the int8 encoder against the same encoder unquantized; relative L2
+= ||q - ref|| / ||ref||; prompt "a quiet harbour at dawn, gulls circling over fishing boats while a bell rings in
+the distance", t2va; measured on the CPU, torch 2.14.1, torchao 0.18.0):
+
+| encoder | compute | max abs | max abs / max abs(ref) | relative L2 |
+|---|---|---|---|---|
+| tiny preset (hidden 32, 51 layers), 93 tokens | fp32 | 2.50e-3 | 0.9 % | 1.00e-2 |
+| random Qwen3-VL: hidden 1024, MLP 2048, 16 heads (4 kv), 51 layers, 455 M params | fp32 | 4.64e-1 | 3.4 % | 4.06e-2 |
+| same | bf16 (against bf16) | 6.56e-1 | 4.7 % | 4.90e-2 |
+| same, unquantized bf16 against fp32, for scale | bf16 | 4.03e-1 | 2.9 % | 1.96e-2 |
+
+Documented bound (`INT8_BOUND`): max abs <= 10 % of the reference's largest magnitude and relative L2 <= 0.1.
+Random weights are not trained ones (no outlier channels); the released 32B has not been measured here.
+Reproduce (2 shared CPU cores: seconds; ~2-5 min): `.venv/bin/python -m h3serve.services.encoder.measure` (tiny) and
+`... measure 1024 2048 51`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from h3serve.common.config import ModelServiceConfig
+
+log = logging.getLogger("h3serve.encoder")
+
+DECODER_LAYERS = "model.language_model.layers."  # Qwen3VLForConditionalGeneration's text decoder layers
+SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+SPREAD_HEADROOM = 0.9  # of each GPU's free memory (or memory_limit_gib) the spread weights may take
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    max_abs_fraction: float  # max |q - ref| over max |ref|
+    rel_l2: float            # ||q - ref|| / ||ref||
+
+    def holds(self, quantized: torch.Tensor, reference: torch.Tensor) -> bool:
+        max_abs, rel = embedding_error(quantized, reference)
+        return max_abs <= self.max_abs_fraction * reference.float().abs().max().item() and rel <= self.rel_l2
+
+
+INT8_BOUND = ErrorBound(max_abs_fraction=0.10, rel_l2=0.10)
+
+
+def embedding_error(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(max abs, relative L2) of `quantized` against `reference`, in fp32."""
+    diff = quantized.float() - reference.float()
+    return diff.abs().max().item(), (diff.norm() / reference.float().norm()).item()
+
+
+def _settings(config: ModelServiceConfig) -> tuple[str, bool, bool]:
+    """(quantize, spread, cpu_offload); a plain ModelServiceConfig (tests, older callers) has none of them."""
+    return getattr(config, "quantize", "none"), getattr(config, "spread", False), getattr(config, "cpu_offload", False)
+
+
+def variant(config: ModelServiceConfig) -> str:
+    """The numbers this encoder computes: "int8" / "nf4" when quantized, else its dtype ("bf16", "fp32")."""
+    quantize, _, _ = _settings(config)
+    return quantize if quantize != "none" else SHORT_DTYPES.get(config.dtype, config.dtype)
+
+
+def staged_on_cpu(config: ModelServiceConfig) -> bool:
+    """Load to the CPU first and place from there (so the bf16 model never has to fit one GPU)."""
+    quantize, spread, offload = _settings(config)
+    return torch.device(config.device).type != "cpu" and (quantize != "none" or spread or offload)
+
+
+def check(config: ModelServiceConfig) -> None:
+    """Refuse at start, before any weight is loaded, what placement cannot do here (ValueError, one line)."""
+    quantize, spread, offload = _settings(config)
+    cuda = torch.device(config.device).type == "cuda"
+    if quantize == "int8" and importlib.util.find_spec("torchao") is None:
+        raise ValueError('quantize = "int8" needs the torchao package (pip install torchao)')
+    if quantize == "nf4":
+        if not cuda or not torch.cuda.is_available():
+            raise ValueError(f'quantize = "nf4" needs a CUDA device (bitsandbytes\' 4-bit kernels); this encoder '
+                             f'runs on {config.device!r}{_no_cuda()}: use quantize = "int8" on the CPU')
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError('quantize = "nf4" needs the bitsandbytes package (the gpu extra: '
+                             "pip install 'h3serve[gpu]')")
+    if spread:
+        visible = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
+        if visible < 2:
+            raise ValueError(f"spread = true puts the text encoder's decoder layers on several GPUs: it needs device "
+                             f'= "cuda" and at least 2 visible CUDA devices; this process has device = '
+                             f"{config.device!r} and sees {visible} (gpus = {config.gpus!r}). With one GPU set "
+                             f"spread = false (whole on it), quantize or cpu_offload")
+    if offload:
+        if not cuda:
+            raise ValueError(f"cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
+                             f'it needs device = "cuda"; on {config.device!r} the weights are in host memory already')
+        if quantize != "none":
+            raise ValueError(f'cpu_offload = true and quantize = "{quantize}" do not go together (accelerate\'s '
+                             "offload copies plain weights); choose one, or quantize with spread = true")
+
+
+def _no_cuda() -> str:
+    return "" if torch.cuda.is_available() else " (no CUDA device is visible)"
+
+
+def load(config: ModelServiceConfig, names: list[str]):
+    """load_model_service, then place the text encoder; returns (components, ModelInfo)."""
+    from h3serve.runtime.service import load_model_service
+
+    staged = staged_on_cpu(config)
+    components, model = load_model_service("encoder", names, config.replace(device="cpu") if staged else config)
+    if staged:  # load_model_service capped the allocator of the device it loaded to, the CPU: cap the GPU(s) now
+        from h3serve.runtime import memory
+
+        try:
+            memory.cap(config, config.device)
+        except memory.MemoryLimitError as exc:
+            raise ValueError(f"memory_limit_gib: {exc}") from None
+    model.device = place(components["text_encoder"], config)
+    model.dtype = describe_dtype(config)
+    log.info("encoder: text encoder %s on %s (variant %s)", model.dtype, model.device, variant(config))
+    return components, model
+
+
+def describe_dtype(config: ModelServiceConfig) -> str:
+    quantize, _, _ = _settings(config)
+    return config.dtype if quantize == "none" else f"{config.dtype} ({quantize} weights)"
+
+
+def place(text_encoder: torch.nn.Module, config: ModelServiceConfig) -> str:
+    """Place (and quantize) `text_encoder` as `config` says, in place; returns where it runs, in words.
+
+    The model may be on the CPU (staged) or already on `config.device` (nothing to do but quantize)."""
+    quantize, spread, offload = _settings(config)
+    device = torch.device(config.device)
+    dtype = TORCH_DTYPES[config.dtype]
+    if spread:
+        where = spread_over_gpus(text_encoder, _spread_budget(config))
+        if quantize != "none":
+            quantize_in_place(text_encoder, quantize, dtype, None)  # each linear on the GPU it was given
+        return where
+    if offload:
+        offload_to_host(text_encoder, device)
+        return f"{device} (weights in host memory, cpu_offload)"
+    if quantize != "none":
+        quantize_in_place(text_encoder, quantize, dtype, device)
+    text_encoder.to(device)
+    return str(device)
+
+
+def is_target(module: torch.nn.Module, name: str) -> bool:
+    """The linears quantization replaces: those of the text decoder layers (see the module docstring)."""
+    return isinstance(module, torch.nn.Linear) and name.startswith(DECODER_LAYERS)
+
+
+def quantize_in_place(model: torch.nn.Module, quantize: str, dtype: torch.dtype, device: torch.device | None) -> int:
+    """Quantize the target linears, each moved to `device` first (None: where it is); returns how many."""
+    count = sum(1 for name, module in model.named_modules() if is_target(module, name))
+    if count == 0:
+        raise ValueError(f"the text encoder has no linears under {DECODER_LAYERS!r}: not a Qwen3-VL conditioner?")
+    if quantize == "int8":
+        _int8(model, device)
+    elif quantize == "nf4":
+        _nf4(model, dtype, device)
+    else:
+        raise ValueError(f"quantize must be int8 or nf4, got {quantize!r}")
+    log.info("encoder: %d decoder linears quantized to %s", count, quantize)
+    return count
+
+
+def _int8(model: torch.nn.Module, device: torch.device | None) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    # set_inductor_config=False: nothing here is compiled, and it would change inductor's process-wide settings
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=is_target, device=device)
+
+
+def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None) -> None:
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise RuntimeError(f"quantize = \"nf4\" needs bitsandbytes (pip install 'h3serve[gpu]'): {exc}") from exc
+
+    modules = dict(model.named_modules())
+    for name, linear in list(modules.items()):
+        if not is_target(linear, name):
+            continue
+        target = device if device is not None else linear.weight.device
+        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                              compute_dtype=dtype, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4", module=q)
+        if linear.bias is not None:
+            q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
+        q = q.to(target)  # bitsandbytes quantizes on the move to a CUDA device
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent], child, q)
+        old_hook = getattr(linear, "_hf_hook", None)
+        if old_hook is not None:  # a spread model's hooks sit on the decoder layers, not on linears; keep any
+            from accelerate.hooks import add_hook_to_module
+
+            add_hook_to_module(q, old_hook)
+
+
+def _spread_budget(config: ModelServiceConfig) -> dict[int, int]:
+    """Bytes each visible GPU may take: SPREAD_HEADROOM of its free memory, or of memory_limit_gib if lower."""
+    budget = {}
+    for index in range(torch.cuda.device_count()):
+        free, _ = torch.cuda.mem_get_info(index)
+        limit = getattr(config, "memory_limit_gib", 0.0)
+        if limit:
+            free = min(free, int(limit * (1 << 30)))
+        budget[index] = int(free * SPREAD_HEADROOM)
+    return budget
+
+
+def spread_map(model: torch.nn.Module, budget: dict[int, int]) -> dict[str, int]:
+    """accelerate's balanced device map of `model` over the GPUs of `budget` (index -> bytes), decoder layers and
+    vision blocks whole. Raises ValueError when anything would not fit on the GPUs."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or ())
+    balanced = get_balanced_memory(model, max_memory=dict(budget), no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory={**balanced, "cpu": 0}, no_split_module_classes=no_split)
+    off = sorted(name for name, where in device_map.items() if not isinstance(where, int))
+    if off:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise ValueError(f"spread: the text encoder ({total / (1 << 30):.1f} GiB) does not fit the "
+                         f"{len(budget)} GPUs' free memory ({sum(budget.values()) / (1 << 30):.1f} GiB usable); "
+                         f"left over: {', '.join(off[:3])}{' ...' if len(off) > 3 else ''}")
+    return device_map
+
+
+def spread_over_gpus(model: torch.nn.Module, budget: dict[int, int]) -> str:
+    from accelerate import dispatch_model
+
+    device_map = spread_map(model, budget)
+    dispatch_model(model, device_map=device_map)
+    used = sorted(set(device_map.values()))
+    log.info("encoder: spread over cuda:%s: %s", ",".join(map(str, used)),
+             "; ".join(f"cuda:{i}: {sum(1 for v in device_map.values() if v == i)} modules" for i in used))
+    return "+".join(f"cuda:{i}" for i in used) + " (spread)"
+
+
+def offload_to_host(model: torch.nn.Module, device: torch.device) -> None:
+    """accelerate's cpu_offload: weights in host memory, each module's copied to `device` when it runs."""
+    from accelerate import cpu_offload
+
+    model.to("cpu")
+    cpu_offload(model, execution_device=device)
