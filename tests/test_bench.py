@@ -70,15 +70,24 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
     from bench import e2e
     from bench.common import Size
 
-    args = argparse.Namespace(sizes="32x64x124", steps=4, warmup_steps=2, dtype="float32", model_dir="",
-                              command="python -m bench.e2e --quick --side in-process")
+    args = argparse.Namespace(sizes="32x64x124,64x32x124", steps=4, warmup_steps=2, dtype="float32", model_dir="",
+                              adapter_rank=0, flow_shift=12.0, command="python -m bench.e2e --quick --side in-process")
     side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)
     path = tmp_path / "baseline.json"
     with pytest.raises(SystemExit, match="no baseline at .*; run with --side in-process first"):
         e2e.load_baseline(path, args)
-    e2e.save_baseline(path, args, {Size(32, 64, 124): side})
-    assert e2e.load_baseline(path, args) == ({Size(32, 64, 124): side}, args.command)
-    args.steps = 50
+    both = {Size(32, 64, 124): side, Size(64, 32, 124): side}
+    e2e.save_baseline(path, args, both)
+    assert e2e.load_baseline(path, args) == (both, args.command)
+    args.sizes = "64x32x124"  # one of its sizes: a call per size when device time is short
+    assert e2e.load_baseline(path, args) == (both, args.command)
+    args.sizes = "64x64x124"
+    with pytest.raises(SystemExit, match="measured with"):
+        e2e.load_baseline(path, args)
+    args.sizes, args.adapter_rank = "32x64x124", 128
+    with pytest.raises(SystemExit, match="'adapter_rank': 0.*this run is .*'adapter_rank': 128"):
+        e2e.load_baseline(path, args)
+    args.adapter_rank, args.steps = 0, 50
     with pytest.raises(SystemExit, match="measured with .*'steps': 4.*this run is .*'steps': 50"):
         e2e.load_baseline(path, args)
 
@@ -90,9 +99,13 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     from h3serve.common.config import load_deploy
     from h3serve.runtime.fastpath import FastPath
 
+    lora = tmp_path / "turbo.safetensors"
+    lora.touch()
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
-                              vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off")
+                              vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off",
+                              adapter_file=str(lora))
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    assert {name: source.path for name, source in config.dit.adapters.items()} == {e2e.ADAPTER: str(lora)}
     services = [config.encoder, config.dit, config.vae]
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
     assert (config.dit.world_size, config.dit.fsdp) == (1, False)

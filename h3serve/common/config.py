@@ -9,6 +9,7 @@ is read, so a bad deployment fails at start with one line per problem naming the
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -29,6 +30,7 @@ from pydantic import (
 )
 
 from h3serve.model import adapters as adapter_rules
+from h3serve.model import rules
 from h3serve.model.rules import Geometry
 from h3serve.model.workflows import names as workflow_names
 
@@ -54,6 +56,17 @@ DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYP
 Phase = Literal[tuple(STALL_DEFAULTS)]
 StageName = Literal[tuple(OUTAGE_DEFAULTS)]
 Workflows = Annotated[tuple[Literal[tuple(workflow_names())], ...], Field(min_length=1, strict=False)]  # TOML: a list
+
+
+SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
+
+
+def parse_shape(shape: str) -> tuple[int, int, int]:
+    """"HxWxF" as (height, width, frames); ValueError otherwise."""
+    match = SHAPE.fullmatch(shape)
+    if not match:
+        raise ValueError(f'a shape is "HEIGHTxWIDTHxFRAMES", e.g. "480x832x124", got {shape!r}')
+    return tuple(int(part) for part in match.groups())
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -218,6 +231,10 @@ class DiTConfig(ModelServiceConfig):
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False       # fsdp = true: parameters live in host memory, each block's gathered to the GPU
+    # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
+    # request is as fast as the hundredth. See README "Warm start".
+    warmup: tuple[str, ...] = Field(default=(), strict=False)
+    warmup_steps: Steps = 3          # num_inference_steps of each warm-up run: 3 runs both forward variants
     offload: Literal["none", "group"] = "none"  # one rank: diffusers' block-level group offload, CUDA-stream prefetch
 
     @field_validator("dtype")
@@ -226,6 +243,18 @@ class DiTConfig(ModelServiceConfig):
         if dtype == "float16":
             raise ValueError(FLOAT16_REFUSED)
         return dtype
+
+    @field_validator("warmup")
+    @classmethod
+    def _warm_shapes(cls, shapes: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        if shapes and "t2va" not in info.data.get("workflows", ("t2va",)):
+            raise ValueError("the warm-up runs t2va (text only) on the transformer: add t2va to workflows")
+        for shape in shapes:
+            height, width, frames = parse_shape(shape)
+            if "geometry" in info.data:
+                rules.check_resolved_canvas(height, width, info.data["geometry"])
+            rules.check_num_frames(frames)
+        return shapes
 
     @field_validator("fsdp_offload")
     @classmethod

@@ -61,6 +61,8 @@ def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) 
     if fast.fp8:
         quantize_fp8(model)
     if fast.compile:
+        # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
         model.compile_repeated_blocks(fullgraph=not sequence_split)
     log.info("%s fast path: %s", type(model).__name__, fast.describe())
 

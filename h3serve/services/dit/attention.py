@@ -104,8 +104,8 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
             backend = AttentionBackendName(name)
             _check_attention_backend_requirements(backend)
     except (RuntimeError, ValueError, ImportError) as exc:
-        message = str(exc)  # the local kernels' reasons already name the backend
-        raise BackendUnusable(message if repr(name) in message else f"attention backend {name!r}: {message}") from exc
+        message, prefix = str(exc), f"attention backend {name!r}"  # the local kernels' reasons start with it
+        raise BackendUnusable(message if message.startswith(prefix) else f"{prefix}: {message}") from exc
     if sequence_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
         capable = _AttentionBackendRegistry._supports_context_parallel
         usable = ", ".join(sorted(getattr(b, "value", b) for b in capable))

@@ -29,7 +29,7 @@ from h3serve.services.dit.runner import DenoiseRunner, StepClock
 from h3serve.v1 import dit_pb2
 
 log = logging.getLogger("h3serve.dit.group")
-IDLE, JOB = "idle", "job"
+IDLE, JOB, WARMUP = "idle", "job", "warmup"  # a warm-up job runs like a job and is not counted as served
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class GroupMember:
         spec, tensors = message.spec, message.tensors
 
         def observe(step: int, total: int) -> None:
-            self.steps_served += 1
+            self.steps_served += message.kind == JOB
             on_step(step, total)
             if self.control.any(wants_stop()):
                 raise Cancelled
@@ -135,7 +135,7 @@ def follow(member: GroupMember) -> None:
     """Ranks above 0: run what rank 0 sends until the group breaks (the process then exits)."""
     while True:
         message = member.control.broadcast()
-        if message.kind == JOB:
+        if message.kind in (JOB, WARMUP):
             member.run(message, lambda step, total: None, lambda: False)
 
 

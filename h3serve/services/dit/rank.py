@@ -37,7 +37,7 @@ from h3serve.runtime import memory
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES, ModelSource
 from h3serve.runtime.service import load_model_service
-from h3serve.services.dit import adapters, parallel
+from h3serve.services.dit import adapters, parallel, warmup
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
 from h3serve.services.dit.launch import decode_config
 from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
@@ -77,6 +77,9 @@ class Endpoint:
     def start_group(self, config: DiTConfig, restart: int) -> None:
         try:
             member, info = join(config, 0, restart)
+            if config.warmup:
+                self.view.state = f"warming up {', '.join(config.warmup)}"
+                info.warm_shapes.extend(dict.fromkeys(run.shape for run in warmup.warm_up(member, config)))
         except BaseException as exc:
             log.error("rank 0 could not join the DiT group: %s", describe(exc))
             self.broken(f"start-up failed on rank 0: {describe(exc, lines=1)}")

@@ -1,0 +1,108 @@
+"""Warm start: a compiled DiT denoises its [dit] warmup shapes before health says SERVING, and a request after that
+compiles nothing (torch.compile's graph count, Info.compiled_graphs, stays put), whatever its prompt length, steps
+or canvas. Real processes: the session stack's encoder and VAE, a DiT with compile = true and a gateway."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+import pytest
+from conftest import QUICK_OUTAGE, free_port, write_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.client import GatewayClient
+from h3serve.common.config import ConfigError, load_deploy
+from h3serve.runtime.models import ModelSource
+from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
+
+WARM = dict(compile=True, warmup=["32x64x124"], warmup_steps=3, workflows=["t2va"])
+
+
+@pytest.fixture(scope="module")
+def warm(stack, tmp_path_factory):
+    """A warming DiT and its gateway; yields (DiT stub, gateway client, what the start showed)."""
+    root = tmp_path_factory.mktemp("warm")
+    ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
+    config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports, dit=WARM,
+                          outage_s=QUICK_OUTAGE)
+    group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("dit", "gateway"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{ports['dit']}")
+    dit = dit_pb2_grpc.DiTStub(channel)
+    group.start()
+    try:
+        seen = watch_start(dit, health_pb2_grpc.HealthStub(channel))
+        group.wait_healthy()
+        client = GatewayClient(f"127.0.0.1:{ports['gateway']}")
+        yield dit, client, seen
+        client.close()
+    finally:
+        group.stop()
+        channel.close()
+
+
+def watch_start(dit, health, timeout: float = 300.0) -> list[tuple[str, int]]:
+    """(Info.state, health status) as they change until the DiT says SERVING."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = dit.Info(common_pb2.InfoRequest(), timeout=5).state
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        except grpc.RpcError:  # the port is not open yet
+            time.sleep(0.1)
+            continue
+        if not seen or seen[-1] != (state, status):
+            seen.append((state, status))
+        if status == health_pb2.HealthCheckResponse.SERVING:
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"the DiT did not turn SERVING in {timeout} s: {seen}")
+
+
+def info(dit) -> dit_pb2.DiTInfo:
+    return dit.Info(common_pb2.InfoRequest(), timeout=10)
+
+
+def test_the_dit_is_not_serving_until_its_warmup_shapes_have_run(warm):
+    dit, _, seen = warm
+    warming = [status for state, status in seen if state == "warming up 32x64x124"]
+    assert warming and set(warming) == {health_pb2.HealthCheckResponse.NOT_SERVING}, seen
+    assert seen[-1] == ("serving", health_pb2.HealthCheckResponse.SERVING), seen
+    started = info(dit)
+    assert list(started.warm_shapes) == ["32x64x124"]
+    assert started.compiled_graphs > 0, "compile = true: the warm-up compiled the blocks"
+    assert (started.requests_served, started.steps_served) == (0, 0), "warm-ups are not requests"
+
+
+@pytest.mark.parametrize("prompt,height,width,steps", [
+    ("a fox", 32, 64, 5),                                   # the warm shape, another prompt length and step count
+    ("two otters float on a slow green river", 64, 32, 4),  # another canvas
+])
+def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(warm, tmp_path, prompt, height,
+                                                                              width, steps):
+    dit, client, _ = warm
+    graphs = info(dit).compiled_graphs
+    final = client.generate(gateway_pb2.GenerateRequest(prompt=prompt, height=height, width=width,
+                                                         num_inference_steps=steps, seed=3, include_raw=True))
+    assert final.WhichOneof("kind") == "done", final
+    assert info(dit).compiled_graphs == graphs, "the request compiled new graphs after the warm-up"
+    served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "raw.npz"))
+    expected = run_reference(ModelSource(None), ReferenceRequest(prompt, height, width, 124, steps, 3))
+    assert np.abs(served["frames"] - expected["frames"]).max() <= 1e-4  # compiled float32 against eager
+
+
+@pytest.mark.parametrize("table,reason", [
+    ('warmup = ["480x832"]', 'a shape is "HEIGHTxWIDTHxFRAMES"'),
+    ('warmup = ["480x832x125"]', "must be 17n\\+5"),
+    ('warmup = ["480x830x124"]', "width: must be a positive multiple of 32"),
+    ('workflows = ["ref2va"]\nwarmup = ["480x832x124"]', "add t2va to workflows"),
+])
+def test_a_bad_warmup_is_refused_naming_the_key(tmp_path, table, reason):
+    path = tmp_path / "bad.toml"
+    path.write_text(f"[dit]\n{table}\n")
+    with pytest.raises(ConfigError, match=reason) as err:
+        load_deploy(path)
+    assert "[dit] warmup" in str(err.value)
