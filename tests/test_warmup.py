@@ -5,6 +5,8 @@ or canvas. Real processes: the session stack's encoder and VAE, a DiT with compi
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -22,13 +24,22 @@ from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
 WARM = dict(compile=True, warmup=["32x64x124"], warmup_steps=3, workflows=["t2va"])
 
 
+@dataclass
+class Warm:
+    dit: dit_pb2_grpc.DiTStub
+    client: GatewayClient
+    group: ServiceGroup
+    seen: list[tuple[str, int]]  # (Info.state, health) as the start went
+    cache: Path                  # [dit] compile_cache_dir
+
+
 @pytest.fixture(scope="module")
 def warm(stack, tmp_path_factory):
-    """A warming DiT and its gateway; yields (DiT stub, gateway client, what the start showed)."""
+    """A warming DiT (compile, a compile cache of its own) and its gateway."""
     root = tmp_path_factory.mktemp("warm")
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
-    config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports, dit=WARM,
-                          outage_s=QUICK_OUTAGE)
+    config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports,
+                          dit={**WARM, "compile_cache_dir": str(root / "compile-cache")}, outage_s=QUICK_OUTAGE)
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("dit", "gateway"))
     channel = grpc.insecure_channel(f"127.0.0.1:{ports['dit']}")
     dit = dit_pb2_grpc.DiTStub(channel)
@@ -37,7 +48,7 @@ def warm(stack, tmp_path_factory):
         seen = watch_start(dit, health_pb2_grpc.HealthStub(channel))
         group.wait_healthy()
         client = GatewayClient(f"127.0.0.1:{ports['gateway']}")
-        yield dit, client, seen
+        yield Warm(dit, client, group, seen, root / "compile-cache")
         client.close()
     finally:
         group.stop()
@@ -67,13 +78,14 @@ def info(dit) -> dit_pb2.DiTInfo:
 
 
 def test_the_dit_is_not_serving_until_its_warmup_shapes_have_run(warm):
-    dit, _, seen = warm
+    dit, seen = warm.dit, warm.seen
     warming = [status for state, status in seen if state == "warming up 32x64x124"]
     assert warming and set(warming) == {health_pb2.HealthCheckResponse.NOT_SERVING}, seen
     assert seen[-1] == ("serving", health_pb2.HealthCheckResponse.SERVING), seen
     started = info(dit)
     assert list(started.warm_shapes) == ["32x64x124"]
     assert started.compiled_graphs > 0, "compile = true: the warm-up compiled the blocks"
+    assert started.compile_cache_hits == 0, "a fresh compile cache has nothing to load"
     assert (started.requests_served, started.steps_served) == (0, 0), "warm-ups are not requests"
 
 
@@ -83,7 +95,7 @@ def test_the_dit_is_not_serving_until_its_warmup_shapes_have_run(warm):
 ])
 def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(warm, tmp_path, prompt, height,
                                                                               width, steps):
-    dit, client, _ = warm
+    dit, client = warm.dit, warm.client
     graphs = info(dit).compiled_graphs
     final = client.generate(gateway_pb2.GenerateRequest(prompt=prompt, height=height, width=width,
                                                          num_inference_steps=steps, seed=3, include_raw=True))
@@ -92,6 +104,14 @@ def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(wa
     served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "raw.npz"))
     expected = run_reference(ModelSource(None), ReferenceRequest(prompt, height, width, 124, steps, 3))
     assert np.abs(served["frames"] - expected["frames"]).max() <= 1e-4  # compiled float32 against eager
+
+
+def test_a_restart_loads_the_compiled_graphs_from_the_compile_cache(warm):
+    assert list((warm.cache / "inductor").rglob("*")), "the warm-up left its graphs in compile_cache_dir"
+    warm.group.restart("dit")
+    restarted = info(warm.dit)
+    assert list(restarted.warm_shapes) == ["32x64x124"]
+    assert restarted.compile_cache_hits == restarted.compiled_graphs > 0, "every graph came from the cache"
 
 
 @pytest.mark.parametrize("table,reason", [

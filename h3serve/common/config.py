@@ -178,6 +178,8 @@ class ModelServiceConfig(Section):
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
+    compile_cache_dir: str = ""    # dit, vae with compile: Inductor's and Triton's caches here, so a restart loads
+                                   # the compiled graphs (empty: torch's default, under /tmp)
     tile_batch: PositiveInt = 1    # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
     memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
                                               # emulate a 22 GB card on a bigger one; 0: the whole device

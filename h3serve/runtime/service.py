@@ -9,7 +9,7 @@ import torch
 
 from h3serve.common import logs
 from h3serve.common.config import ModelServiceConfig
-from h3serve.runtime import memory
+from h3serve.runtime import compile_cache, memory
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2
 
@@ -29,6 +29,8 @@ def load_model_service(service: str, names: list[str], config: ModelServiceConfi
         memory.cap(config, config.device)
     except memory.MemoryLimitError as exc:
         raise SystemExit(f"h3serve serve {service}: memory_limit_gib: {exc}") from None
+    if config.compile and config.compile_cache_dir:
+        compile_cache.use(config.compile_cache_dir)
     source = ModelSource(config.model_dir or None)
     started = time.perf_counter()
     components = source.load(names, config.device, config.dtype)

@@ -16,8 +16,8 @@ import grpc
 from h3serve.common.config import DiTConfig
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.workflows.base import ModelDims, Workflow
-from h3serve.runtime import wire
-from h3serve.services.dit import checks, warmup
+from h3serve.runtime import compile_cache, wire
+from h3serve.services.dit import checks
 from h3serve.services.dit.group import Driver, JobFailed
 from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
@@ -63,7 +63,7 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         info = dit_pb2.DiTInfo()
         info.CopyFrom(self.view.info)
         info.state = self.view.state
-        info.compiled_graphs = warmup.compiled_graphs()
+        info.compiled_graphs, info.compile_cache_hits = compile_cache.compiled_graphs(), compile_cache.cache_hits()
         driver = self.view.driver
         if driver is not None:
             info.requests_served, info.steps_served, info.busy = driver.requests_served, driver.steps_served, \

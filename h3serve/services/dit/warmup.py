@@ -72,10 +72,3 @@ def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int
     text = {"prompt_embeds": torch.randn(1, tokens, check.dims.text_dim, generator=generator),
             "text_token_tags": torch.full((tokens,), rules.TEXT_TAG, dtype=torch.int64)}
     return Message(WARMUP, spec, text, check.conditioning(spec, text))
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process (Info.compiled_graphs)."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
