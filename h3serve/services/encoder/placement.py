@@ -52,7 +52,7 @@ the distance", t2va; measured on the CPU, torch 2.14.1, torchao 0.18.0):
 
 Documented bound (`INT8_BOUND`): max abs <= 10 % of the reference's largest magnitude and relative L2 <= 0.1.
 Random weights are not trained ones (no outlier channels); the released 32B has not been measured here.
-Reproduce (2 shared CPU cores: seconds; ~2-5 min): `.venv/bin/python -m h3serve.services.encoder.measure` (tiny) and
+Reproduce (2 shared CPU cores: seconds; ~2-5 min): `.venv/bin/python -m bench.encoder_int8` (tiny) and
 `... measure 1024 2048 51`.
 """
 

@@ -1,8 +1,8 @@
 """Measures the int8 text encoder's embedding error against the unquantized one, on the CPU (the table in
 h3serve/services/encoder/placement.py's docstring).
 
-    python -m h3serve.services.encoder.measure                  # the tiny preset (fp32)
-    python -m h3serve.services.encoder.measure 1024 2048 51     # random Qwen3-VL: hidden, MLP, layers (fp32, bf16)
+    python -m bench.encoder_int8                  # the tiny preset (fp32)
+    python -m bench.encoder_int8 1024 2048 51     # random Qwen3-VL: hidden, MLP, layers (fp32, bf16)
 
 The random encoder has head_dim 64, hidden/64 heads and hidden/256 key-value heads, the tiny preset's byte-level
 tokenizer and vision tower, and is seeded like the tiny preset's. Nothing is downloaded.
