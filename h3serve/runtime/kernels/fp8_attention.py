@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from h3serve.runtime.kernels import slot
+
 E4M3_MAX = 448.0
 NAME = "cudnn_fp8"
 
@@ -26,9 +28,7 @@ NAME = "cudnn_fp8"
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
               causal: bool = False) -> torch.Tensor:
     """(batch, rows, heads, head_dim) attention without a mask, computed in FP8; returns q's dtype."""
-    if causal:
-        raise ValueError("MiniMax-H3 attention is never causal")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    scale = slot.softmax_scale(q, softmax_scale, causal)
     k = k.float()
     k = k - k.mean(dim=1, keepdim=True)
     q8, descale_q = _per_tensor(q.float())

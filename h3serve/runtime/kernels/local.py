@@ -22,17 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from h3serve.runtime.kernels import fp8_attention, sage
+from h3serve.runtime.kernels import fp8_attention, sage, slot
 
 log = logging.getLogger("h3serve.local_kernels")
 FLASH4 = "flash4"
 
 
 def _flash4_kernel(q, k, v, softmax_scale=None, causal=False):
-    if causal:
-        raise ValueError("MiniMax-H3 attention is never causal")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return torch.ops.h3serve.flash4(q, k, v, scale)
+    return torch.ops.h3serve.flash4(q, k, v, slot.softmax_scale(q, softmax_scale, causal))
 
 
 @torch.library.custom_op("h3serve::flash4", mutates_args=())

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from h3serve.runtime.kernels import slot
+
 NAME = "sage"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
               causal: bool = False) -> torch.Tensor:
     """(batch, rows, heads, head_dim) attention without a mask; returns q's dtype."""
-    if causal:
-        raise ValueError("MiniMax-H3 attention is never causal")
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return torch.ops.h3serve.sage(q, k, v, scale)
+    return torch.ops.h3serve.sage(q, k, v, slot.softmax_scale(q, softmax_scale, causal))
 
 
 @torch.library.custom_op("h3serve::sage", mutates_args=())
