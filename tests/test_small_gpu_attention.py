@@ -119,3 +119,16 @@ def test_group_offload_without_a_gpu_is_refused_before_any_rank_starts():
 
     with pytest.raises(ValueError, match='offload = "group" streams the blocks from host memory to a GPU'):
         launch.check(DiTConfig(offload="group"))
+
+
+@pytest.mark.parametrize("version,capability,refused", [("1.0.6", TURING, True), ("1.0.6", AMPERE, False),
+                                                         ("2.2.0", TURING, False)])
+def test_sageattention_1_is_refused_below_tritons_oldest_target_and_a_2x_build_is_not(monkeypatch, version,
+                                                                                     capability, refused):
+    monkeypatch.setattr(sage, "installed_version", lambda: version)
+    if not refused:
+        sage.check_build(capability)
+        return
+    with pytest.raises(RuntimeError, match="sageattention 1.0.6 is Triton only.*on sm_75 install a SageAttention 2.x "
+                                           "build for it \\(TORCH_CUDA_ARCH_LIST=7.5"):
+        sage.check_build(capability)

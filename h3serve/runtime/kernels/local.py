@@ -52,6 +52,7 @@ class LocalKernel:
     package: str       # what to install when it does not
     kernel: Callable   # (q, k, v, softmax_scale, causal) on (batch, rows, heads, head_dim)
     capability: tuple[int, int]  # the oldest NVIDIA compute capability it runs on
+    build_check: Callable[[tuple[int, int]], None] | None = None  # whether the installed build runs on this GPU
 
     def check(self, name: str) -> None:
         """Raise RuntimeError, with the reason, unless the kernel can run in this process."""
@@ -62,14 +63,15 @@ class LocalKernel:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() < self.capability:
             raise RuntimeError(f"attention backend {name!r} needs an NVIDIA GPU of compute capability "
                                f"{'.'.join(map(str, self.capability))} or newer")
+        if self.build_check:
+            self.build_check(torch.cuda.get_device_capability())
 
 
 KERNELS = {
     FLASH4: LocalKernel("flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel,
                         (9, 0)),
     fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention, (9, 0)),
-    sage.NAME: LocalKernel("sageattention", "sageattention package", sage.attention,
-                           (7, 5)),
+    sage.NAME: LocalKernel("sageattention", "sageattention package", sage.attention, (7, 5), sage.check_build),
 }
 
 

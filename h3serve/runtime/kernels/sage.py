@@ -9,6 +9,10 @@ K is smoothed here, out of place: the package's own `smooth_k` subtracts the mea
 place, which an opaque custom op must not do. Subtracting K's mean over the tokens moves every score of one
 query row by the same amount, so the softmax is unchanged and the int8 range is spent on what differs.
 diffusers' own `sage*` backends need a SageAttention >= 2.1.1 build (from source; README "Small GPUs").
+
+Which build runs where: 1.x is Triton only, and Triton (3.3 on) targets sm_80 and newer; below that its matrix
+products run without tensor cores. On sm_75 the package's `sageattn` must come from a SageAttention 2.x build for
+that card (`TORCH_CUDA_ARCH_LIST=7.5`), whose `sageattn` dispatches to CUDA kernels; `check_build` refuses 1.x there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ import torch
 from h3serve.runtime.kernels import slot
 
 NAME = "sage"
+TRITON_CAPABILITY = (8, 0)  # the oldest GPU Triton targets
+
+
+def installed_version() -> str:
+    from importlib.metadata import version
+
+    return version("sageattention")
+
+
+def check_build(capability: tuple[int, int]) -> None:
+    """RuntimeError when the installed sageattention has no kernel for this GPU worth running."""
+    installed = installed_version()
+    if int(installed.split(".")[0]) < 2 and capability < TRITON_CAPABILITY:
+        raise RuntimeError(f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
+                           f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
+                           f"for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, README \"Small GPUs\")")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
