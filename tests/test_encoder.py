@@ -95,3 +95,28 @@ def test_a_job_id_that_is_no_id_is_refused_without_echoing_it(encoder, job_id):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == (f"job_id: at most 128 printable ASCII characters without spaces, got {len(job_id)} "
                                    f"characters")
+
+
+def test_a_loaded_encoder_drops_the_layers_and_head_the_pipeline_never_reads(tmp_path):
+    """A model directory whose Qwen3-VL has 54 decoder layers (the released one: 64) loads with 51 and no head,
+    and encodes exactly what the whole model encodes (the pipeline reads hidden_states[50])."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from h3serve.model import presets
+    from h3serve.runtime import tiny
+
+    tokenizer = presets.tiny_tokenizer()
+    tiny.seeded("text_encoder")
+    whole = Qwen3VLForConditionalGeneration(tiny.qwen3_vl_config(
+        tokenizer, {**presets.TINY_TEXT_ENCODER_TEXT, "num_hidden_layers": 54}, presets.TINY_TEXT_ENCODER_VISION)).eval()
+    directory = tiny.write_tiny_model(tmp_path / "h3")
+    whole.save_pretrained(directory / "text_encoder")
+    parts = {name: tiny.build_component(name) for name in ("tokenizer", "processor")}
+    expected = TextEncoderRunner({**parts, "text_encoder": whole}).encode("a heron lands", common_pb2.WORKFLOW_T2VA)
+
+    loaded = ModelSource(str(directory)).load(["text_encoder"], "cpu", "float32")["text_encoder"]
+    assert len(loaded.model.language_model.layers) == presets.TEXT_ENCODER_LAYERS == 51
+    assert isinstance(loaded.lm_head, torch.nn.Identity)
+    got = TextEncoderRunner({**parts, "text_encoder": loaded}).encode("a heron lands", common_pb2.WORKFLOW_T2VA)
+    assert torch.equal(got["prompt_embeds"], expected["prompt_embeds"])
+    assert torch.equal(got["text_token_tags"], expected["text_token_tags"])

@@ -54,12 +54,15 @@ def test_text_encoder_is_qwen3_vl_32b_truncated_after_the_layer_the_pipeline_rea
     assert tuple(layer.self_attn.k_proj.weight.shape) == (8 * 128, 5120)
     assert tuple(layer.mlp.gate_proj.weight.shape) == (25_600, 5120)
     assert len(encoder.model.visual.blocks) == 27 and encoder.model.visual.merger.linear_fc2.out_features == 5120
-    assert params_by_dtype(encoder) == {torch.bfloat16: 27_018_611_696}
-    # The released 64-layer conditioner is 33.36 B parameters; the 13 layers after the one read are left out.
+    assert params_by_dtype(encoder) == {torch.bfloat16: 26_240_699_376}
+    assert isinstance(encoder.lm_head, torch.nn.Identity)
+    # The released 64-layer conditioner is 33.36 B parameters; the 13 layers after the one read and the head
+    # (as many parameters as the embedding) are left out.
     with torch.device("meta"):
         released = random_full.text_encoder_factory(parts["tokenizer"], layers=64)()
     per_layer = sum(p.numel() for p in layer.parameters())
-    assert sum(p.numel() for p in released.parameters()) == 33_357_390_064 == 27_018_611_696 + 13 * per_layer
+    head = text.embed_tokens.weight.numel()
+    assert sum(p.numel() for p in released.parameters()) == 33_357_390_064 == 26_240_699_376 + 13 * per_layer + head
     # Vision blocks are addressed by the tokenizer's own ids.
     assert encoder.config.image_token_id == parts["tokenizer"].convert_tokens_to_ids("<|image_pad|>")
 

@@ -7,8 +7,8 @@ that cannot fit. Every number is an estimate; where each constant comes from:
 
 - Parameter counts (`TRANSFORMER`, `VIDEO_VAE`, `AUDIO_VAE`, `TEXT_ENCODER`): counted on the meta device
   from diffusers 0.42.1's / transformers' classes at the released sizes, as h3serve/runtime/random_full.py
-  builds them (the text encoder is Qwen3-VL-32B with 51 of its 64 decoder layers); tests/test_plan.py
-  counts them again. A model directory with other sizes is not read: the plan assumes the released ones.
+  builds them (the text encoder is Qwen3-VL-32B with 51 of its 64 decoder layers and no head, as a service
+  holds it); tests/test_plan.py counts them again. A model directory with other sizes is not read: the plan assumes the released ones.
 - Bytes per parameter: the service's dtype, except `_keep_in_fp32_modules` (fp32 always); fp8 stores the
   block linears `fastpath.fp8_target` picks in 1 byte. The encoder quantises its decoder layers' linears only
   (h3serve/services/encoder/placement.py: not the embedding, lm_head or vision tower): int8 in 1 byte; nf4 in
@@ -33,7 +33,7 @@ that cannot fit. Every number is an estimate; where each constant comes from:
 - Text encoder: weights as above; `spread` divides them evenly over the process's GPUs (accelerate's
   balanced map); `cpu_offload` leaves the embedding and one decoder layer on the GPU. Activations (an
   estimate, not measured): every hidden state (52 x 5120) and one MLP intermediate (3 x 25,600) in bf16 per
-  token of the longest prompt (`max_prompt_tokens`), plus 0.25 GiB (lm_head never runs).
+  token of the longest prompt (`max_prompt_tokens`), plus 0.25 GiB.
 - VAE decode (`VAE_ACT_*`): calibrated on OUR measurement (BENCHMARKS.md vae_decode_768x1344x124: 11.2 GiB
   peak at tile_batch 1, 14.0 GiB at 28): the weights (5.75 GiB in bf16: fp32 encoder and audio VAE), the
   decoded frames twice in fp32 on the device, 2.6 GiB of tile work and 0.104 GiB per extra tile per call.
@@ -111,13 +111,14 @@ class VaeCounts:
 
 @dataclass(frozen=True)
 class TextEncoderCounts:
-    """Qwen3VLForConditionalGeneration at Qwen3-VL-32B's sizes, 51 decoder layers (random_full's build)."""
+    """Qwen3VLForConditionalGeneration at Qwen3-VL-32B's sizes as a service holds it: 51 decoder layers and no
+    language-model head (h3serve/runtime/models.py drop_unread_parts)."""
 
-    total: int = 27_018_611_696
+    total: int = 26_240_699_376
     layers: int = 51
     layer: int = 487_598_336
     layer_linears: int = 24_866_979_840   # every decoder layer's linears: what int8 / nf4 quantise
-    embedding: int = 777_912_320          # embed_tokens (lm_head, untied, has as many; neither is quantised)
+    embedding: int = 777_912_320          # embed_tokens (not quantised)
 
     @property
     def quantisable(self) -> int:

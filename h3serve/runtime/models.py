@@ -52,13 +52,13 @@ class ModelSource:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if self.model_dir == presets.RANDOM_FULL:
-            return random_full.build(names, device, DTYPES[dtype])  # already on the device
+            return drop_unread_parts(random_full.build(names, device, DTYPES[dtype]))  # already on the device
         if self.model_dir is None:
             if dtype != "float32":
                 raise ValueError("the tiny preset is built in float32 only; use a model directory for other dtypes")
             components = {name: tiny.build_component(name) for name in names}
         else:
-            components = self._load_dir(names, DTYPES[dtype])
+            components = drop_unread_parts(self._load_dir(names, DTYPES[dtype]))
         for value in components.values():
             if isinstance(value, torch.nn.Module):
                 value.to(device)
@@ -82,6 +82,23 @@ class ModelSource:
         pipe = ModularPipeline.from_pretrained(self.model_dir)
         pipe.load_components(names=names, dtype=dtype)
         return {name: getattr(pipe, name) for name in names}
+
+
+def drop_unread_parts(components: dict[str, Any]) -> dict[str, Any]:
+    """`components`, with what the pipeline never reads of a text encoder freed before it reaches a device (the
+    tiny preset's is left whole, as the reference pipeline builds it): the pipeline conditions on the hidden state
+    after decoder layer 50 (diffusers' `text_encoder_layer`) of `text_encoder.model`, so the layers above the
+    51st and the language-model head cannot change an output. Released Qwen3-VL-32B: 13 of 64 layers (6.3 B
+    parameters) and the head (0.8 B), of 33.4 B."""
+    text_encoder = components.get("text_encoder")
+    if text_encoder is None:
+        return components
+    layers = text_encoder.model.language_model.layers
+    if len(layers) > presets.TEXT_ENCODER_LAYERS:
+        text_encoder.model.language_model.layers = layers[:presets.TEXT_ENCODER_LAYERS]
+        text_encoder.config.text_config.num_hidden_layers = presets.TEXT_ENCODER_LAYERS
+    text_encoder.lm_head = torch.nn.Identity()
+    return components
 
 
 def _own_memory(module: torch.nn.Module) -> None:
