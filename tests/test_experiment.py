@@ -59,7 +59,10 @@ width = 64
 steps = 4
 """
 JOBS = 80
-TOLERANCE = 0.15  # the model's p50 / p95 against the measured other configuration
+# The model's p50 / p95 against the measured other configuration. Quiet fresh-clone runs on the 2-core CI-like
+# machine measured p50 -2.7 % .. +14.9 %, p95 +0.7 % .. +16.4 %; a model without the queueing it predicts is off
+# by far more (every job would wait for no VAE call).
+TOLERANCE = 0.25
 # A run on a shared 2-core machine is as noisy as the other work beside it (docs/experiments.md: the same
 # configuration measured p95 0.73 s and 2.63 s): the model is compared with the runs only when each had the CPUs to
 # itself, other work using at most this many cores on average.
