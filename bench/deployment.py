@@ -3,8 +3,10 @@ their own."""
 
 from __future__ import annotations
 
+import json
 import platform
 import socket
+import tomllib
 from datetime import date
 from pathlib import Path
 
@@ -37,6 +39,31 @@ def tiny_deployment(root: Path, base: DeployConfig | None = None) -> Path:
     path = root / "deploy.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def profile_deployment(profile: Path, changes: dict[str, dict], path: Path) -> Path:
+    """`profile` (a docs/deploy/*.toml) with `changes` per section merged in and every port a free one, written to
+    `path`: the profile's placement and memory settings as they ship, on this machine's loopback."""
+    data = tomllib.loads(profile.read_text())
+    for section, values in changes.items():
+        data.setdefault(section, {}).update(values)
+    for name in (*MODEL_SERVICES, "gateway"):
+        data.setdefault(name, {})["port"] = free_port()
+    data["gateway"].pop("http_port", None)
+    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in section.items())
+                            + "\n" for name, section in data.items()))
+    return path
+
+
+def _toml(value) -> str:
+    """One TOML value of the kinds deployment files use; strings as JSON writes them (a subset of TOML's)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float, str)):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
 
 
 def add_request_arguments(parser, steps: int) -> None:

@@ -29,7 +29,10 @@ service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/st
 `flash4` and `cudnn_fp8` run under Ulysses (h3serve/runtime/kernels/local.py).
 
 One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
-of `--repeats`. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
+of `--repeats`. `--warm-start` measures what a user meets instead: the DiT declares `--sizes` as its
+`[dit] warmup` shapes (compiled and run before it says SERVING), the services get no warm-up request, and
+the first request after SERVING and the start-to-SERVING time become rows of their own (beside the
+in-process pipeline's load time). The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
 and so are the decoded frames and waveform before the muxer: the in-process side saves its last run's, and
 the services run the request once more, untimed, with `include_raw`. The result is printed: with the default
 fast paths on one device the split computes exactly what the pipeline computes; a DiT group of N ranks
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -83,7 +87,7 @@ import numpy as np
 import torch
 
 from bench.common import Size, device_label, leaves_gpu_empty, software
-from bench.deployment import free_port
+from bench.deployment import free_port, profile_deployment
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
@@ -129,12 +133,15 @@ class Side:
     digest: str
     used_gib: float                  # on the fullest GPU the side used
     rank_peaks_gib: list[float] = field(default_factory=list)  # services: each DiT rank's peak, last request
+    ready_s: float = 0.0             # start to ready: the pipeline loaded / the services healthy (SERVING)
+    first_s: float = 0.0             # --warm-start: the first request after SERVING, with no warm-up request
 
     @classmethod
-    def of(cls, runs: list[Run], used_gib: float, rank_peaks_gib: list[float] | None = None) -> "Side":
+    def of(cls, runs: list[Run], used_gib: float, rank_peaks_gib: list[float] | None = None, ready_s: float = 0.0,
+           first_s: float = 0.0) -> "Side":
         stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
-        return cls(statistics.median(r.seconds for r in runs), stages,
-                   statistics.median(r.transport for r in runs), runs[-1].digest, used_gib, rank_peaks_gib or [])
+        return cls(statistics.median(r.seconds for r in runs), stages, statistics.median(r.transport for r in runs),
+                   runs[-1].digest, used_gib, rank_peaks_gib or [], ready_s, first_s)
 
 
 @dataclass(frozen=True)
@@ -181,9 +188,11 @@ def in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Si
 
 
 def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+    started = time.perf_counter()
     pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
     if args.adapter_file:  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
         load_adapters(pipe, {ADAPTER: AdapterSource(path=args.adapter_file)})
+    ready_s = time.perf_counter() - started
     clock = StageClock(pipe, PIPELINE_STAGES, device)
     options = dict(adapters=((ADAPTER, 1.0),) if args.adapter_file else (), flow_shift=args.flow_shift)
 
@@ -203,7 +212,7 @@ def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, S
     for size in sizes:
         print(f"in process {size}: warm-up + {args.repeats} runs", flush=True)
         runs = repeated(lambda steps: once(size, steps), args)
-        sides[size] = Side.of(runs, device_used_gib(device))
+        sides[size] = Side.of(runs, device_used_gib(device), ready_s=ready_s)
     return sides
 
 
@@ -214,6 +223,8 @@ def placement(args, device: str) -> Placement:
 def deployment(args, device: str, work: Path) -> Path:
     """The services placed by --gpus / --placement (bench/placement.py), loopback ports, the encoder cache off,
     the fast paths from --dit / --vae."""
+    if args.deploy:
+        return profile_deployment(Path(args.deploy), profile_changes(args, work), work / "deploy.toml")
     dit, vae, place = parse_variant(args.dit), VaeVariant.parse(args.vae), placement(args, device)
 
     def common(gpus: str) -> str:
@@ -225,6 +236,7 @@ def deployment(args, device: str, work: Path) -> Path:
             f'[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n'
             f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
             f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n"
+            + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
             + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "") + "\n"
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
             f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
@@ -233,6 +245,18 @@ def deployment(args, device: str, work: Path) -> Path:
     path = work / "deploy.toml"
     path.write_text(text)
     return path
+
+
+def profile_changes(args, work: Path) -> dict[str, dict]:
+    """What --deploy changes in a profile: the weights, the encoder cache off, room for the raw output, this
+    run's data directory, the request's adapter; its placement, memory and fast-path settings stay."""
+    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0},
+               "vae": {"max_raw_bytes": RAW_BYTES}, "gateway": {"data_dir": str(work / "gateway")}, "dit": {}}
+    if args.adapter_file:
+        changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
+    if args.warm_start:
+        changes["dit"]["warmup"] = args.sizes.split(",")
+    return changes
 
 
 def served_request(client, size: Size, steps: int, events: list, args, include_raw: bool = False):
@@ -310,18 +334,21 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     started = time.perf_counter()
     try:
         with leaves_gpu_empty(), ServiceGroup(config, str(config_path), log_dir=str(work)):
-            print(f"services healthy in {time.perf_counter() - started:.1f} s; DiT {dit_group(config, place)}",
-                  flush=True)
+            ready_s = time.perf_counter() - started
+            print(f"services healthy in {ready_s:.1f} s; DiT {dit_group(config, place)}", flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
             try:
                 sides = {}
                 for size in sizes:
-                    print(f"services {size}: warm-up + {args.repeats} runs", flush=True)
-                    runs = repeated(lambda steps: served_once(client, size, steps, work, args), args)
+                    once = functools.partial(served_once, client, size, out=work, args=args)
+                    first = once(args.steps).seconds if args.warm_start else 0.0  # warmed at start, or not
+                    print(f"services {size}: " + (f"first request {first:.2f} s, then " if first else "warm-up + ")
+                          + f"{args.repeats} runs", flush=True)
+                    runs = [once(args.steps) for _ in range(args.repeats)] if first else repeated(once, args)
                     served_raw(client, size, args.steps, work, args)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
-                    sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks)
+                    sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks, ready_s, first)
                 return sides
             finally:
                 client.close()
@@ -370,11 +397,15 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
     rows = [(name, ours.seconds, base.seconds)]
     rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
     rows.append((f"{name}_transport", ours.transport, base.transport))
+    if ours.first_s:  # --warm-start: the first request after SERVING and start to SERVING, against the pipeline
+        rows += [(f"{name}_first_request", ours.first_s, base.seconds), (f"{name}_start_to_ready", ours.ready_s,
+                                                                          base.ready_s)]
     common = dict(
         device=device_label(device, place.gpus), world_size=place.world_size, dtype=args.dtype,
         peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, command=command,
         date=datetime.date.today().isoformat(), software=software(),
-        variant=f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
+        variant=(f"gRPC services, deployment {args.deploy} as shipped" if args.deploy else
+                 f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}")
                 + adapted(args),
         baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args))
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
@@ -397,6 +428,10 @@ def print_table(comparisons: list[Comparison]) -> None:
                   + f" {side.used_gib:9.2f}")
         print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
               f"(in process / services; same MP4: {c.same_output}; {c.media.describe()}; {c.frames.describe()})")
+        if c.served.first_s:
+            print(f"{'':16} {'first':12} {c.served.first_s:8.3f}  (the first request after SERVING: "
+                  f"{c.served.first_s / c.served.seconds:.3f}x the median; start to SERVING {c.served.ready_s:.1f} s, "
+                  f"pipeline load in process {c.in_process.ready_s:.1f} s)")
 
 
 def baseline_output(baseline_file: Path, size: Size, suffix: str) -> Path:
@@ -467,6 +502,8 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--dit-fsdp", choices=("on", "off"), default="off",
                    help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)")
     p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
+    p.add_argument("--deploy", help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
+                                    "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped")
     p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
     p.add_argument("--side", choices=("both", "in-process", "services"), default="both",
                    help="one side per call when both do not fit in one: in-process saves its medians to "
@@ -476,6 +513,9 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
                    help="both sides run a random LoRA of this rank on every block linear (a few-step adapter's "
                         "cost; 0: none), loaded by diffusers' load_lora_weights in process, by [dit] adapters served")
     p.add_argument("--flow-shift", type=float, default=12.0, help="the video schedule's shift on both sides")
+    p.add_argument("--warm-start", action="store_true",
+                   help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
+                        "the first request after SERVING and start to SERVING become rows of their own")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)

@@ -156,15 +156,17 @@ def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process)
 @pytest.mark.fidelity
 def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents,
                                                                               in_process):
-    checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore)
+    handed: list[np.ndarray] = []
+    checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore,
+                             on_pixels=handed.append)
     frames = in_process["videos"][0]
-    assert checked.pixels.dtype == np.uint8 and checked.pixels.flags.c_contiguous
-    assert np.array_equal(checked.pixels, to_uint8(frames))  # the in-process float frames, quantized in numpy
+    assert all(chunk.dtype == np.uint8 and chunk.flags.c_contiguous for chunk in handed)
+    assert np.array_equal(np.concatenate(handed), to_uint8(frames))  # the in-process floats, quantized in numpy
     assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
-    # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte.
+    # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte, though the
+    # service muxed its frames chunk by chunk while the decoder ran.
     expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore)
     assert files_of(events)["video.mp4"] == expected
-    assert encode_mp4(checked.pixels, checked.audio, in_process["sampling_rate"], ignore) == expected
 
 
 def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
@@ -186,7 +188,9 @@ def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clippi
 def test_events_arrive_in_phase_order(events):
     progress = [(e.progress.phase, e.progress.done, e.progress.total) for e in events if e.HasField("progress")]
     # 37 latent frames are 7 temporal chunks; a 32x64 frame is one tile. 124 frames are 6 seconds begun.
-    assert progress == ([(VIDEO, i, 7) for i in range(1, 8)] + [(AUDIO, 1, 1)] + [(MUX, i, 6) for i in range(1, 7)])
+    # The muxer encodes while the decoder runs, so MUX events interleave with the others, each phase in order.
+    assert [p for p in progress if p[0] != MUX] == [(VIDEO, i, 7) for i in range(1, 8)] + [(AUDIO, 1, 1)]
+    assert [p for p in progress if p[0] == MUX] == [(MUX, i, 6) for i in range(1, 7)]
     kinds = [e.WhichOneof("kind") for e in events]
     files = [e.file.name for e in events if e.HasField("file")]
     assert kinds == ["progress"] * len(progress) + ["file"] * len(files) + ["summary"]

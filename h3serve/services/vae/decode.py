@@ -3,6 +3,7 @@
 The block call itself is the one the in-process pipeline makes, so the output is bit-identical to it;
 progress comes from a forward hook on the video decoder, counting the tiles it decodes (known up
 front). With `tile_batch > 1` (h3serve/services/vae/tiles.py) one decoder call decodes several tiles.
+Each temporal chunk's uint8 pixels can be handed on as soon as it is final (stream.py), for the muxer.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_AUDIO_CHANNELS
+
+from h3serve.services.vae.mux import to_uint8
+from h3serve.services.vae.stream import streamed
 
 COMPONENTS = ["vae", "audio_vae"]
 
 Progress = Callable[[int, int], None]
 """Called with (units done, units in the phase); it may raise to stop the decode."""
+
+OnPixels = Callable[[np.ndarray], None]
+"""Called with each final chunk of the video as uint8 levels (f, H, W, 3) on the CPU, in order."""
 
 
 class InvalidLatents(ValueError):
@@ -36,6 +44,7 @@ class DecodePlan:
     channels: int
     audio_channels: int
     audio_samples: int
+    sample_rate: int
     decoder_tiles: int  # what the video decoder decodes: temporal chunks x spatial tiles
 
     @property
@@ -128,16 +137,27 @@ class VaeDecoder:
         return DecodePlan(frames=frames, height=height, width=width, channels=self.vae.config.out_channels,
                           audio_channels=MINIMAX_H3_AUDIO_CHANNELS,
                           audio_samples=audio_latents.shape[-1] * self.audio_vae.hop_length,
+                          sample_rate=self.pipe.audio_sampling_rate,
                           decoder_tiles=decoder_tiles(self.vae, latents.shape))
 
     def decode(self, latents: torch.Tensor, audio_latents: torch.Tensor,
-               on_video: Progress, on_audio: Progress) -> Decoded:
-        total = self.plan(latents, audio_latents).decoder_tiles
+               on_video: Progress, on_audio: Progress, on_pixels: OnPixels | None = None) -> Decoded:
+        plan = self.plan(latents, audio_latents)
         device = self.vae.device
-        with _tiles_reported(self.vae.decoder, total, on_video):
+        with _tiles_reported(self.vae.decoder, plan.decoder_tiles, on_video), \
+                streamed(self.vae, plan.frames, self._pixels_to(on_pixels, device)):
             # "pt" holds the very floats "np" would copy to the CPU, channels first (VideoProcessor.postprocess)
             out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),
                             output_type="pt", output=["videos", "audio", "sampling_rate"])
         on_audio(1, 1)  # the block runs the audio VAE after the last video-decoder call
         return Decoded(frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0],
                        sample_rate=int(out["sampling_rate"]))
+
+    def _pixels_to(self, on_pixels: OnPixels | None, device: torch.device) -> Callable[[torch.Tensor], None]:
+        """Decoder output chunks -> `on_pixels`, through the block's own pixel arithmetic (elementwise, so a
+        chunk's levels are those of the same frames of the whole video)."""
+        if on_pixels is None:
+            return lambda chunk: None
+        mean = torch.tensor(self.pipe.pixel_mean, device=device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(self.pipe.pixel_std, device=device).view(1, -1, 1, 1, 1)
+        return lambda chunk: on_pixels(to_uint8((chunk.float() * std + mean).clamp(0, 1)[0].permute(1, 2, 3, 0)))

@@ -1,9 +1,11 @@
-"""MP4 muxing in memory: H.264 video + AAC stereo audio, one second at a time."""
+"""MP4 muxing in memory: H.264 video encoded as the decode hands frames over, then AAC stereo audio."""
 
 from __future__ import annotations
 
 import io
 import math
+import queue
+import threading
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -33,28 +35,81 @@ def to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
     return levels.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 
 
-def encode_mp4(frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress) -> bytes:
-    """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes.
+class Muxer:
+    """An MP4 written while its frames arrive: `add` hands frames to a worker thread that encodes them
+    (libx264 runs its own threads too), `finish` adds the soundtrack and returns the file.
 
-    `frames` are uint8 levels, or floats in [0, 1] that `to_uint8` turns into levels a second at a time.
-
-    Video and audio are written interleaved per second of video, which is also the progress unit;
-    audio past the last whole second goes with the last one.
+    Both streams are declared up front (a container's header lists them). The video is written as it
+    comes and the audio after it; the container's interleaver orders the packets by time either way.
+    Used as a context manager, so a decode that fails stops the worker and drops the partial file.
     """
-    seconds = math.ceil(len(frames) / FPS)
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        video = _add_video(container, width=frames.shape[2], height=frames.shape[1])
-        sound = _add_audio(container, sample_rate, channels=audio.shape[0])
-        for second in range(seconds):
-            last = second == seconds - 1
-            _write_video(container, video, frames[second * FPS:(second + 1) * FPS], first=second * FPS)
-            samples = slice(second * sample_rate, None if last else (second + 1) * sample_rate)
-            _write_audio(container, sound, audio[:, samples], first=second * sample_rate)
-            on_progress(second + 1, seconds)
-        for stream in (video, sound):
-            container.mux(stream.encode(None))  # flush the encoders' delayed packets
-    return buffer.getvalue()
+
+    def __init__(self, frames: int, height: int, width: int, sample_rate: int, channels: int,
+                 on_progress: Progress) -> None:
+        self._buffer = io.BytesIO()
+        self._container = av.open(self._buffer, mode="w", format="mp4")
+        self._video = _add_video(self._container, width=width, height=height)
+        self._sound = _add_audio(self._container, sample_rate, channels)
+        self._frames, self._written, self._on_progress = frames, 0, on_progress
+        self._queue: queue.Queue[np.ndarray | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._encode_video, name="mux", daemon=True)
+        self._worker.start()
+
+    def add(self, frames: np.ndarray) -> None:
+        """Queue the next frames (f, H, W, 3): uint8 levels, or floats in [0, 1] (`to_uint8`)."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(frames)
+
+    def finish(self, audio: np.ndarray) -> bytes:
+        """The MP4 bytes, once every queued frame is encoded and `audio` (channels, S) float is added."""
+        self._stop()
+        if self._error is not None:
+            raise self._error
+        if self._written != self._frames:
+            raise ValueError(f"the muxer got {self._written} frames, expected {self._frames}")
+        _write_audio(self._container, self._sound, audio, first=0)
+        self._container.mux(self._sound.encode(None))
+        self._container.close()
+        return self._buffer.getvalue()
+
+    def __enter__(self) -> Muxer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        self._container.close()  # idempotent; after a failure it leaves an unfinished file nobody reads
+
+    def _stop(self) -> None:
+        if self._worker.is_alive():
+            self._queue.put(None)
+            self._worker.join()
+
+    def _seconds_done(self, frames: int) -> int:
+        """Whole seconds of video in the first `frames`; the last second counts once it has all its frames."""
+        return math.ceil(frames / FPS) if frames == self._frames else frames // FPS
+
+    def _encode_video(self) -> None:
+        seconds = math.ceil(self._frames / FPS)
+        try:
+            while (frames := self._queue.get()) is not None:
+                first, self._written = self._written, self._written + len(frames)
+                _write_video(self._container, self._video, frames, first)
+                for second in range(self._seconds_done(first) + 1, self._seconds_done(self._written) + 1):
+                    self._on_progress(second, seconds)
+            self._container.mux(self._video.encode(None))  # the encoder's delayed packets
+        except BaseException as exc:  # handed to the decode thread at its next `add`, or to `finish`
+            self._error = exc
+
+
+def encode_mp4(frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress) -> bytes:
+    """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes, as `Muxer` does
+    when a decode hands it the same frames. Floats in [0, 1] become levels a second at a time."""
+    with Muxer(len(frames), frames.shape[1], frames.shape[2], sample_rate, audio.shape[0], on_progress) as muxer:
+        for first in range(0, len(frames), FPS):
+            muxer.add(frames[first:first + FPS])
+        return muxer.finish(audio)
 
 
 def _add_video(container, width: int, height: int):

@@ -26,7 +26,7 @@ from h3serve.runtime.pump import ClientGone, pump
 from h3serve.runtime.service import load_model_service
 from h3serve.services.vae import checks, mux
 from h3serve.services.vae.conditions import ConditionEncoder
-from h3serve.services.vae.decode import COMPONENTS, Decoded, Progress, VaeDecoder
+from h3serve.services.vae.decode import COMPONENTS, Decoded, DecodePlan, OnPixels, Progress, VaeDecoder
 from h3serve.services.vae.tiles import batch_tiles
 from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
@@ -53,24 +53,23 @@ def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
 
 @dataclass(frozen=True)
 class Checked:
-    """A decode that passed validation, in the form the muxer takes."""
+    """A decode that passed validation."""
 
     decoded: Decoded     # the float frames and audio, still on the VAE's device
-    pixels: np.ndarray   # (F, H, W, 3) uint8 levels of the frames, on the CPU
     audio: np.ndarray    # (channels, S) float32, on the CPU
 
 
 def decode_checked(decoder: VaeDecoder, latents: torch.Tensor, audio_latents: torch.Tensor,
-                   on_video: Progress, on_audio: Progress) -> Checked:
-    """The service's decode phase: the block, the checks and the uint8 conversion on the VAE's device,
-    then only the uint8 frames and the audio copied to the CPU."""
-    decoded = decoder.decode(latents, audio_latents, on_video=on_video, on_audio=on_audio)
+                   on_video: Progress, on_audio: Progress, on_pixels: OnPixels | None = None) -> Checked:
+    """The service's decode phase: the block (each chunk's uint8 pixels handed to `on_pixels` as it is final)
+    and the checks on the VAE's device, then the audio copied to the CPU."""
+    decoded = decoder.decode(latents, audio_latents, on_video=on_video, on_audio=on_audio, on_pixels=on_pixels)
     validate(decoded.frames, decoded.audio)
-    return Checked(decoded=decoded, pixels=mux.to_uint8(decoded.frames), audio=decoded.audio.cpu().numpy())
+    return Checked(decoded=decoded, audio=decoded.audio.cpu().numpy())
 
 
 def summarize(checked: Checked, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
-    num_frames, height, width = checked.pixels.shape[:3]
+    num_frames, height, width = checked.decoded.frames.shape[:3]
     summary = vae_pb2.DecodeSummary(
         sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=num_frames / mux.FPS,
         num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=checked.decoded.sample_rate,
@@ -124,7 +123,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                           f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
                           f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
         output = yield from self._pumped(
-            spec.job_id, "decode", lambda report: self._run(spec, tensors, unless_cancelled(report, context)),
+            spec.job_id, "decode", lambda report: self._run(spec, tensors, plan, unless_cancelled(report, context)),
             context, InvalidOutput, grpc.StatusCode.FAILED_PRECONDITION)
         if output is None:
             return
@@ -151,23 +150,25 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             # back to the driver, so a stage sharing this GPU can use it. Cheap: milliseconds against a decode.
             memory.release(self.decoder.vae.device)
 
-    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], report: Report) -> Output:
-        with self._lock:
+    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan,
+             report: Report) -> Output:
+        latents, audio_latents = tensors["latents"], tensors["audio_latents"]
+        with self._lock, mux.Muxer(plan.frames, plan.height, plan.width, plan.sample_rate, plan.audio_channels,
+                                   phase_reporter(report, vae_pb2.DECODE_PHASE_MUX)) as muxer:
             started = time.perf_counter()
-            checked = decode_checked(self.decoder, tensors["latents"], tensors["audio_latents"],
+            checked = decode_checked(self.decoder, latents, audio_latents,
                                      on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
-                                     on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO))
+                                     on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO),
+                                     on_pixels=muxer.add)
             decoded_at = time.perf_counter()
-            sample_rate = checked.decoded.sample_rate
-            video = mux.encode_mp4(checked.pixels, checked.audio, sample_rate,
-                                   phase_reporter(report, vae_pb2.DECODE_PHASE_MUX))
+            video = muxer.finish(checked.audio)  # the video frames were encoded while the decode ran
             muxed_at = time.perf_counter()
-            raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, sample_rate)
+            raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, plan.sample_rate)
                    if spec.params.include_raw else None)
             self.requests_served += 1
         summary = summarize(checked, video, raw)
         summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
-        log.info("job %s: decoded %d frames of %dx%d in %.2f s, muxed %d bytes in %.2f s", spec.job_id,
+        log.info("job %s: decoded %d frames of %dx%d in %.2f s, MP4 of %d bytes done %.2f s later", spec.job_id,
                  summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
                  summary.mux_seconds)
         return Output(video=video, raw=raw, summary=summary)
