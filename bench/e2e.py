@@ -28,7 +28,7 @@ DiT service refuses at start (too few GPUs, a bad layout) stops the bench before
 service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/step 2-GPU measurement use;
 `flash4` and `cudnn_fp8` run under Ulysses (h3serve/runtime/kernels/local.py).
 
-One warm-up request per side and size (`--warmup-steps`: the same shapes, fewer steps), then the median
+One warm-up request per side and size (`--warmup-steps`: the same shapes; 3 steps run both DiT forward variants), then the median
 of `--repeats`. `--warm-start` measures what a user meets instead: the DiT declares `--sizes` as its
 `[dit] warmup` shapes (compiled and run before it says SERVING), the services get no warm-up request, and
 the first request after SERVING and the start-to-SERVING time become rows of their own (beside the
@@ -241,7 +241,8 @@ def deployment(args, device: str, work: Path) -> Path:
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
             f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
             f"max_raw_bytes = {RAW_BYTES}\n\n"
-            f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n')
+            f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
+            "[supervisor]\nstart_timeout_s = 900\n")  # --warm-start compiles before SERVING
     path = work / "deploy.toml"
     path.write_text(text)
     return path
@@ -250,7 +251,7 @@ def deployment(args, device: str, work: Path) -> Path:
 def profile_changes(args, work: Path) -> dict[str, dict]:
     """What --deploy changes in a profile: the weights, the encoder cache off, room for the raw output, this
     run's data directory, the request's adapter; its placement, memory and fast-path settings stay."""
-    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0},
+    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0}, "supervisor": {"start_timeout_s": 900},
                "vae": {"max_raw_bytes": RAW_BYTES}, "gateway": {"data_dir": str(work / "gateway")}, "dit": {}}
     if args.adapter_file:
         changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
@@ -374,7 +375,8 @@ def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
     if not path.exists():
         raise SystemExit(f"--side services: no baseline at {path}; run with --side in-process first")
     saved = json.loads(path.read_text())
-    same = {**saved["setup"], "sizes": None} == {**setup(args), "sizes": None}
+    unchecked = {"sizes": None, "warmup_steps": None}  # a subset of sizes may be compared; warm-ups are untimed
+    same = {**saved["setup"], **unchecked} == {**setup(args), **unchecked}
     missing = set(args.sizes.split(",")) - set(saved["sides"])
     if not same or missing:  # a subset of its sizes may be compared: one call per size when time is short
         raise SystemExit(f"--side services: the baseline in {path} was measured with {saved['setup']}, "
@@ -489,7 +491,8 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--sizes", default="768x1344x124,480x832x124")
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps (N gives N-1 DiT forwards)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup-steps", type=int, default=2, help="num_inference_steps of the warm-up request")
+    p.add_argument("--warmup-steps", type=int, default=3,
+                   help="num_inference_steps of the warm-up request (3: both DiT forward variants compile)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
     p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")

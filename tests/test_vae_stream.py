@@ -10,7 +10,7 @@ from diffusers import AutoencoderKLMiniMaxH3
 from h3serve.model.presets import TINY_VAE
 from h3serve.runtime.tiny import build_component
 from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
-from h3serve.services.vae.mux import to_uint8
+from h3serve.services.vae.mux import Muxer, to_uint8
 from h3serve.services.vae.stream import frame_chunks, streamed
 
 
@@ -72,3 +72,28 @@ def test_pixels_arrive_while_the_decoder_still_runs_and_equal_the_blocks_levels(
                    ("pixels", 5)]
     assert all(chunk.dtype == np.uint8 for chunk in pixels)
     assert np.array_equal(np.concatenate(pixels), to_uint8(decoded.frames))
+
+
+def frames(count: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (count, 16, 16, 3), dtype=np.uint8)
+
+
+def test_a_muxer_failure_reaches_the_decode_and_the_file_is_dropped():
+    class Gone(Exception):
+        pass
+
+    def progress(done: int, total: int) -> None:
+        raise Gone(f"client left at second {done} of {total}")
+
+    with pytest.raises(Gone, match="client left at second 1 of 2"):
+        with Muxer(48, 16, 16, 32000, 2, progress) as muxer:
+            muxer.add(frames(24))
+            muxer.add(frames(24))
+            muxer.finish(np.zeros((2, 64000), np.float32))
+
+
+def test_a_muxer_refuses_an_mp4_with_frames_missing():
+    with pytest.raises(ValueError, match="the muxer got 24 frames, expected 48"):
+        with Muxer(48, 16, 16, 32000, 2, lambda *_: None) as muxer:
+            muxer.add(frames(24))
+            muxer.finish(np.zeros((2, 64000), np.float32))

@@ -126,3 +126,15 @@ def test_a_bad_warmup_is_refused_naming_the_key(tmp_path, table, reason):
     with pytest.raises(ConfigError, match=reason) as err:
         load_deploy(path)
     assert "[dit] warmup" in str(err.value)
+
+
+def test_a_start_slower_than_start_timeout_s_stops_the_group_and_names_the_setting(stack, tmp_path):
+    ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
+    config = write_config(tmp_path / "deploy.toml", str(stack.model_dir), tmp_path / "gateway", ports, dit=WARM)
+    with open(config, "a") as file:
+        file.write("\n[supervisor]\nstart_timeout_s = 2\n")  # a compiling warm-up takes longer on any machine
+    group = ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("dit",))
+    with pytest.raises(TimeoutError, match=r"^not healthy after 2 s \(\[supervisor\] start_timeout_s\): dit$"):
+        with group:
+            pass
+    assert group.running == []  # stopped, not left warming

@@ -118,7 +118,8 @@ class ServiceGroup:
         self.respawn(name)
         self.wait_healthy()
 
-    def wait_healthy(self, timeout: float = 300.0) -> None:
+    def wait_healthy(self) -> None:
+        timeout = self.config.supervisor.start_timeout_s
         deadline = time.monotonic() + timeout
         pending = [item for item in self.running
                    if not self.ready(item.address, root_pem=self.root_pem(item.name))]
@@ -129,7 +130,8 @@ class ServiceGroup:
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy after {timeout:.0f} s: {', '.join(i.name for i in pending)}")
+                raise TimeoutError(f"not healthy after {timeout:.0f} s ([supervisor] start_timeout_s): "
+                                   f"{', '.join(i.name for i in pending)}")
             time.sleep(0.2)
 
     def _stop_targets(self, item: Running) -> list[int]:

@@ -356,6 +356,7 @@ class SupervisorConfig(Section):
     backoff_s: NonNegativeFloat = 1.0  # wait before the k-th restart within the window: backoff_s * 2^(k-1) ...
     max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
     stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
+    start_timeout_s: PositiveFloat = 300.0  # start to SERVING; [dit] warmup shapes compile first (minutes each)
 
     @field_validator("max_backoff_s")
     @classmethod
