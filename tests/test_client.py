@@ -65,6 +65,13 @@ def test_describe_event_has_a_line_for_every_kind_of_event():
         assert describe_event(event), field.name
 
 
+def test_a_step_that_compiled_says_so():
+    step = S.Denoising(step=1, total=4, step_seconds=30.0, elapsed_seconds=30.0, eta_seconds=3.0)
+    assert "compiled" not in describe_event(S.JobEvent(denoising=step))
+    step.compiled_graphs = 2
+    assert describe_event(S.JobEvent(denoising=step)).endswith("(compiled 2 graphs: a shape not warmed)")
+
+
 def test_the_retry_policy_backs_off_exponentially_up_to_its_bound():
     assert list(RetryPolicy(attempts=6, initial_s=0.5, max_s=3.0).delays()) == [0.5, 1.0, 2.0, 3.0, 3.0]
     assert list(RetryPolicy(attempts=1).delays()) == []

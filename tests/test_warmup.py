@@ -96,11 +96,13 @@ def test_the_dit_is_not_serving_until_its_warmup_shapes_have_run(warm):
 def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(warm, tmp_path, prompt, height,
                                                                               width, steps):
     dit, client = warm.dit, warm.client
-    graphs = info(dit).compiled_graphs
+    graphs, events = info(dit).compiled_graphs, []
     final = client.generate(gateway_pb2.GenerateRequest(prompt=prompt, height=height, width=width,
-                                                         num_inference_steps=steps, seed=3, include_raw=True))
+                                                         num_inference_steps=steps, seed=3, include_raw=True),
+                            events.append)
     assert final.WhichOneof("kind") == "done", final
     assert info(dit).compiled_graphs == graphs, "the request compiled new graphs after the warm-up"
+    assert [e.denoising.compiled_graphs for e in events if e.HasField("denoising")] == [0] * (steps - 1)
     served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "raw.npz"))
     expected = run_reference(ModelSource(None), ReferenceRequest(prompt, height, width, 124, steps, 3))
     assert np.abs(served["frames"] - expected["frames"]).max() <= 1e-4  # compiled float32 against eager
@@ -138,3 +140,26 @@ def test_a_start_slower_than_start_timeout_s_stops_the_group_and_names_the_setti
         with group:
             pass
     assert group.running == []  # stopped, not left warming
+
+
+def test_steps_that_compile_say_so_and_the_eta_leaves_them_out(stack, tmp_path):
+    ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
+    config = write_config(tmp_path / "deploy.toml", str(stack.model_dir), tmp_path / "gateway", ports,
+                          dit={"compile": True, "workflows": ["t2va"]}, outage_s=QUICK_OUTAGE)  # no warm-up
+    events = []
+    with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("dit", "gateway")):
+        with GatewayClient(f"127.0.0.1:{ports['gateway']}") as client:
+            final = client.generate(gateway_pb2.GenerateRequest(prompt="a fox", height=32, width=64,
+                                                                 num_inference_steps=6, seed=3), events.append)
+        with grpc.insecure_channel(f"127.0.0.1:{ports['dit']}") as channel:
+            graphs = info(dit_pb2_grpc.DiTStub(channel)).compiled_graphs
+    assert final.WhichOneof("kind") == "done", final
+    steps = [e.denoising for e in events if e.HasField("denoising")]
+    assert steps[0].compiled_graphs > 0, "the first forward compiles the blocks"
+    assert steps[-1].compiled_graphs == 0, "by the last forward every variant is compiled"
+    assert sum(s.compiled_graphs for s in steps) == graphs  # every graph the DiT built, reported by a step
+    plain = []
+    for step in steps:  # the ETA is the remaining steps at the mean of the steps that compiled nothing
+        plain += [] if step.compiled_graphs else [step.step_seconds]
+        if plain:
+            assert step.eta_seconds == pytest.approx(sum(plain) / len(plain) * (step.total - step.step))

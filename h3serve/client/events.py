@@ -20,8 +20,9 @@ def _accepted(event: gateway_pb2.JobEvent) -> str:
 
 def _denoising(event: gateway_pb2.JobEvent) -> str:
     d = event.denoising
+    compiled = f"  (compiled {d.compiled_graphs} graphs: a shape not warmed)" if d.compiled_graphs else ""
     return (f"denoising step {d.step}/{d.total}  {d.step_seconds:.2f} s/step  "
-            f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s")
+            f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s{compiled}")
 
 
 _LINES = {

@@ -56,6 +56,8 @@ class GatewayMetrics:
         self.job_retries = Counter("h3serve_job_retries", "Jobs run again (gateway restart or stalled stage)",
                                    ["reason"], registry=r)
         self.stalls = Counter("h3serve_stalls", "Stage calls cancelled by the watchdog", ["phase"], registry=r)
+        self.compiled_graphs = Counter("h3serve_dit_compiled_graphs", "Graphs the DiT compiled inside requests "
+                                       "(shapes not warmed; those steps were slower)", registry=r)
         for stage in stages:
             self.stage_retries.labels(stage)
             for direction in ("in", "out"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from h3serve.gateway.stages.stage import JobContext, Request, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Watchdog
@@ -11,15 +11,20 @@ from h3serve.v1 import dit_pb2, dit_pb2_grpc, gateway_pb2
 
 @dataclass
 class StepTimes:
-    """Denoise progress of one job, for elapsed time and ETA."""
+    """Denoise progress of one job, for elapsed time and ETA; steps that compiled are left out of the ETA's mean
+    while any step did not (compiling costs a shape's first steps minutes, its later ones nothing)."""
 
     elapsed: float = 0.0
+    plain: list[float] = field(default_factory=list)  # times of the steps that compiled nothing
 
     def event(self, step: dit_pb2.StepProgress) -> gateway_pb2.Denoising:
         self.elapsed += step.seconds
-        eta = self.elapsed / step.step * (step.total - step.step)
+        if not step.compiled_graphs:
+            self.plain.append(step.seconds)
+        mean = sum(self.plain) / len(self.plain) if self.plain else self.elapsed / step.step
         return gateway_pb2.Denoising(step=step.step, total=step.total, step_seconds=step.seconds,
-                                     elapsed_seconds=self.elapsed, eta_seconds=eta)
+                                     elapsed_seconds=self.elapsed, eta_seconds=mean * (step.total - step.step),
+                                     compiled_graphs=step.compiled_graphs)
 
 
 class DenoiseStage(Stage):
@@ -42,6 +47,7 @@ class DenoiseStage(Stage):
     async def progress(self, job: JobContext, kind: str, event, watchdog: Watchdog) -> None:
         watchdog.progress(self.phase)
         self.metrics.step_seconds.observe(event.seconds)
+        self.metrics.compiled_graphs.inc(event.compiled_graphs)
         await job.emit(denoising=job.scratch.setdefault(self.name, StepTimes()).event(event))
 
     async def finished(self, job: JobContext, output: StageOutput) -> dict[str, float]:

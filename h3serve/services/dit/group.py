@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from h3serve.common.errors import describe
-from h3serve.runtime import wire
+from h3serve.runtime import compile_cache, wire
 from h3serve.services.dit import attention, parallel
 from h3serve.services.dit.runner import DenoiseRunner, StepClock
 from h3serve.v1 import dit_pb2
@@ -243,11 +243,12 @@ class Driver:
         queue_seconds = time.perf_counter() - ticket.submitted
         started = time.perf_counter()
         self.member.control.broadcast(ticket.message)
-        clock = StepClock()
+        clock, graphs = StepClock(), [compile_cache.compiled_graphs()]
 
         def on_step(step: int, total: int) -> None:
-            ticket.events.put(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(step=step, total=total,
-                                                                             seconds=clock.lap())))
+            graphs.append(compile_cache.compiled_graphs())  # this process is rank 0's: it compiles as every rank
+            ticket.events.put(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(
+                step=step, total=total, seconds=clock.lap(), compiled_graphs=graphs[-1] - graphs[-2])))
 
         outcome = self.member.run(ticket.message, on_step, ticket.cancelled.is_set)
         self.ranks = outcome.ranks

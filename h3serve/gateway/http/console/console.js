@@ -231,6 +231,7 @@
       case "denoising": {
         const eta = Number(field(body, "eta_seconds"));
         return `denoising ${field(body, "step") || 0}/${field(body, "total") || "?"}` +
+          (Number(field(body, "compiled_graphs")) > 0 ? " · compiling a new shape" : "") +
           (eta > 0.5 ? ` · ~${formatDuration(eta)} left` : "");
       }
       case "decoding": return `decoding ${field(body, "chunk") || 0}/${field(body, "total") || "?"}`;
