@@ -32,7 +32,7 @@ from h3serve.runtime import fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
 from h3serve.services.vae.server import decode_checked
-from h3serve.services.vae.tiles import batch_tiles
+from h3serve.services.vae.tiles import TileDecoder
 
 AUDIO_LATENTS_PER_FRAME = 207 / 124  # 124 frames come with 207 audio latents
 
@@ -105,7 +105,7 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
         if variant.fast.compile and not compiled:
             vae.compile_repeated_blocks(fullgraph=True)
             compiled = True
-        batch_tiles(vae, variant.tile_batch)
+        TileDecoder(vae, variant.tile_batch)
         seconds, peak, frames = measure(decode, args, device)
         errors = {} if reference is None else {"rel_err_fp32": rel_l2(frames.cpu(), reference),
                                                "bf16_rel_err_fp32": rel_l2(base_frames, reference)}

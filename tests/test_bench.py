@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 
 from bench import dit_step
 
@@ -103,8 +105,9 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     lora.touch()
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
                               vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off",
-                              adapter_file=str(lora))
+                              adapter_file=str(lora), deploy=None, warm_start=False, sizes="480x832x124")
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert {name: source.path for name, source in config.dit.adapters.items()} == {e2e.ADAPTER: str(lora)}
     services = [config.encoder, config.dit, config.vae]
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
@@ -114,6 +117,29 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert FastPath.of(config.vae) == FastPath("native", compile=True) and config.vae.tile_batch == 28
     assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
     assert config.gateway.data_dir == str(tmp_path / "gateway")
+
+
+def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_path):
+    from bench import e2e
+    from h3serve.common.config import load_deploy
+
+    profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
+    shipped = load_deploy(profile)
+    lora = tmp_path / "turbo.safetensors"
+    lora.touch()
+    args = argparse.Namespace(deploy=str(profile), model_dir="random:full", adapter_file=str(lora), warm_start=True,
+                              sizes="768x1344x124")
+    config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
+        ours, theirs = config.service(name), shipped.service(name)
+        assert ours.model_dir == "random:full" and ours.port not in (0, theirs.port)
+        changed = {"encoder": ("cache_bytes",), "vae": ("max_raw_bytes",), "dit": ("adapters", "warmup")}[name]
+        assert ours.replace(model_dir="", port=0) == theirs.replace(model_dir="", port=0,
+                                                                    **{key: getattr(ours, key) for key in changed})
+    assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, e2e.RAW_BYTES)
+    assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
+    assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 31.5, True)
+    assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
 
 
 def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():

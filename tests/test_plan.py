@@ -116,6 +116,18 @@ def test_the_encoder_placements(tmp_path):
     assert offloaded.weights == 0 and offloaded.transient < 2.5 and offloaded.host == bf16.weights
 
 
+def test_a_vae_spread_over_gpus_plans_a_decoder_replica_on_each_and_the_frames_on_the_first(tmp_path):
+    def vae(text: str) -> list[memory_plan.Share]:
+        config = load_deploy(_config(tmp_path, f'[vae]\ndevice = "cuda"\ndtype = "bfloat16"\n{text}\n'))
+        return [share for gpu in plan(config, gpu_gib=140).gpus for share in gpu.shares]
+
+    (alone,) = vae('gpus = "3"')
+    first, replica = vae('gpus = "2,3"\ndecode_gpus = 2')
+    assert (first.gpu, first.process, replica.gpu, replica.process) == ("2", "vae", "3", "vae decode replica")
+    assert first.total == pytest.approx(alone.total)
+    assert replica.weights < first.weights and replica.activations < first.activations  # no frames, no audio VAE
+
+
 def test_services_sharing_a_gpu_add_up(tmp_path):
     config = load_deploy(DEPLOY / "single-32gb.toml")
     (gpu,) = plan(config).gpus

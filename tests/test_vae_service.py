@@ -29,7 +29,7 @@ from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
 from h3serve.services.vae.mux import encode_mp4, to_uint8
 from h3serve.services.vae.server import VaeServicer, decode_checked
-from h3serve.services.vae.tiles import batch_tiles
+from h3serve.services.vae.tiles import TileDecoder, decode_devices
 from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.v1 import common_pb2, media_pb2, vae_pb2, vae_pb2_grpc
 
@@ -278,31 +278,74 @@ def test_progress_total_counts_spatial_tiles():
     assert decoded.frames.shape[:3] == pixel_geometry(vae, latents.shape) == (22, 48, 80)
 
 
-def test_batched_tiles_decode_what_diffusers_decodes_tile_by_tile():
-    latents = torch.randn(1, 24, 12, 3, 5, generator=torch.Generator().manual_seed(2))  # two temporal chunks
-    audio_latents = torch.randn(2, 32, 4, generator=torch.Generator().manual_seed(3))
-    reference_vae, audio_vae = fresh_components()
-    reference_vae.enable_tiling(32, 32, 16, 16)  # 8 tiles per chunk
-    block = MiniMaxH3DecodeStep().init_pipeline()
-    block.update_components(vae=reference_vae, audio_vae=audio_vae)
-    reference = block(latents=latents, audio_latents=audio_latents, output_type="np", output=["videos", "audio"])
+TILED_LATENTS = torch.randn(1, 24, 12, 3, 5, generator=torch.Generator().manual_seed(2))  # two temporal chunks
+TILED_AUDIO = torch.randn(2, 32, 4, generator=torch.Generator().manual_seed(3))
 
-    vae = build_component("vae")
+
+@pytest.fixture(scope="module")
+def tiled_reference():
+    """diffusers' decode block, one decoder call per tile: 8 tiles per chunk."""
+    vae, audio_vae = fresh_components()
     vae.enable_tiling(32, 32, 16, 16)
-    batch_tiles(vae, 3)  # 3 + 3 + 2 tiles per chunk
+    block = MiniMaxH3DecodeStep().init_pipeline()
+    block.update_components(vae=vae, audio_vae=audio_vae)
+    return block(latents=TILED_LATENTS, audio_latents=TILED_AUDIO, output_type="np", output=["videos", "audio"])
+
+
+def tiled_decode(tile_batch: int, devices: list[str]) -> tuple:
+    """The service's decode with tiles batched and spread over decoder replicas on `devices`; its progress."""
+    vae, audio_vae = fresh_components()
+    vae.enable_tiling(32, 32, 16, 16)
+    tiles = TileDecoder(vae, tile_batch, [torch.device(d) for d in devices])
     calls = []
-    decoded = VaeDecoder(vae, audio_vae).decode(latents, audio_latents, on_video=lambda *p: calls.append(p),
-                                                on_audio=lambda *p: None)
+    decoded = VaeDecoder(vae, audio_vae, tiles.decoders).decode(
+        TILED_LATENTS, TILED_AUDIO, on_video=lambda *p: calls.append(p), on_audio=lambda *p: None)
+    return decoded, calls
+
+
+def test_batched_tiles_decode_what_diffusers_decodes_tile_by_tile(tiled_reference):
+    decoded, calls = tiled_decode(3, ["cpu"])  # 3 + 3 + 2 tiles per chunk
     assert calls == [(3, 16), (6, 16), (8, 16), (11, 16), (14, 16), (16, 16)]
     # The same tiles, stitched the same way; GEMMs over more rows round differently (a few ulp).
-    difference = np.abs(decoded.frames.numpy() - reference["videos"][0])
+    difference = np.abs(decoded.frames.numpy() - tiled_reference["videos"][0])
     assert difference.max() < 1e-5
-    assert np.array_equal(decoded.audio.numpy(), reference["audio"][0].numpy())
+    assert np.array_equal(decoded.audio.numpy(), tiled_reference["audio"][0].numpy())
+
+
+def test_tiles_spread_over_decoder_replicas_decode_what_diffusers_decodes_bit_for_bit(tiled_reference):
+    # Two replicas (both on the CPU here; GPUs in service): 4 tiles each per chunk, one call per tile, on threads.
+    decoded, calls = tiled_decode(1, ["cpu", "cpu"])
+    assert calls == [(done, 16) for done in range(1, 17)]  # every replica's calls, counted once and in order
+    assert np.array_equal(decoded.frames.numpy(), tiled_reference["videos"][0])
+    assert np.array_equal(decoded.audio.numpy(), tiled_reference["audio"][0].numpy())
+
+
+def test_tiles_batched_and_spread_stay_within_rounding(tiled_reference):
+    decoded, calls = tiled_decode(3, ["cpu", "cpu"])  # per chunk and replica: 3 + 1 tiles
+    assert calls[-1] == (16, 16) and len(calls) == 8
+    assert np.abs(decoded.frames.numpy() - tiled_reference["videos"][0]).max() < 1e-5
 
 
 def test_tile_batch_must_be_positive():
     with pytest.raises(ValueError, match="tile_batch must be at least 1, got 0"):
-        batch_tiles(build_component("vae"), 0)
+        TileDecoder(build_component("vae"), 0)
+
+
+def test_decode_gpus_beyond_what_the_process_sees_is_refused_at_start():
+    assert decode_devices(torch.device("cpu"), 1) == [torch.device("cpu")]
+    visible = torch.cuda.device_count()
+    wanted = max(2, visible + 1)
+    with pytest.raises(ValueError, match=rf"decode_gpus = {wanted} spreads .* sees {visible} GPU\(s\)"):
+        decode_devices(torch.device("cuda", 0), wanted)
+
+
+@pytest.mark.parametrize("keys,reason", [
+    ({"decode_gpus": 2}, 'it needs device = "cuda"'),
+    ({"decode_gpus": 3, "device": "cuda", "gpus": "2,3"}, '3 GPUs, but gpus = "2,3" lists 2'),
+])
+def test_decode_gpus_the_config_cannot_give_is_refused(keys, reason):
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        ModelServiceConfig(**keys)
 
 
 # EncodeConditions: progress per encoder call

@@ -181,12 +181,25 @@ class ModelServiceConfig(Section):
     compile_cache_dir: str = ""    # dit, vae with compile: Inductor's and Triton's caches here, so a restart loads
                                    # the compiled graphs (empty: torch's default, under /tmp)
     tile_batch: PositiveInt = 1    # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+    decode_gpus: PositiveInt = 1   # vae: GPUs one decode spreads its tiles over (decoder replicas on the next ones)
     memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
                                               # emulate a 22 GB card on a bigger one; 0: the whole device
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @field_validator("decode_gpus")
+    @classmethod
+    def _gpus_to_spread_over(cls, count: int, info: ValidationInfo) -> int:
+        if count == 1:
+            return count
+        if not info.data.get("device", "").startswith("cuda"):
+            raise ValueError(f"{count} spreads a decode's tiles over GPUs: it needs device = \"cuda\"")
+        pinned = [g for g in info.data.get("gpus", "").split(",") if g.strip()]
+        if pinned and len(pinned) < count:
+            raise ValueError(f"{count} GPUs, but gpus = \"{info.data['gpus']}\" lists {len(pinned)}")
+        return count
 
 
 class EncoderConfig(ModelServiceConfig):

@@ -345,10 +345,15 @@ def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
     if not _on_gpu(vae):
         return []
     weights = _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))
-    frames = _gib(2 * work.pixels_frames * 3 * 4)
-    activations = VAE_ACT_FIXED_GIB + VAE_ACT_PER_TILE_GIB * (vae.tile_batch - 1) + frames
-    gpu = _device_gpus(vae, 1, notes, "vae")
-    return [Share(gpu[0], "vae", weights, 0.0, activations, vae.memory_limit_gib)] if gpu else []
+    frames = _gib(2 * work.pixels_frames * 3 * 4)  # held on the first GPU only: replicas send their tiles there
+    tiles = VAE_ACT_FIXED_GIB + VAE_ACT_PER_TILE_GIB * (vae.tile_batch - 1)
+    gpus = _device_gpus(vae, vae.decode_gpus, notes, "vae")
+    if not gpus:
+        return []
+    # A decode replica holds the video VAE without its encoder; planned as the whole video VAE (a little more).
+    return [Share(gpus[0], "vae", weights, 0.0, tiles + frames, vae.memory_limit_gib)] + [
+        Share(gpu, "vae decode replica", _gib(VIDEO_VAE.bytes(vae.dtype)), 0.0, tiles, vae.memory_limit_gib)
+        for gpu in gpus[1:]]
 
 
 def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | None = None, frames: int | None = None,

@@ -2,13 +2,15 @@
 
 The block call itself is the one the in-process pipeline makes, so the output is bit-identical to it;
 progress comes from a forward hook on the video decoder, counting the tiles it decodes (known up
-front). With `tile_batch > 1` (h3serve/services/vae/tiles.py) one decoder call decodes several tiles.
+front). With `tile_batch > 1` (h3serve/services/vae/tiles.py) one decoder call decodes several tiles, and with
+`decode_gpus > 1` replicas of the decoder on other GPUs decode shares of them.
 Each temporal chunk's uint8 pixels can be handed on as soon as it is final (stream.py), for the muxer.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -101,27 +103,31 @@ def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, 
 
 
 @contextmanager
-def _tiles_reported(decoder: torch.nn.Module, total: int, on_call: Progress) -> Iterator[None]:
-    """Report every forward of the video decoder as (tiles so far, total) while the block runs."""
-    done = 0
+def _tiles_reported(decoders: list[torch.nn.Module], total: int, on_call: Progress) -> Iterator[None]:
+    """Report every forward of the video decoders (one per GPU the tiles spread over) as (tiles so far, total)
+    while the block runs."""
+    done, lock = 0, threading.Lock()
 
     def hook(module, args, output) -> None:
         nonlocal done
-        done += output.shape[0]  # a batch of tiles (latents are one video)
-        on_call(done, total)
+        with lock:  # replicas decode on threads of their own
+            done += output.shape[0]  # a batch of tiles (latents are one video)
+            on_call(done, total)
 
-    handle = decoder.register_forward_hook(hook)
+    handles = [decoder.register_forward_hook(hook) for decoder in decoders]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 class VaeDecoder:
     """The decode block over one video VAE and one audio VAE. Not re-entrant: callers serialize."""
 
-    def __init__(self, vae, audio_vae) -> None:
+    def __init__(self, vae, audio_vae, decoders: list[torch.nn.Module] | None = None) -> None:
         self.vae, self.audio_vae = vae, audio_vae
+        self.decoders = decoders or [vae.decoder]  # TileDecoder.decoders when tiles spread over GPUs
         self.pipe = MiniMaxH3DecodeStep().init_pipeline()
         self.pipe.update_components(vae=vae, audio_vae=audio_vae)
 
@@ -144,7 +150,7 @@ class VaeDecoder:
                on_video: Progress, on_audio: Progress, on_pixels: OnPixels | None = None) -> Decoded:
         plan = self.plan(latents, audio_latents)
         device = self.vae.device
-        with _tiles_reported(self.vae.decoder, plan.decoder_tiles, on_video), \
+        with _tiles_reported(self.decoders, plan.decoder_tiles, on_video), \
                 streamed(self.vae, plan.frames, self._pixels_to(on_pixels, device)):
             # "pt" holds the very floats "np" would copy to the CPU, channels first (VideoProcessor.postprocess)
             out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),

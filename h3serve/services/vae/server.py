@@ -27,7 +27,7 @@ from h3serve.runtime.service import load_model_service
 from h3serve.services.vae import checks, mux
 from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, Decoded, DecodePlan, OnPixels, Progress, VaeDecoder
-from h3serve.services.vae.tiles import batch_tiles
+from h3serve.services.vae.tiles import TileDecoder, decode_devices
 from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.v1 import common_pb2, vae_pb2, vae_pb2_grpc
 
@@ -210,9 +210,11 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
 def serve(config: ModelServiceConfig) -> None:
     components, model = load_model_service("vae", COMPONENTS, config)
-    fastpath.apply(components["vae"], FastPath.of(config))
-    batch_tiles(components["vae"], config.tile_batch)
-    servicer = VaeServicer(VaeDecoder(components["vae"], components["audio_vae"]), model, config)
+    vae = components["vae"]
+    tiles = TileDecoder(vae, config.tile_batch, decode_devices(vae.device, config.decode_gpus))
+    for replica in tiles.models:
+        fastpath.apply(replica, FastPath.of(config))
+    servicer = VaeServicer(VaeDecoder(vae, components["audio_vae"], tiles.decoders), model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
                tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)
