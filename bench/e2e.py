@@ -32,7 +32,10 @@ One warm-up request per side and size (`--warmup-steps`: the same shapes; 3 step
 of `--repeats`. `--warm-start` measures what a user meets instead: the DiT declares `--sizes` as its
 `[dit] warmup` shapes (compiled and run before it says SERVING), the services get no warm-up request, and
 the first request after SERVING and the start-to-SERVING time become rows of their own (beside the
-in-process pipeline's load time). The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
+in-process pipeline's load time). `--deploy F` serves a shipped profile instead of the deployment built from
+`--dit` / `--vae` / `--gpus`: its placement, memory limits, offload and fast paths as they ship, with the weights,
+ports, data directory and this run's adapter and warm-up shapes put in (give `--gpus` / `--dit-fsdp` to match its
+DiT group, which the bench checks), e.g. `--deploy docs/deploy/single-32gb.toml` emulates the 32 GB card on an H200. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
 and so are the decoded frames and waveform before the muxer: the in-process side saves its last run's, and
 the services run the request once more, untimed, with `include_raw`. The result is printed: with the default
 fast paths on one device the split computes exactly what the pipeline computes; a DiT group of N ranks

@@ -24,7 +24,8 @@ from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.fastpath")
-FLAGS = ("compile", "fp8")  # in the order `describe` and the benches write them
+FLAGS = ("compile", "fp8")
+SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)  # in the order `describe` and the benches write them
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) 
     if fast.compile:
         # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
         torch._dynamo.config.fail_on_recompile_limit_hit = True
+        if sequence_split:
+            # Compiled around the all-to-alls, a block's entry point is diffusers' hook wrapper (`new_forward`), one
+            # code object for every hooked module: each module kind, forward variant and sequence length residue
+            # takes a cache entry (2 gloo ranks: 41 graphs until every prompt length was covered), past torch's 8.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SPLIT_RECOMPILE_LIMIT)
         model.compile_repeated_blocks(fullgraph=not sequence_split)
     log.info("%s fast path: %s", type(model).__name__, fast.describe())
 

@@ -6,10 +6,12 @@ forward variants) on synthetic text embeddings through the same checks and the s
 request, so every rank compiles what a request will run, and a shape that cannot run (memory, a kernel) stops
 the start with its reason instead of failing a user's request.
 
-With compile, each shape runs twice with two prompt lengths: the second length makes torch.compile mark the
-packed sequence's dimension dynamic, so prompts of any length (and, on the tiny model on CPU, other canvases,
-frame counts and step counts too) then run without compiling again (tests/test_warmup.py counts the graphs).
-Without compile one run per shape is enough to load kernels and grow the allocator's pools.
+With compile, each shape runs with prompt lengths of every residue modulo twice the group's ranks, and one more:
+the second length makes torch.compile mark the packed sequence's dimension dynamic, and a group that splits the
+sequence over ranks meets new graphs once more per residue (tests/dist_checks.py); after that, prompts of any
+length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run without compiling
+again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without compile one run per shape is enough to load kernels and
+grow the allocator's pools.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import torch
 
 from h3serve.common.config import DiTConfig, parse_shape
 from h3serve.model import rules, workflows
+from h3serve.runtime import compile_cache
 from h3serve.services.dit import checks
 from h3serve.services.dit.group import WARMUP, GroupMember, Message
 from h3serve.services.dit.runner import served
 from h3serve.v1 import common_pb2, dit_pb2
 
 log = logging.getLogger("h3serve.dit.warmup")
-PROMPT_TOKENS = (256, 77)  # two lengths with compile: the second makes the sequence dimension dynamic
+PROMPT_TOKENS = 256  # the warm-up prompt's length; with compile, the next ones are shorter by 1, 2, ...
 SEED = 0
 WORKFLOW = workflows.by_name("t2va")  # no media to make up; ref2va's partition is not warmed (config says so)
 
@@ -38,25 +41,40 @@ class WarmRun:
     shape: str
     tokens: int
     seconds: float
+    compiled: int  # graphs torch.compile built during the run (rank 0's)
 
 
 def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
     """Denoise every warm-up shape on every rank (rank 0 broadcasts; the others follow); ValueError names a shape
     the service cannot run."""
-    lengths = PROMPT_TOKENS if config.compile else PROMPT_TOKENS[:1]
     runs = []
     for shape in config.warmup:
-        for tokens in lengths:
-            message = warm_message(member, config, shape, tokens)
-            started = time.perf_counter()
-            member.control.broadcast(message)
-            outcome = member.run(message, lambda step, total: None, lambda: False)
-            if outcome.invalid is not None:
-                raise ValueError(f"warmup {shape}: {outcome.invalid}")
-            runs.append(WarmRun(shape, tokens, time.perf_counter() - started))
-            log.info("warm-up %s with a %d-token prompt: %d steps in %.1f s", shape, tokens,
-                     config.warmup_steps - 1, runs[-1].seconds)
+        runs += [warm_run(member, config, shape, tokens) for tokens in prompt_lengths(config)]
+        if config.compile and runs[-1].compiled:
+            log.warning("warm-up %s: its last prompt length still compiled %d graphs; a request of this shape may "
+                        "compile (its events say so)", shape, runs[-1].compiled)
     return runs
+
+
+def prompt_lengths(config: DiTConfig) -> list[int]:
+    """Without compile one length. With compile, one per residue of the packed length modulo twice the ranks that
+    split the sequence (the second length makes the sequence dimension dynamic; a split group compiles its odd
+    and even per-rank chunks apart: tests/dist_checks.py), then one more, which should compile nothing."""
+    count = 2 * config.world_size + 1 if config.compile else 1
+    return [PROMPT_TOKENS - k for k in range(count)]
+
+
+def warm_run(member: GroupMember, config: DiTConfig, shape: str, tokens: int) -> WarmRun:
+    message = warm_message(member, config, shape, tokens)
+    started, graphs = time.perf_counter(), compile_cache.compiled_graphs()
+    member.control.broadcast(message)
+    outcome = member.run(message, lambda step, total: None, lambda: False)
+    if outcome.invalid is not None:
+        raise ValueError(f"warmup {shape}: {outcome.invalid}")
+    run = WarmRun(shape, tokens, time.perf_counter() - started, compile_cache.compiled_graphs() - graphs)
+    log.info("warm-up %s with a %d-token prompt: %d steps in %.1f s, %d graphs compiled", shape, tokens,
+             config.warmup_steps - 1, run.seconds, run.compiled)
+    return run
 
 
 def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int) -> Message:
