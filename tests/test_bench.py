@@ -153,3 +153,19 @@ def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():
     # 19.27 B block linear weights and 50 blocks of 56 x 128 attention: 1.46 + 2.07 PFLOP at 768x1344x124
     assert round(dit_forward_flops(transformer, 37_966) / 1e15, 2) == 3.53
     assert round(dit_forward_flops(transformer, 15_100) / 1e15, 2) == 0.91
+
+
+def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_psnr(tmp_path):
+    import re
+
+    from bench import mux
+
+    results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
+    mux.main(["--quick", "--content", "scene", "--presets", "veryfast", "--write", "--results", str(results),
+              "--markdown", str(markdown)])
+    medium, veryfast = json.loads(results.read_text())
+    assert medium["variant"].startswith("libx264 preset medium") and medium["ratio"] == 1.0
+    assert veryfast["variant"].startswith("libx264 preset veryfast")
+    assert veryfast["baseline_seconds"] == medium["seconds"] and veryfast["ratio"] == medium["seconds"] / veryfast["seconds"]
+    for record in (medium, veryfast):  # a smooth scene survives CRF 23 well; a broken decode-back would not
+        assert float(re.search(r"PSNR ([\d.]+) dB", record["variant"]).group(1)) > 30

@@ -169,6 +169,16 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
     assert files_of(events)["video.mp4"] == expected
 
 
+def test_the_x264_preset_is_the_configured_one(components, latents, in_process):
+    with vae_service(*components, ModelServiceConfig(x264_preset="ultrafast")) as stub:
+        video = files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"]
+    frames, audio = in_process["videos"][0], in_process["audio"][0].numpy()
+    assert video == encode_mp4(frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast")
+    assert video != encode_mp4(frames, audio, in_process["sampling_rate"], ignore)  # medium, the default
+    with pytest.raises(ValueError, match="x264_preset"):
+        ModelServiceConfig(x264_preset="warp")
+
+
 def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
     ties = (np.arange(256, dtype=np.float32) + np.float32(0.5)) / np.float32(255)
     values = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1),

@@ -182,6 +182,8 @@ class ModelServiceConfig(Section):
                                    # the compiled graphs (empty: torch's default, under /tmp)
     tile_batch: PositiveInt = 1    # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
     decode_gpus: PositiveInt = 1   # vae: GPUs one decode spreads its tiles over (decoder replicas on the next ones)
+    x264_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
+                         "veryslow"] = "medium"  # vae: libx264's speed / size trade at CRF 23 (bench/mux.py)
     memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
                                               # emulate a 22 GB card on a bigger one; 0: the whole device
 

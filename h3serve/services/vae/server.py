@@ -153,8 +153,9 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
     def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan,
              report: Report) -> Output:
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
+        muxing = phase_reporter(report, vae_pb2.DECODE_PHASE_MUX)
         with self._lock, mux.Muxer(plan.frames, plan.height, plan.width, plan.sample_rate, plan.audio_channels,
-                                   phase_reporter(report, vae_pb2.DECODE_PHASE_MUX)) as muxer:
+                                   muxing, self.config.x264_preset) as muxer:
             started = time.perf_counter()
             checked = decode_checked(self.decoder, latents, audio_latents,
                                      on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
