@@ -50,20 +50,21 @@ def profile_deployment(profile: Path, changes: dict[str, dict], path: Path) -> P
     for name in (*MODEL_SERVICES, "gateway"):
         data.setdefault(name, {})["port"] = free_port()
     data["gateway"].pop("http_port", None)
-    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {_toml(value)}\n" for key, value in section.items())
+    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in section.items())
                             + "\n" for name, section in data.items()))
     return path
 
 
-def _toml(value) -> str:
-    """One TOML value of the kinds deployment files use; strings as JSON writes them (a subset of TOML's)."""
+def toml_value(value) -> str:
+    """A value of the kinds deployment files use (bool, number, str, list, dict) as TOML; strings as JSON writes
+    them (a subset of TOML's), dicts as inline tables."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (int, float, str)):
         return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
 
 
 def add_request_arguments(parser, steps: int) -> None:

@@ -28,14 +28,17 @@ DiT service refuses at start (too few GPUs, a bad layout) stops the bench before
 service's reason. `_native_cudnn` is what the deployment file and the 3.585 s/step 2-GPU measurement use;
 `flash4` and `cudnn_fp8` run under Ulysses (h3serve/runtime/kernels/local.py).
 
-One warm-up request per side and size (`--warmup-steps`: the same shapes; 3 steps run both DiT forward variants), then the median
-of `--repeats`. `--warm-start` measures what a user meets instead: the DiT declares `--sizes` as its
-`[dit] warmup` shapes (compiled and run before it says SERVING), the services get no warm-up request, and
-the first request after SERVING and the start-to-SERVING time become rows of their own (beside the
-in-process pipeline's load time). `--deploy F` serves a shipped profile instead of the deployment built from
-`--dit` / `--vae` / `--gpus`: its placement, memory limits, offload and fast paths as they ship, with the weights,
-ports, data directory and this run's adapter and warm-up shapes put in (give `--gpus` / `--dit-fsdp` to match its
-DiT group, which the bench checks), e.g. `--deploy docs/deploy/single-32gb.toml` emulates the 32 GB card on an H200. The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
+One warm-up request per side and size (`--warmup-steps`: the same shapes; 3 steps run both DiT forward
+variants), then the median of `--repeats`. `--warm-start` measures what a user meets instead: the DiT
+declares `--sizes` as its `[dit] warmup` shapes (compiled and run before it says SERVING), the services get
+no warm-up request, and the first request after SERVING and the start-to-SERVING time become rows of their
+own (beside the in-process pipeline's load time). `--deploy F` serves a shipped profile instead of the
+deployment built from `--dit` / `--vae` / `--gpus`: its placement, memory limits, offload and fast paths as
+they ship, with the weights, ports, data directory and this run's adapter and warm-up shapes put in (give
+`--gpus` / `--dit-fsdp` to match its DiT group, which the bench checks); `--deploy
+docs/deploy/single-32gb.toml` emulates the 32 GB card on an H200.
+
+The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
 and so are the decoded frames and waveform before the muxer: the in-process side saves its last run's, and
 the services run the request once more, untimed, with `include_raw`. The result is printed: with the default
 fast paths on one device the split computes exactly what the pipeline computes; a DiT group of N ranks
@@ -110,6 +113,7 @@ ADAPTER = "turbo"  # --adapter-rank: a random LoRA of that rank on every block l
 OUTPUTS = (".mp4", ".npz")  # what each side's last request leaves for the comparison: the MP4, the raw output
 RAW_BYTES = 8 << 30  # the VAE's include_raw limit here: a 768x1344x124 video is 1.5 GB of float frames
 STAGES = ("encode", "denoise", "decode", "mux")
+START_TIMEOUT_S = 900  # [supervisor] start_timeout_s of the bench's deployments: --warm-start compiles before SERVING
 PIPELINE_STAGES = {"text_encoder": "encode", "denoise": "denoise", "decode": "decode"}
 
 
@@ -245,7 +249,7 @@ def deployment(args, device: str, work: Path) -> Path:
             f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
             f"max_raw_bytes = {RAW_BYTES}\n\n"
             f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
-            "[supervisor]\nstart_timeout_s = 900\n")  # --warm-start compiles before SERVING
+            f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n")
     path = work / "deploy.toml"
     path.write_text(text)
     return path
@@ -254,8 +258,9 @@ def deployment(args, device: str, work: Path) -> Path:
 def profile_changes(args, work: Path) -> dict[str, dict]:
     """What --deploy changes in a profile: the weights, the encoder cache off, room for the raw output, this
     run's data directory, the request's adapter; its placement, memory and fast-path settings stay."""
-    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0}, "supervisor": {"start_timeout_s": 900},
-               "vae": {"max_raw_bytes": RAW_BYTES}, "gateway": {"data_dir": str(work / "gateway")}, "dit": {}}
+    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0}, "dit": {},
+               "vae": {"max_raw_bytes": RAW_BYTES}, "gateway": {"data_dir": str(work / "gateway")},
+               "supervisor": {"start_timeout_s": START_TIMEOUT_S}}
     if args.adapter_file:
         changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
     if args.warm_start:

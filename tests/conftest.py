@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.deployment import toml_value
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.common.config import load_deploy
 
@@ -18,17 +19,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def toml_value(value) -> str:
-    """A Python value (str, number, list, dict) as a TOML value; dicts become inline tables."""
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items()) + " }"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value).replace("'", '"')
 
 
 def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,

@@ -8,7 +8,8 @@ that cannot fit. Every number is an estimate; where each constant comes from:
 - Parameter counts (`TRANSFORMER`, `VIDEO_VAE`, `AUDIO_VAE`, `TEXT_ENCODER`): counted on the meta device
   from diffusers 0.42.1's / transformers' classes at the released sizes, as h3serve/runtime/random_full.py
   builds them (the text encoder is Qwen3-VL-32B with 51 of its 64 decoder layers and no head, as a service
-  holds it); tests/test_plan.py counts them again. A model directory with other sizes is not read: the plan assumes the released ones.
+  holds it); tests/test_plan.py counts them again. A model directory with other sizes is not read: the plan
+  assumes the released ones.
 - Bytes per parameter: the service's dtype, except `_keep_in_fp32_modules` (fp32 always); fp8 stores the
   block linears `fastpath.fp8_target` picks in 1 byte. The encoder quantises its decoder layers' linears only
   (h3serve/services/encoder/placement.py: not the embedding, lm_head or vision tower): int8 in 1 byte; nf4 in

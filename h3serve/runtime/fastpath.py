@@ -24,8 +24,8 @@ from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.fastpath")
-FLAGS = ("compile", "fp8")
-SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)  # in the order `describe` and the benches write them
+FLAGS = ("compile", "fp8")  # in the order `describe` and the benches write them
+SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)
 
 
 @dataclass(frozen=True)

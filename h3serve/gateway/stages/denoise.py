@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from h3serve.gateway.stages.stage import JobContext, Request, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Watchdog
@@ -15,13 +15,14 @@ class StepTimes:
     while any step did not (compiling costs a shape's first steps minutes, its later ones nothing)."""
 
     elapsed: float = 0.0
-    plain: list[float] = field(default_factory=list)  # times of the steps that compiled nothing
+    plain_seconds: float = 0.0  # of the steps that compiled nothing
+    plain_steps: int = 0
 
     def event(self, step: dit_pb2.StepProgress) -> gateway_pb2.Denoising:
         self.elapsed += step.seconds
         if not step.compiled_graphs:
-            self.plain.append(step.seconds)
-        mean = sum(self.plain) / len(self.plain) if self.plain else self.elapsed / step.step
+            self.plain_seconds, self.plain_steps = self.plain_seconds + step.seconds, self.plain_steps + 1
+        mean = self.plain_seconds / self.plain_steps if self.plain_steps else self.elapsed / step.step
         return gateway_pb2.Denoising(step=step.step, total=step.total, step_seconds=step.seconds,
                                      elapsed_seconds=self.elapsed, eta_seconds=mean * (step.total - step.step),
                                      compiled_graphs=step.compiled_graphs)

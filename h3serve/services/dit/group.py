@@ -243,12 +243,13 @@ class Driver:
         queue_seconds = time.perf_counter() - ticket.submitted
         started = time.perf_counter()
         self.member.control.broadcast(ticket.message)
-        clock, graphs = StepClock(), [compile_cache.compiled_graphs()]
+        clock, graphs = StepClock(), compile_cache.compiled_graphs()
 
         def on_step(step: int, total: int) -> None:
-            graphs.append(compile_cache.compiled_graphs())  # this process is rank 0's: it compiles as every rank
+            nonlocal graphs
+            before, graphs = graphs, compile_cache.compiled_graphs()  # rank 0's process: it compiles as every rank
             ticket.events.put(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(
-                step=step, total=total, seconds=clock.lap(), compiled_graphs=graphs[-1] - graphs[-2])))
+                step=step, total=total, seconds=clock.lap(), compiled_graphs=graphs - before)))
 
         outcome = self.member.run(ticket.message, on_step, ticket.cancelled.is_set)
         self.ranks = outcome.ranks

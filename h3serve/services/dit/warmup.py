@@ -10,8 +10,8 @@ With compile, each shape runs with prompt lengths of every residue modulo twice 
 the second length makes torch.compile mark the packed sequence's dimension dynamic, and a group that splits the
 sequence over ranks meets new graphs once more per residue (tests/dist_checks.py); after that, prompts of any
 length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run without compiling
-again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without compile one run per shape is enough to load kernels and
-grow the allocator's pools.
+again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without compile one run
+per shape is enough to load kernels and grow the allocator's pools.
 """
 
 from __future__ import annotations
