@@ -152,9 +152,9 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     from diffusers.schedulers import MiniMaxH3Scheduler
 
     if args.quick or config is not None:
-        torch.manual_seed(0)  # the same weights on every rank: drawn on the CPU, then moved
         sized = functools.partial(MiniMaxH3Transformer3DModel, **(config or presets.TINY_TRANSFORMER))
-        transformer = random_full.build_in_place(sized, "cpu", dtype).to(device)
+        skeleton = random_full.skeleton(sized, dtype)  # the same seeded weights on every rank, then moved
+        transformer = random_full.materialise(skeleton, "transformer", "cpu").to(device)
     else:  # released size, built on this rank's GPU, seeded alike on every rank
         transformer = random_full.build_component("transformer", str(device), dtype)
     return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),

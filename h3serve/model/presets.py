@@ -14,7 +14,7 @@ from __future__ import annotations
 TINY = "tiny"
 TINY_REVISION = "tiny-v1"
 RANDOM_FULL = "random:full"
-RANDOM_FULL_REVISION = "random-full-v1"
+RANDOM_FULL_REVISION = "random-full-v2"  # v2: values drawn per parameter (random_full.fill)
 
 TINY_TRANSFORMER = dict(
     num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1,

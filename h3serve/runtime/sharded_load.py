@@ -1,6 +1,6 @@
 """Materialise a meta-device FSDP2 module rank by rank: only this rank's shards, from safetensors files or random.
 
-A rank builds the model on the meta device (`skeleton`: no weight memory), FSDP2 shards it
+A rank builds the model on the meta device (`random_full.skeleton`: no weight memory), FSDP2 shards it
 (h3serve/services/dit/parallel.py), and only then allocates parameters: this rank's Shard(0) rows of each
 (`materialise`), on the device, or in host memory with FSDP2's CPU offload. Each parameter is filled on its
 own, so besides the shards a rank holds at most one parameter's rows in transit:
@@ -13,7 +13,6 @@ own, so besides the shards a rank holds at most one parameter's rows in transit:
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,9 +100,8 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class RandomWeights:
-    """Seeded values in the ranges of PyTorch's default init (weights of 2+ dims uniform within 1/sqrt(fan-in),
-    norm scales 1, biases 0), so 50 random blocks stay finite. Each rank draws only its rows, seeded by the
-    component, the parameter and the first row: the same model on every start of the same layout."""
+    """random:full's values (`random_full.fill`), each rank drawing only its rows, seeded by the component, the
+    parameter and the first row: the same model on every start of the same layout."""
 
     component: str
 
@@ -115,29 +113,7 @@ class RandomWeights:
         return random_full.model_factory(self.component)()
 
     def fill(self, name: str, rows: LocalRows) -> None:
-        if name.endswith("bias"):
-            rows.tensor.zero_()
-        elif len(rows.shape) == 1:
-            rows.tensor.fill_(1.0)
-        else:
-            seed = zlib.crc32(f"{self.component}.{name}@{rows.start}".encode())
-            generator = torch.Generator(rows.tensor.device).manual_seed(seed)
-            bound = rows.shape[1:].numel() ** -0.5
-            rows.tensor.uniform_(-bound, bound, generator=generator)
-
-
-def skeleton(factory: Callable[[], torch.nn.Module], dtype: torch.dtype) -> torch.nn.Module:
-    """`factory()` with its parameters on the meta device and its buffers computed on the CPU at construction
-    (non-persistent ones, such as the rope frequencies, are in no checkpoint), in fp32 like diffusers' loader
-    computes them; then the dtypes a checkpoint load gives (`_keep_in_fp32_modules` stay fp32)."""
-    from accelerate import init_empty_weights
-
-    with init_empty_weights(include_buffers=False):
-        model = factory().eval()
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_floating_point():
-            tensor.data = tensor.data.to(torch.float32 if random_full.keeps_fp32(model, name) else dtype)
-    return model
+        random_full.fill(rows.tensor, self.component, name, rows.start, rows.shape)
 
 
 def materialise(model: torch.nn.Module, weights: Weights, device: torch.device, offload: bool) -> None:

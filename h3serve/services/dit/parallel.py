@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fastpath, sharded_load
+from h3serve.runtime import fastpath, random_full, sharded_load
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.dit import attention, gloo_shims
 
@@ -103,7 +103,7 @@ def load_sharded(weights: sharded_load.Weights, layout: Layout, fast: FastPath, 
                  dtype: torch.dtype) -> torch.nn.Module:
     """The transformer readied on the meta device, sharded, then only this rank's shards filled from `weights`."""
     started = time.perf_counter()
-    transformer = sharded_load.skeleton(weights.factory, dtype)
+    transformer = random_full.skeleton(weights.factory, dtype)
     prepare_transformer(transformer, layout, fast, device, dtype, weights)
     log.info("%s: this rank's shards, %.2f GiB, loaded in %.1f s", weights.label,
              sharded_load.shard_bytes(transformer) / 2**30, time.perf_counter() - started)
