@@ -32,7 +32,7 @@ from bench import flops, profile
 from bench.accuracy import capture_forward, forward_output, fp32_output, rel_l2
 from bench.common import Size, add_variant_arguments, denoise_spec, device_label, software, timed
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.runtime import fastpath, random_full
+from h3serve.runtime import compile_cache, fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.dit.attention import packed_length
 from h3serve.services.dit.runner import DenoiseRunner, served
@@ -84,15 +84,26 @@ class Workload:
     def run_ours(self) -> None:
         self.ours.run(self.spec, self.embeds, self.tags, lambda step, total: None)
 
-    def seconds_per_step(self, fn) -> tuple[float, float]:
-        """(median s/step, peak GiB) after one warm-up call (kernels, allocator, compile)."""
+    def seconds_per_step(self, fn) -> Timing:
+        """The first call (kernels, allocator, compile: what a new shape costs a request), then the median s/step
+        and peak GiB of --repeats calls."""
         with torch.no_grad():
-            fn()
+            graphs = compile_cache.compiled_graphs()
+            first = timed(fn, self.device)
+            graphs = compile_cache.compiled_graphs() - graphs
             if self.device.startswith("cuda"):
                 torch.cuda.reset_peak_memory_stats()
             times = [timed(fn, self.device) / self.args.forwards for _ in range(self.args.repeats)]
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.startswith("cuda") else 0.0
-        return statistics.median(times), round(peak, 2)
+        return Timing(statistics.median(times), round(peak, 2), first, graphs)
+
+
+@dataclass(frozen=True)
+class Timing:
+    per_step: float
+    peak_gib: float
+    first_call: float  # seconds of the first call at this size (--forwards forwards)
+    graphs: int        # graphs torch.compile built during it
 
 
 @dataclass
@@ -115,22 +126,24 @@ class Accuracy:
 
 
 class FastPathLadder:
-    """Applies the --variants in order to one transformer; each may only add compile or fp8."""
+    """Applies the --variants in order to one transformer; each may only add fp8 or compile (static and dynamic
+    compiles replace each other)."""
 
     def __init__(self, transformer) -> None:
         self.transformer, self.applied = transformer, FastPath()
 
     def step_to(self, fast: FastPath) -> None:
-        undone = [flag for flag in fastpath.FLAGS if getattr(self.applied, flag) and not getattr(fast, flag)]
+        undone = [flag for flag in ("compile", "fp8") if getattr(self.applied, flag) and not getattr(fast, flag)]
         if undone:
             raise SystemExit(f"--variants: {fast.describe()} would undo {', '.join(undone)}; list it earlier")
-        if self.applied.compile and fast.attention != self.applied.attention:
-            torch._dynamo.reset()  # the compiled blocks traced the previous kernel
+        recompile = fast.compile and (not self.applied.compile or fast.dynamic != self.applied.dynamic)
+        if self.applied.compile and (recompile or fast.attention != self.applied.attention):
+            torch._dynamo.reset()  # the compiled blocks traced the previous kernel or sizes
         fastpath.set_attention(self.transformer, fast.attention)
         if fast.fp8 and not self.applied.fp8:
             fastpath.quantize_fp8(self.transformer)
-        if fast.compile and not self.applied.compile:
-            self.transformer.compile_repeated_blocks(fullgraph=True)
+        if recompile:
+            fastpath.compile_blocks(self.transformer, fast)
         self.applied = fast
 
 
@@ -139,7 +152,10 @@ def parse_variant(text: str) -> FastPath:
     unknown = set(flags) - set(fastpath.FLAGS)
     if unknown:
         raise SystemExit(f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: {', '.join(fastpath.FLAGS)})")
-    return FastPath(attention=attention, **{flag: flag in flags for flag in fastpath.FLAGS})
+    try:
+        return FastPath(attention=attention, **{flag: flag in flags for flag in fastpath.FLAGS})
+    except ValueError as exc:
+        raise SystemExit(f"--variants {text!r}: {exc}") from exc
 
 
 def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
@@ -152,12 +168,14 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
     for fast in (parse_variant(v) for v in args.variants.split(",")):
         ladder.step_to(fast)
         for w in workloads:
-            seconds, peak = w.seconds_per_step(w.run_ours)
+            ours, base = w.seconds_per_step(w.run_ours), baseline[w.size]
             errors = accuracy[w.size].of(transformer, lossy=fast.lossy) if w.size in accuracy else {}
-            rate = {"tflops": w.flops / seconds / 1e12, "ceiling_tflops": ceiling}
-            records.append(record(w.size, fast, seconds, baseline[w.size][0], peak, {**errors, **rate}, args, device))
-            print(f"  {w.size} {fast.describe()}: {seconds:.4f} s/step vs {baseline[w.size][0]:.4f} {errors}",
-                  flush=True)
+            rate = {"tflops": w.flops / ours.per_step / 1e12, "ceiling_tflops": ceiling}
+            records.append(record(w.size, fast, ours, base, {**errors, **rate}, args, device))
+            if fast.compile:  # what a request of a shape not compiled yet pays
+                records.append(first_call_record(w.size, fast, ours, base, args, device))
+            print(f"  {w.size} {fast.describe()}: {ours.per_step:.4f} s/step vs {base.per_step:.4f} {errors}; first "
+                  f"call {ours.first_call:.1f} s ({ours.graphs} graphs) vs {base.first_call:.1f} s", flush=True)
             if args.profile:
                 with torch.no_grad():
                     rows = profile.kernels(w.run_ours, per=args.forwards)
@@ -165,15 +183,25 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
     return records
 
 
-def record(size: Size, fast: FastPath, seconds: float, baseline_seconds: float, peak: float, measured: dict,
-           args, device: str) -> Record:
+def record(size: Size, fast: FastPath, ours: Timing, base: Timing, measured: dict, args, device: str) -> Record:
     return Record(
         name=f"dit_step_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
-        seconds=seconds, baseline_seconds=baseline_seconds, ratio=baseline_seconds / seconds, peak_gib=peak,
-        command=args.command, date=datetime.date.today().isoformat(),
+        seconds=ours.per_step, baseline_seconds=base.per_step, ratio=base.per_step / ours.per_step,
+        peak_gib=ours.peak_gib, command=args.command, date=datetime.date.today().isoformat(),
         variant=f"service runner, fast path {fast.describe()}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
         software=software(), **measured)
+
+
+def first_call_record(size: Size, fast: FastPath, ours: Timing, base: Timing, args, device: str) -> Record:
+    return Record(
+        name=f"dit_first_call_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
+        seconds=ours.first_call, baseline_seconds=base.first_call, ratio=base.first_call / ours.first_call,
+        peak_gib=ours.peak_gib, command=args.command, date=datetime.date.today().isoformat(),
+        variant=f"service runner, fast path {fast.describe()}: first call of {args.forwards} forwards at this size "
+                f"after the variants before it; graphs compiled: {ours.graphs}",
+        baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process: its first call",
+        software=software())
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -193,8 +221,9 @@ def main(argv: list[str] | None = None) -> list[Record]:
           f"{'TFLOP/s':>8} {'ceiling':>8} {'err/fp32':>9} {'bf16/fp32':>9}")
     for r in records:
         err = f"{r.rel_err_fp32:9.2e} {r.bf16_rel_err_fp32:9.2e}" if r.rel_err_fp32 is not None else ""
-        print(f"{r.name:24} {r.variant:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
-              f"{r.peak_gib:8.2f} {r.tflops:8.1f} {r.ceiling_tflops:8.1f} {err}")
+        rate = f"{r.tflops:8.1f} {r.ceiling_tflops:8.1f}" if r.tflops is not None else f"{'':8} {'':8}"
+        print(f"{r.name:24} {r.variant[:44]:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
+              f"{r.peak_gib:8.2f} {rate} {err}")
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

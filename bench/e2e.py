@@ -32,7 +32,9 @@ One warm-up request per side and size (`--warmup-steps`: the same shapes; 3 step
 variants), then the median of `--repeats`. `--warm-start` measures what a user meets instead: the DiT
 declares `--sizes` as its `[dit] warmup` shapes (compiled and run before it says SERVING), the services get
 no warm-up request, and the first request after SERVING and the start-to-SERVING time become rows of their
-own (beside the in-process pipeline's load time). `--deploy F` serves a shipped profile instead of the
+own (beside the in-process pipeline's load time), the first request with its stages printed. `--compile-cache
+DIR` is the services' `compile_cache_dir`: the same command twice measures a cold start, then a warm restart (the
+records say whether the cache was empty). `--deploy F` serves a shipped profile instead of the
 deployment built from `--dit` / `--vae` / `--gpus`: its placement, memory limits, offload and fast paths as
 they ship, with the weights, ports, data directory and this run's adapter and warm-up shapes put in (give
 `--gpus` / `--dit-fsdp` to match its DiT group, which the bench checks); `--deploy
@@ -242,11 +244,12 @@ def deployment(args, device: str, work: Path) -> Path:
             f"[encoder]\n{common(place.encoder)}cache_bytes = 0\n\n"
             f'[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n'
             f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
-            f"compile = {str(dit.compile).lower()}\nfp8 = {str(dit.fp8).lower()}\n"
+            f"compile = {str(dit.compile).lower()}\ncompile_dynamic = {str(dit.dynamic).lower()}\n"
+            f"fp8 = {str(dit.fp8).lower()}\n{cache_line(args)}"
             + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
             + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "") + "\n"
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
-            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n"
+            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n{cache_line(args)}"
             f"max_raw_bytes = {RAW_BYTES}\n\n"
             f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
             f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n")
@@ -265,7 +268,22 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
     if args.warm_start:
         changes["dit"]["warmup"] = args.sizes.split(",")
+    if args.compile_cache:
+        changes["dit"]["compile_cache_dir"] = changes["vae"]["compile_cache_dir"] = args.compile_cache
     return changes
+
+
+def cache_line(args) -> str:
+    return f'compile_cache_dir = "{args.compile_cache}"\n' if args.compile_cache else ""
+
+
+def cache_state(directory: str) -> str:
+    """What --compile-cache held before the services started: a warm restart loads it, a cold start fills it."""
+    if not directory:
+        return ""
+    files = [f for f in Path(directory).rglob("*") if f.is_file()]
+    size = sum(f.stat().st_size for f in files)
+    return f", compile cache {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if files else 'empty'} at start"
 
 
 def served_request(client, size: Size, steps: int, events: list, args, include_raw: bool = False):
@@ -350,9 +368,10 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                 sides = {}
                 for size in sizes:
                     once = functools.partial(served_once, client, size, out=work, args=args)
-                    first = once(args.steps).seconds if args.warm_start else 0.0  # warmed at start, or not
-                    print(f"services {size}: " + (f"first request {first:.2f} s, then " if first else "warm-up + ")
-                          + f"{args.repeats} runs", flush=True)
+                    first_run = once(args.steps) if args.warm_start else None  # warmed at start, or not
+                    first = first_run.seconds if first_run else 0.0
+                    print(f"services {size}: " + (f"first request {first:.2f} s ({stage_text(first_run)}), then "
+                                                  if first_run else "warm-up + ") + f"{args.repeats} runs", flush=True)
                     runs = [once(args.steps) for _ in range(args.repeats)] if first else repeated(once, args)
                     served_raw(client, size, args.steps, work, args)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
@@ -364,6 +383,10 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     except BaseException:
         print_logs(work)
         raise
+
+
+def stage_text(run: Run) -> str:
+    return ", ".join(f"{stage} {run.stages.get(stage, 0.0):.2f} s" for stage in STAGES) + f", transport {run.transport:.2f} s"
 
 
 def setup(args) -> dict:
@@ -416,7 +439,7 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         date=datetime.date.today().isoformat(), software=software(),
         variant=(f"gRPC services, deployment {args.deploy} as shipped" if args.deploy else
                  f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}")
-                + adapted(args),
+                + adapted(args) + args.cache_state,
         baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args))
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
             for n, s, b in rows]
@@ -527,9 +550,12 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--warm-start", action="store_true",
                    help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
                         "the first request after SERVING and start to SERVING become rows of their own")
+    p.add_argument("--compile-cache", default="",
+                   help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
+    args.cache_state = cache_state(args.compile_cache)
     if args.quick:
         args.sizes, args.dtype, args.model_dir = "32x64x124", "float32", ""
     device = "cpu" if args.quick else "cuda"

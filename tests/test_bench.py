@@ -105,9 +105,11 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     lora.touch()
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
                               vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off",
-                              adapter_file=str(lora), deploy=None, warm_start=False, sizes="480x832x124")
+                              adapter_file=str(lora), deploy=None, warm_start=False, sizes="480x832x124",
+                              compile_cache=str(tmp_path / "cc"))
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
+    assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
     assert {name: source.path for name, source in config.dit.adapters.items()} == {e2e.ADAPTER: str(lora)}
     services = [config.encoder, config.dit, config.vae]
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
@@ -128,7 +130,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
     args = argparse.Namespace(deploy=str(profile), model_dir="random:full", adapter_file=str(lora), warm_start=True,
-                              sizes="768x1344x124")
+                              sizes="768x1344x124", compile_cache="")
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
         ours, theirs = config.service(name), shipped.service(name)

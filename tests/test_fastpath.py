@@ -5,11 +5,15 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
-from h3serve.common.config import ModelServiceConfig
-from h3serve.runtime import fastpath
+from bench.common import Size, denoise_spec
+from h3serve.common.config import DiTConfig, ModelServiceConfig
+from h3serve.runtime import compile_cache, fastpath
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
+from h3serve.services.dit import warmup
+from h3serve.services.dit.runner import DenoiseRunner, served
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn-4 is installed here")
@@ -43,3 +47,32 @@ def test_fast_paths_name_their_options_and_which_change_the_numbers():
     fast = FastPath(attention="cudnn_fp8", compile=True)
     assert fast.describe() == "cudnn_fp8+compile" and fast.lossy
     assert FastPath(fp8=True).lossy and not FastPath(attention="flash4", compile=True).lossy
+
+
+def test_compile_dynamic_needs_compile_and_is_the_dits_default():
+    with pytest.raises(ValueError, match="compile_dynamic needs compile = true"):
+        FastPath(dynamic=True)
+    assert FastPath.of(DiTConfig(compile=True)).describe() == "native+compile+dynamic"
+    assert FastPath.of(DiTConfig()) == FastPath(), "without compile there is nothing to compile dynamically"
+    assert not FastPath.of(ModelServiceConfig(compile=True)).dynamic, "the VAE keeps torch's default"
+    assert warmup.prompt_lengths(DiTConfig(compile=True)) == [256, 255]  # the second compiles nothing
+    assert warmup.prompt_lengths(DiTConfig(compile=True, compile_dynamic=False)) == [256, 255, 254]
+
+
+@pytest.mark.parametrize("dynamic,recompiles", [(True, False), (False, True)])
+def test_a_dynamic_compile_runs_a_new_canvas_and_prompt_length_without_compiling(dynamic, recompiles):
+    torch._dynamo.reset()
+    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
+             "audio_scheduler": build_component("audio_scheduler")}
+    fastpath.apply(parts["transformer"], FastPath(compile=True, dynamic=dynamic))
+    runner = DenoiseRunner(parts, served(["t2va"]))
+
+    def graphs_of(size: str, tokens: int) -> int:
+        embeds = torch.randn(1, tokens, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0))
+        before = compile_cache.compiled_graphs()
+        runner.run(denoise_spec(Size.parse(size), forwards=2), embeds, torch.ones(tokens, dtype=torch.int64),
+                   lambda step, total: None)
+        return compile_cache.compiled_graphs() - before
+
+    assert graphs_of("32x64x124", 12) > 0, "the first call compiles both forward variants"
+    assert (graphs_of("64x32x141", 7) > 0) == recompiles  # static: a new size makes torch compile a dynamic graph

@@ -177,6 +177,9 @@ class ModelServiceConfig(Section):
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # dit: served workflows (decides the partitions loaded)
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     compile: bool = False          # dit, vae: torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
+    compile_dynamic: bool = False  # with compile: symbolic sizes from the first call, one graph per forward
+                                   # variant for every shape (false: torch's default, a static graph first)
+                                   # (the DiT's default is true: see DiTConfig)
     fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     compile_cache_dir: str = ""    # dit, vae with compile: Inductor's and Triton's caches here, so a restart loads
                                    # the compiled graphs (empty: torch's default, under /tmp)
@@ -236,6 +239,9 @@ class DiTConfig(ModelServiceConfig):
     ulysses_degree: NonNegativeInt = 0  # sequence split over heads (all-to-all); 0: world_size when ring_degree is 1
     ring_degree: PositiveInt = 1     # sequence split over keys/values (ring); ulysses x ring = world_size
     max_restarts: NonNegativeInt = 3  # group restarts after a rank dies, then the service exits
+    # Prompt lengths vary, so a static first graph serves almost no request, yet costs a compile at start (one
+    # H200, 480x832x124, fp8: 183 s static, 208 s dynamic, 1.16 vs 1.19 s/step; BENCHMARKS.md dit_first_call)
+    compile_dynamic: bool = True
     restart_backoff_s: NonNegativeFloat = 1.0  # wait before restart k: backoff * 2^(k-1), at most 30 s
     collective_timeout_s: PositiveFloat = 600.0  # a collective that takes longer fails the group (it restarts)
     heartbeat_s: PositiveFloat = 5.0  # idle ranks hear from rank 0 this often; a dead rank shows within this

@@ -7,7 +7,10 @@ it. None changes the math of the released model; what each costs in accuracy is 
 - `attention = "flash4"`: FlashAttention 4, or `"cudnn_fp8"` (opt-in, it changes the numbers): cuDNN's
   FP8 attention; both installed locally and bound to diffusers' `flash_4_hub` backend, so nothing is
   downloaded (h3serve/runtime/kernels/local.py).
-- `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block).
+- `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block). torch's default
+  compiles a graph for the first sizes it meets and a second, dynamic one when a size changes; `dynamic`
+  compiles the dynamic one from the first call (one compile instead of two per forward variant, and every
+  canvas, frame count and prompt length runs it).
 - `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
   the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
   Opt-in: it changes the numbers.
@@ -24,7 +27,7 @@ from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.fastpath")
-FLAGS = ("compile", "fp8")  # in the order `describe` and the benches write them
+FLAGS = ("compile", "dynamic", "fp8")  # in the order `describe` and the benches write them
 SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)
 
 
@@ -32,7 +35,12 @@ SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around
 class FastPath:
     attention: str = "native"  # a diffusers backend name, or one of local_kernels.KERNELS
     compile: bool = False
+    dynamic: bool = False  # with compile: symbolic sizes from the first call
     fp8: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dynamic and not self.compile:
+            raise ValueError("compile_dynamic needs compile = true (it says how the blocks are compiled)")
 
     @classmethod
     def of(cls, config) -> FastPath:
@@ -40,7 +48,8 @@ class FastPath:
         `compile`, `fp8`); fp8 quantises bf16 weights, so it needs `dtype = "bfloat16"`."""
         if config.fp8 and config.dtype != "bfloat16":
             raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {config.dtype!r}")
-        return cls(attention=config.attention_backend, compile=config.compile, fp8=config.fp8)
+        return cls(attention=config.attention_backend, compile=config.compile, dynamic=config.compile and config.compile_dynamic,
+                   fp8=config.fp8)
 
     def describe(self) -> str:
         return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
@@ -62,15 +71,20 @@ def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) 
     if fast.fp8:
         quantize_fp8(model)
     if fast.compile:
-        # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        if sequence_split:
-            # Compiled around the all-to-alls, a block's entry point is diffusers' hook wrapper (`new_forward`), one
-            # code object for every hooked module: each module kind, forward variant and sequence length residue
-            # takes a cache entry (2 gloo ranks: 41 graphs until every prompt length was covered), past torch's 8.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SPLIT_RECOMPILE_LIMIT)
-        model.compile_repeated_blocks(fullgraph=not sequence_split)
+        compile_blocks(model, fast, sequence_split)
     log.info("%s fast path: %s", type(model).__name__, fast.describe())
+
+
+def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) -> None:
+    # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if sequence_split:
+        # Compiled around the all-to-alls, a block's entry point is diffusers' hook wrapper (`new_forward`), one
+        # code object for every hooked module: each module kind, forward variant and sequence length residue
+        # takes a cache entry (2 gloo ranks: 41 graphs until every prompt length was covered), past torch's 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SPLIT_RECOMPILE_LIMIT)
+    # dynamic=None is torch's default: sizes specialised first, made symbolic when they change (a recompile)
+    model.compile_repeated_blocks(fullgraph=not sequence_split, dynamic=True if fast.dynamic else None)
 
 
 def set_attention(model: torch.nn.Module, backend: str) -> None:

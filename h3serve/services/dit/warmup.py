@@ -6,12 +6,12 @@ forward variants) on synthetic text embeddings through the same checks and the s
 request, so every rank compiles what a request will run, and a shape that cannot run (memory, a kernel) stops
 the start with its reason instead of failing a user's request.
 
-With compile, each shape runs with prompt lengths of every residue modulo twice the group's ranks, and one more:
-the second length makes torch.compile mark the packed sequence's dimension dynamic, and a group that splits the
-sequence over ranks meets new graphs once more per residue (tests/dist_checks.py); after that, prompts of any
-length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run without compiling
-again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without compile one run
-per shape is enough to load kernels and grow the allocator's pools.
+With compile, each shape runs with prompt lengths of every residue modulo twice the group's ranks, and one more
+unless `compile_dynamic`: the second length makes torch.compile mark the packed sequence's dimension dynamic, and a
+group that splits the sequence over ranks meets new graphs once more per residue (tests/dist_checks.py); after
+that, prompts of any length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run
+without compiling again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without
+compile one run per shape is enough to load kernels and grow the allocator's pools.
 """
 
 from __future__ import annotations
@@ -58,9 +58,12 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
 
 def prompt_lengths(config: DiTConfig) -> list[int]:
     """Without compile one length. With compile, one per residue of the packed length modulo twice the ranks that
-    split the sequence (the second length makes the sequence dimension dynamic; a split group compiles its odd
-    and even per-rank chunks apart: tests/dist_checks.py), then one more, which should compile nothing."""
-    count = 2 * config.world_size + 1 if config.compile else 1
+    split the sequence (a split group compiles its odd and even per-rank chunks apart: tests/dist_checks.py), then
+    one more, which should compile nothing. A static first compile takes one length more: the second length is
+    what makes torch.compile mark the packed sequence's dimension dynamic."""
+    if not config.compile:
+        return [PROMPT_TOKENS]
+    count = 2 * config.world_size + (0 if config.compile_dynamic else 1)
     return [PROMPT_TOKENS - k for k in range(count)]
 
 
