@@ -386,7 +386,8 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
 
 
 def stage_text(run: Run) -> str:
-    return ", ".join(f"{stage} {run.stages.get(stage, 0.0):.2f} s" for stage in STAGES) + f", transport {run.transport:.2f} s"
+    stages = ", ".join(f"{stage} {run.stages.get(stage, 0.0):.2f} s" for stage in STAGES)
+    return f"{stages}, transport {run.transport:.2f} s"
 
 
 def setup(args) -> dict:
