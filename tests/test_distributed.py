@@ -70,11 +70,12 @@ def test_compiled_blocks_split_the_sequence_like_eager_ones(report):
 
 @pytest.mark.distributed
 def test_a_compiled_sequence_split_serves_prompts_of_any_length_and_stops_compiling(report):
-    # Prompt lengths of every residue of the packed length modulo 4, within torch's recompile limit as h3serve sets
-    # it (past torch's own 8 the second length failed the request), and once every residue has been met nothing
-    # compiles any more: the lengths the warm-up runs before SERVING (warmup.prompt_lengths).
+    # Prompt lengths of every residue of the packed length modulo 4 (the lengths the warm-up runs before SERVING,
+    # warmup.prompt_lengths): the blocks' own forwards are compiled, diffusers' split hooks run outside them, so
+    # the two parities compile and nothing after (with the hooks compiled too, every residue compiled again and the
+    # second length passed torch's recompile limit of 8).
     graphs = report["compiled_graphs"]
-    assert len(graphs) == 7 and graphs[0] > 0 and graphs[-2:] == [0, 0], graphs
+    assert len(graphs) == 7 and graphs[0] > 0 and graphs[2:] == [0] * 5, graphs
 
 
 @pytest.mark.distributed

@@ -76,3 +76,43 @@ def test_a_dynamic_compile_runs_a_new_canvas_and_prompt_length_without_compiling
 
     assert graphs_of("32x64x124", 12) > 0, "the first call compiles both forward variants"
     assert (graphs_of("64x32x141", 7) > 0) == recompiles  # static: a new size makes torch compile a dynamic graph
+
+
+def test_inductor_tuning_is_the_configs_choice_not_a_side_effect():
+    # torchao's fp8 config turns Inductor's coordinate-descent tuning on for the whole process unless told not to:
+    # at 480x832x124 on one H200 it was 125 s of a 153 s cold compile (README "Warm start")
+    with pytest.raises(ValueError, match="compile_tuning needs compile = true"):
+        FastPath.of(ModelServiceConfig(compile_tuning=True))
+    assert FastPath.of(DiTConfig(compile=True, compile_tuning=True)).describe() == "native+compile+dynamic+tune"
+    import torch._inductor.config as inductor
+
+    for tune in (True, False):
+        fastpath.apply(build_component("transformer"), FastPath(compile=True, tune=tune))
+        assert inductor.coordinate_descent_tuning is tune
+
+
+def test_compiling_blocks_again_compiles_their_own_forward_not_the_compiled_one():
+    transformer = build_component("transformer")
+    fastpath.compile_blocks(transformer, FastPath(compile=True))
+    blocks = [b for b in transformer.modules() if type(b).__name__ in transformer._repeated_blocks]
+    first = [b.forward for b in blocks]
+    fastpath.compile_blocks(transformer, FastPath(compile=True, dynamic=True))  # the benches' variant ladder
+    for block, before in zip(blocks, first):
+        assert block.forward is not before
+        assert block.forward._torchdynamo_orig_callable == vars(block)[fastpath.EAGER_FORWARD]
+    assert all(len(b._forward_pre_hooks) == (1 if type(b).__name__ == "MiniMaxH3TransformerBlock" else 0)
+               for b in blocks), "the noise-level rows are marked once per block"
+
+
+def test_one_graph_per_block_kind_serves_both_forward_variants():
+    # a request's first forward has one noise level (video and audio start together), the later ones two: with
+    # the AdaLN rows' count left unbacked, torch compiles neither block kind twice
+    torch._dynamo.reset()
+    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
+             "audio_scheduler": build_component("audio_scheduler")}
+    fastpath.apply(parts["transformer"], FastPath(compile=True, dynamic=True))
+    embeds = torch.randn(1, 12, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0))
+    graphs = compile_cache.compiled_graphs()
+    DenoiseRunner(parts, served(["t2va"])).run(denoise_spec(Size.parse("32x64x124"), forwards=3), embeds,
+                                               torch.ones(12, dtype=torch.int64), lambda step, total: None)
+    assert compile_cache.compiled_graphs() - graphs == len(parts["transformer"]._repeated_blocks)

@@ -37,3 +37,16 @@ def cache_hits() -> int:
     from torch._dynamo.utils import counters
 
     return counters["inductor"]["fxgraph_cache_hit"]
+
+
+def time_report(least_s: float = 0.5) -> str:
+    """Where this process's compile time went (torch's own timers, longest first, those of `least_s` or more) and
+    what its caches served: the line a start logs after its warm-up."""
+    from torch._dynamo.utils import compile_times, counters
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    timers = sorted(((float(value), name) for name, value in zip(names, values)), reverse=True)
+    spent = ", ".join(f"{name} {seconds:.1f} s" for seconds, name in timers if seconds >= least_s) or "none"
+    caches = "; ".join(f"{kind} " + ", ".join(f"{key} {count}" for key, count in sorted(counters[kind].items())
+                                               if "cache" in key) for kind in ("aot_autograd", "inductor"))
+    return f"compile time: {spent}; caches: {caches}"

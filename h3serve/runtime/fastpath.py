@@ -7,10 +7,10 @@ it. None changes the math of the released model; what each costs in accuracy is 
 - `attention = "flash4"`: FlashAttention 4, or `"cudnn_fp8"` (opt-in, it changes the numbers): cuDNN's
   FP8 attention; both installed locally and bound to diffusers' `flash_4_hub` backend, so nothing is
   downloaded (h3serve/runtime/kernels/local.py).
-- `compile`: `torch.compile` of the repeated blocks (one graph, reused by every block). torch's default
-  compiles a graph for the first sizes it meets and a second, dynamic one when a size changes; `dynamic`
-  compiles the dynamic one from the first call (one compile instead of two per forward variant, and every
-  canvas, frame count and prompt length runs it).
+- `compile`: `torch.compile` of each repeated block's own forward (one graph per block kind, reused by every
+  block; the hooks diffusers wraps around blocks stay outside it). torch's default compiles a graph for the first
+  sizes it meets and a second, dynamic one when a size changes; `dynamic` compiles the dynamic one from the first
+  call (every canvas, frame count and prompt length runs it); `tune` adds Inductor's coordinate-descent tuning.
 - `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
   the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
   Opt-in: it changes the numbers.
@@ -18,6 +18,8 @@ it. None changes the math of the released model; what each costs in accuracy is 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -27,8 +29,10 @@ from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
 log = logging.getLogger("h3serve.fastpath")
-FLAGS = ("compile", "dynamic", "fp8")  # in the order `describe` and the benches write them
+FLAGS = ("compile", "dynamic", "tune", "fp8")  # in the order `describe` and the benches write them
 SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)
+NOISE_LEVEL_ROWS = "temb"  # the block argument with one row per distinct noise level (`_rows_unbacked`)
+EAGER_FORWARD = "_h3serve_eager_forward"  # a compiled block's own forward, kept for a recompile
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,13 @@ class FastPath:
     attention: str = "native"  # a diffusers backend name, or one of local_kernels.KERNELS
     compile: bool = False
     dynamic: bool = False  # with compile: symbolic sizes from the first call
+    tune: bool = False  # with compile: Inductor's coordinate-descent tuning of every kernel
     fp8: bool = False
 
     def __post_init__(self) -> None:
-        if self.dynamic and not self.compile:
-            raise ValueError("compile_dynamic needs compile = true (it says how the blocks are compiled)")
+        for flag, key in (("dynamic", "compile_dynamic"), ("tune", "compile_tuning")):
+            if getattr(self, flag) and not self.compile:
+                raise ValueError(f"{key} needs compile = true (it says how the blocks are compiled)")
 
     @classmethod
     def of(cls, config) -> FastPath:
@@ -49,7 +55,8 @@ class FastPath:
         if config.fp8 and config.dtype != "bfloat16":
             raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {config.dtype!r}")
         return cls(attention=config.attention_backend, compile=config.compile,
-                   dynamic=config.compile and config.compile_dynamic, fp8=config.fp8)
+                   dynamic=config.compile and config.compile_dynamic, tune=config.compile_tuning,
+                   fp8=config.fp8)
 
     def describe(self) -> str:
         return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
@@ -79,12 +86,33 @@ def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool 
     # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     if sequence_split:
-        # Compiled around the all-to-alls, a block's entry point is diffusers' hook wrapper (`new_forward`), one
-        # code object for every hooked module: each module kind, forward variant and sequence length residue
-        # takes a cache entry (2 gloo ranks: 41 graphs until every prompt length was covered), past torch's 8.
+        # A split group compiles a block per forward variant and per way its ranks' chunks of the packed sequence
+        # differ in size (2 gloo ranks: 2 prompt lengths, tests/dist_checks.py); more ranks have more ways.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SPLIT_RECOMPILE_LIMIT)
+    # process-wide, like every Inductor setting; torchao's fp8 would turn it on as a side effect (not asked for here)
+    torch._inductor.config.coordinate_descent_tuning = fast.tune
     # dynamic=None is torch's default: sizes specialised first, made symbolic when they change (a recompile)
-    model.compile_repeated_blocks(fullgraph=not sequence_split, dynamic=True if fast.dynamic else None)
+    options = dict(fullgraph=not sequence_split, dynamic=True if fast.dynamic else None)
+    for block in model.modules():
+        if type(block).__name__ in model._repeated_blocks:
+            first = EAGER_FORWARD not in vars(block)
+            eager = vars(block).setdefault(EAGER_FORWARD, block.forward)  # a recompile starts from it again
+            parameters = list(inspect.signature(eager).parameters)
+            if first and NOISE_LEVEL_ROWS in parameters:
+                block.register_forward_pre_hook(functools.partial(_rows_unbacked, parameters.index(NOISE_LEVEL_ROWS)),
+                                                with_kwargs=True)
+            # The block's own forward, not the whole call `block.compile()` would compile: the hooks diffusers wraps
+            # around a block then run eagerly outside its graph (group offload's copies, which compile refuses to
+            # trace, and the sequence split's, whose shared wrapper made every block one code object to recompile).
+            block.forward = torch.compile(eager, **options)
+
+
+def _rows_unbacked(position: int, _block, args: tuple, kwargs: dict) -> None:
+    """A block's `temb` has a row per distinct noise level: 1 at a request's first step (video and audio start at the
+    same level), 2 after it. torch specialises a size of 1, so each block compiled twice; an unbacked size is never
+    specialised, so one graph serves both (tests/test_fastpath.py counts the graphs)."""
+    temb = kwargs[NOISE_LEVEL_ROWS] if NOISE_LEVEL_ROWS in kwargs else args[position]
+    torch._dynamo.decorators.mark_unbacked(temb, 0)
 
 
 def set_attention(model: torch.nn.Module, backend: str) -> None:
@@ -96,13 +124,17 @@ def set_attention(model: torch.nn.Module, backend: str) -> None:
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> None:
-    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`)."""
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`), where its weights are (in host
+    memory with group offload: about 47 s for the released transformer; block by block on the GPU, with the copies
+    both ways, took 48.9 s on one H200 machine, so it stays where it is)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
         raise RuntimeError(f"fp8 needs the torchao package: {exc}") from exc
 
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=fp8_target)
+    # set_inductor_config: torchao would turn on Inductor's coordinate-descent tuning process-wide (`compile_tuning`)
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    quantize_(transformer, config, filter_fn=fp8_target)
 
 
 def fp8_target(module: torch.nn.Module, name: str) -> bool:

@@ -8,7 +8,8 @@ the start with its reason instead of failing a user's request.
 
 With compile, each shape runs with prompt lengths of every residue modulo twice the group's ranks, and one more
 unless `compile_dynamic`: the second length makes torch.compile mark the packed sequence's dimension dynamic, and a
-group that splits the sequence over ranks meets new graphs once more per residue (tests/dist_checks.py); after
+group that splits the sequence over ranks meets new graphs when its ranks' chunks change parity (2 gloo ranks: at
+the first two lengths only, tests/dist_checks.py); after
 that, prompts of any length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run
 without compiling again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without
 compile one run per shape is enough to load kernels and grow the allocator's pools.
@@ -53,6 +54,8 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
         if config.compile and runs[-1].compiled:
             log.warning("warm-up %s: its last prompt length still compiled %d graphs; a request of this shape may "
                         "compile (its events say so)", shape, runs[-1].compiled)
+    if config.compile:
+        log.info("warm-up done: %s", compile_cache.time_report())
     return runs
 
 
