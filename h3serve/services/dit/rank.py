@@ -128,7 +128,7 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     loaded = partitions(flows)
     load = load_by_shard if parallel.loads_shards(config, layout) else load_whole
     components, model, held = load(config, layout, device, loaded)
-    member = GroupMember(control, DenoiseRunner(components, flows, held), device, config.attention_backend,
+    member = GroupMember(control, DenoiseRunner(components, flows, held, device), device, config.attention_backend,
                          config.max_math_tokens)
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
     info = dit_pb2.DiTInfo(

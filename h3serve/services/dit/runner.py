@@ -34,7 +34,8 @@ def partitions(flows: list[Workflow]) -> list[str]:
 class DenoiseRunner:
     """Holds one pipeline per served workflow; not re-entrant (the schedulers keep per-request state)."""
 
-    def __init__(self, components: dict, flows: list[Workflow], adapters: Adapters | None = None) -> None:
+    def __init__(self, components: dict, flows: list[Workflow], adapters: Adapters | None = None,
+                 device: torch.device | None = None) -> None:
         self.adapters = adapters or Adapters()
         self.schedulers = [components[name] for name in SCHEDULERS]  # shared by the pipes, in DEFAULT_SHIFTS' order
         self.pipes = {}
@@ -43,7 +44,8 @@ class DenoiseRunner:
             pipe.set_progress_bar_config(disable=True)  # progress leaves as events, not as a bar on stderr
             pipe.update_components(**{name: components[name] for name in [flow.partition, *SCHEDULERS]})
             self.pipes[flow.value] = pipe
-        self.device = components[partitions(flows)[0]].device
+        # where it computes: the transformer's weights may be elsewhere (host memory, with offload)
+        self.device = device or components[partitions(flows)[0]].device
         self.condition_rows = (0, 0)  # of the last run: (video, audio) rows taken by keyframes / references
 
     @torch.no_grad()
