@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -87,6 +88,32 @@ def gpu_left_behind(slack_mib: int = 1024) -> str:
     if apps or max(used) > own + slack_mib:
         return f"processes {apps or 'none listed'} (pid: MiB), GPUs use {used} MiB, this process {own} MiB"
     return ""
+
+
+@contextlib.contextmanager
+def gpu_peak(every_s: float = 0.5):
+    """Around a part of a bench that starts processes on the GPUs: yields a list that holds, once the part ends, the
+    most memory in use on each GPU while it ran (MiB, every process together, sampled every `every_s` with
+    nvidia-smi), less what was in use when it began (this process's own CUDA context). Empty without nvidia-smi."""
+    peaks: list[int] = []
+    if shutil.which("nvidia-smi") is None:
+        yield peaks
+        return
+    start = [mib for (mib,) in _smi("--query-gpu=memory.used")]
+    highest, done = list(start), threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            highest[:] = [max(h, mib) for h, (mib,) in zip(highest, _smi("--query-gpu=memory.used"))]
+
+    sampler = threading.Thread(target=sample, name="gpu-peak", daemon=True)
+    sampler.start()
+    try:
+        yield peaks
+    finally:
+        done.set()
+        sampler.join()
+        peaks.extend(h - s for h, s in zip(highest, start))
 
 
 @contextlib.contextmanager

@@ -87,14 +87,14 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 import torch
 
-from bench.common import Size, device_label, leaves_gpu_empty, software
+from bench.common import Size, device_label, gpu_peak, leaves_gpu_empty, software
 from bench.deployment import free_port, profile_deployment
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
@@ -134,7 +134,8 @@ class Run:
 
 @dataclass(frozen=True)
 class Side:
-    """The median over repeats of one side at one size, and the device memory in use after its runs."""
+    """The median over repeats of one side at one size, and its device memory: in process, in use after its runs;
+    through the services, the most in use while they ran (all processes, sampled), where nvidia-smi is."""
 
     seconds: float
     stages: dict[str, float]
@@ -360,7 +361,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     config, place = load_deploy(config_path), placement(args, device)
     started = time.perf_counter()
     try:
-        with leaves_gpu_empty(), ServiceGroup(config, str(config_path), log_dir=str(work)):
+        with leaves_gpu_empty(), gpu_peak() as peak_mib, ServiceGroup(config, str(config_path), log_dir=str(work)):
             ready_s = time.perf_counter() - started
             print(f"services healthy in {ready_s:.1f} s; DiT {dit_group(config, place)}", flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
@@ -377,12 +378,22 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks, ready_s, first)
-                return sides
             finally:
                 client.close()
     except BaseException:
         print_logs(work)
         raise
+    if not peak_mib:
+        return sides
+    peak = round(max(peak_mib) / 1024, 2)
+    print(f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
+          + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else ""), flush=True)
+    return {size: replace(side, used_gib=peak) for size, side in sides.items()}
+
+
+def emulated_card(config: DeployConfig) -> float:
+    """The card that a profile's memory limits emulate on a bigger GPU (the largest limit); 0 without limits."""
+    return max((config.service(name).memory_limit_gib or 0.0) for name in ("encoder", "dit", "vae"))
 
 
 def stage_text(run: Run) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
-from bench import dit_step
+from bench import common, dit_step
 
 
 def test_quick_dit_step_writes_consistent_records(tmp_path):
@@ -172,3 +174,19 @@ def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_ps
     assert veryfast["ratio"] == medium["seconds"] / veryfast["seconds"]
     for record in (medium, veryfast):  # a smooth scene survives CRF 23 well; a broken decode-back would not
         assert float(re.search(r"PSNR ([\d.]+) dB", record["variant"]).group(1)) > 30
+
+
+def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start(tmp_path, monkeypatch):
+    # a stand-in nvidia-smi on PATH reporting two GPUs' memory.used from a file the test rewrites
+    readings = tmp_path / "used.csv"
+    readings.write_text("1000\n500\n")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\ncat {readings}\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with common.gpu_peak(every_s=0.01) as peaks:
+        for used in ("7000\n600\n", "3000\n9500\n", "1200\n500\n"):
+            readings.write_text(used)
+            time.sleep(0.2)
+        assert peaks == [], "filled once the part ends"
+    assert peaks == [6000, 9000]
