@@ -1,8 +1,8 @@
 """`[dit] offload = "group"` (one 32 GB card): a compiled DiT under diffusers' group offload, its weights held once.
 
 On the CPU, diffusers' offload hooks run with both devices the CPU (no side stream): what the compiled blocks meet
-from the hooks is the same. On a GPU (`-m gpu`), the served path itself: weights in host memory, fp8 quantised on
-the GPU block by block, pinned in place, streamed to the GPU, against the same transformer resident on the GPU.
+from the hooks is the same. On a GPU (`-m gpu`), the served path itself: weights readied in host memory (fp8
+quantised there), pinned in arenas, streamed to the GPU, against the same transformer moved whole to the GPU.
 """
 
 from __future__ import annotations
@@ -92,3 +92,15 @@ def test_weights_pack_into_arenas_with_their_values_shapes_and_strides(monkeypat
     spans = [-(-pinned._span_bytes(values) // pinned.ALIGN) * pinned.ALIGN for values, _ in before.values()]
     assert sum(spans) > 2 * pinned.ARENA_BYTES, "the test packs several arenas"
     assert len(storages) == arenas.count <= sum(spans) // pinned.ARENA_BYTES + 2, "a few full arenas, no copies"
+
+
+def test_the_runner_puts_the_latents_where_it_computes_not_where_the_weights_are():
+    # diffusers infers the execution device from the first model's weights: FSDP2 shards kept in host memory say
+    # the CPU while the blocks run on a GPU. The runner's device is the one its pipelines use.
+    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
+             "audio_scheduler": build_component("audio_scheduler")}
+    elsewhere = torch.device("meta")
+    runner = DenoiseRunner(parts, served(["t2va", "fl2va"]), device=elsewhere)
+    assert runner.device == elsewhere and [p._execution_device for p in runner.pipes.values()] == [elsewhere] * 2
+    plain = DenoiseRunner(parts, served(["t2va"]))
+    assert [p._execution_device for p in plain.pipes.values()] == [torch.device("cpu")], "the weights' device"

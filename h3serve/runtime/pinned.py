@@ -4,7 +4,8 @@ Copies from pinned memory run asynchronously beside the compute; from pageable m
 allocator rounds every allocation up to a power of two, so pinning the released transformer's fp8 weights tensor by
 tensor would take 59.0 GiB for 43.8 GiB of weights. `pin_in_place` packs them instead into arenas of exactly
 `ARENA_BYTES` (a power of two, so nothing is rounded), each tensor a view with its own shape and strides, and
-replaces every weight by its view one tensor at a time: host memory holds the weights once, plus one arena.
+replaces every weight by its view one tensor at a time: host memory holds the weights once (45 arenas of 1 GiB for
+those 43.8 GiB on one H200 machine).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 import torch
 
 ARENA_BYTES = 1 << 30  # a power of two: the pinned allocator gives exactly this
-ALIGN = 512  # bytes between the tensors of an arena, so each one starts as an allocation would
+ALIGN = 512  # each tensor of an arena starts at a multiple of this, as an allocation would
 
 
 class Arenas:
     """First-fit allocation of tensors into pinned arenas (`pin=False`: ordinary host memory, for tests on a CPU).
-    First fit, not the last arena only: the released transformer's AdaLN projections (347 MB each) left up to a
-    third of each 1 GiB arena empty (52 arenas for 43.8 GiB on one H200 machine)."""
+    First fit, not the last arena only: with the released transformer's AdaLN projections (347 MB each) filling
+    only the last arena left up to a third of each empty (52 arenas for 43.8 GiB; 45 with first fit)."""
 
     def __init__(self, pin: bool = True) -> None:
         self.pin = pin

@@ -31,6 +31,14 @@ def partitions(flows: list[Workflow]) -> list[str]:
     return [name for name in ("transformer", "transformer_ref") if name in needed]
 
 
+def computing_on(pipe, device: torch.device) -> None:
+    """Fix diffusers' execution device of `pipe` (where its blocks put the latents) to `device`. diffusers infers it
+    from group offload's hooks, else from the first model's weights: FSDP2 shards kept in host memory
+    (`fsdp_offload`) say the CPU, while the blocks run on the GPU."""
+    kind = type(pipe)
+    pipe.__class__ = type(kind.__name__, (kind,), {"_execution_device": property(lambda _pipe: device)})
+
+
 class DenoiseRunner:
     """Holds one pipeline per served workflow; not re-entrant (the schedulers keep per-request state)."""
 
@@ -46,6 +54,8 @@ class DenoiseRunner:
             self.pipes[flow.value] = pipe
         # where it computes: the transformer's weights may be elsewhere (host memory, with offload)
         self.device = device or components[partitions(flows)[0]].device
+        for pipe in self.pipes.values():
+            computing_on(pipe, self.device)
         self.condition_rows = (0, 0)  # of the last run: (video, audio) rows taken by keyframes / references
 
     @torch.no_grad()
