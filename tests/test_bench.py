@@ -144,6 +144,8 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
     assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 31.5, True)
     assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
+    assert e2e.emulated_card(config) == 31.5, "the card printed beside the services' peak"
+    assert e2e.emulated_card(load_deploy(Path(__file__).resolve().parents[1] / "docs/deploy/tiny-cpu.toml")) == 0
 
 
 def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():

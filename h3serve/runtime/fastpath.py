@@ -124,9 +124,9 @@ def set_attention(model: torch.nn.Module, backend: str) -> None:
 
 
 def quantize_fp8(transformer: torch.nn.Module) -> None:
-    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`), where its weights are (in host
-    memory with group offload: about 47 s for the released transformer; block by block on the GPU, with the copies
-    both ways, took 48.9 s on one H200 machine, so it stays where it is)."""
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`) on the device its weights are on.
+    With group offload that is host memory: about 47 s for the released transformer, no slower than moving each block
+    to the GPU and back to quantise it there (48.9 s on one H200 machine)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
