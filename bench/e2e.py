@@ -33,11 +33,11 @@ variants), then the median of `--repeats`. `--warm-start` measures what a user m
 declares `--sizes` as its `[dit] warmup` shapes (compiled and run before it says SERVING), the services get
 no warm-up request, and the first request after SERVING and the start-to-SERVING time become rows of their
 own (beside the in-process pipeline's load time), the first request with its stages printed. `--compile-cache
-DIR` is the services' `compile_cache_dir`: the same command twice measures a cold start, then a warm restart (the
-records say whether the cache was empty). `--deploy F` serves a shipped profile instead of the
-deployment built from `--dit` / `--vae` / `--gpus`: its placement, memory limits, offload and fast paths as
-they ship, with the weights, ports, data directory and this run's adapter and warm-up shapes put in (give
-`--gpus` / `--dit-fsdp` to match its DiT group, which the bench checks); `--deploy
+DIR` is the services' `compile_cache_dir` and `--fp8-cache DIR` the DiT's `fp8_cache_dir`: the same command twice
+measures a cold start, then a warm restart (the records say what the caches held at start). `--deploy F` serves a
+shipped profile instead of the deployment built from `--dit` / `--vae` / `--gpus`: its placement, memory limits,
+offload and fast paths as they ship, with the weights, ports, data directory and this run's adapter and warm-up
+shapes put in (give `--gpus` / `--dit-fsdp` to match its DiT group, which the bench checks); `--deploy
 docs/deploy/single-32gb.toml` emulates the 32 GB card on an H200.
 
 The MP4s of the last runs are compared (sha256; when they differ, decoded: bench/media_diff.py),
@@ -247,6 +247,7 @@ def deployment(args, device: str, work: Path) -> Path:
             f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
             f"compile = {str(dit.compile).lower()}\ncompile_dynamic = {str(dit.dynamic).lower()}\n"
             f"fp8 = {str(dit.fp8).lower()}\n{cache_line(args)}"
+            + (f'fp8_cache_dir = "{args.fp8_cache}"\n' if args.fp8_cache else "")
             + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
             + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "") + "\n"
             f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
@@ -271,6 +272,8 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         changes["dit"]["warmup"] = args.sizes.split(",")
     if args.compile_cache:
         changes["dit"]["compile_cache_dir"] = changes["vae"]["compile_cache_dir"] = args.compile_cache
+    # only --fp8-cache's: a profile's own directory would carry the quantised weights from one run into the next
+    changes["dit"]["fp8_cache_dir"] = args.fp8_cache
     return changes
 
 
@@ -278,13 +281,19 @@ def cache_line(args) -> str:
     return f'compile_cache_dir = "{args.compile_cache}"\n' if args.compile_cache else ""
 
 
-def cache_state(directory: str) -> str:
-    """What --compile-cache held before the services started: a warm restart loads it, a cold start fills it."""
+def cache_state(args) -> str:
+    """What --compile-cache and --fp8-cache held before the services started: a warm restart loads them, a cold
+    start fills them."""
+    return "".join(f", {what} {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if size else 'empty'} at start"
+                   for what, size in (("compile cache", _bytes_in(args.compile_cache)),
+                                      ("fp8 cache", _bytes_in(args.fp8_cache))) if size is not None)
+
+
+def _bytes_in(directory: str) -> int | None:
+    """The bytes of the files under `directory`; None when no directory was given."""
     if not directory:
-        return ""
-    files = [f for f in Path(directory).rglob("*") if f.is_file()]
-    size = sum(f.stat().st_size for f in files)
-    return f", compile cache {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if files else 'empty'} at start"
+        return None
+    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
 
 
 def served_request(client, size: Size, steps: int, events: list, args, include_raw: bool = False):
@@ -564,10 +573,13 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
                         "the first request after SERVING and start to SERVING become rows of their own")
     p.add_argument("--compile-cache", default="",
                    help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart")
+    p.add_argument("--fp8-cache", default="",
+                   help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
+                        "assigns them instead of building and quantising")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
-    args.cache_state = cache_state(args.compile_cache)
+    args.cache_state = cache_state(args)
     if args.quick:
         args.sizes, args.dtype, args.model_dir = "32x64x124", "float32", ""
     device = "cpu" if args.quick else "cuda"

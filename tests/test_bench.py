@@ -108,7 +108,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
                               vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off",
                               adapter_file=str(lora), deploy=None, warm_start=False, sizes="480x832x124",
-                              compile_cache=str(tmp_path / "cc"))
+                              compile_cache=str(tmp_path / "cc"), fp8_cache="")
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
@@ -123,6 +123,25 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert config.gateway.data_dir == str(tmp_path / "gateway")
 
 
+def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what_it_held(tmp_path):
+    from bench import e2e
+    from h3serve.common.config import load_deploy
+
+    profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
+    fp8 = tmp_path / "fp8"
+    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="_native_cudnn+compile+fp8",
+                              vae="native", gpus=1, placement="shared", dit_fsdp="off", adapter_file="", deploy=None,
+                              warm_start=True, sizes="480x832x124", compile_cache="", fp8_cache=str(fp8))
+    for deploy in (None, str(profile)):
+        args.deploy = deploy
+        assert load_deploy(e2e.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)
+    assert e2e.cache_state(args) == ", fp8 cache empty at start"
+    fp8.mkdir()
+    (fp8 / "transformer-fp8-0123.pt").write_bytes(bytes(3 << 20))
+    args.compile_cache = str(tmp_path / "cc")
+    assert e2e.cache_state(args) == ", compile cache empty at start, fp8 cache filled: 3 MiB at start"
+
+
 def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_path):
     from bench import e2e
     from h3serve.common.config import load_deploy
@@ -132,17 +151,19 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
     args = argparse.Namespace(deploy=str(profile), model_dir="random:full", adapter_file=str(lora), warm_start=True,
-                              sizes="768x1344x124", compile_cache="")
+                              sizes="768x1344x124", compile_cache="", fp8_cache="")
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
         ours, theirs = config.service(name), shipped.service(name)
         assert ours.model_dir == "random:full" and ours.port not in (0, theirs.port)
-        changed = {"encoder": ("cache_bytes",), "vae": ("max_raw_bytes",), "dit": ("adapters", "warmup")}[name]
+        changed = {"encoder": ("cache_bytes",), "vae": ("max_raw_bytes",),
+                   "dit": ("adapters", "warmup", "fp8_cache_dir")}[name]
         assert ours.replace(model_dir="", port=0) == theirs.replace(model_dir="", port=0,
                                                                     **{key: getattr(ours, key) for key in changed})
     assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, e2e.RAW_BYTES)
     assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
     assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 31.5, True)
+    assert shipped.dit.fp8_cache_dir and not config.dit.fp8_cache_dir, "the bench's own --fp8-cache only"
     assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
     assert e2e.emulated_card(config) == 31.5, "the card printed beside the services' peak"
     assert e2e.emulated_card(load_deploy(Path(__file__).resolve().parents[1] / "docs/deploy/tiny-cpu.toml")) == 0

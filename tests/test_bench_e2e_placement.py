@@ -21,7 +21,7 @@ from h3serve.common.config import load_deploy
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
     args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="_native_cudnn", vae="native",
                               gpus=gpus, placement=placement, dit_fsdp=fsdp, adapter_file="", deploy=None,
-                              warm_start=False, compile_cache="")
+                              warm_start=False, compile_cache="", fp8_cache="")
     return load_deploy(e2e.deployment(args, "cuda", tmp_path))
 
 
@@ -63,7 +63,7 @@ def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_
     e2e.refuse_early(load_deploy(e2e.deployment(
         argparse.Namespace(model_dir="", dtype="float32", dit="_native_math", vae="native", gpus=1,
                            placement="shared", dit_fsdp="off", adapter_file="", deploy=None, warm_start=False,
-                           compile_cache=""),
+                           compile_cache="", fp8_cache=""),
         "cpu", tmp_path)),
         Placement.plan(1), "cpu")
 

@@ -147,16 +147,34 @@ def fl2va_embeds(text_encoder, text_parts) -> torch.Tensor:
     return runner.encode(PROMPT, common_pb2.WORKFLOW_FL2VA, media)["prompt_embeds"].clone()
 
 
-def test_cpu_offload_mechanics_give_identical_embeddings(text_parts, reference):
-    """accelerate's cpu_offload with the CPU as the execution device (a deployment refuses it there: it does
-    nothing; this checks the hooks keep the numbers, text and vision)."""
+def grouped(module: torch.nn.Module) -> set[str]:
+    """The modules diffusers' group offload hooks (each one group, onloaded when it runs)."""
+    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
+
+    return {name for name, m in module.named_modules()
+            if hasattr(m, "_diffusers_hook") and m._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None}
+
+
+def in_arenas(tensors, arenas) -> bool:
+    storages = {arena.untyped_storage().data_ptr() for arena in arenas.arenas}
+    return {t.untyped_storage().data_ptr() for t in tensors} <= storages
+
+
+def test_streamed_offload_groups_each_layer_holds_the_weights_once_and_keeps_the_embeddings(text_parts, reference):
+    """The streamed offload's hooks with the CPU as the onload device and no stream (a deployment refuses
+    cpu_offload on the CPU: it does nothing; this checks the grouping, that the weights are held once, in the
+    arenas, and that the hooks keep the numbers, text and vision)."""
     vision_reference = fl2va_embeds(tiny.build_component("text_encoder"), text_parts)
     encoder = tiny.build_component("text_encoder")
-    placement.offload_to_host(encoder, torch.device("cpu"))
-    assert hasattr(encoder, "_hf_hook")
+    arenas = placement.offload_to_host(encoder, torch.device("cpu"), use_stream=False)
+    blocks = {f"model.language_model.layers.{i}" for i in range(51)} | {
+        "model.visual.blocks.0", "model.visual.blocks.1", "model.visual.deepstack_merger_list.0"}
+    loose = {"model.language_model", "model.language_model.embed_tokens", "model.visual"}  # their other parts
+    assert grouped(encoder) == blocks | loose, "one group per layer and vision block, none for the whole model"
     assert torch.equal(embed(encoder, text_parts), reference)
     assert torch.equal(fl2va_embeds(encoder, text_parts), vision_reference)
     assert vision_reference.shape[1] > reference.shape[1]  # the vision block's rows are in
+    assert in_arenas([*encoder.model.parameters(), *encoder.model.buffers()], arenas), "no second copy"
 
 
 def test_spread_map_keeps_decoder_layers_whole_and_balances():
@@ -205,3 +223,20 @@ def test_spread_over_two_gpus(text_parts, reference, quantize):
     assert where == "cuda:0+cuda:1 (spread)"
     rel = placement.embedding_error(embed(encoder, text_parts).cpu(), reference)[1]
     assert rel < 1e-4 if quantize == "none" else 0 < rel <= placement.INT8_BOUND.rel_l2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_streamed_offload_on_a_gpu_gives_the_resident_embeddings(text_parts):
+    """The served path in bf16: pinned in place, each layer streamed on a side stream, against the same encoder
+    moved whole to the GPU; twice, since the first request traces the order the second prefetches in."""
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    resident, offloaded = (tiny.build_component("text_encoder").to(torch.bfloat16) for _ in range(2))
+    resident.to(gpu)
+    expected = embed(resident, text_parts), fl2va_embeds(resident, text_parts)
+    arenas = placement.offload_to_host(offloaded, gpu)
+    for _ in range(2):
+        got = embed(offloaded, text_parts), fl2va_embeds(offloaded, text_parts)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    streamed = [*offloaded.model.language_model.layers.parameters(), *offloaded.model.visual.blocks.parameters()]
+    assert in_arenas(streamed, arenas) and all(t.is_pinned() for t in streamed), "back in the pinned arenas"

@@ -1,8 +1,9 @@
 """`[dit] offload = "group"` (one 32 GB card): a compiled DiT under diffusers' group offload, its weights held once.
 
-On the CPU, diffusers' offload hooks run with both devices the CPU (no side stream): what the compiled blocks meet
-from the hooks is the same. On a GPU (`-m gpu`), the served path itself: weights readied in host memory (fp8
-quantised there), pinned in arenas, streamed to the GPU, against the same transformer moved whole to the GPU.
+On the CPU, the streamed offload's hooks (h3serve/runtime/offload.py) run with both devices the CPU (no side
+stream): what the compiled blocks meet from the hooks is the same. On a GPU (`-m gpu`), the served path itself:
+weights readied in host memory (fp8 quantised there), pinned in arenas, streamed to the GPU, against the same
+transformer moved whole to the GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from bench.common import Size, denoise_spec
-from h3serve.runtime import compile_cache, pinned
+from h3serve.runtime import compile_cache, offload, pinned
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit import parallel
@@ -40,8 +41,7 @@ def test_compiled_blocks_run_under_group_offload_hooks_and_give_the_same_latents
     expected = denoise(resident)
     offloaded = build_component("transformer")
     parallel.prepare_transformer(offloaded, ONE_RANK, fast, cpu, torch.float32)
-    offloaded.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="block_level",
-                                   num_blocks_per_group=1, use_stream=False)
+    offload.stream_from_host(offloaded, cpu, use_stream=False)
     graphs = compile_cache.compiled_graphs()
     got = denoise(offloaded)
     assert compile_cache.compiled_graphs() == graphs, "the hooks around the blocks change nothing compiled"

@@ -216,7 +216,7 @@ class EncoderConfig(ModelServiceConfig):
     quantize: Literal["none", "int8", "nf4"] = "none"  # weight-only: int8 (torchao), nf4 (bitsandbytes, sm_75 too);
                                                        # changes the embeddings (the cache key says which)
     spread: bool = False             # the decoder layers spread over every visible GPU (accelerate's device map)
-    cpu_offload: bool = False        # weights in host memory, each layer moved to the device as it runs (slow)
+    cpu_offload: bool = False        # weights in pinned host memory, each layer streamed to the device as it runs
 
     @field_validator("cpu_offload")
     @classmethod
@@ -256,6 +256,9 @@ class DiTConfig(ModelServiceConfig):
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False       # fsdp = true: parameters live in host memory, each block's gathered to the GPU
+    # fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
+    # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model)
+    fp8_cache_dir: str = ""
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See README "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
@@ -287,6 +290,16 @@ class DiTConfig(ModelServiceConfig):
         if offload and not info.data.get("fsdp"):
             raise ValueError("fsdp_offload keeps FSDP2's shards in host memory: it needs fsdp = true")
         return offload
+
+    @field_validator("fp8_cache_dir")
+    @classmethod
+    def _fp8_to_cache(cls, directory: str, info: ValidationInfo) -> str:
+        if directory and not info.data.get("fp8"):
+            raise ValueError("fp8_cache_dir keeps the fp8-quantised weights: it needs fp8 = true")
+        if directory and info.data.get("adapters"):
+            raise ValueError("fp8_cache_dir holds the transformer quantised without adapters, and adapters are "
+                             "installed before quantisation: serve adapters with fp8_cache_dir = \"\"")
+        return directory
 
     @field_validator("offload")
     @classmethod

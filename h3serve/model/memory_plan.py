@@ -32,7 +32,8 @@ that cannot fit. Every number is an estimate; where each constant comes from:
   block-level, one block per group, a CUDA stream prefetching the next) keeps what is outside the 50 blocks
   plus two blocks.
 - Text encoder: weights as above; `spread` divides them evenly over the process's GPUs (accelerate's
-  balanced map); `cpu_offload` leaves the embedding and one decoder layer on the GPU. Activations (an
+  balanced map); `cpu_offload` holds at most the embedding and one decoder layer on the GPU (streamed: the
+  embedding alone, then a layer and the prefetched next, which is less). Activations (an
   estimate, not measured): every hidden state (52 x 5120) and one MLP intermediate (3 x 25,600) in bf16 per
   token of the longest prompt (`max_prompt_tokens`), plus 0.25 GiB.
 - VAE decode (`VAE_ACT_*`): calibrated on OUR measurement (BENCHMARKS.md vae_decode_768x1344x124: 11.2 GiB
@@ -130,7 +131,8 @@ class TextEncoderCounts:
         return (self.total - self.quantisable) * DTYPE_BYTES[dtype] + self.quantisable * per
 
     def offloaded_bytes(self, dtype: str, quantize: str) -> float:
-        """cpu_offload: the embedding and one decoder layer on the GPU at a time."""
+        """cpu_offload: the embedding and one decoder layer, a bound on what the streamed offload holds at once (the
+        embedding alone, then a layer and the prefetched next)."""
         per, linears = QUANT_BYTES.get(quantize, DTYPE_BYTES[dtype]), self.layer_linears // self.layers
         return (self.embedding + self.layer - linears) * DTYPE_BYTES[dtype] + linears * per
 

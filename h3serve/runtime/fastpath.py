@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3serve.runtime import pinned
 from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
@@ -140,6 +141,7 @@ def quantize_fp8(transformer: torch.nn.Module) -> None:
 def fp8_target(module: torch.nn.Module, name: str) -> bool:
     """The block linears fp8 quantises. A LoRA adapter's own linears (peft's `<layer>.lora_A.<adapter>`) stay in
     their dtype: they are small, and adapters switch by writing them; the layer they adapt (`<layer>.base_layer`)
-    is quantised as any other."""
+    is quantised as any other. A linear already fp8 (assigned from the fp8 store, h3serve/runtime/fp8_store.py) is
+    left as it is."""
     return (isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
-            and ".adaln_proj." not in name and ".lora_" not in name)
+            and ".adaln_proj." not in name and ".lora_" not in name and not pinned.parts(module.weight))

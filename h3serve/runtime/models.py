@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from h3serve.model import presets
-from h3serve.runtime import random_full, sharded_load, tiny
+from h3serve.runtime import pinned, random_full, sharded_load, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,7 +63,7 @@ class ModelSource:
             if isinstance(value, torch.nn.Module):
                 value.to(device)
                 if self.model_dir is not None and torch.device(device).type == "cpu":
-                    _own_memory(value)
+                    own_memory(value)
         return components
 
     def weights(self, name: str) -> sharded_load.Weights:
@@ -101,11 +101,10 @@ def drop_unread_parts(components: dict[str, Any]) -> dict[str, Any]:
     return components
 
 
-def _own_memory(module: torch.nn.Module) -> None:
+def own_memory(module: torch.nn.Module) -> None:
     """Copy memory-mapped checkpoint tensors into fresh allocations.
 
     CPU BLAS kernels pick their code path by pointer alignment, so weights read in place from a
     safetensors file gave results a few ulp away from the same weights built in memory.
     """
-    for tensor in [*module.parameters(), *module.buffers()]:
-        tensor.data = tensor.data.clone()
+    pinned.replace_tensors(module, torch.Tensor.clone)

@@ -1,4 +1,4 @@
-"""Weights page-locked in host memory, for a model that streams them to a GPU (`[dit] offload = "group"`).
+"""Weights page-locked in host memory, for a model that streams them to a GPU (h3serve/runtime/offload.py).
 
 Copies from pinned memory run asynchronously beside the compute; from pageable memory they do not. torch's pinned
 allocator rounds every allocation up to a power of two, so pinning the released transformer's fp8 weights tensor by
@@ -9,6 +9,8 @@ those 43.8 GiB on one H200 machine).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -72,10 +74,16 @@ def pin_in_place(model: torch.nn.Module, arenas: Arenas | None = None) -> Arenas
     """Move every parameter and buffer of `model` (on the CPU) into pinned arenas, one tensor at a time; a torchao
     tensor part by part, as diffusers' offload itself moves them. Returns the arenas, for their count."""
     arenas = arenas or Arenas()
+    replace_tensors(model, arenas.place)
+    return arenas
+
+
+def replace_tensors(model: torch.nn.Module, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Every parameter and buffer of `model` replaced by `place(tensor)`, one at a time (the old memory is freed as
+    it goes); a torchao tensor's parts (its data and scales) one by one, the tensor object kept."""
     for tensor in [*model.parameters(), *model.buffers()]:
         names = parts(tensor)
         for name in names:
-            setattr(tensor, name, arenas.place(getattr(tensor, name)))
+            setattr(tensor, name, place(getattr(tensor, name)))
         if not names:
-            tensor.data = arenas.place(tensor.data)
-    return arenas
+            tensor.data = place(tensor.data)

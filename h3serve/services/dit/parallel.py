@@ -1,12 +1,12 @@
 """How the transformer is spread over the group: FSDP2 weight sharding and diffusers' context parallelism.
 
-`prepare_transformer` is the one place a transformer is readied for serving, in this
-order: the fast path (h3serve/runtime/fastpath.py: attention backend, fp8, compile; context
-parallelism wraps the backend, so it must be chosen first), then weight sharding, then the
-sequence split. With FSDP2 a rank never holds the whole transformer where it can avoid it
-(`loads_shards`): `load_sharded` readies it on the meta device and fills only this rank's
-shards (h3serve/runtime/sharded_load.py). Every rank runs the same forward; the packed
-sequence is split after it is built (diffusers' `_cp_plan`) and gathered at the output heads.
+`prepare_transformer` readies a transformer for serving, in this order: `ready_model`, the fast path
+(h3serve/runtime/fastpath.py: attention backend, fp8, compile; context parallelism wraps the backend, so it must be
+chosen first), then `parallelize`: weight sharding, then the sequence split (rank.load_whole calls the two itself,
+to save fp8 weights between them). With FSDP2 a rank never holds the whole transformer where it can avoid it
+(`loads_shards`): `load_sharded` readies it on the meta device and fills only this rank's shards
+(h3serve/runtime/sharded_load.py). Every rank runs the same forward; the packed sequence is split after it is built
+(diffusers' `_cp_plan`) and gathered at the output heads.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from h3serve.common.config import DiTConfig
 from h3serve.runtime import fastpath, pinned, random_full, sharded_load
 from h3serve.runtime.fastpath import FastPath
+from h3serve.runtime.offload import stream_from_host
 from h3serve.services.dit import attention, gloo_shims
 
 log = logging.getLogger("h3serve.dit.parallel")
@@ -169,35 +170,13 @@ def check_group_offload(device: torch.device) -> None:
 
 
 def offload_groups(transformer, device: torch.device) -> pinned.Arenas:
-    """One rank on a small GPU (`offload = "group"`): the weights stay in host memory and each block is copied to
-    `device` on a side stream while the one before it runs (diffusers' block-level group offload). Returns the
-    pinned arenas that hold the weights."""
+    """One rank on a small GPU (`offload = "group"`): the weights stay in pinned host memory and each block is copied
+    to `device` on a side stream while the one before it runs (h3serve/runtime/offload.py). Returns the pinned
+    arenas that hold the weights."""
     check_group_offload(device)
-    # group offload with a stream pins a copy of every weight that is not pinned, keeping both until the first
-    # forward (43.8 GiB twice in fp8): pinned in place, the weights are in host memory once
-    arenas = pinned.pin_in_place(transformer)
+    arenas = stream_from_host(transformer, device)
     log.info("weights pinned in host memory: %d arenas of %d MiB", arenas.count, pinned.ARENA_BYTES >> 20)
-    transformer.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
-                                     offload_type="block_level", num_blocks_per_group=1, use_stream=True)
-    _own_host_copies(transformer)
     return arenas
-
-
-def _own_host_copies(transformer) -> None:
-    """diffusers 0.42.1 keeps each weight's host copy keyed by the weight (`ModuleGroup.cpu_param_dict`). For a torchao
-    weight already pinned that copy is the weight itself (`.cpu().pin_memory()` returns it), and the first onload
-    swaps the GPU copy into it: the next onload then fails ("cannot pin 'CUDAFloat8_e4m3fnType'", one H200). Such an
-    entry gets an object of its own over the same pinned parts."""
-    from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
-
-    for module in transformer.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        hook = registry.get_hook(_GROUP_OFFLOADING) if registry is not None else None
-        if hook is not None:
-            copies = hook.group.cpu_param_dict
-            for tensor, copy in copies.items():
-                if copy is tensor and pinned.parts(tensor):
-                    copies[tensor] = pinned.alias(tensor)
 
 
 def split_sequence(transformer, layout: Layout) -> None:

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,9 +34,9 @@ from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
-from h3serve.runtime import memory
+from h3serve.runtime import fp8_store, memory
 from h3serve.runtime.fastpath import FastPath
-from h3serve.runtime.models import DTYPES, ModelSource
+from h3serve.runtime.models import DTYPES, ModelSource, own_memory
 from h3serve.runtime.service import load_model_service
 from h3serve.services.dit import adapters, parallel, warmup
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
@@ -140,22 +141,45 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
 
 
 def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):
-    """The whole transformer partitions on this rank, their adapters, then the fast path and the parallelism (or,
-    with `offload = "group"`, the group offload: the weights are loaded into host memory and stay there)."""
+    """The whole transformer partitions on this rank (fp8 ones from the fp8 store when saved there), their adapters,
+    then the fast path and the parallelism (or, with `offload = "group"`, the group offload: the weights are loaded
+    into host memory and stay there)."""
     grouped = config.offload == "group"
-    components, model = load_model_service("dit", [*loaded, *SCHEDULERS],
-                                           config.replace(device="cpu" if grouped else str(device)))
+    home = "cpu" if grouped else str(device)
+    source, dtype = ModelSource(config.model_dir or None), DTYPES[config.dtype]
+    store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
+    stored = {partition: store.load(partition, source.weights(partition).factory) for partition in loaded} \
+        if store else {}
+    built = [partition for partition in loaded if stored.get(partition) is None]
+    components, model = load_model_service("dit", [*built, *SCHEDULERS], config.replace(device=home))
+    for partition in set(loaded) - set(built):
+        components[partition] = place_stored(stored[partition], home, grouped)
+        model.components.append(partition)
     model.device = str(device)  # where it computes, also when the weights stay in host memory
     if grouped:  # loaded on the CPU, so load_model_service capped nothing: the GPU it streams to is capped here
         memory.cap(config, device)
     # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
     held = adapters.install(config, {partition: components[partition] for partition in loaded})
     for partition in loaded:
-        parallel.prepare_transformer(components[partition], layout, FastPath.of(config), device,
-                                     DTYPES[config.dtype])
+        transformer = components[partition]
+        parallel.ready_model(transformer, FastPath.of(config), device, dtype, sequence_split=layout.world_size > 1)
+        if store and partition in built and int(os.environ.get("RANK", "0")) == 0:  # the ranks' weights are equal
+            store.save(partition, transformer)
+        parallel.parallelize(transformer, layout, device)
         if grouped:
-            parallel.offload_groups(components[partition], device)
+            parallel.offload_groups(transformer, device)
     return components, model, held
+
+
+def place_stored(transformer: torch.nn.Module, home: str, grouped: bool) -> torch.nn.Module:
+    """A transformer assigned from the fp8 store (memory-mapped host tensors) where it is served from. Group offload
+    copies them into its pinned arenas itself; on the CPU they get memory of their own (models.own_memory)."""
+    if grouped:
+        return transformer
+    if torch.device(home).type == "cpu":
+        own_memory(transformer)
+        return transformer
+    return transformer.to(home)
 
 
 def load_by_shard(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):

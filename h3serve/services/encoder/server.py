@@ -87,7 +87,11 @@ def serve(config: ModelServiceConfig) -> None:
         components, model = placement.load(config, COMPONENTS)  # spread refuses a model the GPUs cannot hold
     except ValueError as exc:
         raise SystemExit(f"h3serve serve encoder: {exc}") from exc
-    servicer = EncoderServicer(TextEncoderRunner(components), model, config)
+    runner = TextEncoderRunner(components)
+    started = time.perf_counter()
+    runner.warm_up()
+    log.info("encoder warmed up in %.2f s", time.perf_counter() - started)
+    servicer = EncoderServicer(runner, model, config)
     run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
                [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,
                tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)

@@ -215,7 +215,12 @@ def serve(config: ModelServiceConfig) -> None:
     tiles = TileDecoder(vae, config.tile_batch, decode_devices(vae.device, config.decode_gpus))
     for replica in tiles.models:
         fastpath.apply(replica, FastPath.of(config))
-    servicer = VaeServicer(VaeDecoder(vae, components["audio_vae"], tiles.decoders), model, config)
+    decoder = VaeDecoder(vae, components["audio_vae"], tiles.decoders)
+    started = time.perf_counter()
+    decoder.warm_up()
+    memory.release(vae.device)
+    log.info("VAE warmed up in %.2f s", time.perf_counter() - started)
+    servicer = VaeServicer(decoder, model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
                tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)

@@ -1,0 +1,157 @@
+"""`[dit] fp8_cache_dir`: fp8 weights quantised at the first start, assigned from the file at later ones.
+
+torchao refuses fp8 on a CPU only by a hardware check (its fp8 linear runs on the CPU); with that check lifted, the
+DiT rank's own `load_whole` runs here on the saved tiny model in bf16, as a GPU rank runs it on the released one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.common import Size, denoise_spec
+from h3serve.common.config import DiTConfig
+from h3serve.runtime import fp8_store, pinned
+from h3serve.runtime.models import ModelSource
+from h3serve.services.dit import parallel, rank
+from h3serve.services.dit.runner import DenoiseRunner, served
+
+CPU, ONE_RANK = torch.device("cpu"), parallel.Layout(world_size=1, ulysses_degree=1, ring_degree=1, fsdp=False)
+TOKENS = 12
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    from torchao.quantization import quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[list[str]]:
+    """The component names each start loads (or builds) through the model source."""
+    calls: list[list[str]] = []
+
+    def recording(service, names, config):
+        calls.append(list(names))
+        return load_model_service(service, names, config)
+
+    load_model_service = rank.load_model_service
+    monkeypatch.setattr(rank, "load_model_service", recording)
+    return calls
+
+
+def start(model_dir, cache_dir) -> torch.nn.Module:
+    config = DiTConfig(model_dir=str(model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(cache_dir),
+                       workflows=("t2va",))
+    components, model, _ = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
+    assert "transformer" in model.components
+    return components["transformer"]
+
+
+def fp8_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the transformer, a torchao weight as its fp8 data and scales."""
+    state = {}
+    for name, tensor in transformer.state_dict().items():
+        for part in pinned.parts(tensor) or [""]:
+            state[f"{name}.{part}" if part else name] = getattr(tensor, part) if part else tensor
+    return state
+
+
+def latents(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from h3serve.runtime.tiny import build_component
+
+    parts = {"transformer": transformer, "scheduler": build_component("scheduler"),
+             "audio_scheduler": build_component("audio_scheduler")}
+    embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
+    runner = DenoiseRunner(parts, served(["t2va"]), device=CPU)
+    return runner.run(denoise_spec(Size.parse("32x64x124"), forwards=2), embeds.to(torch.bfloat16),
+                      torch.ones(TOKENS, dtype=torch.int64), lambda step, total: None)
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cpu, loads, tiny_model_dir,
+                                                                       tmp_path):
+    first = start(tiny_model_dir, tmp_path)
+    quantised = [name for name, module in first.named_modules() if pinned.parts(getattr(module, "weight", None))]
+    assert quantised and all(name.startswith("transformer_blocks.") for name in quantised)
+    saved = list(tmp_path.glob("transformer-fp8-*.pt"))
+    assert len(saved) == 1 and not list(tmp_path.glob("*.partial-*"))
+
+    second = start(tiny_model_dir, tmp_path)
+    assert loads == [["transformer", "scheduler", "audio_scheduler"], ["scheduler", "audio_scheduler"]], \
+        "the restart neither loads nor quantises the bf16 transformer"
+    assert_same(fp8_state(second), fp8_state(first))
+    assert all(tensor.device.type == "cpu" for tensor in fp8_state(second).values())
+    assert_same(latents(second), latents(first))
+
+
+def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, loads, tiny_model_dir, tmp_path,
+                                                                   caplog):
+    expected = fp8_state(start(tiny_model_dir, tmp_path))
+    (saved,) = tmp_path.glob("transformer-fp8-*.pt")
+    saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])  # a truncated file
+    with caplog.at_level(logging.WARNING, logger="h3serve.fp8_store"):
+        again = start(tiny_model_dir, tmp_path)
+    assert "does not load" in caplog.text and "quantising again" in caplog.text
+    assert loads[-1] == ["transformer", "scheduler", "audio_scheduler"]
+    assert_same(fp8_state(again), expected)
+    assert_same(fp8_state(start(tiny_model_dir, tmp_path)), expected)  # and saved whole again
+    assert loads[-1] == ["scheduler", "audio_scheduler"]
+
+
+def test_a_save_that_fails_is_a_warning_not_a_failed_start(fp8_on_cpu, tiny_model_dir, tmp_path, caplog):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="h3serve.fp8_store"):
+        transformer = start(tiny_model_dir, blocked)
+    assert "not saved" in caplog.text and "the next start quantises again" in caplog.text
+    assert any(pinned.parts(tensor) for tensor in transformer.state_dict().values()), "served in fp8 all the same"
+
+
+def test_the_key_names_the_weights_partition_dtype_and_versions(tmp_path, monkeypatch):
+    import torchao
+
+    store = fp8_store.Fp8Store(tmp_path, "rev-a", torch.bfloat16)
+    path = store.path("transformer")
+    others = [fp8_store.Fp8Store(tmp_path, "rev-b", torch.bfloat16).path("transformer"),
+              store.path("transformer_ref"), fp8_store.Fp8Store(tmp_path, "rev-a", torch.float32).path("transformer")]
+    monkeypatch.setattr(torchao, "__version__", "0.0.1")
+    others.append(store.path("transformer"))
+    assert len({path, *others}) == 5 and all(p.parent == tmp_path for p in others)
+    assert ModelSource("random:full").revision() != ModelSource(None).revision()
+
+
+def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
+    store = fp8_store.Fp8Store(tmp_path, "rev", torch.bfloat16)
+    path = store.path("transformer")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = path.with_name(f"{path.name}.partial-{int(dead.stdout)}")
+    live = path.with_name(f"{path.name}.partial-{os.getppid()}")
+    for partial in (stale, live):
+        partial.write_bytes(b"half a file")
+    store.save("transformer", torch.nn.Linear(2, 2))
+    assert path.is_file() and not stale.exists() and live.exists()
+
+
+@pytest.mark.parametrize("settings, reason", [
+    (dict(fp8_cache_dir="var/fp8"), "it needs fp8 = true"),
+    (dict(fp8=True, dtype="bfloat16", fp8_cache_dir="var/fp8", adapters={"a": "a.safetensors"}),
+     "adapters are installed before quantisation"),
+])
+def test_fp8_cache_dir_is_refused_where_it_would_do_nothing_or_the_wrong_thing(settings, reason, tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=reason):
+        DiTConfig(**settings)
