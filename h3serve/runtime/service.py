@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +15,14 @@ from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2
 
 log = logging.getLogger("h3serve.runtime")
+
+
+def warm_up(service: str, run: Callable[[], None]) -> None:
+    """Run `run` once before the service opens its port (a process's first model call pays the device's one-time
+    set-up, not a user's request), and log what it took."""
+    started = time.perf_counter()
+    run()
+    log.info("%s: warmed up in %.2f s", service, time.perf_counter() - started)
 
 
 def load_model_service(service: str, names: list[str], config: ModelServiceConfig):

@@ -13,6 +13,7 @@ from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import wire
 from h3serve.runtime.checks import spec_checked
 from h3serve.runtime.media import MediaPreparer, read_media_stream
+from h3serve.runtime.service import warm_up
 from h3serve.services.encoder import checks, placement
 from h3serve.services.encoder.cache import ByteLRU, media_key, prompt_key
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
@@ -88,9 +89,7 @@ def serve(config: ModelServiceConfig) -> None:
     except ValueError as exc:
         raise SystemExit(f"h3serve serve encoder: {exc}") from exc
     runner = TextEncoderRunner(components)
-    started = time.perf_counter()
-    runner.warm_up()
-    log.info("encoder warmed up in %.2f s", time.perf_counter() - started)
+    warm_up("encoder", runner.warm_up)
     servicer = EncoderServicer(runner, model, config)
     run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
                [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,

@@ -23,7 +23,7 @@ from h3serve.runtime.checks import check_media_spec, spec_checked
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.pump import ClientGone, pump
-from h3serve.runtime.service import load_model_service
+from h3serve.runtime.service import load_model_service, warm_up
 from h3serve.services.vae import checks, mux
 from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, Decoded, DecodePlan, OnPixels, Progress, VaeDecoder
@@ -216,10 +216,9 @@ def serve(config: ModelServiceConfig) -> None:
     for replica in tiles.models:
         fastpath.apply(replica, FastPath.of(config))
     decoder = VaeDecoder(vae, components["audio_vae"], tiles.decoders)
-    started = time.perf_counter()
-    decoder.warm_up()
-    memory.release(vae.device)
-    log.info("VAE warmed up in %.2f s", time.perf_counter() - started)
+    if not config.compile:  # compiled, it would compile a graph for a canvas no request has
+        warm_up("vae", decoder.warm_up)
+        memory.release(vae.device)
     servicer = VaeServicer(decoder, model, config)
     run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
                [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
