@@ -104,6 +104,7 @@ from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
 from h3serve.cli.reference import ReferenceRequest, load_adapters, reference_pipeline, run_pipeline
 from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
+from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import encode_mp4
 
@@ -335,14 +336,14 @@ def refuse_early(config: DeployConfig, place: Placement, device: str) -> None:
     """What the DiT service would refuse at start (its layout, too few GPUs, an attention backend that cannot
     split the sequence this way), refused now with the service's reason, before anything
     loads; the probe runs the backend once on this process's first GPU."""
-    from h3serve.services.dit import attention, launch
+    from h3serve.services.dit import config_check
 
     visible = torch.cuda.device_count() if device.startswith("cuda") else place.gpus
     if visible < place.gpus:
         raise SystemExit(f"bench.e2e: --gpus {place.gpus}, but {visible} GPU(s) are visible")
     try:
-        launch.check(config.dit)
-    except (ValueError, attention.BackendUnusable) as exc:
+        config_check.check(config.dit)
+    except config_check.REFUSALS as exc:
         raise SystemExit(f"bench.e2e: the DiT service would refuse to start ({place.describe()}): {exc}") from exc
 
 
@@ -387,6 +388,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks, ready_s, first)
+                wait_for_fp8_save(args.fp8_cache)
             finally:
                 client.close()
     except BaseException:
@@ -398,6 +400,18 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     print(f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
           + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else ""), flush=True)
     return {size: replace(side, used_gib=peak) for size, side in sides.items()}
+
+
+def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
+    """The DiT writes the fp8 weights after SERVING (h3serve/runtime/fp8_store.py) and a stop loses a save in
+    flight: wait for it, so the next run of the bench starts from the file as a restart would."""
+    if not directory:
+        return
+    started = time.perf_counter()
+    while fp8_store.saves_in_flight(Path(directory)) and time.perf_counter() - started < timeout_s:
+        time.sleep(1.0)
+    print(f"services: the fp8 weights in {directory} written {time.perf_counter() - started:.1f} s after the "
+          "last request", flush=True)
 
 
 def emulated_card(config: DeployConfig) -> float:

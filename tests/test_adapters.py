@@ -21,7 +21,7 @@ from h3serve.model.rules import InvalidRequest
 from h3serve.runtime import fastpath
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
-from h3serve.services.dit import adapters, checks, launch
+from h3serve.services.dit import adapters, checks, config_check
 from h3serve.services.dit.runner import DenoiseRunner
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
@@ -101,7 +101,7 @@ def test_alpha_over_rank_is_applied_as_a_manual_merge_gives_it(files, fmt):
     unscaled = run(merged_runner(files[fmt], 0.5), spec())  # the seeds' bug: alpha dropped, every module at 1 x w
     assert (served - unscaled).abs().max() > 1e-2
     (facts,) = adapters.read_all(DiTConfig(adapters={fmt: str(files[fmt])}),
-                                 {"transformer": launch.transformer_skeleton("", "transformer")})
+                                 {"transformer": config_check.transformer_skeleton("", "transformer")})
     assert (facts.facts.rank, facts.facts.alpha, facts.facts.partitions) == (RANK, alpha, ("transformer",))
     assert set(factors(files[fmt])) <= {k.removeprefix("transformer.").removesuffix(".lora_A.weight")
                                         for k in facts.state_dict if k.endswith("lora_A.weight")}
@@ -129,11 +129,11 @@ def test_a_transformer_ref_file_adapts_ref2va_only(files, tmp_path):
     assert torch.equal(run(served, spec(workflow=REF2VA)), base)
     # diffusers' load_into_transformer_ref: a transformer. (or original) file routed into the ref2va partition
     into_ref = DiTConfig(adapters={"k": {"path": str(files["kohya"]), "transformer_ref": True}})
-    (routed,) = adapters.read_all(into_ref, {p: launch.transformer_skeleton("", p) for p in adapters.PREFIXES})
+    (routed,) = adapters.read_all(into_ref, {p: config_check.transformer_skeleton("", p) for p in adapters.PREFIXES})
     assert routed.facts.partitions == ("transformer_ref",)
     # a DiT serving ref2va only routes a transformer. file there by itself, as diffusers does
     (alone,) = adapters.read_all(DiTConfig(adapters={"k": str(files["kohya"])}),
-                                 {"transformer_ref": launch.transformer_skeleton("", "transformer_ref")})
+                                 {"transformer_ref": config_check.transformer_skeleton("", "transformer_ref")})
     assert alone.facts.partitions == ("transformer_ref",)
 
 
@@ -189,7 +189,7 @@ def test_the_schedules_shift_per_request_and_return_to_the_model_s_own(files):
     assert torch.equal(run(served, spec(flow_shift=12.0, audio_flow_shift=3.0)), base)
 
 
-# Refused at start: by the deployment file's check, and by the launcher before any rank starts.
+# Refused at start: by the deployment file's check, and by rank 0 before it loads anything (config_check.py).
 
 def _bad_file(path, key: str, shape=(RANK, 32)):
     from safetensors.torch import save_file
@@ -208,23 +208,24 @@ def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_
     bad = _bad_file(tmp_path / "bad.safetensors", key, (RANK, 48) if "to_q" in key else (RANK, 32))
     config = DiTConfig(adapters={"good": str(files["kohya"]), "bad": str(bad)})
     with pytest.raises(adapters.AdapterRefused) as err:
-        launch.check(config)
+        config_check.check(config)
     assert f"adapters.bad: {bad}: key {key!r} does not fit transformer: {problem}" in str(err.value)
 
-    # `h3serve serve dit` exits with that reason before any rank starts (what `up` and the logs show)
+    # `h3serve serve dit` exits with that reason, not restarting its group (what `up` and the logs show)
     deploy = write_config(tmp_path / "deploy.toml", "", tmp_path / "gw", dict(encoder=1, dit=2, vae=3, gateway=4),
                           dit={"adapters": {"bad": str(bad)}})
     done = subprocess.run([sys.executable, "-m", "h3serve.cli", "serve", "dit", "--config", str(deploy)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert f"h3serve serve dit: adapters.bad: {bad}: key {key!r} does not fit transformer" in done.stderr
+    assert "configuration was refused" in done.stderr and "(restart 1 of" not in done.stderr
 
 
 def test_an_adapter_for_a_partition_the_dit_does_not_load_is_refused_at_start(files):
     config = DiTConfig(adapters={"ref": str(files["ref"])}, workflows=("t2va",))
     with pytest.raises(adapters.AdapterRefused, match="adapters.ref: it loads into transformer_ref, which this DiT "
                                                       "does not load"):
-        launch.check(config)
+        config_check.check(config)
 
 
 @pytest.mark.parametrize("dit,problem", [

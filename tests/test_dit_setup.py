@@ -1,4 +1,4 @@
-"""DiT group set-up decided before any rank starts: layout, torchrun command, attention backend checks."""
+"""DiT group set-up decided at start: layout, torchrun command, attention backend checks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from h3serve.common.server import start_server
 from h3serve.runtime import fastpath, wire
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit import attention
-from h3serve.services.dit.launch import check, decode_config, launcher_argv, transformer_shape
+from h3serve.services.dit.config_check import check, transformer_shape
+from h3serve.services.dit.launch import decode_config, launcher_argv
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import DenoiseRunner, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
@@ -63,6 +64,13 @@ def test_one_node_runs_h3serves_launcher_and_several_nodes_torchrun():
     assert multi[1:3] == ["-m", "torch.distributed.run"] and multi[-3:-1] == ["-m", "h3serve.services.dit.rank"]
     assert {"--nproc-per-node=4", "--max-restarts=5", "--nnodes=2", "--rdzv-backend=c10d",
             "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=h3"} <= set(multi)
+
+
+def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it():
+    from h3serve.services.dit import launch
+
+    with pytest.raises(SystemExit, match="h3serve serve dit: nnodes > 1 needs rdzv_endpoint"):
+        launch.serve(DiTConfig(world_size=2, nnodes=2))
 
 
 @pytest.mark.parametrize("name,reason", [

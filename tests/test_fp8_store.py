@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -51,6 +52,7 @@ def start(model_dir, cache_dir) -> torch.nn.Module:
                        workflows=("t2va",))
     components, model, _ = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
     assert "transformer" in model.components
+    assert fp8_store.wait_for_saves(timeout_s=120)
     return components["transformer"]
 
 
@@ -108,6 +110,43 @@ def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, l
     assert_same(fp8_state(again), expected)
     assert_same(fp8_state(start(tiny_model_dir, tmp_path)), expected)  # and saved whole again
     assert loads[-1] == ["scheduler", "audio_scheduler"]
+
+
+def test_the_start_goes_on_while_the_served_weights_are_written(fp8_on_cpu, loads, tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    """One rank without sharding writes the weights it serves on a thread: the start returns before the file is
+    written, and what is written is what the first start serves."""
+    release, save = threading.Event(), torch.save
+
+    def held_save(state, path):
+        assert release.wait(60), "the start waited for the save"
+        save(state, path)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    config = DiTConfig(model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path),
+                       workflows=("t2va",))
+    first = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])[0]["transformer"]
+    assert not list(tmp_path.glob("transformer-fp8-*.pt")) and not fp8_store.wait_for_saves(timeout_s=0)
+    release.set()
+    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert len(list(tmp_path.glob("transformer-fp8-*.pt"))) == 1 and not list(tmp_path.glob("*.partial-*"))
+    assert_same(fp8_state(start(tiny_model_dir, tmp_path)), fp8_state(first))
+    assert loads[-1] == ["scheduler", "audio_scheduler"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_background_save_copies_from_the_gpu_what_the_stream_queued_before_it(tmp_path):
+    """The side stream waits for the current one: weights a kernel is still writing are saved as it leaves them."""
+    module = torch.nn.Linear(4096, 4096, device="cuda")
+    with torch.no_grad():
+        for _ in range(20):  # queued work the save must wait for
+            module.weight.mul_(1.0001).add_(0.5)
+    store = fp8_store.Fp8Store(tmp_path, "rev", torch.bfloat16)
+    store.save_later("transformer", module)
+    assert fp8_store.wait_for_saves(timeout_s=120)
+    saved = torch.load(store.path("transformer"), weights_only=True)
+    assert torch.equal(saved["weight"], module.weight.cpu()) and torch.equal(saved["bias"], module.bias.cpu())
 
 
 def test_a_save_that_fails_is_a_warning_not_a_failed_start(fp8_on_cpu, tiny_model_dir, tmp_path, caplog):

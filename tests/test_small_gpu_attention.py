@@ -113,12 +113,12 @@ def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def test_group_offload_without_a_gpu_is_refused_before_any_rank_starts():
+def test_group_offload_without_a_gpu_is_refused_at_start():
     from h3serve.common.config import DiTConfig
-    from h3serve.services.dit import launch
+    from h3serve.services.dit import config_check
 
     with pytest.raises(ValueError, match='offload = "group" streams the blocks from host memory to a GPU'):
-        launch.check(DiTConfig(offload="group"))
+        config_check.check(DiTConfig(offload="group"))
 
 
 @pytest.mark.parametrize("version,capability,refused", [("1.0.6", TURING, True), ("1.0.6", AMPERE, False),

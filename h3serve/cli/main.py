@@ -29,8 +29,9 @@ def _serve(args) -> None:
             raise SystemExit("--world-size applies to the dit service only")
         flags["world_size"] = args.world_size
     section = override(config.service(args.service), **flags)
-    module = __import__(f"h3serve.services.{args.service}.server", fromlist=["serve"])
-    module.serve(section)
+    # the DiT's entry is its launcher, which must start its ranks without first importing what they import
+    entry = "launch" if args.service == "dit" else "server"
+    __import__(f"h3serve.services.{args.service}.{entry}", fromlist=["serve"]).serve(section)
 
 
 def _up(args) -> None:

@@ -46,6 +46,9 @@ def spawn(argv: list[str], death_signal: int = signal.SIGTERM, **popen) -> subpr
     return subprocess.Popen(argv, preexec_fn=_dies_with(os.getpid(), death_signal), **popen)
 
 
+EXIT_REFUSED = 78  # sysexits' EX_CONFIG: a process refused its configuration; restarting it would only refuse again
+
+
 def describe_exit(code: int) -> str:
     """How a Popen's returncode reads in a log: an exit code, or the signal that killed the process."""
     if code >= 0:

@@ -10,6 +10,10 @@ The file's key names everything its tensors depend on: the weights (`ModelSource
 dtype, the quantisation recipe and the torch and torchao versions; another of any is another file. A file that does
 not load (truncated, or written by an incompatible torchao) is deleted with a warning and the weights quantised and
 saved again; a save that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
+
+Writing the file took 69.9 s of a 137.5 s cold start on one H200 (44 GiB; BENCHMARKS.md), so a served module's
+weights are written in the background (`save_later`) while the start goes on to warm up and serve: the tensors
+written are the ones served, which nothing changes, so the save holds no second copy of them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,15 +71,43 @@ class Fp8Store:
         return model
 
     def save(self, partition: str, model: torch.nn.Module) -> None:
-        """Save the quantised partition under its key; written aside and renamed, so a start killed while saving
-        leaves no file a later start would take for whole."""
+        """Save the quantised partition under its key, now."""
+        self._write(partition, model.state_dict())
+
+    def save_later(self, partition: str, model: torch.nn.Module) -> threading.Thread:
+        """Save the partition's weights as they are now on a thread of their own (`wait_for_saves` joins it). Only
+        for weights nothing changes afterwards: the served ones, not a copy that sharding replaces. Copies from a
+        GPU run on a side stream, after what the current stream has queued (the quantisation), beside requests."""
+        state = model.state_dict()
+        devices = {tensor.device for tensor in state.values() if tensor.device.type == "cuda"}
+        streams = [torch.cuda.Stream(device) for device in devices]
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+        def write() -> None:
+            with contextlib.ExitStack() as on_side:
+                for stream in streams:
+                    on_side.enter_context(torch.cuda.stream(stream))
+                try:
+                    self._write(partition, state, "in the background")
+                except Exception:  # noqa: BLE001 - a thread's failure would otherwise only reach stderr
+                    log.exception("%s: fp8 weights not saved: the next start quantises again", partition)
+
+        thread = threading.Thread(target=write, name=f"fp8-save-{partition}", daemon=True)
+        _saves.append(thread)
+        thread.start()
+        return thread
+
+    def _write(self, partition: str, state: dict[str, torch.Tensor], how: str = "") -> None:
+        """Written aside and renamed, so a process killed while saving leaves no file a later start would take for
+        whole (the next save deletes what it left)."""
         path = self.path(partition)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         started = time.perf_counter()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _drop_stale_partials(path)
-            torch.save(model.state_dict(), partial)
+            torch.save(state, partial)
             os.replace(partial, path)
         except OSError as exc:
             with contextlib.suppress(OSError):  # the directory itself may be what failed
@@ -82,16 +115,36 @@ class Fp8Store:
             log.warning("%s: fp8 weights not saved to %s (%s): the next start quantises again", partition, path,
                         describe(exc, lines=1))
             return
-        log.info("%s: fp8 weights saved to %s (%.1f GiB) in %.1f s", partition, path, path.stat().st_size / 2**30,
-                 time.perf_counter() - started)
+        log.info("%s: fp8 weights saved to %s (%.1f GiB) in %.1f s%s", partition, path, path.stat().st_size / 2**30,
+                 time.perf_counter() - started, f" {how}" if how else "")
+
+
+_saves: list[threading.Thread] = []  # save_later's threads, also finished ones (a few per process)
+
+
+def wait_for_saves(timeout_s: float | None = None) -> bool:
+    """Join every background save of this process; True when none is still writing."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for thread in _saves:
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(thread.is_alive() for thread in _saves)
+
+
+def saves_in_flight(directory: Path) -> list[Path]:
+    """The files that saves of running processes are writing in `directory`."""
+    return [partial for partial in directory.glob("*.partial-*") if _writer_running(partial)]
 
 
 def _drop_stale_partials(path: Path) -> None:
     """Delete what saves of `path` by processes no longer running left behind (a start killed while saving)."""
     for partial in path.parent.glob(f"{path.name}.partial-*"):
-        pid = partial.name.rpartition("-")[2]
-        if pid.isdigit() and not _running(int(pid)):
+        if not _writer_running(partial):
             partial.unlink(missing_ok=True)
+
+
+def _writer_running(partial: Path) -> bool:
+    pid = partial.name.rpartition("-")[2]
+    return not pid.isdigit() or _running(int(pid))
 
 
 def _running(pid: int) -> bool:

@@ -4,7 +4,7 @@ Files are read by diffusers' `MiniMaxH3LoraLoaderMixin.lora_state_dict`, which c
 layouts to diffusers' module names, folds per-module `.alpha` scalars into the weights and turns a `__metadata__`
 `alpha` into the peft config's `lora_alpha`, so every module runs at alpha / rank. Each file's keys are checked
 against the partition it loads into (the first key that does not fit names the failure) before any is loaded, and
-the DiT's launcher runs that check once on weightless (meta) partitions before a rank starts (launch.py).
+the DiT runs that check once at start on weightless (meta) partitions, before it loads anything (config_check.py).
 
 Loading happens once, before the fast path, FSDP2 and compile (rank.py), in one of three ways:
 

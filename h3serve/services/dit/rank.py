@@ -1,10 +1,10 @@
 """One rank of the DiT group: `python -m h3serve.services.dit.rank <DiTConfig as JSON>`, started by the group's
 launcher (h3serve/services/dit/supervisor.py on one node, torchrun over several) with torchrun's environment.
 
-Rank 0 opens the gRPC port first with health NOT_SERVING, so during a (re)start clients get
-"starting" with the reason instead of a closed port. Every rank then waits its restart
-back-off, joins the compute and control groups, loads and prepares the transformer, and
-rank 0 turns SERVING. A rank whose parent (the launcher) dies gets SIGKILL, so no rank
+Rank 0 of a first start on one node checks what no restart can fix (config_check.py). Rank 0 then opens the
+gRPC port with health NOT_SERVING, so during a (re)start clients get "starting" with the reason instead of a
+closed port. Every rank then waits its restart back-off, joins the compute and control groups, loads and prepares
+the transformer, and rank 0 turns SERVING. A rank whose parent (the launcher) dies gets SIGKILL, so no rank
 outlives its group or keeps its GPU memory.
 
 SIGTERM / SIGINT is a stop, not a failure (the launcher sends it to restart the group after a
@@ -38,9 +38,9 @@ from h3serve.runtime import fp8_store, memory
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES, ModelSource, own_memory
 from h3serve.runtime.service import load_model_service
-from h3serve.services.dit import adapters, parallel, warmup
+from h3serve.services.dit import adapters, config_check, parallel, warmup
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
-from h3serve.services.dit.launch import decode_config
+from h3serve.services.dit.launch import REFUSED_PREFIX, decode_config
 from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 from h3serve.v1 import dit_pb2, dit_pb2_grpc
@@ -160,14 +160,17 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
         memory.cap(config, device)
     # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
     held = adapters.install(config, {partition: components[partition] for partition in loaded})
+    saves = [partition for partition in built if store and int(os.environ.get("RANK", "0")) == 0]  # ranks' are equal
     for partition in loaded:
         transformer = components[partition]
         parallel.ready_model(transformer, FastPath.of(config), device, dtype, sequence_split=layout.world_size > 1)
-        if store and partition in built and int(os.environ.get("RANK", "0")) == 0:  # the ranks' weights are equal
+        if partition in saves and layout.fsdp:  # sharding replaces the whole weights: they are written first
             store.save(partition, transformer)
         parallel.parallelize(transformer, layout, device)
         if grouped:
             parallel.offload_groups(transformer, device)
+        if partition in saves and not layout.fsdp:  # the served weights, written while the start goes on
+            store.save_later(partition, transformer)
     return components, model, held
 
 
@@ -244,12 +247,25 @@ class Follower:
         os._exit(0 if self.stop_by is not None else 1)
 
 
+def refuse_unfixable(config: DiTConfig) -> None:
+    """On one node, rank 0's first start checks what no restart can fix (config_check.py) before it opens its port;
+    a refusal prints the reason and exits EXIT_REFUSED, which the launcher does not restart."""
+    try:
+        config_check.check(config)
+    except config_check.REFUSALS as exc:
+        print(f"{REFUSED_PREFIX}{exc}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(processes.EXIT_REFUSED)
+
+
 def main(argv: list[str] | None = None) -> None:
     config = decode_config((sys.argv[1:] if argv is None else argv)[0])
     rank, restart = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     processes.set_parent_death_signal(signal.SIGKILL)  # torchrun's ranks; the supervisor sets it before exec too
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     logs.setup(f"dit[{rank}]")
+    if rank == 0 and restart == 0 and config.nnodes == 1:
+        refuse_unfixable(config)
     if rank == 0:
         endpoint = Endpoint(config, restart)
         threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()

@@ -72,9 +72,3 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 rank.peak_bytes, rank.steps_served = stats.peak_bytes, stats.steps_served
         return info
 
-
-def serve(config) -> None:
-    """`h3serve serve dit`: the group starts through its launcher (h3serve/services/dit/launch.py)."""
-    from h3serve.services.dit.launch import launch
-
-    launch(config)

@@ -1,16 +1,18 @@
 """The DiT group's launcher on one node (`h3serve serve dit` with nnodes = 1): the store, the ranks, their restarts.
 
-launch.py checks the configuration, then execs this module, a fresh process (the check's CUDA context is gone).
-It serves the group's TCPStore on a socket it bound itself to the DiT's host: torch's own store server listens on
-every interface whatever host it is given. The ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE), so one rank
-code (rank.py) runs under both launchers, as clients of the launcher's store with keys private to each restart.
+launch.py execs this module at once (rank 0 checks the configuration). It serves the group's TCPStore on a socket
+it bound itself to the DiT's host: torch's own store server listens on every interface whatever host it is given.
+The ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE), so one rank code (rank.py) runs under both launchers, as
+clients of the launcher's store with keys private to each restart.
 
 When a rank exits, the others are stopped (SIGTERM, STOP_GRACE_S, SIGKILL) and the group starts again, at most
-`max_restarts` times, then this process exits 1 with the reason. Each rank waits its restart back-off itself after
-rank 0 has opened its port, so clients meanwhile read "restarting" instead of finding a closed port. SIGTERM, SIGINT
-or SIGHUP stops every rank, also one started during the stop, and exits 0. A rank gets SIGKILL when this process
-dies (parent-death signal): a group whose launcher is gone cannot restart, and its GPU memory must come back.
+`max_restarts` times, then this process exits 1 with the reason. A rank that refused the configuration
+(EXIT_REFUSED, its reason on stderr) is not restarted: this process exits 1 at once. Each rank waits its restart
+back-off itself after rank 0 has opened its port, so clients meanwhile read "restarting" instead of finding a closed
+port. SIGTERM, SIGINT or SIGHUP stops every rank, also one started during the stop, and exits 0. A rank gets SIGKILL
+when this process dies (parent-death signal): a group whose launcher is gone cannot restart, and its GPU memory
+must come back.
 """
 
 from __future__ import annotations
@@ -38,16 +40,19 @@ def store_host(host: str) -> str:
     return WILDCARDS.get(host, host)
 
 
-def open_store(host: str, timeout_s: float):
-    """The group's store on a listening socket bound to `host` (a free port); returns (store, port)."""
-    import torch.distributed as dist  # imported here: the stop signals are handled already while torch loads
-
+def listen(host: str) -> socket.socket:
+    """The store's listening socket, bound to `host` (a free port). It takes the ranks' connections from the moment
+    they start; the store (open_store) answers them once torch has loaded here."""
     family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    listener = socket.create_server(address, family=family)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-                          master_listen_fd=listener.detach())  # the store owns the socket from here
-    return store, port
+    return socket.create_server(address, family=family)
+
+
+def open_store(listener: socket.socket, host: str, timeout_s: float):
+    """The group's store on `listener`, which it owns from here."""
+    import torch.distributed as dist  # imported here: the ranks and the stop signals do not wait for torch
+
+    return dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
 
 
 def rank_env(config: DiTConfig, rank: int, restart: int, master: tuple[str, int]) -> dict[str, str]:
@@ -98,12 +103,14 @@ def supervise(encoded: str) -> int:
     config = DiTConfig.model_validate_json(encoded)
     argv = [sys.executable, "-m", "h3serve.services.dit.rank", encoded]
     host = store_host(config.host)
-    _store, port = open_store(host, config.collective_timeout_s)
+    listener = listen(host)
+    port, store = listener.getsockname()[1], None
     restart = 0
     while True:
         log.info("starting the DiT group: %d rank(s), store on %s:%d%s", config.world_size, host, port,
                  f" (restart {restart} of {config.max_restarts})" if restart else "")
         ranks = start_ranks(config, argv, restart, (host, port), stop)
+        store = store or open_store(listener, host, config.collective_timeout_s)  # while the ranks import torch
         ended = first_exits(ranks, stop)
         if ended:
             log.warning("DiT group: %s; stopping the other ranks", "; ".join(ended))
@@ -112,6 +119,9 @@ def supervise(encoded: str) -> int:
         stop_ranks(ranks)
         if stop:
             return 0
+        if any(rank.returncode == processes.EXIT_REFUSED for rank in ranks):
+            log.error("the DiT's configuration was refused (the reason is above): the DiT service exits")
+            return 1
         if restart == config.max_restarts:
             log.error("DiT group failed with no restart left (max_restarts = %d): the DiT service exits",
                       config.max_restarts)
