@@ -179,6 +179,7 @@ def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
     live = path.with_name(f"{path.name}.partial-{os.getppid()}")
     for partial in (stale, live):
         partial.write_bytes(b"half a file")
+    assert fp8_store.saves_in_flight(tmp_path) == [live]  # what the e2e bench waits for before it stops the DiT
     store.save("transformer", torch.nn.Linear(2, 2))
     assert path.is_file() and not stale.exists() and live.exists()
 
