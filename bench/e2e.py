@@ -403,8 +403,8 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
 
 
 def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
-    """The DiT writes the fp8 weights after SERVING (h3serve/runtime/fp8_store.py) and a stop loses a save in
-    flight: wait for it, so the next run of the bench starts from the file as a restart would."""
+    """The DiT writes the fp8 weights while it warms up and serves (h3serve/runtime/fp8_store.py), and a stop loses
+    a save in flight: wait for it, so the next run of the bench starts from the file as a restart would."""
     if not directory or not fp8_store.saves_in_flight(Path(directory)):
         return
     started = time.perf_counter()

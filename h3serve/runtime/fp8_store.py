@@ -11,7 +11,7 @@ dtype, the quantisation recipe and the torch and torchao versions; another of an
 not load (truncated, or written by an incompatible torchao) is deleted with a warning and the weights quantised and
 saved again; a save that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
 
-Writing the file took 69.9 s of a 137.5 s cold start on one H200 (44 GiB; BENCHMARKS.md), so a served module's
+Writing the file took 69.9 s of a 137.5 s cold start on one H200 (44 GiB; README "Warm start"), so a served module's
 weights are written in the background (`save_later`) while the start goes on to warm up and serve: the tensors
 written are the ones served, which nothing changes, so the save holds no second copy of them.
 """
@@ -79,15 +79,13 @@ class Fp8Store:
         for weights nothing changes afterwards: the served ones, not a copy that sharding replaces. Copies from a
         GPU run on a side stream, after what the current stream has queued (the quantisation), beside requests."""
         state = model.state_dict()
-        devices = {tensor.device for tensor in state.values() if tensor.device.type == "cuda"}
-        streams = [torch.cuda.Stream(device) for device in devices]
-        for stream in streams:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        gpu = next((tensor.device for tensor in state.values() if tensor.device.type == "cuda"), None)
+        side = torch.cuda.Stream(gpu) if gpu else None  # torch.cuda.stream(None) changes nothing
+        if side:
+            side.wait_stream(torch.cuda.current_stream(gpu))
 
         def write() -> None:
-            with contextlib.ExitStack() as on_side:
-                for stream in streams:
-                    on_side.enter_context(torch.cuda.stream(stream))
+            with torch.cuda.stream(side):
                 try:
                     self._write(partition, state, "in the background")
                 except Exception:  # noqa: BLE001 - a thread's failure would otherwise only reach stderr
