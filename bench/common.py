@@ -104,7 +104,12 @@ def gpu_peak(every_s: float = 0.5):
 
     def sample() -> None:
         while not done.wait(every_s):
-            highest[:] = [max(h, mib) for h, (mib,) in zip(highest, _smi("--query-gpu=memory.used"))]
+            with contextlib.suppress(subprocess.CalledProcessError, ValueError):
+                used = [mib for (mib,) in _smi("--query-gpu=memory.used")]
+                # a reading that misses a GPU (nvidia-smi failed or was cut short) is skipped: zipped in, it
+                # would have dropped the peaks of the GPUs it missed
+                if len(used) == len(highest):
+                    highest[:] = [max(h, mib) for h, mib in zip(highest, used)]
 
     sampler = threading.Thread(target=sample, name="gpu-peak", daemon=True)
     sampler.start()

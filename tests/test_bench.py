@@ -199,17 +199,48 @@ def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_ps
         assert float(re.search(r"PSNR ([\d.]+) dB", record["variant"]).group(1)) > 30
 
 
+class _StandInSmi:
+    """A stand-in nvidia-smi on PATH: it prints the GPUs' memory.used the test sets (or exits 1 on "fail") and
+    counts its calls, so the test can wait until the sampler has read what it set."""
+
+    def __init__(self, tmp_path, monkeypatch, used: str):
+        self.readings, self.calls = tmp_path / "used.csv", tmp_path / "calls"
+        self.set(used)
+        smi = tmp_path / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho >> {self.calls}\ngrep -q fail {self.readings} && exit 1\n"
+                       f"cat {self.readings}\n")
+        smi.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    def set(self, used: str) -> None:
+        staged = self.readings.with_suffix(".new")
+        staged.write_text(used)
+        os.replace(staged, self.readings)  # whole: the sampler never reads it half written
+
+    def read_twice(self) -> None:
+        """Returns once a call has begun after the last `set` (the one running at `set` may predate it)."""
+        count = lambda: len(self.calls.read_text()) if self.calls.exists() else 0  # noqa: E731
+        seen, deadline = count(), time.monotonic() + 60
+        while count() < seen + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert count() >= seen + 2, "the sampler stopped calling nvidia-smi"
+
+
 def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start(tmp_path, monkeypatch):
-    # a stand-in nvidia-smi on PATH reporting two GPUs' memory.used from a file the test rewrites
-    readings = tmp_path / "used.csv"
-    readings.write_text("1000\n500\n")
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\ncat {readings}\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
     with common.gpu_peak(every_s=0.01) as peaks:
         for used in ("7000\n600\n", "3000\n9500\n", "1200\n500\n"):
-            readings.write_text(used)
-            time.sleep(0.2)
+            smi.set(used)
+            smi.read_twice()
         assert peaks == [], "filled once the part ends"
     assert peaks == [6000, 9000]
+
+
+def test_gpu_peak_skips_a_reading_that_misses_a_gpu_or_fails(tmp_path, monkeypatch):
+    # before the fix, one short reading zipped the peaks down to the GPUs it listed: [] after an empty one
+    smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
+    with common.gpu_peak(every_s=0.01) as peaks:
+        for used in ("4000\n700\n", "", "9000\n", "fail", "1000\n2500\n"):
+            smi.set(used)
+            smi.read_twice()
+    assert peaks == [3000, 2000]
