@@ -10,6 +10,7 @@ from h3serve.services.encoder.runner import COMPONENTS as ENCODER_PARTS
 from h3serve.services.encoder.runner import TextEncoderRunner
 from h3serve.services.vae.decode import COMPONENTS as VAE_PARTS
 from h3serve.services.vae.decode import VaeDecoder
+from h3serve.services.vae.tiles import TileDecoder
 from h3serve.v1 import common_pb2
 
 PROMPT = "a heron lands on a jetty while rain starts"
@@ -45,3 +46,15 @@ def test_the_vae_warm_up_leaves_the_next_decode_bit_identical_and_hands_on_no_pi
     got = decode(warmed)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert got[2] == expected[2], "tile progress counts this decode's tiles only"
+
+
+def test_the_vae_warm_up_gives_every_decoder_replica_a_tile():
+    # decode_gpus > 1: a replica the warm-up skips pays its GPU's set-up in the first request's decode
+    parts = ModelSource(None).load(VAE_PARTS, "cpu", "float32")
+    vae = parts["vae"]  # the released tiling (256 px tiles): the 128 px warm-up canvas is one tile
+    tiles = TileDecoder(vae, 1, [torch.device("cpu")] * 3)
+    calls = [0] * len(tiles.decoders)
+    for index, module in enumerate(tiles.decoders):
+        module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    VaeDecoder(vae, parts["audio_vae"], tiles.decoders).warm_up()
+    assert all(calls), f"decoder calls per replica: {calls}"

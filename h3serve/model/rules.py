@@ -24,7 +24,6 @@ AUDIO_HOP = 800                # samples per audio latent: 40 latents per second
 AUDIO_CHANNELS = 2             # stereo, packed channel-major as two blocks of audio rows
 VIDEO_SAMPLE_FPS = 2.0         # the rate the text encoder reads a reference video at
 VISION_MARKERS = 2             # <|vision_start|> and <|vision_end|> around every vision block
-LABEL_KINDS = ("Picture", "Video", "Audio")  # how a prompt names keyframes and references: "<Picture 1>"
 
 VALID_NUM_FRAMES = tuple(f for f in range(MIN_SECONDS * FPS, MAX_SECONDS * FPS + 1)
                          if f % FRAMES_PER_CHUNK == LATENTS_PER_CHUNK)

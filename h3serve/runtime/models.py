@@ -29,7 +29,7 @@ class ModelSource:
 
     @property
     def label(self) -> str:
-        return self.model_dir or "tiny"
+        return self.model_dir or presets.TINY
 
     def revision(self) -> str:
         """Identifies the weights: part of every cache key derived from model outputs."""

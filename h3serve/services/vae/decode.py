@@ -25,7 +25,7 @@ from h3serve.services.vae.mux import to_uint8
 from h3serve.services.vae.stream import streamed
 
 COMPONENTS = ["vae", "audio_vae"]
-WARMUP_FRAMES, WARMUP_LATENT_SIDE = 22, 8  # the warm-up decode: one clip (7 latent frames) of 8 x 8 latents
+WARMUP_FRAMES, WARMUP_LATENT_SIDE = 22, 8  # the warm-up decode: one clip (7 latent frames) of 8 x 8 latents or wider
 
 Progress = Callable[[int, int], None]
 """Called with (units done, units in the phase); it may raise to stop the decode."""
@@ -89,12 +89,17 @@ def decoder_tiles(vae, latents_shape: tuple[int, ...]) -> int:
     num_latent_frames, latent_height, latent_width = latents_shape[2:]
     token_drop = vae.config.token_drop
     chunks = math.ceil((num_latent_frames + token_drop) / vae.tokens_chunk_size) - int(token_drop > 0)
+    return chunks * spatial_tiles(vae, latent_height, latent_width)
+
+
+def spatial_tiles(vae, latent_height: int, latent_width: int) -> int:
+    """How many tiles `_decode_clip` cuts one latent clip of that canvas into (1 with tiling off)."""
     if not vae.use_tiling:
-        return chunks
+        return 1
     ratio = vae.spatial_compression_ratio
     rows = vae._split_tiles(latent_height * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height)
     cols = vae._split_tiles(latent_width * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width)
-    return chunks * len(rows[0]) * len(cols[0])
+    return len(rows[0]) * len(cols[0])
 
 
 def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
@@ -164,9 +169,11 @@ class VaeDecoder:
     def warm_up(self) -> None:
         """Decode one clip of zeros at a small canvas before the service serves: a process's first decode pays the
         device's one-time set-up (on one H200 the first request's decode took 3.29-3.30 s, later ones 2.70-2.80 s at
-        480x832x124)."""
-        side = WARMUP_LATENT_SIDE
-        latents = torch.zeros(1, self.vae.config.latent_channels, rules.latent_frames(WARMUP_FRAMES), side, side)
+        480x832x124). The canvas is widened until every decoder replica gets a tile: each GPU pays its own set-up."""
+        side = width = WARMUP_LATENT_SIDE
+        while self.vae.use_tiling and spatial_tiles(self.vae, side, width) < len(self.decoders):
+            width += side
+        latents = torch.zeros(1, self.vae.config.latent_channels, rules.latent_frames(WARMUP_FRAMES), side, width)
         audio = torch.zeros(MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels,
                             rules.audio_latents(WARMUP_FRAMES))
         self.decode(latents, audio, on_video=_ignored, on_audio=_ignored)
