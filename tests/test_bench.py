@@ -217,8 +217,8 @@ class _StandInSmi:
         staged.write_text(used)
         os.replace(staged, self.readings)  # whole: the sampler never reads it half written
 
-    def read_twice(self) -> None:
-        """Returns once a call has begun after the last `set` (the one running at `set` may predate it)."""
+    def wait_until_read(self) -> None:
+        """Returns once a call has begun after the last `set` (two calls: the one running at `set` may predate it)."""
         count = lambda: len(self.calls.read_text()) if self.calls.exists() else 0  # noqa: E731
         seen, deadline = count(), time.monotonic() + 60
         while count() < seen + 2 and time.monotonic() < deadline:
@@ -231,7 +231,7 @@ def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start
     with common.gpu_peak(every_s=0.01) as peaks:
         for used in ("7000\n600\n", "3000\n9500\n", "1200\n500\n"):
             smi.set(used)
-            smi.read_twice()
+            smi.wait_until_read()
         assert peaks == [], "filled once the part ends"
     assert peaks == [6000, 9000]
 
@@ -242,5 +242,5 @@ def test_gpu_peak_skips_a_reading_that_misses_a_gpu_or_fails(tmp_path, monkeypat
     with common.gpu_peak(every_s=0.01) as peaks:
         for used in ("4000\n700\n", "", "9000\n", "fail", "1000\n2500\n"):
             smi.set(used)
-            smi.read_twice()
+            smi.wait_until_read()
     assert peaks == [3000, 2000]
