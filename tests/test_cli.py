@@ -3,6 +3,7 @@ byte for byte, `demo`, and the Python walkthrough of docs/client.md; real proces
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -18,7 +19,12 @@ import pytest
 from conftest import free_port, write_config
 
 from h3serve.cli.launcher import ServiceGroup, children, is_serving
+from h3serve.cli.main import Progress
+from h3serve.cli.main import main as cli_main
+from h3serve.client import describe_event
 from h3serve.common.config import load_deploy
+from h3serve.model import rules
+from h3serve.v1 import gateway_pb2
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,6 +144,7 @@ def test_generate_reaches_a_tls_gateway_with_a_token(stack, tmp_path, certificat
         flag = subprocess.run([*generate, "--token", "s3cret", "--out", str(tmp_path / "flag.mp4")], env=env,
                               capture_output=True, text=True)
         assert flag.returncode == 0, flag.stderr
+        assert "\x1b" not in flag.stderr and "\ndone: " in flag.stderr, "a pipe gets plain progress lines"
         from_env = subprocess.run([*generate, "--out", str(tmp_path / "env.mp4")], capture_output=True, text=True,
                                   env={**env, "H3SERVE_TOKEN": "s3cret"})
         assert from_env.returncode == 0, from_env.stderr
@@ -159,3 +166,88 @@ def test_the_client_walkthrough_runs_as_written(stack, tmp_path, monkeypatch):
     exec(compile("\n".join(blocks), str(ROOT / "docs" / "client.md"), "exec"), {"__name__": "client_md"})
     for name in ("kite.mp4", "dawn.mp4"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+# --- what a user meets first: the address, the help, the progress to a file, the capacity ---------------------
+
+def test_generate_takes_h3serve_gateway_and_names_a_gateway_that_does_not_answer(tmp_path):
+    """Real unused loopback ports: a one-line refusal after --connect-timeout, not the retries' silence."""
+    from_env, from_flag = (f"127.0.0.1:{free_port()}" for _ in range(2))
+    for address, flags in ((from_env, []), (from_flag, ["--gateway", from_flag])):
+        started = time.monotonic()
+        out = subprocess.run([*CLI, "generate", *QUICK, "--connect-timeout", "1", *flags], cwd=tmp_path,
+                             env={**os.environ, "H3SERVE_GATEWAY": from_env}, capture_output=True, text=True,
+                             timeout=60)
+        assert (out.returncode, out.stderr) == (1, f"h3serve generate: no h3serve gateway answers at {address} "
+                                                   "within 1 s (H3SERVE_GATEWAY / --gateway)\n")
+        assert time.monotonic() - started < 20, "the timeout, not the retry policy's ~24 s"
+
+
+def generate_help(monkeypatch, capsys) -> str:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option: the checks below read whole phrases
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--help"])
+    return capsys.readouterr().out
+
+
+def test_generate_help_states_the_canvas_and_frame_rules_of_the_model(monkeypatch, capsys):
+    text = generate_help(monkeypatch, capsys)
+    frames = f"{rules.FRAMES_PER_CHUNK}n+{rules.LATENTS_PER_CHUNK}"
+    assert f"multiples of {rules.CANVAS_MULTIPLE}, width/height within 1:{rules.MAX_ASPECT}" in text
+    assert f"at 24 fps: {frames} from {rules.VALID_NUM_FRAMES[0]} to {rules.VALID_NUM_FRAMES[-1]}" in text
+    assert f"{rules.MIN_SECONDS} to {rules.MAX_SECONDS_EXACT:g} s: seconds x {rules.FPS} rounded" in text
+    assert f"{rules.MIN_SECONDS} s: {rules.frames_for_seconds(rules.MIN_SECONDS)}" in text
+    monkeypatch.setattr(rules, "CANVAS_MULTIPLE", 48)  # read from the rules, not restated
+    monkeypatch.setattr(rules, "VALID_NUM_FRAMES", (22, 39))
+    text = generate_help(monkeypatch, capsys)
+    assert "multiples of 48," in text and f"{frames} from 22 to 39 (22, 39)" in text
+
+
+def job_events() -> list[gateway_pb2.JobEvent]:
+    steps = [gateway_pb2.JobEvent(denoising=gateway_pb2.Denoising(step=step, total=3)) for step in (1, 2, 3)]
+    done = gateway_pb2.JobEvent(done=gateway_pb2.Done(video=gateway_pb2.Artifact(file_name="h3-j.mp4")))
+    return [gateway_pb2.JobEvent(job_id="j", accepted=gateway_pb2.Accepted()), *steps, done]
+
+
+def test_progress_to_a_file_is_one_plain_line_per_event(tmp_path):
+    with open(tmp_path / "progress.log", "w") as stream:  # what `2> file` or `| tee` gives the CLI
+        progress = Progress(stream)
+        for event in job_events():
+            progress(event)
+        progress.end()
+    text = (tmp_path / "progress.log").read_text()
+    assert text.splitlines() == [describe_event(event) for event in job_events()]
+    assert "\x1b" not in text and "\r" not in text
+
+
+def test_progress_on_a_terminal_redraws_one_line():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(stream)
+    for event in job_events():
+        progress(event)
+    progress.end()
+    assert stream.getvalue() == "".join(f"\r\x1b[K{describe_event(e)}" for e in job_events()) + "\n"
+
+
+def test_capacity_states_the_max_rows_bound_on_single_32gb():
+    path = ROOT / "docs" / "deploy" / "single-32gb.toml"
+    gateway = load_deploy(path).gateway
+    out = subprocess.run([*CLI, "capacity", "--config", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "every valid request is admitted" not in out
+    # the file's own note: "max_rows = 42,000 admits 768x1344 x 124 frames"
+    assert (f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
+            f"768x1344: at most 124 frames (text 256 rows, no conditioning)") in out, out
+
+
+def test_capacity_bounds_a_table_entry_by_max_rows(tmp_path):
+    config = tmp_path / "deploy.toml"
+    config.write_text('[gateway]\nmax_rows = 30000\n[gateway.capacity.t2va]\n"768x1344" = 38000\n')
+    out = subprocess.run([*CLI, "capacity", "--config", str(config)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[1].split() == ["t2va", "768x1344", "30,000", "none", "fit"], "what admission lets through"
+    assert out[2].startswith("every request: at most 30,000 packed rows ([gateway] max_rows)"), out

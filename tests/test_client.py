@@ -4,6 +4,8 @@ back-off against a real local gRPC server; job events exactly once across a gate
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -14,7 +16,8 @@ import threading
 import time
 import tomllib
 import zipfile
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,8 +27,8 @@ import pytest
 from conftest import free_port, write_config
 
 from h3serve.cli.launcher import ServiceGroup
-from h3serve.client import GatewayClient, RetryPolicy, describe_event
-from h3serve.common.config import load_deploy
+from h3serve.client import GatewayClient, GatewayUnreachable, RetryPolicy, default_address, describe_event
+from h3serve.common.config import DeployConfig, load_deploy
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +59,23 @@ def test_the_client_imports_only_grpc_protobuf_the_stdlib_and_the_stubs(tmp_path
                and name not in CLIENT_PACKAGES]
     assert not foreign, f"h3serve.client loads {foreign}"
     assert {"h3serve.client.gateway", "h3serve.v1.gateway_pb2_grpc"} <= set(loaded), "the check sees the client"
+
+
+def test_the_default_gateway_is_h3serve_gateway_else_the_gateways_default_port(monkeypatch):
+    monkeypatch.delenv("H3SERVE_GATEWAY", raising=False)
+    assert default_address() == f"127.0.0.1:{DeployConfig().gateway.port}"
+    monkeypatch.setenv("H3SERVE_GATEWAY", "gateway.example:6000")
+    with GatewayClient() as client:
+        assert default_address() == client.address == "gateway.example:6000"
+
+
+def test_wait_ready_names_an_address_where_no_gateway_answers():
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with GatewayClient(address) as client, pytest.raises(GatewayUnreachable) as err:
+        client.wait_ready(0.5)
+    assert str(err.value) == f"no h3serve gateway answers at {address} within 0.5 s"
+    assert time.monotonic() - started < 5
 
 
 def test_describe_event_has_a_line_for_every_kind_of_event():
@@ -152,9 +172,12 @@ def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(
     """A job is followed by `client.events()` and by `h3serve generate` (the same job: the same request_id) while
     the gateway is killed mid-denoise and started again: the job runs again, and both see all of it, in order."""
     job_request = request("a lighthouse in a gale", steps=30, seed=7, request_id="restart-followed-1")
+    # --connect-timeout: the gateway may already be down for its restart when this process first connects (its
+    # start takes seconds on a loaded machine), and that wait is not what this test is about
     cli = subprocess.Popen([sys.executable, "-m", "h3serve.cli", "generate", "--gateway", stack.address("gateway"),
-                            "--prompt", job_request.prompt, "--height", "32", "--width", "64", "--steps", "30",
-                            "--seed", "7", "--request-id", job_request.request_id, "--out", str(tmp_path / "cli.mp4")],
+                            "--connect-timeout", "120", "--prompt", job_request.prompt, "--height", "32", "--width",
+                            "64", "--steps", "30", "--seed", "7", "--request-id", job_request.request_id,
+                            "--out", str(tmp_path / "cli.mp4")],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first_step = threading.Event()
 
@@ -223,18 +246,90 @@ def wheel(tmp_path_factory) -> Path:
     return Path(out.stdout.strip())
 
 
-def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_and_protobuf_only(wheel):
+def wheel_files(wheel: Path) -> tuple[list[str], str]:
+    """The wheel's file names and its METADATA."""
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert wheel.name == f"h3serve_client-{version}-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as archive:
-        names = archive.namelist()
-        metadata = archive.read(f"h3serve_client-{version}.dist-info/METADATA").decode()
+        return archive.namelist(), archive.read(f"h3serve_client-{version}.dist-info/METADATA").decode()
+
+
+def canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def declared(metadata: str) -> dict[str, set[str]]:
+    """The distributions each extra requires ("": the requirements of a plain install)."""
+    out = defaultdict(set)
+    for name, marker in re.findall(r"^Requires-Dist: ([\w.-]+)[^;\n]*(?:;(.*))?$", metadata, re.M):
+        extra = re.search(r'extra == "([\w.-]+)"', marker)
+        out[extra.group(1) if extra else ""].add(canonical(name))
+    return out
+
+
+def third_party_imports(sources: Iterable[str]) -> set[str]:
+    """Every module the sources import (at the top or inside functions) outside the standard library and h3serve."""
+    modules = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules.add(node.module)
+    return {m for m in modules if m.split(".")[0] not in (*sys.stdlib_module_names, "h3serve")}
+
+
+def distribution_of(module: str) -> str:
+    """The installed distribution whose files hold `module` (the top-level "google" is shared by several)."""
+    origin = Path(importlib.util.find_spec(module).origin).resolve()
+    for name in importlib.metadata.packages_distributions()[module.split(".")[0]]:
+        distribution = importlib.metadata.distribution(name)
+        if any(Path(distribution.locate_file(file)).resolve() == origin for file in distribution.files or ()):
+            return canonical(name)
+    raise AssertionError(f"no installed distribution holds {module} ({origin})")
+
+
+def walkthrough_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.S)
+
+
+def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_and_protobuf_only(wheel):
+    names, metadata = wheel_files(wheel)
     expected = {"h3serve/__init__.py",
                 *(f"h3serve/client/{path.name}" for path in (ROOT / "h3serve" / "client").glob("*.py")),
                 *(f"h3serve/v1/{path.name}" for path in (ROOT / "h3serve" / "v1").glob("*.py*"))}
     assert {name for name in names if ".dist-info/" not in name} == expected
-    requires = re.findall(r"^Requires-Dist: ([\w.-]+)", metadata, re.M)
-    assert sorted(requires) == ["grpcio", "protobuf"], metadata
+    assert declared(metadata)[""] == {"grpcio", "protobuf"}, metadata
+
+
+def test_the_wheel_declares_what_the_client_and_the_walkthrough_import(wheel):
+    """Parsed from the sources the wheel ships and from docs/client.md's code: an import added without its
+    requirement fails here. The walkthrough's own imports may come from the `walkthrough` extra its install line
+    names."""
+    names, metadata = wheel_files(wheel)
+    requires = declared(metadata)
+    shipped = [(ROOT / name).read_text() for name in names if name.endswith(".py")]
+    client = {module: distribution_of(module) for module in third_party_imports(shipped)}
+    assert {"grpc", "google.protobuf"} <= set(client), "the check sees the client's imports"
+    assert {m: d for m, d in client.items() if d not in requires[""]} == {}, metadata
+    walkthrough = {module: distribution_of(module) for module in third_party_imports(walkthrough_blocks())}
+    assert {m: d for m, d in walkthrough.items() if d not in requires[""] | requires["walkthrough"]} == {}, metadata
+    assert '.whl[walkthrough]"' in (ROOT / "docs" / "client.md").read_text(), "the install line names the extra"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_into_a_fresh_venv_with_what_the_walkthrough_imports(wheel, tmp_path):
+    """A plain venv (no system site-packages) and pip, as docs/client.md's install line runs it."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    subprocess.run([python, "-m", "pip", "install", "-q", f"{wheel}[walkthrough]"], check=True, timeout=300)
+    modules = sorted({m for m in third_party_imports(walkthrough_blocks())} | {"h3serve.client", "h3serve.v1"})
+    code = f"import {', '.join(modules)}\nimport h3serve.client\nprint(h3serve.client.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([python, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(str(venv)), out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +355,7 @@ def tls_gateway(stack, certificate, tmp_path_factory) -> Iterator[str]:
 
 def test_the_walkthrough_runs_from_the_installed_wheel_against_tls_and_a_token(installed, tls_gateway, certificate,
                                                                                 tmp_path):
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.S)
+    blocks = walkthrough_blocks()
     from_wheel = f"import h3serve.client\nassert h3serve.client.__file__.startswith({str(installed)!r})\n"
     env = {**os.environ, "PYTHONPATH": str(installed), "H3SERVE_GATEWAY": tls_gateway,
            "H3SERVE_CA": str(certificate[0]), "H3SERVE_TOKEN": TOKEN}

@@ -1,10 +1,11 @@
 """Build the h3serve-client wheel (`make client`): h3serve/__init__.py, the generated stubs (h3serve/v1/) and the
-client (h3serve/client/), requiring grpcio and protobuf only.
+client (h3serve/client/), requiring grpcio and protobuf only; its `walkthrough` extra adds Pillow, which
+docs/client.md's code uses to draw a keyframe (the client itself never does).
 
     python tools/client_wheel.py [--dist DIR]      prints the wheel's path
 
 The files are staged in a temporary directory with a pyproject of their own. The version is h3serve's; the
-dependency bounds are the ones the generated stubs check when they are imported.
+dependency bounds are the ones the generated stubs check when they are imported, Pillow's the server package's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"h3serve": ["__init__.py"], "h3serve.v1": ["*.py", "*.pyi"], "h3serve.client": ["*.py"]}
+WALKTHROUGH = ["pillow"]  # what docs/client.md imports beyond the client: `pip install "<wheel>[walkthrough]"`
 
 
 def requirements() -> list[str]:
@@ -33,8 +35,14 @@ def requirements() -> list[str]:
     return [f"grpcio>={grpc_version}", f"protobuf>={major}.{minor}.{patch},<{int(major) + 1}"]
 
 
+def server_requirement(name: str, project: dict) -> str:
+    """The server package's requirement on `name`, bounds included."""
+    return next(r for r in project["dependencies"] if re.match(r"[\w.-]+", r).group().lower() == name)
+
+
 def pyproject() -> str:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    walkthrough = [server_requirement(name, project) for name in WALKTHROUGH]
     return f"""[build-system]
 requires = ["setuptools>=68"]
 build-backend = "setuptools.build_meta"
@@ -45,6 +53,7 @@ version = {json.dumps(project["version"])}
 description = "Python client of h3serve's public gRPC API (h3serve.v1.Gateway)"
 requires-python = {json.dumps(project["requires-python"])}
 dependencies = {json.dumps(requirements())}
+optional-dependencies = {{ walkthrough = {json.dumps(walkthrough)} }}
 
 [tool.setuptools]
 packages = {json.dumps(list(PACKAGES))}

@@ -10,8 +10,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3serve.cli import experiment, plan
+from h3serve.cli import experiment, generate_help, plan
 from h3serve.common.config import SERVICES, ConfigError, load_deploy, override
+from h3serve.model import rules
+
+CONNECT_TIMEOUT_S = 10.0  # how long `generate` waits for the gateway to answer before saying nobody does
 
 
 def _serve(args) -> None:
@@ -70,21 +73,44 @@ def _request(args):
         seconds=given("seconds") or 0.0, params=params, request_id=given("request_id") or "")
 
 
+class Progress:
+    """A job's events on `stream`: on a terminal one line redrawn in place; to a pipe or a file one plain line per
+    event, since the erase-line escapes that redraw it are noise to anything but a terminal."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.live = getattr(stream, "isatty", lambda: False)()
+
+    def __call__(self, event) -> None:
+        from h3serve.client import describe_event
+
+        if self.live:
+            print(f"\r\x1b[K{describe_event(event)}", end="", file=self.stream, flush=True)
+        else:
+            print(describe_event(event), file=self.stream, flush=True)
+
+    def end(self) -> None:
+        if self.live:
+            print(file=self.stream)  # keeps the last line
+
+
 def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None,
-             root_pem: bytes | None = None, token: str | None = None):
-    """Run one generation through the gateway with a live progress line; returns (job, mp4 path).
+             root_pem: bytes | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S):
+    """Run one generation through the gateway, its progress on `stream`; returns (job, mp4 path).
 
     `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
     `root_pem` and `token` reach a gateway that serves TLS and requires a bearer token. The client submits, then
-    follows the job's events, attaching again after a gateway restart: the progress goes on where it was.
+    follows the job's events, attaching again after a gateway restart: the progress goes on where it was. A gateway
+    that does not answer within `connect_timeout_s` raises GatewayUnreachable.
     """
     from h3serve.client import GatewayClient, describe_event
 
     with GatewayClient(address, root_pem, token) as client:
+        client.wait_ready(connect_timeout_s)
         _attach_media(client, request, media)
-        final = client.generate(request, lambda e: print(f"\r\x1b[K{describe_event(e)}", end="", file=stream,
-                                                         flush=True))
-        print(file=stream)
+        progress = Progress(stream)
+        final = client.generate(request, progress)
+        progress.end()
         if final.WhichOneof("kind") != "done":
             raise SystemExit(f"job {final.job_id} {describe_event(final)}")
         path = client.download(final.done.video.artifact_id, out)
@@ -118,14 +144,28 @@ def print_timings(job, path: Path) -> None:
     print(f"video: {path.resolve()}\nstages: {stages}", flush=True)
 
 
+def _gateway_address(args) -> str:
+    """--gateway; else --config's gateway on this host; else the Python client's default ($H3SERVE_GATEWAY, else
+    the local gateway on its default port)."""
+    from h3serve.client import default_address
+
+    if args.gateway:
+        return args.gateway
+    return f"127.0.0.1:{load_deploy(args.config).gateway.port}" if args.config else default_address()
+
+
 def _generate(args) -> None:
     import grpc
 
-    address = args.gateway or f"127.0.0.1:{load_deploy(args.config).gateway.port}"
+    from h3serve.client import GATEWAY_ENV, GatewayUnreachable
+
     root_pem = Path(args.ca).read_bytes() if args.ca else None
     try:
-        job, path = generate(address, _request(args), args.out, args.raw, media=args.media, root_pem=root_pem,
-                             token=args.token)
+        job, path = generate(_gateway_address(args), _request(args), args.out, args.raw, media=args.media,
+                             root_pem=root_pem, token=args.token, connect_timeout_s=args.connect_timeout)
+    except GatewayUnreachable as exc:
+        tls = "; or not one with a certificate from --ca" if args.ca else ""
+        raise SystemExit(f"h3serve generate: {exc} ({GATEWAY_ENV} / --gateway{tls})") from None
     except grpc.RpcError as exc:
         raise SystemExit(f"h3serve generate: {exc.code().name}: {exc.details()}") from None
     print_timings(job, path)
@@ -188,23 +228,31 @@ def _demo(args) -> None:
 
 
 def _capacity(args) -> None:
+    """The table (each entry bounded by max_rows too), then max_rows, which bounds every request."""
     from h3serve.gateway.admission.capacity import CapacityTable
 
-    table = CapacityTable(load_deploy(args.config).gateway.capacity)
+    gateway = load_deploy(args.config).gateway
+    table = CapacityTable(gateway.capacity, gateway.max_rows)
     rows = table.table(args.text_rows)
-    if not rows:
-        print("no capacity table in this deployment: every valid request is admitted ([gateway] capacity)")
-        return
-    print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames (text {args.text_rows} rows, no conditioning)")
+    assumed = f"text {args.text_rows} rows, no conditioning"
+    if rows:
+        print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames ({assumed})")
+    else:
+        print("no capacity table in this deployment ([gateway] capacity): max_rows alone bounds a request")
     for workflow, canvas, limit, frames in rows:
         shown = "-" if canvas == "*" else (frames or "none fit")
         print(f"{workflow:<9} {canvas:<10} {limit:>9,}  {shown}")
+    height, width = gateway.geometry.default_canvas
+    frames = table.max_frames(gateway.max_rows, height, width, args.text_rows)
+    fit = f"at most {frames} frames" if frames else f"no clip, not even {rules.VALID_NUM_FRAMES[0]} frames"
+    print(f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
+          f"{height}x{width}: {fit} ({assumed})")
 
 
 def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
     p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
-    p.add_argument("--height", type=int, default=height)
-    p.add_argument("--width", type=int, default=width)
+    p.add_argument("--height", type=int, default=height, help=generate_help.canvas(height, width))
+    p.add_argument("--width", type=int, default=width, help="see --height")
     p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
     p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME[:WEIGHT]",
                    help="a LoRA adapter of the DiT's [dit] adapters, weight 1 by default (repeatable, in order)")
@@ -234,6 +282,8 @@ def _add_media_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from h3serve.client.channel import GATEWAY_ENV, LOCAL_GATEWAY
+
     root = argparse.ArgumentParser(prog="h3serve", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
 
@@ -252,11 +302,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_up)
 
     p = sub.add_parser("generate", help="generate one video through the gateway")
-    p.add_argument("--gateway", help="host:port (default: the config's gateway)")
+    p.add_argument("--gateway", metavar="HOST:PORT", help=f"default: with --config, that deployment's gateway on this "
+                                                          f"host; else ${GATEWAY_ENV}, else {LOCAL_GATEWAY}")
+    p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="SECONDS",
+                   help="give up when the gateway does not answer within this time (default %(default)g)")
     p.add_argument("--config")
     _add_request_args(p, steps=None)
-    p.add_argument("--num-frames", type=int)
-    p.add_argument("--seconds", type=float)
+    p.add_argument("--num-frames", type=int, help=generate_help.num_frames())
+    p.add_argument("--seconds", type=float, help=generate_help.seconds())
     p.add_argument("--seed", type=int)
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
     p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
@@ -273,7 +326,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     _add_request_args(p, steps=None)  # unset: an adapter's recommendation, else the deployment's default_steps
-    p.add_argument("--num-frames", type=int, default=124)
+    p.add_argument("--num-frames", type=int, default=rules.DEFAULT_NUM_FRAMES, help=generate_help.num_frames())
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
     p.add_argument("--config", help="deployment TOML: its [model] dir and pipeline configs (geometry), and the "

@@ -5,9 +5,10 @@ Pure Python: it imports grpc, protobuf, the standard library and h3serve.v1 only
 h3serve-client wheel (`make client`).
 """
 
-from h3serve.client.channel import BearerToken
+from h3serve.client.channel import GATEWAY_ENV, BearerToken, default_address
 from h3serve.client.events import TERMINAL, describe_event, is_terminal
-from h3serve.client.gateway import GatewayClient
+from h3serve.client.gateway import GatewayClient, GatewayUnreachable
 from h3serve.client.retry import RetryPolicy
 
-__all__ = ["BearerToken", "GatewayClient", "RetryPolicy", "TERMINAL", "describe_event", "is_terminal"]
+__all__ = ["GATEWAY_ENV", "BearerToken", "GatewayClient", "GatewayUnreachable", "RetryPolicy", "TERMINAL",
+           "default_address", "describe_event", "is_terminal"]

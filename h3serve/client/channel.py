@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 
 import grpc
+
+# Where a client looks for the gateway when not told: $H3SERVE_GATEWAY, else a local one on the gateway's default
+# port ([gateway] port). `h3serve generate` uses the same default.
+GATEWAY_ENV = "H3SERVE_GATEWAY"
+LOCAL_GATEWAY = "127.0.0.1:50050"
 
 # Unlimited message sizes, as h3serve's servers set them (h3serve.common.server, which the client does not import);
 # a lost gateway is dialled again at least every second (gRPC's default waits up to 2 minutes), so a retried call
@@ -31,6 +37,11 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
                                          details.wait_for_ready, details.compression), request)
 
     intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _call
+
+
+def default_address() -> str:
+    """The gateway's host:port from $H3SERVE_GATEWAY, else LOCAL_GATEWAY."""
+    return os.environ.get(GATEWAY_ENV) or LOCAL_GATEWAY
 
 
 def open_channel(address: str, root_pem: bytes | None, token: str | None) -> grpc.Channel:

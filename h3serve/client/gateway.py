@@ -8,12 +8,21 @@ from pathlib import Path
 
 import grpc
 
-from h3serve.client.channel import open_channel
+from h3serve.client.channel import default_address, open_channel
 from h3serve.client.events import is_terminal
 from h3serve.client.retry import RetryPolicy
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 EventCallback = Callable[[gateway_pb2.JobEvent], None]
+
+
+class GatewayUnreachable(ConnectionError):
+    """Nothing at the address completed a connection in time: no gateway there, or (TLS) not one that `root_pem`
+    vouches for."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        super().__init__(f"no h3serve gateway answers at {address} within {timeout_s:g} s")
 
 
 def _chunks(path: Path, chunk_bytes: int) -> Iterator[gateway_pb2.UploadAssetChunk]:
@@ -38,16 +47,18 @@ def _save(stream: Iterator[gateway_pb2.ArtifactChunk], path: Path) -> Path:
 
 
 class GatewayClient:
-    """A synchronous client of one gateway. `root_pem`: PEM root certificate(s) of a gateway that serves TLS (None:
-    plaintext); `token`: the bearer token it requires (None or empty: none sent); `retry`: how calls that meet
-    UNAVAILABLE (the gateway restarting) or RESOURCE_EXHAUSTED (its queue full) are tried again. Every call is safe
-    to repeat: reads, idempotent writes, and Submit with a request_id. `stub` is the generated stub on the same
-    channel (TLS and token included), for the RPCs themselves. A context manager; or call `close()`."""
+    """A synchronous client of one gateway. `address`: host:port (None: `default_address()`, $H3SERVE_GATEWAY else
+    127.0.0.1:50050); `root_pem`: PEM root certificate(s) of a gateway that serves TLS (None: plaintext); `token`:
+    the bearer token it requires (None or empty: none sent); `retry`: how calls that meet UNAVAILABLE (the gateway
+    restarting) or RESOURCE_EXHAUSTED (its queue full) are tried again. Every call is safe to repeat: reads,
+    idempotent writes, and Submit with a request_id. `stub` is the generated stub on the same channel (TLS and token
+    included), for the RPCs themselves. A context manager; or call `close()`."""
 
-    def __init__(self, address: str, root_pem: bytes | None = None, token: str | None = None,
+    def __init__(self, address: str | None = None, root_pem: bytes | None = None, token: str | None = None,
                  retry: RetryPolicy = RetryPolicy()) -> None:
+        self.address = address or default_address()
         self.retry = retry
-        self.channel = open_channel(address, root_pem, token)
+        self.channel = open_channel(self.address, root_pem, token)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def close(self) -> None:
@@ -58,6 +69,14 @@ class GatewayClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Connect now, or raise GatewayUnreachable after `timeout_s`: a wrong address fails at once with its name
+        instead of after the retry policy's back-off (about 24 s by default)."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise GatewayUnreachable(self.address, timeout_s) from None
 
     def _call(self, method: Callable, request):
         return self.retry.call(lambda: method(request))

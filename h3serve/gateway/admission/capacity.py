@@ -91,10 +91,12 @@ class CapacityTable:
                                    f"{rows.condition}), this deployment's {name} is {limit:,}")
 
     def table(self, text_rows: int) -> list[tuple[str, str, int, int | None]]:
-        """(workflow, canvas, max rows, max frames for a prompt of `text_rows` rows) for every configured entry."""
+        """(workflow, canvas, max rows, max frames for a prompt of `text_rows` rows) for every configured entry, its
+        rows bounded by max_rows as well, as `admit` bounds them."""
         out = []
         for workflow, canvases in sorted(self.limits.items()):
-            for canvas, limit in sorted(canvases.items()):
+            for canvas, entry in sorted(canvases.items()):
+                limit = min(entry, self.max_rows or entry)
                 frames = None
                 if canvas != ANY_CANVAS:
                     height, width = (int(side) for side in canvas.split("x"))
