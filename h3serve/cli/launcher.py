@@ -18,12 +18,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from h3serve.common import processes
 from h3serve.common.config import SERVICES, DeployConfig
-from h3serve.common.processes import Tree, children, end_trees
+from h3serve.common.processes import Tree, children, describe_exit, end_trees
+from h3serve.common.server import is_answering, is_serving
+
+__all__ = ["START_ORDER", "Running", "ServiceGroup", "children", "is_answering", "is_serving"]
 
 START_ORDER = (*SERVICES, "gateway")
 
@@ -33,31 +33,6 @@ class Running:
     name: str
     address: str
     process: subprocess.Popen
-
-
-def _channel(address: str, root_pem: bytes | None) -> grpc.Channel:
-    if root_pem is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_pem))
-
-
-def is_serving(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
-    try:
-        with _channel(address, root_pem) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = None) -> bool:
-    """The process answers health checks, whatever its status (a gateway whose stages are down says NOT_SERVING)."""
-    try:
-        with _channel(address, root_pem) as channel:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            return True
-    except grpc.RpcError:
-        return False
 
 
 class ServiceGroup:
@@ -126,7 +101,7 @@ class ServiceGroup:
         while pending:
             for item in list(pending):
                 if item.process.poll() is not None:
-                    raise RuntimeError(f"{item.name} exited with code {item.process.returncode} during start-up")
+                    raise RuntimeError(f"{item.name} {describe_exit(item.process.returncode)} during start-up")
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2_grpc
 from h3serve.common import logs
 from h3serve.common.config import GatewayConfig
 from h3serve.common.guard import AsyncGuard
-from h3serve.common.server import GRACE_SECONDS, bind, enable_reflection
+from h3serve.common.processes import Refused, lock_directory, refuse
+from h3serve.common.server import EXCLUSIVE_PORT, GRACE_SECONDS, bind, enable_reflection
 from h3serve.gateway.admission.text_rows import TextRows
 from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
@@ -76,7 +77,8 @@ async def serve_async(config: GatewayConfig) -> None:
                   lambda: {name: queue.depth for name, queue in runner.queues.items()})
     health = StageHealth(caller, [SERVICE_NAME])
     server = grpc.aio.server(interceptors=[AsyncGuard(config.auth_token)], options=[
-        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes)])
+        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes),
+        EXCLUSIVE_PORT])
     gateway_pb2_grpc.add_GatewayServicer_to_server(
         GatewayServicer(config, store, hub, runner, health, assets, text_rows), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -109,5 +111,12 @@ async def serve_async(config: GatewayConfig) -> None:
 
 
 def serve(config: GatewayConfig) -> None:
+    """Serve until SIGTERM or SIGINT, owning `data_dir` alone: two gateways on one job store and artifact tree
+    would run each other's jobs again and delete each other's files. A second one exits EXIT_REFUSED."""
     logs.setup("gateway")
-    asyncio.run(serve_async(config))
+    try:
+        lock = lock_directory(config.data_dir)
+    except Refused as exc:
+        refuse(f"[gateway] data_dir {exc}")
+    with lock:
+        asyncio.run(serve_async(config))

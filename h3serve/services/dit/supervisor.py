@@ -7,12 +7,15 @@ TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE), so one rank code (ran
 clients of the launcher's store with keys private to each restart.
 
 When a rank exits, the others are stopped (SIGTERM, STOP_GRACE_S, SIGKILL) and the group starts again, at most
-`max_restarts` times, then this process exits 1 with the reason. A rank that refused the configuration
-(EXIT_REFUSED, its reason on stderr) is not restarted: this process exits 1 at once. Each rank waits its restart
-back-off itself after rank 0 has opened its port, so clients meanwhile read "restarting" instead of finding a closed
-port. SIGTERM, SIGINT or SIGHUP stops every rank, also one started during the stop, and exits 0. A rank gets SIGKILL
-when this process dies (parent-death signal): a group whose launcher is gone cannot restart, and its GPU memory
-must come back.
+`max_restarts` times, then this process exits 1 with the reason. A rank that refused the configuration or its port
+(EXIT_REFUSED, its reason on stderr) is not restarted: this process exits EXIT_REFUSED at once, so `h3serve up` does
+not restart it either. The same start-up failure twice in a row (the same exit status or signal and reason class of
+the ranks that ended first, before rank 0 ever served) stops the restarts too: this process exits 1. A rank's SIGKILL
+with the host near its memory limit at the last sample is logged as the OOM killer's (common/processes.py,
+MemoryWatch). Each rank waits its restart back-off itself after rank 0 has opened its port, so clients meanwhile read
+"restarting" instead of finding a closed port. SIGTERM, SIGINT or SIGHUP stops every rank, also one started during
+the stop, and exits 0. A rank gets SIGKILL when this process dies (parent-death signal): a group whose launcher is
+gone cannot restart, and its GPU memory must come back.
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
-from h3serve.common.processes import StopSignals, Tree, describe_exit, end_trees
+from h3serve.common.processes import MEMINFO, Ending, MemoryWatch, RepeatedFailure, StopSignals, Tree, end_trees
 
 log = logging.getLogger("h3serve.dit.supervisor")
 STOP_GRACE_S = 15.0  # a rank stops within seconds (rank.py); `up`'s stop_grace_s gives this process more
+PROBE_S = 1.0  # how often rank 0's health is asked until it serves (whether a death was a start-up failure)
 WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
@@ -75,17 +81,6 @@ def start_ranks(config: DiTConfig, argv: list[str], restart: int, master: tuple[
     return ranks
 
 
-def first_exits(ranks: list[subprocess.Popen], stop: StopSignals) -> list[str]:
-    """Once a rank has exited, how each exited rank ended; [] when a stop comes first."""
-    while not stop:
-        ended = [f"rank {rank} (pid {p.pid}) {describe_exit(p.returncode)}"
-                 for rank, p in enumerate(ranks) if p.poll() is not None]
-        if ended:
-            return ended
-        time.sleep(processes.POLL_S)
-    return []
-
-
 def stop_ranks(ranks: list[subprocess.Popen]) -> None:
     """SIGTERM to every rank still running, STOP_GRACE_S for them and what they started, then SIGKILL."""
     trees = [Tree(rank, leads_group=False) for rank in ranks]
@@ -95,38 +90,103 @@ def stop_ranks(ranks: list[subprocess.Popen]) -> None:
     end_trees(trees, time.monotonic() + STOP_GRACE_S)
 
 
+def rank0_serving(config: DiTConfig) -> Callable[[], bool]:
+    """Whether rank 0 says SERVING (the group is whole and warm); probed as `h3serve up` probes the service."""
+    host = store_host(config.host)
+    address = f"[{host}]:{config.port}" if ":" in host else f"{host}:{config.port}"
+    root_pem = Path(config.tls_cert).read_bytes() if config.tls_cert else None
+
+    def serving() -> bool:
+        from h3serve.common.server import is_serving  # grpc: imported once the ranks have started
+
+        return is_serving(address, root_pem=root_pem)
+    return serving
+
+
+class Group:
+    """The ranks' starts on one node: how each start ended, and whether to start again."""
+
+    def __init__(self, config: DiTConfig, argv: list[str], master: tuple[str, int], stop: StopSignals,
+                 ready: Callable[[], bool] | None = None, meminfo: str = MEMINFO) -> None:
+        self.config, self.argv, self.master, self.stop = config, argv, master, stop
+        self.ready = ready or rank0_serving(config)
+        self.memory = MemoryWatch(meminfo)
+        self.failures = RepeatedFailure()
+        self.served = False  # the current start has reached SERVING
+        self.last_exit = ""  # how the last start ended (logged; no status message carries it yet)
+
+    def run(self, on_started: Callable[[], None] = lambda: None) -> int:
+        """Start the group until a stop signal (0), a refusal (EXIT_REFUSED) or a failure it must not retry (1).
+        `on_started` runs after each start's ranks were spawned."""
+        restart = 0
+        while True:
+            log.info("starting the DiT group: %d rank(s), store on %s:%d%s", self.config.world_size, *self.master,
+                     f" (restart {restart} of {self.config.max_restarts})" if restart else "")
+            ranks = start_ranks(self.config, self.argv, restart, self.master, self.stop)
+            self.memory.sample_host()
+            on_started()
+            ended = self.first_exits(ranks)
+            if ended:
+                self.last_exit = "; ".join(f"rank {rank} (pid {ranks[rank].pid}) {e.text}" for rank, e in ended)
+                log.warning("DiT group: %s; stopping the other ranks", self.last_exit)
+            else:
+                log.info("signal %s: stopping the DiT group's %d rank(s)", signal.Signals(self.stop.signum).name,
+                         len(ranks))
+            stop_ranks(ranks)
+            if self.stop:
+                return 0
+            code = self.verdict(ranks, ended, restart)
+            if code is not None:
+                return code
+            restart += 1
+
+    def first_exits(self, ranks: list[subprocess.Popen]) -> list[tuple[int, Ending]]:
+        """Once a rank has exited, (rank, how it ended) for each exited rank; [] when a stop comes first. Meanwhile
+        the ranks' memory is sampled, and rank 0's health until it serves."""
+        self.served, probe_at = False, 0.0
+        while not self.stop:
+            ended = [(rank, self.memory.ending(p.pid, p.returncode, self.served))
+                     for rank, p in enumerate(ranks) if p.poll() is not None]
+            if ended:
+                return ended
+            self.memory.sample(p.pid for p in ranks)
+            if not self.served and time.monotonic() >= probe_at:
+                self.served, probe_at = self.ready(), time.monotonic() + PROBE_S
+            time.sleep(processes.POLL_S)
+        return []
+
+    def verdict(self, ranks: list[subprocess.Popen], ended: list[tuple[int, Ending]], restart: int) -> int | None:
+        """This process's exit code when the group must not start again; None to restart it."""
+        if any(rank.returncode == processes.EXIT_REFUSED for rank in ranks):
+            log.error("the DiT's configuration was refused (the reason is above: a setting, or its port in use): "
+                      "the DiT service exits")
+            return processes.EXIT_REFUSED
+        start_up_failure = any(ending.start_up_failure for _, ending in ended)
+        if self.failures.repeats(frozenset(ending.kind for _, ending in ended), start_up_failure):
+            log.error("stopped restarting: the same start-up failure twice: %s: the DiT service exits", self.last_exit)
+            return 1
+        if restart == self.config.max_restarts:
+            log.error("DiT group failed with no restart left (max_restarts = %d): the DiT service exits",
+                      self.config.max_restarts)
+            return 1
+        return None
+
+
 def supervise(encoded: str) -> int:
-    """Run the group until a stop signal (0) or a failure past `max_restarts` (1). `encoded`: the DiTConfig as
-    launch.py passes it, handed on to every rank unchanged."""
+    """Run the group until a stop signal (0), a refusal (EXIT_REFUSED) or a failure it must not retry (1).
+    `encoded`: the DiTConfig as launch.py passes it, handed on to every rank unchanged."""
     stop = StopSignals()
     logs.setup("dit")
     config = DiTConfig.model_validate_json(encoded)
     argv = [sys.executable, "-m", "h3serve.services.dit.rank", encoded]
     host = store_host(config.host)
     listener = listen(host)
-    port, store = listener.getsockname()[1], None
-    restart = 0
-    while True:
-        log.info("starting the DiT group: %d rank(s), store on %s:%d%s", config.world_size, host, port,
-                 f" (restart {restart} of {config.max_restarts})" if restart else "")
-        ranks = start_ranks(config, argv, restart, (host, port), stop)
-        store = store or open_store(listener, host, config.collective_timeout_s)  # while the ranks import torch
-        ended = first_exits(ranks, stop)
-        if ended:
-            log.warning("DiT group: %s; stopping the other ranks", "; ".join(ended))
-        else:
-            log.info("signal %s: stopping the DiT group's %d rank(s)", signal.Signals(stop.signum).name, len(ranks))
-        stop_ranks(ranks)
-        if stop:
-            return 0
-        if any(rank.returncode == processes.EXIT_REFUSED for rank in ranks):
-            log.error("the DiT's configuration was refused (the reason is above): the DiT service exits")
-            return 1
-        if restart == config.max_restarts:
-            log.error("DiT group failed with no restart left (max_restarts = %d): the DiT service exits",
-                      config.max_restarts)
-            return 1
-        restart += 1
+    master, store = (host, listener.getsockname()[1]), []
+
+    def open_store_once() -> None:  # after the first start's spawn: while the ranks import torch
+        if not store:
+            store.append(open_store(listener, host, config.collective_timeout_s))
+    return Group(config, argv, master, stop).run(open_store_once)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,84 @@
+"""One owner of a port and of a data directory: every gRPC server binds its port exclusively (no SO_REUSEPORT), so a
+second server on it is refused at start naming the address and the holder; a second gateway on one data_dir is
+refused naming the directory and the holder's pid; and a refusal (EXIT_REFUSED) is not restarted, neither by
+`h3serve up`'s watch nor by the DiT launcher. Real processes on loopback ports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import free_port, write_config
+from stand_ins import REFUSE, StandIns, counted, deployment, no_signals, starts
+
+from h3serve.cli.supervise import Watch
+from h3serve.common.config import DiTConfig
+from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, Refused, lock_directory, port_holders
+from h3serve.common.server import start_server
+from h3serve.services.dit.supervisor import Group
+
+CLI = [sys.executable, "-m", "h3serve.cli"]
+
+
+def test_who_listens_on_a_port_is_named_from_proc():
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        (holder,) = port_holders(port)
+        assert holder.startswith(f"pid {os.getpid()} (") and "python" in holder
+    assert port_holders(port) is None, "nothing listens on it any more"
+
+
+def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address_and_the_holder():
+    port = free_port()
+    server, _ = start_server(lambda s: None, [], f"127.0.0.1:{port}")
+    try:
+        second = subprocess.run([sys.executable, "-c", "from h3serve.common.server import start_server; "
+                                 f"start_server(lambda s: None, [], '127.0.0.1:{port}')"],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        server.stop(0)
+    assert second.returncode == EXIT_REFUSED, second.stderr
+    assert f"refused: cannot listen on 127.0.0.1:{port}: port {port} is in use by pid {os.getpid()} (" in second.stderr
+
+
+def test_a_data_directory_has_one_holder_for_as_long_as_it_holds_the_lock(tmp_path):
+    data_dir = str(tmp_path / "data")
+    first = lock_directory(data_dir)
+    with pytest.raises(Refused, match=rf"^{data_dir} is in use by pid {os.getpid()} \(.*\), which holds its lock"):
+        lock_directory(data_dir)
+    first.close()
+    lock_directory(data_dir).close()
+    assert (tmp_path / "data" / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+
+
+def test_a_second_gateway_on_a_data_dir_in_use_is_refused_naming_it_and_the_holder(tmp_path):
+    data_dir = tmp_path / "gateway"
+    config = write_config(tmp_path / "deploy.toml", "", data_dir, dict(encoder=1, dit=2, vae=3, gateway=free_port()))
+    with lock_directory(str(data_dir)):  # as a first gateway holds it
+        second = subprocess.run([*CLI, "serve", "gateway", "--config", str(config)], capture_output=True, text=True,
+                                timeout=120)
+    assert second.returncode == EXIT_REFUSED, second.stderr
+    assert f"refused: [gateway] data_dir {data_dir} is in use by pid {os.getpid()} (" in second.stderr
+
+
+def test_up_does_not_restart_a_refusal(tmp_path):
+    group = StandIns(deployment(tmp_path, free_port(), max_restarts=5), {"vae": counted(tmp_path / "starts", REFUSE)})
+    group.start()
+    try:
+        reason = Watch(group, no_signals()).run(lambda: None)
+    finally:
+        group.stop()
+    assert reason == "vae refused to start (exit code 78): not restarting it (the reason is in its output above)"
+    assert starts(tmp_path / "starts") == 1
+
+
+def test_the_dit_launcher_does_not_restart_a_refusal_and_exits_refused(tmp_path, caplog):
+    config = DiTConfig(world_size=1, port=free_port(), max_restarts=5)
+    group = Group(config, counted(tmp_path / "starts", REFUSE), ("127.0.0.1", free_port()), no_signals())
+    with caplog.at_level(logging.INFO, logger="h3serve.dit.supervisor"):
+        assert group.run() == EXIT_REFUSED
+    assert starts(tmp_path / "starts") == 1 and "configuration was refused" in caplog.text
