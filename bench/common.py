@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,111 @@ def gpu_peak(every_s: float = 0.5):
         done.set()
         sampler.join()
         peaks.extend(h - s for h, s in zip(highest, start))
+
+
+@dataclass(frozen=True)
+class ProcMemory:
+    """A process's resident memory by kind (kB), from /proc/<pid>/status."""
+
+    anon_kib: int   # RssAnon: heap, tensors in host memory, pinned buffers
+    file_kib: int   # RssFile: mapped file pages (safetensors, libraries): page cache, reclaimable
+    shmem_kib: int  # RssShmem: shared memory (tmpfs, /dev/shm, CUDA IPC), as unreclaimable as anon
+
+    @property
+    def private_kib(self) -> int:
+        """What the kernel cannot drop: the OOM killer's anon-rss (RssAnon + RssShmem)."""
+        return self.anon_kib + self.shmem_kib
+
+
+def parse_status(text: str) -> ProcMemory | None:
+    """/proc/<pid>/status's Rss lines; None without all three (a torn read, a kernel thread, a zombie)."""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return ProcMemory(*(int(fields[key].split()[0]) for key in ("RssAnon", "RssFile", "RssShmem")))
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+def parse_meminfo(text: str) -> int | None:
+    """The system's used memory (kB) from /proc/meminfo: MemTotal - MemAvailable; None on a torn read."""
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])
+    except (KeyError, IndexError, ValueError):
+        return None
+
+
+def _read(path: str) -> str | None:
+    """A /proc file's text; None once its process is gone (listed a moment ago, vanished since)."""
+    try:
+        with open(path) as file:
+            return file.read()
+    except OSError:  # FileNotFoundError, and ProcessLookupError (ESRCH) from a process exiting mid-read
+        return None
+
+
+def process_tree(roots: Iterable[int], proc: str = "/proc") -> set[int]:
+    """`roots` and every descendant, from each thread's children file (a thread's children are listed there)."""
+    found, pending = set(), list(roots)
+    while pending:
+        pid = pending.pop()
+        if pid in found:
+            continue
+        found.add(pid)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"{proc}/{pid}/task"):
+                pending += [int(child) for child in (_read(f"{proc}/{pid}/task/{task}/children") or "").split()]
+    return found
+
+
+def tree_memory(roots: Iterable[int], proc: str = "/proc") -> ProcMemory:
+    """The memory of every process in the trees of `roots` together; a process gone or torn meanwhile counts 0."""
+    each = [parse_status(_read(f"{proc}/{pid}/status") or "") for pid in process_tree(roots, proc)]
+    each = [memory for memory in each if memory]
+    return ProcMemory(*(sum(getattr(m, key) for m in each) for key in ("anon_kib", "file_kib", "shmem_kib")))
+
+
+@dataclass
+class HostPeak:
+    """The most host memory the sampled processes held together (GiB); each peak on its own (they need not
+    coincide). `samples` counts the readings taken, so a test can wait for one."""
+
+    private_gib: float = 0.0  # RssAnon + RssShmem: what the OOM killer counts
+    file_gib: float = 0.0     # RssFile: mapped file pages, page cache the kernel can drop under pressure
+    used_gib: float = 0.0     # the whole system's MemTotal - MemAvailable, less what it was at the start
+    samples: int = 0
+
+    def describe(self) -> str:
+        return (f"host {self.private_gib:.1f} GiB private (+{self.file_gib:.1f} mapped files), "
+                f"system used +{self.used_gib:.1f} GiB")
+
+
+@contextlib.contextmanager
+def host_peak(roots: Callable[[], Iterable[int]], every_s: float = 0.5, proc: str = "/proc"):
+    """Around a part of a bench that starts processes: yields a HostPeak of the process trees of `roots()` (asked at
+    every sample, so processes started after the part began are counted: their start-up too), read every
+    `every_s` from /proc; the peaks are filled as it goes and final once the part ends."""
+    peak, done = HostPeak(), threading.Event()
+    start_used = parse_meminfo(_read(f"{proc}/meminfo") or "")
+
+    def sample() -> None:
+        while True:
+            memory, used = tree_memory(roots(), proc), parse_meminfo(_read(f"{proc}/meminfo") or "")
+            peak.private_gib = max(peak.private_gib, memory.private_kib / 2**20)
+            peak.file_gib = max(peak.file_gib, memory.file_kib / 2**20)
+            if used is not None and start_used is not None:
+                peak.used_gib = max(peak.used_gib, (used - start_used) / 2**20)
+            peak.samples += 1
+            if done.wait(every_s):
+                return
+
+    sampler = threading.Thread(target=sample, name="host-peak", daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
 
 
 @contextlib.contextmanager

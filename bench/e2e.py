@@ -81,6 +81,7 @@ import functools
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import statistics
 import sys
@@ -94,7 +95,7 @@ import grpc
 import numpy as np
 import torch
 
-from bench.common import Size, device_label, gpu_peak, leaves_gpu_empty, software
+from bench.common import HostPeak, Size, device_label, gpu_peak, host_peak, leaves_gpu_empty, software
 from bench.deployment import free_port, profile_deployment
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
@@ -136,7 +137,8 @@ class Run:
 @dataclass(frozen=True)
 class Side:
     """The median over repeats of one side at one size, and its device memory: in process, in use after its runs;
-    through the services, the most in use while they ran (all processes, sampled), where nvidia-smi is."""
+    through the services, the most in use while they ran (all processes, sampled), where nvidia-smi is. Host
+    memory: the most its processes held from their start to the last request (sampled, bench/common.py host_peak)."""
 
     seconds: float
     stages: dict[str, float]
@@ -146,6 +148,9 @@ class Side:
     rank_peaks_gib: list[float] = field(default_factory=list)  # services: each DiT rank's peak, last request
     ready_s: float = 0.0             # start to ready: the pipeline loaded / the services healthy (SERVING)
     first_s: float = 0.0             # --warm-start: the first request after SERVING, with no warm-up request
+    host_peak_gib: float = 0.0       # private host memory (RssAnon + RssShmem), all the side's processes together
+    host_file_gib: float = 0.0       # mapped file pages (RssFile): page cache, reclaimable
+    host_used_gib: float = 0.0       # the system's used memory (MemTotal - MemAvailable) over its value at the start
 
     @classmethod
     def of(cls, runs: list[Run], used_gib: float, rank_peaks_gib: list[float] | None = None, ready_s: float = 0.0,
@@ -153,6 +158,16 @@ class Side:
         stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
         return cls(statistics.median(r.seconds for r in runs), stages, statistics.median(r.transport for r in runs),
                    runs[-1].digest, used_gib, rank_peaks_gib or [], ready_s, first_s)
+
+    def with_host(self, host: HostPeak) -> "Side":
+        return replace(self, host_peak_gib=round(host.private_gib, 2), host_file_gib=round(host.file_gib, 2),
+                       host_used_gib=round(host.used_gib, 2))
+
+    def host_text(self) -> str:
+        """Its host peaks as the table prints them; "" for a side saved before they were sampled."""
+        if not self.host_peak_gib:
+            return ""
+        return HostPeak(self.host_peak_gib, self.host_file_gib, self.host_used_gib).describe()
 
 
 @dataclass(frozen=True)
@@ -199,6 +214,13 @@ def in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Si
 
 
 def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+    # sampled in the child itself, from before the pipeline loads: its own peak, as the services' is theirs
+    with host_peak(lambda: [os.getpid()]) as host:
+        sides = _pipeline_sides(sizes, args, device, out)
+    return {size: side.with_host(host) for size, side in sides.items()}
+
+
+def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
     started = time.perf_counter()
     pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
     if args.adapter_file:  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
@@ -369,9 +391,13 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     from h3serve.client import GatewayClient
 
     config, place = load_deploy(config_path), placement(args, device)
+    group = ServiceGroup(config, str(config_path), log_dir=str(work))
     started = time.perf_counter()
     try:
-        with leaves_gpu_empty(), gpu_peak() as peak_mib, ServiceGroup(config, str(config_path), log_dir=str(work)):
+        # the host sampler asks for the services' pids at every sample: it starts before they do, so their start-up
+        # (loading, --warm-start's compile) is in the peak
+        with (leaves_gpu_empty(), gpu_peak() as peak_mib,
+              host_peak(lambda: [service.process.pid for service in group.running]) as host, group):
             ready_s = time.perf_counter() - started
             print(f"services healthy in {ready_s:.1f} s; DiT {dit_group(config, place)}", flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
@@ -394,11 +420,14 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     except BaseException:
         print_logs(work)
         raise
+    sides = {size: side.with_host(host) for size, side in sides.items()}
     if not peak_mib:
+        print(f"services: at most {host.describe()} while they started and ran, all processes together", flush=True)
         return sides
     peak = round(max(peak_mib) / 1024, 2)
     print(f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
-          + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else ""), flush=True)
+          + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else "")
+          + f"; {host.describe()}", flush=True)
     return {size: replace(side, used_gib=peak) for size, side in sides.items()}
 
 
@@ -470,7 +499,8 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
                                                                           base.ready_s)]
     common = dict(
         device=device_label(device, place.gpus), world_size=place.world_size, dtype=args.dtype,
-        peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, command=command,
+        peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, host_peak_gib=ours.host_peak_gib,
+        host_file_gib=ours.host_file_gib, host_used_gib=ours.host_used_gib, command=command,
         date=datetime.date.today().isoformat(), software=software(),
         variant=(f"gRPC services, deployment {args.deploy} as shipped" if args.deploy else
                  f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}")
@@ -488,12 +518,12 @@ def adapted(args) -> str:
 
 def print_table(comparisons: list[Comparison]) -> None:
     print(f"{'size':16} {'':12} {'e2e s':>8} " + " ".join(f"{s:>8}" for s in (*STAGES, "transport"))
-          + f" {'GiB used':>9}")
+          + f" {'GiB used':>9}  host memory at most")
     for c in comparisons:
         for label, side in (("in process", c.in_process), ("services", c.served)):
             print(f"{str(c.size):16} {label:12} {side.seconds:8.3f} "
                   + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES) + f" {side.transport:8.3f}"
-                  + f" {side.used_gib:9.2f}")
+                  + f" {side.used_gib:9.2f}  {side.host_text()}")
         print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
               f"(in process / services; same MP4: {c.same_output}; {c.media.describe()}; {c.frames.describe()})")
         if c.served.first_s:

@@ -32,6 +32,12 @@ class Record:
     rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
     tflops: float | None = None           # achieved rate from the counted FLOPs (bench/flops.py)
     ceiling_tflops: float | None = None   # the device's matmul rate, measured in the same run
+    # Host memory, the most its processes held together from their start on (None: not sampled; bench/common.py
+    # host_peak): private (RssAnon + RssShmem, what the OOM killer counts), mapped file pages (RssFile, page cache),
+    # the system's used memory (MemTotal - MemAvailable) over its value at the start.
+    host_peak_gib: float | None = None
+    host_file_gib: float | None = None
+    host_used_gib: float | None = None
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -43,8 +49,8 @@ Every row was produced by the command in its row, with the in-process diffusers 
 in the same run (ratio = baseline seconds / our seconds; above 1 means faster than diffusers).
 Generated from `bench/results.json` by the benchmark scripts; do not edit by hand.
 
-| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | TFLOP/s (% of matmul ceiling) | err vs fp32 (bf16 eager) | software | command |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | host GiB private (+ mapped files; system used) | TFLOP/s (% of matmul ceiling) | err vs fp32 (bf16 eager) | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 
@@ -57,8 +63,8 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
     path.write_text(json.dumps([asdict(r) for r in merged], indent=1) + "\n")
     rows = "".join(
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
-        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_rate(r)} | {accuracy(r)} | {r.software} | "
-        f"`{r.command}` |\n"
+        f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_host(r)} | {_rate(r)} | {accuracy(r)} | "
+        f"{r.software} | `{r.command}` |\n"
         for r in merged)
     Path(markdown_path).write_text(HEADER + rows)
 
@@ -67,6 +73,12 @@ def _peak(record: Record) -> str:
     if len(record.rank_peaks_gib) > 1:
         return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
     return f"{record.peak_gib:.1f}"
+
+
+def _host(record: Record) -> str:
+    if record.host_peak_gib is None:
+        return ""
+    return f"{record.host_peak_gib:.1f} (+{record.host_file_gib:.1f}; system +{record.host_used_gib:.1f})"
 
 
 def _rate(record: Record) -> str:

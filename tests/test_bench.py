@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from bench import common, dit_step
@@ -44,6 +45,10 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     from bench import e2e
 
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
+    old = {"name": "e2e_old", "device": "cpu", "world_size": 1, "dtype": "float32", "seconds": 1.0,
+           "baseline_seconds": 1.0, "ratio": 1.0, "peak_gib": 0.0, "command": "c", "date": "2026-01-01",
+           "variant": "v", "baseline": "b", "software": "s"}  # written before host memory was sampled
+    results.write_text(json.dumps([old]))
     [comparison] = e2e.main(["--quick", "--repeats", "1", "--out", str(tmp_path / "run"), "--write",
                              "--results", str(results), "--markdown", str(markdown)])
     # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte,
@@ -54,14 +59,23 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     assert all(served.stages[s] > 0 and in_process.stages[s] > 0 for s in e2e.STAGES)
     # The client's time spans every stage the gateway recorded for the job, plus the transport between them.
     assert served.transport > 0
-    records = json.loads(results.read_text())
+    # Host memory from the start on: the services' four processes, the pipeline's child; each a python with torch
+    # and the tiny model (over 100 MiB private), the files it maps apart
+    assert served.host_peak_gib > in_process.host_peak_gib > 0.1
+    assert served.host_file_gib > 0 and in_process.host_file_gib > 0
+    old_row, *records = json.loads(results.read_text())
+    assert old_row["name"] == "e2e_old" and old_row["host_peak_gib"] is None
     name = "e2e_32x64x124_4steps"
     assert [r["name"] for r in records] == [name, *(f"{name}_{s}" for s in (*e2e.STAGES, "transport"))]
+    assert all((r["host_peak_gib"], r["host_file_gib"], r["host_used_gib"])
+               == (served.host_peak_gib, served.host_file_gib, served.host_used_gib) for r in records)
     total = records[0]
     assert (total["seconds"], total["baseline_seconds"]) == (served.seconds, in_process.seconds)
     assert total["ratio"] == in_process.seconds / served.seconds
     assert [r["seconds"] for r in records[1:5]] == [served.stages[s] for s in e2e.STAGES]
     assert f"| {name} | cpu | float32 |" in markdown.read_text()
+    assert f"| {served.host_peak_gib:.1f} (+{served.host_file_gib:.1f}; system +" in markdown.read_text()
+    assert "| 0.0 |  |" in markdown.read_text(), "the old row: peak GiB, then no host memory"
     assert {p.name for p in (tmp_path / "run").glob("*.mp4")} == {"in-process-32x64x124.mp4", "served-32x64x124.mp4"}
     assert {p.name for p in (tmp_path / "run").glob("*.npz")} == {"in-process-32x64x124.npz", "served-32x64x124.npz"}
 
@@ -83,6 +97,16 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
     both = {Size(32, 64, 124): side, Size(64, 32, 124): side}
     e2e.save_baseline(path, args, both)
     assert e2e.load_baseline(path, args) == (both, args.command)
+    sampled = {size: replace(side, host_peak_gib=40.5, host_file_gib=38.0, host_used_gib=80.1) for size in both}
+    e2e.save_baseline(tmp_path / "sampled.json", args, sampled)
+    assert e2e.load_baseline(tmp_path / "sampled.json", args) == (sampled, args.command)
+    assert sampled[Size(32, 64, 124)].host_text() == "host 40.5 GiB private (+38.0 mapped files), system used +80.1 GiB"
+    saved = json.loads(path.read_text())  # as saved before host memory was sampled: loads, prints nothing
+    for each in saved["sides"].values():
+        del each["host_peak_gib"], each["host_file_gib"], each["host_used_gib"]
+    (tmp_path / "unsampled.json").write_text(json.dumps(saved))
+    assert e2e.load_baseline(tmp_path / "unsampled.json", args) == (both, args.command)
+    assert side.host_text() == ""
     args.sizes = "64x32x124"  # one of its sizes: a call per size when device time is short
     assert e2e.load_baseline(path, args) == (both, args.command)
     args.sizes = "64x64x124"
