@@ -102,3 +102,27 @@ def stack(tmp_path_factory, tiny_model_dir):
     group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
     with group:
         yield Stack(config_path, group, tiny_model_dir, ports)
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """torchao refuses fp8 on a CPU only by a hardware check; its fp8 linear runs here."""
+    from torchao.quantization import quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[list[str]]:
+    """The component names each DiT start loads (or builds) through the model source."""
+    from h3serve.services.dit import rank
+
+    calls: list[list[str]] = []
+    load_model_service = rank.load_model_service
+
+    def recording(service, names, config):
+        calls.append(list(names))
+        return load_model_service(service, names, config)
+
+    monkeypatch.setattr(rank, "load_model_service", recording)
+    return calls

@@ -119,7 +119,7 @@ def test_the_cache_is_keyed_by_variant_through_the_real_services(reference):
     ({"spread": True, "device": "cuda"}, "at least 2 visible CUDA devices"),
     ({"cpu_offload": True}, ('cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: '
                              'it needs device = "cuda"')),
-    ({"cpu_offload": True, "quantize": "int8", "device": "cuda"}, 'cpu_offload = true and quantize = "int8" do not go'),
+    ({"cpu_offload": True, "quantize": "nf4", "device": "cuda"}, 'cpu_offload = true and quantize = "nf4" do not go'),
 ])
 def test_placements_that_cannot_work_here_are_refused_at_start(monkeypatch, settings, needle):
     if torch.cuda.device_count() >= 2 and settings.get("spread") and settings.get("device") == "cuda":
@@ -175,6 +175,47 @@ def test_streamed_offload_groups_each_layer_holds_the_weights_once_and_keeps_the
     assert torch.equal(fl2va_embeds(encoder, text_parts), vision_reference)
     assert vision_reference.shape[1] > reference.shape[1]  # the vision block's rows are in
     assert in_arenas([*encoder.model.parameters(), *encoder.model.buffers()], arenas), "no second copy"
+
+
+def test_int8_quantized_layer_by_layer_for_the_offload_holds_int8_in_the_arenas_and_embeds_as_int8_does(text_parts):
+    """int8 with cpu_offload: each decoder layer quantized on the device and brought back (here the CPU is both), then
+    streamed from the arenas: the embeddings of the int8 encoder quantized whole, and only int8 data in host memory
+    for the layers' linears."""
+    resident = tiny.build_component("text_encoder")
+    placement.quantize_in_place(resident, "int8", torch.float32, torch.device("cpu"))
+    expected = embed(resident, text_parts)
+    encoder = tiny.build_component("text_encoder")
+    placement.quantize_through(encoder, "int8", torch.device("cpu"))
+    arenas = placement.offload_to_host(encoder, torch.device("cpu"), use_stream=False)
+    assert torch.equal(embed(encoder, text_parts), expected)
+    weights = [m.weight for name, m in encoder.named_modules() if placement.is_target(m, name)]
+    assert weights and all(w.qdata.dtype == torch.int8 for w in weights)
+    assert in_arenas([w.qdata for w in weights], arenas), "the int8 data is what the arenas hold"
+
+
+class StateWeights:
+    """A `sharded_load.Weights` reading a loaded model's values (as random:full's draws them), by name."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.state = model.state_dict()
+
+    def fill(self, name: str, rows) -> None:
+        rows.tensor.copy_(self.state[name])
+
+
+def test_a_skeleton_built_layer_by_layer_gives_the_encoder_loaded_whole(text_parts):
+    """random:full's encoder with int8 + cpu_offload is never whole in bf16: each decoder layer is filled on the
+    device, quantized and brought back, then the rest; the embeddings are the ones of the model loaded whole."""
+    from h3serve.runtime import random_full
+
+    loaded = tiny.build_component("text_encoder")
+    expected_model = tiny.build_component("text_encoder")
+    placement.quantize_through(expected_model, "int8", torch.device("cpu"))
+    skeleton = random_full.skeleton(lambda: tiny.build_component("text_encoder"), torch.float32)
+    assert all(p.is_meta for p in skeleton.parameters())
+    placement.quantize_through(skeleton, "int8", torch.device("cpu"), StateWeights(loaded))
+    assert not any(p.is_meta for p in skeleton.parameters())
+    assert torch.equal(embed(skeleton, text_parts), embed(expected_model, text_parts))
 
 
 def test_spread_map_keeps_decoder_layers_whole_and_balances():

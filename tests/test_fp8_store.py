@@ -26,27 +26,6 @@ CPU, ONE_RANK = torch.device("cpu"), parallel.Layout(world_size=1, ulysses_degre
 TOKENS = 12
 
 
-@pytest.fixture
-def fp8_on_cpu(monkeypatch):
-    from torchao.quantization import quant_api
-
-    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
-
-
-@pytest.fixture
-def loads(monkeypatch) -> list[list[str]]:
-    """The component names each start loads (or builds) through the model source."""
-    calls: list[list[str]] = []
-
-    def recording(service, names, config):
-        calls.append(list(names))
-        return load_model_service(service, names, config)
-
-    load_model_service = rank.load_model_service
-    monkeypatch.setattr(rank, "load_model_service", recording)
-    return calls
-
-
 def start(model_dir, cache_dir) -> torch.nn.Module:
     config = DiTConfig(model_dir=str(model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(cache_dir),
                        workflows=("t2va",))
@@ -87,8 +66,11 @@ def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cp
     first = start(tiny_model_dir, tmp_path)
     quantised = [name for name, module in first.named_modules() if pinned.parts(getattr(module, "weight", None))]
     assert quantised and all(name.startswith("transformer_blocks.") for name in quantised)
-    saved = list(tmp_path.glob("transformer-fp8-*.pt"))
+    saved = list(tmp_path.glob("transformer-fp8-*"))
     assert len(saved) == 1 and not list(tmp_path.glob("*.partial-*"))
+    blocks = len(first.transformer_blocks)
+    assert sorted(f.name for f in saved[0].iterdir()) == sorted(
+        ["rest.pt", *(f"transformer_blocks.{i}.pt" for i in range(blocks))]), "a file per block, one for the rest"
 
     second = start(tiny_model_dir, tmp_path)
     assert loads == [["transformer", "scheduler", "audio_scheduler"], ["scheduler", "audio_scheduler"]], \
@@ -101,8 +83,9 @@ def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cp
 def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, loads, tiny_model_dir, tmp_path,
                                                                    caplog):
     expected = fp8_state(start(tiny_model_dir, tmp_path))
-    (saved,) = tmp_path.glob("transformer-fp8-*.pt")
-    saved.write_bytes(saved.read_bytes()[: saved.stat().st_size // 2])  # a truncated file
+    (saved,) = tmp_path.glob("transformer-fp8-*")
+    block = saved / "transformer_blocks.1.pt"
+    block.write_bytes(block.read_bytes()[: block.stat().st_size // 2])  # a truncated file
     with caplog.at_level(logging.WARNING, logger="h3serve.fp8_store"):
         again = start(tiny_model_dir, tmp_path)
     assert "does not load" in caplog.text and "quantising again" in caplog.text
@@ -126,10 +109,10 @@ def test_the_start_goes_on_while_the_served_weights_are_written(fp8_on_cpu, load
     config = DiTConfig(model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path),
                        workflows=("t2va",))
     first = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])[0]["transformer"]
-    assert not list(tmp_path.glob("transformer-fp8-*.pt")) and not fp8_store.wait_for_saves(timeout_s=0)
+    assert not list(tmp_path.glob("transformer-fp8-????????????????")) and not fp8_store.wait_for_saves(timeout_s=0)
     release.set()
     assert fp8_store.wait_for_saves(timeout_s=120)
-    assert len(list(tmp_path.glob("transformer-fp8-*.pt"))) == 1 and not list(tmp_path.glob("*.partial-*"))
+    assert len(list(tmp_path.glob("transformer-fp8-*"))) == 1 and not list(tmp_path.glob("*.partial-*"))
     assert_same(fp8_state(start(tiny_model_dir, tmp_path)), fp8_state(first))
     assert loads[-1] == ["scheduler", "audio_scheduler"]
 
@@ -145,7 +128,7 @@ def test_a_background_save_copies_from_the_gpu_what_the_stream_queued_before_it(
     store = fp8_store.Fp8Store(tmp_path, "rev", torch.bfloat16)
     store.save_later("transformer", module)
     assert fp8_store.wait_for_saves(timeout_s=120)
-    saved = torch.load(store.path("transformer"), weights_only=True)
+    saved = torch.load(store.path("transformer") / "rest.pt", weights_only=True)
     assert torch.equal(saved["weight"], module.weight.cpu()) and torch.equal(saved["bias"], module.bias.cpu())
 
 
@@ -178,16 +161,17 @@ def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
     stale = path.with_name(f"{path.name}.partial-{int(dead.stdout)}")
     live = path.with_name(f"{path.name}.partial-{os.getppid()}")
     for partial in (stale, live):
-        partial.write_bytes(b"half a file")
+        partial.mkdir()
+        (partial / "transformer_blocks.0.pt").write_bytes(b"half a file")
     assert fp8_store.saves_in_flight(tmp_path) == [live]  # what the e2e bench waits for before it stops the DiT
     store.save("transformer", torch.nn.Linear(2, 2))
-    assert path.is_file() and not stale.exists() and live.exists()
+    assert (path / "rest.pt").is_file() and not stale.exists() and live.exists()
 
 
 @pytest.mark.parametrize("settings, reason", [
     (dict(fp8_cache_dir="var/fp8"), "it needs fp8 = true"),
-    (dict(fp8=True, dtype="bfloat16", fp8_cache_dir="var/fp8", adapters={"a": "a.safetensors"}),
-     "adapters are installed before quantisation"),
+    (dict(fp8=True, dtype="bfloat16", fp8_cache_dir="var/fp8", adapters={"a": "a.safetensors"},
+          adapter_mode="fused"), "a fused adapter is merged into the weights before quantisation"),
 ])
 def test_fp8_cache_dir_is_refused_where_it_would_do_nothing_or_the_wrong_thing(settings, reason, tmp_path,
                                                                               monkeypatch):

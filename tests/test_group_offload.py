@@ -89,7 +89,7 @@ def test_weights_pack_into_arenas_with_their_values_shapes_and_strides(monkeypat
         values, stride = before[name]
         assert torch.equal(tensor, values) and tensor.stride() == stride, name
         storages.add(tensor.untyped_storage().data_ptr())
-    spans = [-(-pinned._span_bytes(values) // pinned.ALIGN) * pinned.ALIGN for values, _ in before.values()]
+    spans = [-(-pinned.span_bytes(values) // pinned.ALIGN) * pinned.ALIGN for values, _ in before.values()]
     assert sum(spans) > 2 * pinned.ARENA_BYTES, "the test packs several arenas"
     assert len(storages) == arenas.count <= sum(spans) // pinned.ARENA_BYTES + 2, "a few full arenas, no copies"
 

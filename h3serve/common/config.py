@@ -257,13 +257,16 @@ class DiTConfig(ModelServiceConfig):
     adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False       # fsdp = true: parameters live in host memory, each block's gathered to the GPU
     # fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
-    # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model)
+    # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
+    # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See README "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
     warmup_steps: Steps = 3          # num_inference_steps of each warm-up run: 3 runs both forward variants
-    offload: Literal["none", "group"] = "none"  # one rank: diffusers' block-level group offload, CUDA-stream prefetch
+    # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
+    # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
+    offload: Literal["none", "group"] = "none"
 
     @field_validator("dtype")
     @classmethod
@@ -296,9 +299,10 @@ class DiTConfig(ModelServiceConfig):
     def _fp8_to_cache(cls, directory: str, info: ValidationInfo) -> str:
         if directory and not info.data.get("fp8"):
             raise ValueError("fp8_cache_dir keeps the fp8-quantised weights: it needs fp8 = true")
-        if directory and info.data.get("adapters"):
-            raise ValueError("fp8_cache_dir holds the transformer quantised without adapters, and adapters are "
-                             "installed before quantisation: serve adapters with fp8_cache_dir = \"\"")
+        if directory and info.data.get("adapters") and info.data.get("adapter_mode") == "fused":
+            raise ValueError("fp8_cache_dir holds the transformer quantised without adapters, and a fused adapter is "
+                             "merged into the weights before quantisation: use adapter_mode = \"unfused\" (adapters "
+                             "over the cached fp8 weights) or fp8_cache_dir = \"\"")
         return directory
 
     @field_validator("offload")

@@ -124,10 +124,9 @@ def set_attention(model: torch.nn.Module, backend: str) -> None:
         model.set_attention_backend(backend)
 
 
-def quantize_fp8(transformer: torch.nn.Module) -> None:
-    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`) on the device its weights are on.
-    With group offload that is host memory: about 47 s for the released transformer, no slower than moving each block
-    to the GPU and back to quantise it there (48.9 s on one H200 machine)."""
+def quantize_fp8(transformer: torch.nn.Module, prefix: str = "") -> None:
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`) on the device its weights are on;
+    `prefix` is the name of `transformer` in the whole model when it is a part of it (one block: fp8_store.build)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
@@ -135,7 +134,7 @@ def quantize_fp8(transformer: torch.nn.Module) -> None:
 
     # set_inductor_config: torchao would turn on Inductor's coordinate-descent tuning process-wide (`compile_tuning`)
     config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    quantize_(transformer, config, filter_fn=fp8_target)
+    quantize_(transformer, config, filter_fn=lambda module, name: fp8_target(module, prefix + name))
 
 
 def fp8_target(module: torch.nn.Module, name: str) -> bool:

@@ -2,18 +2,26 @@
 
 With `fp8 = true` a start loads (or, for `random:full`, builds) the bf16 transformer and then quantises its block
 linears: 65.5 s and 42 s of the 32 GB profile's 214.8 s start on one H200 (BENCHMARKS.md). A restart did both again
-for the same result. The first start with a cache directory saves each quantised partition's state (`torch.save`:
-torchao's fp8 tensors load with `weights_only`); a later start builds the module on the meta device and assigns the
-saved tensors, memory-mapped, so the bf16 weights are never read and nothing is quantised again.
+for the same result. The first start with a cache directory saves each quantised partition; a later start builds the
+module on the meta device and assigns the saved tensors, memory-mapped, so the bf16 weights are never read and
+nothing is quantised again.
 
-The file's key names everything its tensors depend on: the weights (`ModelSource.revision`), the partition, the
-dtype, the quantisation recipe and the torch and torchao versions; another of any is another file. A file that does
-not load (truncated, or written by an incompatible torchao) is deleted with a warning and the weights quantised and
-saved again; a save that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
+A partition is a directory of one `torch.save` file per transformer block and one for the rest (`rest.pt`;
+torchao's fp8 tensors load with `weights_only`), so that nothing about a partition needs more host memory than one
+block: `build` quantises block by block on the GPU straight from the model source into the files (the 32 GB
+profile's start never holds the 61.7 GiB of bf16 weights), and group offload streams each block from its
+memory-mapped file (h3serve/runtime/weight_stream.py). The directory is written aside and renamed when complete, so a
+process killed while writing leaves nothing a later start takes for whole; a later save deletes what dead ones left.
 
-Writing the file took 69.9 s of a 137.5 s cold start on one H200 (44 GiB; README "Warm start"), so a served module's
-weights are written in the background (`save_later`) while the start goes on to warm up and serve: the tensors
-written are the ones served, which nothing changes, so the save holds no second copy of them.
+The key names everything the tensors depend on: the weights (`ModelSource.revision`), the partition, the dtype, the
+quantisation recipe, the torch and torchao versions. Not the adapters: they are installed over the quantised base
+as unmerged low-rank branches (h3serve/services/dit/adapters.py), so one cache serves every adapter set. A partition
+that does not load (a truncated file, an incompatible torchao) is deleted with a warning and quantised again; a save
+that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
+
+Writing took 69.9 s of a 137.5 s cold start of a resident transformer on one H200 (44 GiB; README "Warm start"), so
+weights that are served from the GPU are written in the background (`save_later`): the tensors written are the ones
+served, which nothing changes, so the save holds no second copy of them.
 """
 
 from __future__ import annotations
@@ -22,20 +30,31 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from h3serve.common.errors import describe
-from h3serve.runtime import random_full
+from h3serve.runtime import random_full, sharded_load
 
 log = logging.getLogger("h3serve.fp8_store")
-# what `fastpath.quantize_fp8` does; change it whenever that does, so no start assigns weights quantised otherwise
-RECIPE = "torchao Float8DynamicActivationFloat8WeightConfig PerRow on fastpath.fp8_target, v1"
+# what `fastpath.quantize_fp8` does and how it is laid out on disk; change it whenever either changes, so no start
+# assigns weights quantised or stored otherwise
+RECIPE = "torchao Float8DynamicActivationFloat8WeightConfig PerRow on fastpath.fp8_target, a file per block, v2"
+BLOCKS = "transformer_blocks"  # the module list whose blocks get a file each (and stream one by one)
+REST = "rest"                  # the file of everything else
+
+
+def group_of(name: str) -> str:
+    """The file a state-dict entry lives in: `transformer_blocks.<i>` for a block's, `rest` for all others."""
+    head, _, tail = name.partition(".")
+    return f"{head}.{tail.partition('.')[0]}" if head == BLOCKS else REST
 
 
 @dataclass(frozen=True)
@@ -45,34 +64,49 @@ class Fp8Store:
     dtype: torch.dtype  # of the rest of the model (fp8 quantises bf16 weights)
 
     def path(self, partition: str) -> Path:
+        """The partition's directory: a file per block group (`group_of`)."""
         import torchao
 
         identity = "|".join((self.revision, partition, str(self.dtype), RECIPE, torch.__version__, torchao.__version__))
-        return self.directory / f"{partition}-fp8-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.pt"
+        return self.directory / f"{partition}-fp8-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
 
     def load(self, partition: str, factory: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
         """The partition with its saved fp8 weights (memory-mapped host tensors), or None if none is saved."""
         path = self.path(partition)
-        if not path.is_file():
+        if not (path / f"{REST}.pt").is_file():
             log.info("%s: no fp8 weights saved in %s: quantising, then saving them", partition, self.directory)
             return None
         started = time.perf_counter()
         try:
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            state: dict[str, torch.Tensor] = {}
+            for file in sorted(path.glob("*.pt")):
+                state.update(torch.load(file, map_location="cpu", mmap=True, weights_only=True))
             model = random_full.skeleton(factory, self.dtype).requires_grad_(False)
             model.load_state_dict(state, strict=True, assign=True)
-        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the file, quantising again is the way on
+        except Exception as exc:  # noqa: BLE001 - whatever is wrong with the files, quantising again is the way on
             log.warning("%s: %s does not load (%s): deleted, quantising again", partition, path,
                         describe(exc, lines=1))
-            path.unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
             return None
-        log.info("%s: fp8 weights assigned from %s (%.1f GiB) in %.1f s", partition, path,
-                 path.stat().st_size / 2**30, time.perf_counter() - started)
+        log.info("%s: fp8 weights assigned from %s (%.1f GiB) in %.1f s", partition, path, _size_gib(path),
+                 time.perf_counter() - started)
         return model
+
+    def build(self, partition: str, weights: sharded_load.Weights, device: torch.device,
+              quantize: Callable[[torch.nn.Module, str], None]) -> None:
+        """Quantise the partition block by block from `weights` into its files: each block is filled on `device`
+        (a GPU: fast, and no host memory), quantised there by `quantize(module, name prefix)`, and written by a
+        writer thread while the next block is filled. Host memory holds at most two blocks' fp8 tensors."""
+        model = random_full.skeleton(weights.factory, self.dtype).requires_grad_(False)
+        started = time.perf_counter()
+        self._write(partition, _quantised_groups(model, weights, device, quantize), "block by block")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the blocks passed through the allocator's cache: the card is shared
+        log.info("%s: quantised from %s in %.1f s", partition, weights.label, time.perf_counter() - started)
 
     def save(self, partition: str, model: torch.nn.Module) -> None:
         """Save the quantised partition under its key, now."""
-        self._write(partition, model.state_dict())
+        self._write(partition, _groups(model.state_dict()))
 
     def save_later(self, partition: str, model: torch.nn.Module) -> threading.Thread:
         """Save the partition's weights as they are now on a thread of their own (`wait_for_saves` joins it). Only
@@ -87,7 +121,7 @@ class Fp8Store:
         def write() -> None:
             with torch.cuda.stream(side):
                 try:
-                    self._write(partition, state, "in the background")
+                    self._write(partition, _groups(state), "in the background")
                 except Exception:  # noqa: BLE001 - a thread's failure would otherwise only reach stderr
                     log.exception("%s: fp8 weights not saved: the next start quantises again", partition)
 
@@ -96,25 +130,59 @@ class Fp8Store:
         thread.start()
         return thread
 
-    def _write(self, partition: str, state: dict[str, torch.Tensor], how: str = "") -> None:
-        """Written aside and renamed, so a process killed while saving leaves no file a later start would take for
-        whole (the next save deletes what it left)."""
+    def _write(self, partition: str, groups: Iterator[tuple[str, dict[str, torch.Tensor]]], how: str = "") -> None:
+        """Each group's file written into a directory aside, renamed into place when all are; a failure to write
+        is a warning (the directory itself may be what failed), any other failure goes to the caller."""
         path = self.path(partition)
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         started = time.perf_counter()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _drop_stale_partials(path)
-            torch.save(state, partial)
+            partial.mkdir()
+            with ThreadPoolExecutor(1, thread_name_prefix="fp8-write") as writer:
+                pending: Future | None = None
+                for name, state in groups:
+                    if pending is not None:
+                        pending.result()  # one group written while the next is made: two in host memory at most
+                    pending = writer.submit(torch.save, state, partial / f"{name}.pt")
+                if pending is not None:
+                    pending.result()
             os.replace(partial, path)
         except OSError as exc:
-            with contextlib.suppress(OSError):  # the directory itself may be what failed
-                partial.unlink()
+            shutil.rmtree(partial, ignore_errors=True)
             log.warning("%s: fp8 weights not saved to %s (%s): the next start quantises again", partition, path,
                         describe(exc, lines=1))
             return
-        log.info("%s: fp8 weights saved to %s (%.1f GiB) in %.1f s%s", partition, path, path.stat().st_size / 2**30,
+        log.info("%s: fp8 weights saved to %s (%.1f GiB) in %.1f s%s", partition, path, _size_gib(path),
                  time.perf_counter() - started, f" {how}" if how else "")
+
+
+def _groups(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """A whole state dict, group by group (`group_of`)."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        grouped.setdefault(group_of(name), {})[name] = tensor
+    yield from grouped.items()
+
+
+def _quantised_groups(model: torch.nn.Module, weights: sharded_load.Weights, device: torch.device,
+                      quantize: Callable[[torch.nn.Module, str], None]) -> Iterator[tuple[str, dict]]:
+    """The skeleton's block groups, each filled on `device`, quantised there and handed over on the CPU, then the rest
+    (filled on the CPU: nothing in it is quantised)."""
+    blocks = getattr(model, BLOCKS)
+    for index, block in enumerate(blocks):
+        prefix = f"{BLOCKS}.{index}."
+        sharded_load.fill_module(block, weights, prefix, device)
+        quantize(block, prefix)
+        yield f"{BLOCKS}.{index}", {prefix + name: t.cpu() for name, t in block.state_dict().items()}
+        blocks[index] = torch.nn.Identity()  # the device copy goes; the CPU one goes with the writer
+    sharded_load.fill_module(model, weights, "", torch.device("cpu"))  # nothing in the rest is quantised
+    yield REST, model.state_dict()
+
+
+def _size_gib(path: Path) -> float:
+    return sum(file.stat().st_size for file in path.glob("*.pt")) / 2**30
 
 
 _saves: list[threading.Thread] = []  # save_later's threads, also finished ones (a few per process)
@@ -129,7 +197,7 @@ def wait_for_saves(timeout_s: float | None = None) -> bool:
 
 
 def saves_in_flight(directory: Path) -> list[Path]:
-    """The files that saves of running processes are writing in `directory`."""
+    """What saves of running processes are writing in `directory`."""
     return [partial for partial in directory.glob("*.partial-*") if _writer_running(partial)]
 
 
@@ -137,7 +205,10 @@ def _drop_stale_partials(path: Path) -> None:
     """Delete what saves of `path` by processes no longer running left behind (a start killed while saving)."""
     for partial in path.parent.glob(f"{path.name}.partial-*"):
         if not _writer_running(partial):
-            partial.unlink(missing_ok=True)
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+            else:
+                partial.unlink(missing_ok=True)
 
 
 def _writer_running(partial: Path) -> bool:

@@ -34,7 +34,7 @@ class Arenas:
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of `tensor` in an arena, with its dtype, shape and strides."""
-        span = _span_bytes(tensor)
+        span = span_bytes(tensor)
         if span > ARENA_BYTES:  # larger than an arena: its own allocation (rounded, but no weight is this large)
             return tensor.pin_memory() if self.pin else tensor.clone()
         index = next((i for i, used in enumerate(self.used) if used + span <= ARENA_BYTES), len(self.arenas))
@@ -48,7 +48,7 @@ class Arenas:
         return view
 
 
-def _span_bytes(tensor: torch.Tensor) -> int:
+def span_bytes(tensor: torch.Tensor) -> int:
     """The bytes `tensor`'s elements span in memory, given its strides."""
     if tensor.numel() == 0:
         return 0

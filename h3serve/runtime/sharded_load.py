@@ -132,3 +132,18 @@ def materialise(model: torch.nn.Module, weights: Weights, device: torch.device, 
 def shard_bytes(model: torch.nn.Module) -> int:
     """The bytes of this rank's shards."""
     return sum(p.to_local().nbytes for p in model.parameters())
+
+
+@torch.no_grad()
+def fill_module(module: torch.nn.Module, weights: Weights, prefix: str, device: torch.device) -> None:
+    """Materialise `module` (a part of a skeleton named `prefix` in it, parameters on meta) whole on `device`, its
+    values from `weights`; the buffers built with the skeleton are kept. Parameters already materialised stay."""
+    for owner_name, owner in module.named_modules():
+        for attribute, param in list(owner.named_parameters(recurse=False)):
+            if param.is_meta:
+                values = torch.empty(param.shape, dtype=param.dtype, device=device)
+                name = f"{owner_name}.{attribute}" if owner_name else attribute
+                weights.fill(prefix + name, LocalRows(values, 0, param.shape))
+                owner._parameters[attribute] = torch.nn.Parameter(values, param.requires_grad)
+        for attribute, buffer in list(owner.named_buffers(recurse=False)):
+            owner._buffers[attribute] = buffer.to(device)

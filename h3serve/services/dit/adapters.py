@@ -169,9 +169,11 @@ def inject(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> None
 
 @contextlib.contextmanager
 def _several_adapters():
-    """peft warns when a model gets a second adapter, which is the point here."""
+    """peft warns when a model gets a second adapter, which is the point here, and that an adapter over fp8 weights
+    cannot be merged into them, which nothing here asks of it (fused adapters are merged before quantisation)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Already found a `peft_config` attribute", UserWarning)
+        warnings.filterwarnings("ignore", "TorchaoLoraLinear was instantiated without", UserWarning)
         yield
 
 
@@ -288,7 +290,7 @@ def _add_slots(model: torch.nn.Module, adapters: dict[str, dict[str, Factors]], 
             zeros[f"{module}.lora_A.weight"] = torch.zeros(rank, base.in_features, **like)
             zeros[f"{module}.lora_B.weight"] = torch.zeros(base.out_features, rank, **like)
         with _several_adapters():
-            model.load_lora_adapter(zeros, prefix=None, adapter_name=name)
+            model.load_lora_adapter(zeros, prefix=None, adapter_name=name, low_cpu_mem_usage=True)  # no init: zeros
     model.set_adapters(names, [1.0] * count)
     prepare_model_for_compiled_hotswap(model)  # scalings become tensors, written in place from now on
     for layer in _lora_layers(model).values():

@@ -34,7 +34,8 @@ from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
-from h3serve.runtime import fp8_store, memory
+from h3serve.model.adapters import FUSED
+from h3serve.runtime import fastpath, fp8_store, memory, weight_stream
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES, ModelSource, own_memory
 from h3serve.runtime.service import load_model_service
@@ -142,14 +143,19 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
 
 def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):
     """The whole transformer partitions on this rank (fp8 ones from the fp8 store when saved there), their adapters,
-    then the fast path and the parallelism (or, with `offload = "group"`, the group offload: the weights are loaded
-    into host memory and stay there)."""
+    then the fast path and the parallelism (or, with `offload = "group"`, the weights stay in host memory: streamed
+    from the fp8 store's memory-mapped files with `fp8_cache_dir`, else pinned)."""
     grouped = config.offload == "group"
     home = "cpu" if grouped else str(device)
-    source, dtype = ModelSource(config.model_dir or None), DTYPES[config.dtype]
+    source, dtype, fast = ModelSource(config.model_dir or None), DTYPES[config.dtype], FastPath.of(config)
     store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
-    stored = {partition: store.load(partition, source.weights(partition).factory) for partition in loaded} \
-        if store else {}
+    streamed = grouped and store is not None
+    if streamed:  # capped first: the partitions are quantised block by block on the GPU
+        memory.cap(config, device)
+        stored = {partition: stored_or_built(store, source, partition, device) for partition in loaded}
+    else:
+        stored = {partition: store.load(partition, source.weights(partition).factory) for partition in loaded} \
+            if store else {}
     built = [partition for partition in loaded if stored.get(partition) is None]
     components, model = load_model_service("dit", [*built, *SCHEDULERS], config.replace(device=home))
     for partition in set(loaded) - set(built):
@@ -158,25 +164,65 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     model.device = str(device)  # where it computes, also when the weights stay in host memory
     if grouped:  # loaded on the CPU, so load_model_service capped nothing: the GPU it streams to is capped here
         memory.cap(config, device)
-    # before the fast path, FSDP2 and compile: fp8 skips the LoRA layers, FSDP2 shards them with their block
-    held = adapters.install(config, {partition: components[partition] for partition in loaded})
-    saves = [partition for partition in built if store and int(os.environ.get("RANK", "0")) == 0]  # ranks' are equal
-    for partition in loaded:
-        transformer = components[partition]
-        parallel.ready_model(transformer, FastPath.of(config), device, dtype, sequence_split=layout.world_size > 1)
-        if partition in saves and layout.fsdp:  # sharding replaces the whole weights: they are written first
-            store.save(partition, transformer)
+    partitions = {partition: components[partition] for partition in loaded}
+    saver = store if int(os.environ.get("RANK", "0")) == 0 else None  # the ranks' weights are equal: rank 0 saves
+    held = quantise_then_adapt(config, fast, partitions, built, saver, layout)
+    for partition, transformer in partitions.items():
+        base = base_tensors(transformer) if streamed else set()
+        parallel.ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
         parallel.parallelize(transformer, layout, device)
-        if grouped:
+        if streamed:  # kept on the module for its figures (the hooks hold it anyway)
+            transformer.weight_stream = weight_stream.BlockStream(transformer, fp8_store.BLOCKS, base, device)
+        elif grouped:
             parallel.offload_groups(transformer, device)
-        if partition in saves and not layout.fsdp:  # the served weights, written while the start goes on
-            store.save_later(partition, transformer)
     return components, model, held
+
+
+def quantise_then_adapt(config: DiTConfig, fast: FastPath, partitions: dict[str, torch.nn.Module], built: list[str],
+                        store: fp8_store.Fp8Store | None, layout: parallel.Layout) -> adapters.Adapters:
+    """fp8 the partitions built here and save them (rank 0), then install the adapters over the quantised base as
+    unmerged low-rank branches, so the saved weights are the same whatever the adapters. A fused adapter is merged
+    into the bf16 weights before quantisation instead (such a deployment has no fp8 store: config.py)."""
+    fused = config.adapter_mode == FUSED
+    held = adapters.install(config, partitions) if fused else None
+    for partition in built:
+        if fast.fp8:
+            fastpath.quantize_fp8(partitions[partition])
+        if store is None:
+            continue
+        if layout.fsdp:  # sharding replaces the whole weights: they are written first
+            store.save(partition, partitions[partition])
+        else:  # the served weights, written while the start goes on
+            store.save_later(partition, partitions[partition])
+    return held if fused else adapters.install(config, partitions)
+
+
+def stored_or_built(store: fp8_store.Fp8Store, source: ModelSource, partition: str,
+                    device: torch.device) -> torch.nn.Module:
+    """The partition from the fp8 store, quantised there block by block on `device` first if it is not saved yet:
+    group offload streams its blocks from those files (h3serve/runtime/weight_stream.py)."""
+    weights = source.weights(partition)
+    transformer = store.load(partition, weights.factory)
+    if transformer is None:
+        store.build(partition, weights, device, fastpath.quantize_fp8)
+        transformer = store.load(partition, weights.factory)
+    if transformer is None:
+        raise RuntimeError(f"{partition}: group offload streams the fp8 weights from fp8_cache_dir = "
+                           f"{str(store.directory)!r}, and they could not be saved there (the warning above says why)")
+    return transformer
+
+
+def base_tensors(transformer: torch.nn.Module) -> set[int]:
+    """The tensors the fp8 store assigned (every parameter and persistent buffer), by identity: adapters added later
+    wrap the modules but keep these objects."""
+    saved = set(transformer.state_dict())
+    return {id(tensor) for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]
+            if name in saved}
 
 
 def place_stored(transformer: torch.nn.Module, home: str, grouped: bool) -> torch.nn.Module:
     """A transformer assigned from the fp8 store (memory-mapped host tensors) where it is served from. Group offload
-    copies them into its pinned arenas itself; on the CPU they get memory of their own (models.own_memory)."""
+    streams or pins them itself; on the CPU they get memory of their own (models.own_memory)."""
     if grouped:
         return transformer
     if torch.device(home).type == "cpu":

@@ -28,7 +28,9 @@ Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` cho
   moves the whole model over PCIe: 2.2-2.6 s for a 256-token prompt in the 32 GB profile on one H200 (README
   "Small GPUs"), where accelerate's `cpu_offload`, which this replaced (synchronous copies from pageable memory),
   took 8.8-9.0 s. Needs a CUDA `device` (on the CPU the weights are in host memory
-  already: refused as doing nothing), and is refused with a quantization (tested with plain weights only).
+  already: refused as doing nothing). With `quantize = "int8"` the int8 weights are what host memory holds (25.7
+  GiB for the released encoder instead of 48.9: what makes the 32 GB profile fit a 64 GB host); each decoder
+  layer is quantized on the GPU and brought back (`quantize_through`). nf4 cannot be streamed: refused.
 
 Whenever one of these is set on a CUDA device the components are loaded to the CPU first and placed from there, so
 the whole bf16 model never has to fit one GPU (int8/nf4: each linear is moved to the GPU and quantized there, one
@@ -123,6 +125,13 @@ def check(config: ModelServiceConfig) -> None:
     """Refuse at start, before any weight is loaded, what placement cannot do here (ValueError, one line)."""
     quantize, spread, offload = _settings(config)
     cuda = torch.device(config.device).type == "cuda"
+    if offload:
+        if not cuda:
+            raise ValueError(f"cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
+                             f'it needs device = "cuda"; on {config.device!r} the weights are in host memory already')
+        if quantize == "nf4":
+            raise ValueError('cpu_offload = true and quantize = "nf4" do not go together (bitsandbytes\' 4-bit '
+                             'weights cannot be kept in host memory and streamed); use quantize = "int8" with it')
     if quantize == "int8" and importlib.util.find_spec("torchao") is None:
         raise ValueError('quantize = "int8" needs the torchao package (pip install torchao)')
     if quantize == "nf4":
@@ -139,13 +148,6 @@ def check(config: ModelServiceConfig) -> None:
                              f'= "cuda" and at least 2 visible CUDA devices; this process has device = '
                              f"{config.device!r} and sees {visible} (gpus = {config.gpus!r}). With one GPU set "
                              f"spread = false (whole on it), quantize or cpu_offload")
-    if offload:
-        if not cuda:
-            raise ValueError(f"cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
-                             f'it needs device = "cuda"; on {config.device!r} the weights are in host memory already')
-        if quantize != "none":
-            raise ValueError(f'cpu_offload = true and quantize = "{quantize}" do not go together (the streamed '
-                             "offload is tested with plain weights only); choose one, or quantize with spread = true")
 
 
 def _no_cuda() -> str:
@@ -157,7 +159,9 @@ def load(config: ModelServiceConfig, names: list[str]):
     from h3serve.runtime.service import load_model_service
 
     staged = staged_on_cpu(config)
-    components, model = load_model_service("encoder", names, config.replace(device="cpu") if staged else config)
+    weights = layer_weights(config)
+    components, model = load_model_service(
+        "encoder", names, config.replace(device="meta" if weights else "cpu") if staged else config)
     if staged:  # load_model_service capped the allocator of the device it loaded to, the CPU: cap the GPU(s) now
         from h3serve.runtime import memory
 
@@ -165,7 +169,7 @@ def load(config: ModelServiceConfig, names: list[str]):
             memory.cap(config, config.device)
         except memory.MemoryLimitError as exc:
             raise ValueError(f"memory_limit_gib: {exc}") from None
-    model.device = place(components["text_encoder"], config)
+    model.device = place(components["text_encoder"], config, weights)
     model.dtype = describe_dtype(config)
     log.info("encoder: text encoder %s on %s (variant %s)", model.dtype, model.device, variant(config))
     return components, model
@@ -176,10 +180,23 @@ def describe_dtype(config: ModelServiceConfig) -> str:
     return config.dtype if quantize == "none" else f"{config.dtype} ({quantize} weights)"
 
 
-def place(text_encoder: torch.nn.Module, config: ModelServiceConfig) -> str:
+def layer_weights(config: ModelServiceConfig):
+    """Where a layer-by-layer build takes the encoder's values from (int8 with cpu_offload on `random:full`, whose
+    values are drawn per parameter), else None: the encoder then loads whole (a model directory's bf16 weights pass
+    through host memory once, before quantize_through turns them into int8 layer by layer)."""
+    from h3serve.model import presets
+    from h3serve.runtime.sharded_load import RandomWeights
+
+    quantize, _, offload = _settings(config)
+    layered = staged_on_cpu(config) and offload and quantize != "none" and config.model_dir == presets.RANDOM_FULL
+    return RandomWeights("text_encoder") if layered else None
+
+
+def place(text_encoder: torch.nn.Module, config: ModelServiceConfig, weights=None) -> str:
     """Place (and quantize) `text_encoder` as `config` says, in place; returns where it runs, in words.
 
-    The model may be on the CPU (staged) or already on `config.device` (nothing to do but quantize)."""
+    The model may be on the CPU (staged), on the meta device (built layer by layer from `weights`), or already on
+    `config.device` (nothing to do but quantize)."""
     quantize, spread, offload = _settings(config)
     device = torch.device(config.device)
     dtype = TORCH_DTYPES[config.dtype]
@@ -189,6 +206,8 @@ def place(text_encoder: torch.nn.Module, config: ModelServiceConfig) -> str:
             quantize_in_place(text_encoder, quantize, dtype, None)  # each linear on the GPU it was given
         return where
     if offload:
+        if quantize != "none":
+            quantize_through(text_encoder, quantize, device, weights)
         offload_to_host(text_encoder, device)
         return f"{device} (weights in host memory, cpu_offload)"
     if quantize != "none":
@@ -217,11 +236,35 @@ def quantize_in_place(model: torch.nn.Module, quantize: str, dtype: torch.dtype,
     return count
 
 
-def _int8(model: torch.nn.Module, device: torch.device | None) -> None:
+def quantize_through(model: torch.nn.Module, quantize: str, device: torch.device, weights=None) -> None:
+    """Quantize the decoder layers one by one on `device` and bring each back to host memory, for cpu_offload: the
+    GPU never holds more than one layer, and host memory gives back each layer's bf16 weights as it goes (the
+    released encoder: 48.9 GiB of bf16 become 25.7 GiB of int8 in host memory). A skeleton (on meta) is filled from
+    `weights` layer by layer on `device` (the bf16 layers never reach host memory), then the rest (drawn where
+    random:full draws it, so the values are the in-process pipeline's)."""
+    from h3serve.runtime.sharded_load import fill_module
+
+    layers = model.model.language_model.layers
+    for index, layer in enumerate(layers):
+        if weights is None:
+            layer.to(device)
+        else:
+            fill_module(layer, weights, f"{DECODER_LAYERS}{index}.", device)
+        _int8(layer, None, filter_fn=lambda module, _name: isinstance(module, torch.nn.Linear))
+        layer.to("cpu")
+    if weights is not None:
+        fill_module(model, weights, "", device)
+        model.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the layers passed through the allocator's cache: give the shared card its memory
+    log.info("encoder: %d decoder layers' linears quantized to %s on %s", len(layers), quantize, device)
+
+
+def _int8(model: torch.nn.Module, device: torch.device | None, filter_fn=is_target) -> None:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     # set_inductor_config=False: nothing here is compiled, and it would change inductor's process-wide settings
-    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=is_target, device=device)
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=filter_fn, device=device)
 
 
 def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None) -> None:

@@ -1,0 +1,220 @@
+"""Block weights streamed from memory-mapped files to a GPU through a bounded pinned staging area (`[dit] offload =
+"group"` with `fp8_cache_dir`: the weights are the fp8 store's files, h3serve/runtime/fp8_store.py).
+
+Pinning every offloaded weight (h3serve/runtime/pinned.py) keeps the 43.8 GiB of the released transformer's fp8
+weights in page-locked host memory for the life of the process: with a 49 GiB text encoder beside it, more than a
+64 GB desktop has, and the OOM killer's target when adapters were added at start. Here each block's weights stay
+where `torch.load(mmap=True)` put them, in the page cache, which the kernel can drop and read again; only the
+staging buffers are pinned. A copy thread runs `PREFETCH` blocks ahead of the block the GPU runs:
+
+    mapped file --memcpy, COPY_THREADS threads--> pinned staging slot --side CUDA stream--> the block's GPU buffer
+
+A block's pre-forward hook waits for its buffer (on the GPU, an event), points the block's tensors at views of it and
+asks for the next blocks; its forward hook points them back at the mapped files, which frees the buffer once the
+compute stream is past it. The Python thread that launches the kernels runs far ahead of the GPU, so the copy
+thread, before it allocates a block's buffer, waits until the GPU has finished the blocks that keep more than
+`LIVE_BLOCKS` buffers alive (an event recorded after each block): without that, every block the launches raced
+ahead to was allocated while the ones behind were still in use, and the caching allocator kept all of them. The
+process's own memory is then `STAGING_SLOTS` blocks of pinned memory, whatever the model's size; the GPU holds the
+rest of the model and `LIVE_BLOCKS` blocks.
+
+Everything of a block that is not streamed (adapters' low-rank factors, which requests rewrite in place; buffers the
+skeleton computed) lives on the GPU like the rest of the model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from h3serve.runtime import pinned
+
+log = logging.getLogger("h3serve.weight_stream")
+PREFETCH = 2          # blocks copied ahead of the one running: the copy thread never waits for the GPU to ask
+LIVE_BLOCKS = PREFETCH + 2  # block buffers on the GPU at most: the one running, the one finishing, those ahead
+RELEASE_WAIT_S = 5.0  # a buffer a failed forward never gave back is not waited for longer than this
+STAGING_SLOTS = 2     # pinned buffers of one block each: one being filled while the other's copy to the GPU runs
+COPY_THREADS = 8      # threads copying from the page cache into a slot (one memcpy runs at a few GB/s)
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Part:
+    """One streamed tensor: `owner`'s data (attribute None) or one of a torchao tensor's parts, and where it lies."""
+
+    owner: torch.Tensor
+    attribute: str | None
+    source: torch.Tensor  # in host memory, memory-mapped
+    offset: int           # in the block's buffer
+
+    def point_at(self, tensor: torch.Tensor) -> None:
+        if self.attribute is None:
+            self.owner.data = tensor
+        else:
+            setattr(self.owner, self.attribute, tensor)
+
+    def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
+        span = pinned.span_bytes(self.source)
+        view = buffer[self.offset:self.offset + span].view(self.source.dtype)
+        return view.as_strided(self.source.shape, self.source.stride())
+
+
+@dataclass
+class Onload:
+    """One block's copy to the device: done when `ready` is set (on a GPU, once `event` has passed)."""
+
+    ready: threading.Event = field(default_factory=threading.Event)
+    buffer: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class Slot:
+    buffer: torch.Tensor
+    event: torch.cuda.Event | None = None  # the last copy out of it
+
+
+class BlockStream:
+    """Streams the tensors of the module list `blocks` of `model` that are in `streamed` (by identity: the mapped
+    ones) to `device` as each block runs; every other tensor of `model` moves to `device` now."""
+
+    def __init__(self, model: torch.nn.Module, blocks: str, streamed: set[int], device: torch.device) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        module_list = model.get_submodule(blocks)
+        self.parts: list[list[Part]] = []
+        for index, block in enumerate(module_list):
+            self.parts.append(_layout(block, streamed))
+            block.register_forward_pre_hook(lambda module, args, i=index: self._before(i))
+            block.register_forward_hook(lambda module, args, output, i=index: self._after(i))
+        staged = {id(part.owner) for parts in self.parts for part in parts}
+        _move_others(model, staged, device)
+        self.block_bytes = [max((p.offset + pinned.span_bytes(p.source) for p in parts), default=0)
+                            for parts in self.parts]
+        largest = max(self.block_bytes, default=0)
+        self.slots = [Slot(torch.empty(largest, dtype=torch.uint8, pin_memory=self.cuda))
+                      for _ in range(STAGING_SLOTS)]
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.onloads: dict[int, Onload] = {}
+        self.requests: queue.Queue[tuple[int, Onload]] = queue.Queue()
+        self.released: queue.Queue[torch.cuda.Event | None] = queue.Queue()  # one per block buffer given back
+        self.live = 0      # block buffers allocated and not yet known to be finished with
+        self.peak_live = 0
+        self.copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="stream-copy")
+        threading.Thread(target=self._copy_loop, name="weight-stream", daemon=True).start()
+        log.info("%d blocks (%.1f GiB) streamed to %s from memory-mapped files through %d pinned slots of %d MiB",
+                 len(self.parts), sum(self.block_bytes) / 2**30, device, STAGING_SLOTS, largest >> 20)
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(slot.buffer.numel() for slot in self.slots)
+
+    def _request(self, index: int) -> Onload:
+        if index not in self.onloads:
+            self.onloads[index] = Onload()
+            self.requests.put((index, self.onloads[index]))
+        return self.onloads[index]
+
+    def _before(self, index: int) -> None:
+        onload = self._request(index)
+        onload.ready.wait()
+        if onload.error is not None:
+            raise RuntimeError(f"block {index}'s weights could not be streamed to {self.device}") from onload.error
+        if onload.event is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(onload.event)
+            onload.buffer.record_stream(compute)  # freed only once the compute stream is past this block
+        for part in self.parts[index]:
+            part.point_at(part.view_in(onload.buffer))
+        for ahead in range(1, PREFETCH + 1):  # wraps around: the next forward starts at block 0
+            self._request((index + ahead) % len(self.parts))
+
+    def _after(self, index: int) -> None:
+        for part in self.parts[index]:
+            part.point_at(part.source)
+        self.onloads.pop(index, None)
+        done = torch.cuda.Event() if self.cuda else None
+        if done is not None:
+            done.record(torch.cuda.current_stream(self.device))
+        self.released.put(done)
+
+    def _copy_loop(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+        for count in itertools.count():
+            index, onload = self.requests.get()
+            try:
+                self._copy(index, onload, self.slots[count % len(self.slots)])
+            except BaseException as exc:  # noqa: BLE001 - handed to the forward that needs the block
+                onload.error = exc
+            onload.ready.set()
+
+    def _copy(self, index: int, onload: Onload, slot: Slot) -> None:
+        if slot.event is not None:
+            slot.event.synchronize()  # its last copy to the GPU has read it
+        size = self.block_bytes[index]
+        chunks = [(slot.buffer.data_ptr() + part.offset + start, part.source.data_ptr() + start,
+                   min(CHUNK_BYTES, span - start))
+                  for part in self.parts[index] for span in [pinned.span_bytes(part.source)]
+                  for start in range(0, span, CHUNK_BYTES)]
+        list(self.copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
+        self._wait_for_room()  # after the memcpy: the host's copy overlaps the wait for the GPU
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        if not self.cuda:
+            onload.buffer = slot.buffer[:size].clone()
+            return
+        with torch.cuda.stream(self.copy_stream):
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buffer.copy_(slot.buffer[:size], non_blocking=True)
+            slot.event = onload.event = torch.cuda.Event()
+            onload.event.record(self.copy_stream)
+        onload.buffer = buffer
+
+    def _wait_for_room(self) -> None:
+        """Block until fewer than LIVE_BLOCKS buffers are in use on the GPU (module docstring). A buffer that a forward
+        which raised never gave back is counted out after RELEASE_WAIT_S, so a failed request cannot stop the stream."""
+        while self.live >= LIVE_BLOCKS:
+            try:
+                done = self.released.get(timeout=RELEASE_WAIT_S)
+            except queue.Empty:
+                log.warning("no block buffer given back in %.0f s: streaming on", RELEASE_WAIT_S)
+                self.live -= 1
+                continue
+            if done is not None:
+                done.synchronize()
+            self.live -= 1
+
+
+def _layout(block: torch.nn.Module, streamed: set[int]) -> list[Part]:
+    """The block's streamed tensors (a torchao tensor part by part) at aligned offsets of one buffer."""
+    parts, offset = [], 0
+    for tensor in [*block.parameters(), *block.buffers()]:
+        if id(tensor) not in streamed:
+            continue
+        for attribute, source in _pieces(tensor):
+            parts.append(Part(tensor, attribute, source, offset))
+            offset += -(-pinned.span_bytes(source) // pinned.ALIGN) * pinned.ALIGN
+    return parts
+
+
+def _pieces(tensor: torch.Tensor) -> list[tuple[str | None, torch.Tensor]]:
+    names = pinned.parts(tensor)
+    return [(name, getattr(tensor, name)) for name in names] if names else [(None, tensor.data)]
+
+
+def _move_others(model: torch.nn.Module, staged: set[int], device: torch.device) -> None:
+    """Every tensor of `model` not streamed moves to `device` (the streamed ones stay mapped)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in staged:
+            continue
+        for attribute, piece in _pieces(tensor):
+            Part(tensor, attribute, piece, 0).point_at(piece.to(device))
+
