@@ -1,10 +1,12 @@
 """The fault walk: a deployment with the shipped defaults (`h3serve up`, its supervision, the gateway's outage limits
 and attempts), five jobs acknowledged, one process SIGKILLed mid-job. Every job ends SUCCEEDED, whichever process
-died; the gateway killed twice loses no attempt of a job that never started."""
+died; the gateway killed twice spends no attempt of any job, and counts as re-runs after a restart only the stage
+calls it caught in progress."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -14,13 +16,19 @@ from up_process import CLEAN_EXIT, Up, environment, wait_until
 
 from h3serve.client import GatewayClient
 from h3serve.common.processes import children
+from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 DIT = dict(world_size=2)  # two ranks: a rank and the launcher are different processes
 JOBS = 5
 STEPS = 40  # enough forwards that a kill lands mid-denoise on two CPU cores
 DONE = gateway_pb2.JOB_STATE_SUCCEEDED
-WORK = ("encoding", "conditioning", "denoising", "decoding", "muxing")
+# The two reasons a gateway restart re-runs a job with: a stage call of it was in progress (one of its
+# MAX_RESTART_RERUNS), or it only waited in a queue (free).
+RERUN = re.compile(rf"the gateway restarted while this job was in the (?P<stage>[a-z-]+) stage; re-run (?P<n>\d+) of "
+                   rf"{MAX_RESTART_RERUNS} after a restart; attempt not counted")
+WAITED = re.compile(r"the gateway restarted while this job waited (for the [a-z-]+ stage|in the queue); attempt not "
+                    r"counted")
 TERMINAL = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
 
 
@@ -107,7 +115,7 @@ def test_every_acknowledged_job_outlives_a_killed_process(deployment, victim):
     up.collect()
 
 
-def test_the_gateway_killed_twice_loses_no_attempt_of_a_job_that_never_started(deployment):
+def test_the_gateway_killed_twice_spends_no_attempt_and_counts_only_the_stage_calls_it_caught(deployment):
     up = deployment
     up.wait_serving()
     jobs = submit(up, "twice")
@@ -120,14 +128,23 @@ def test_the_gateway_killed_twice_loses_no_attempt_of_a_job_that_never_started(d
         time.sleep(1.0)  # the jobs are back in the stage queues when it dies again
     ended = final_jobs(up, jobs)
     assert [job.state for job in ended] == [DONE] * JOBS
-    for job in ended:  # an attempt counts only when the stages made progress in it
-        kinds, segment = [], []
+    first_reasons = []
+    for job in ended:  # a restart spends no attempt; one that caught a stage call in progress is one re-run of 10
+        kinds, caught = [], []
         for event in events(up, job.job_id):
             kind = event.WhichOneof("kind")
-            if kind == "retrying":
-                counted = not event.retrying.reason.endswith("attempt not counted")
-                assert counted == any(k in WORK for k in segment), (job.job_id, event.retrying, segment)
-                segment = []
-            segment.append(kind)
             kinds.append(kind)
-        assert kinds.count("retrying") >= 1 and job.attempts <= 3, (job.job_id, " ".join(kinds))
+            if kind == "retrying":
+                reason = event.retrying.reason
+                in_stage, waited = RERUN.fullmatch(reason), WAITED.fullmatch(reason)
+                assert (in_stage or waited) and event.retrying.attempt == 1, (job.job_id, event.retrying)
+                if in_stage:
+                    caught.append((in_stage["stage"], int(in_stage["n"])))
+                if job.job_id == jobs[0]:
+                    first_reasons.append(reason)
+        assert kinds.count("retrying") >= 1 and job.attempts == 1, (job.job_id, job.attempts, " ".join(kinds))
+        # the re-runs counted are exactly the passes a kill caught started (their records say so), numbered 1, 2
+        assert caught == [(record.stage, n) for n, record in enumerate(
+            (r for r in job.stage_records if r.error == INTERRUPTED and r.started > 0), 1)], (job.job_id, caught)
+    assert first_reasons[0] == (f"the gateway restarted while this job was in the dit stage; re-run 1 of "
+                                f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"), first_reasons

@@ -503,3 +503,90 @@ def test_malformed_gateway_lookups_and_submits(fuzz, data, job_id, token):
 
 def test_after_the_fuzzing_the_logs_are_bounded_and_hold_no_traceback(fuzz):
     assert_logs_are_bounded(fuzz)
+
+
+# Media of the wrong kind (issue 29): each stage that decodes media names the item and what its bytes are against
+# what it declares, as INVALID_ARGUMENT; never INTERNAL (a PNG declared as a video once reached the VAE-encode block
+# as a one-frame "video" and ended there) nor UNKNOWN.
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> dict[str, bytes]:
+    import media_files
+
+    root = tmp_path_factory.mktemp("media")
+    made = {"png": media_files.image(root / "a.png", 48, 32).read_bytes(),
+            "wav": media_files.wav(root / "a.wav", 1.0).read_bytes(),
+            "mp4": media_files.mp4(root / "a.mp4", 64, 32, 30).read_bytes(),
+            "silent_mp4": media_files.mp4(root / "b.mp4", 64, 32, 30, audio_rate=None).read_bytes()}
+    made.update({f"half_{name}": data[:len(data) // 2] for name, data in list(made.items())})
+    made.update({f"head_{name}": data[:64] for name, data in list(made.items()) if not name.startswith("half_")})
+    return made
+
+
+def media_call(fuzz: Fuzzed, service: str, workflow: int, items: list[tuple[str, int, bytes]], prompt: str):
+    role = media_pb2.MEDIA_ROLE_REFERENCE if workflow == REF2VA else media_pb2.MEDIA_ROLE_FIRST_FRAME
+    roles = [role] if workflow == REF2VA else [media_pb2.MEDIA_ROLE_FIRST_FRAME, media_pb2.MEDIA_ROLE_LAST_FRAME]
+    spec = media_pb2.MediaSpec(workflow=workflow, height=32, width=64, num_frames=124, prompt=prompt, items=[
+        media_pb2.MediaItem(asset_id=asset_id, kind=kind, role=roles[min(i, len(roles) - 1)], bytes=len(data))
+        for i, (asset_id, kind, data) in enumerate(items)])
+    chunks = [media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id=asset_id, data=data))
+              for asset_id, _, data in items]
+    return call_media(fuzz, service, [media_pb2.MediaInput(spec=spec), *chunks])
+
+
+WRONG_KINDS = [  # (workflow, items as (asset_id, kind, media name), the refusal)
+    (REF2VA, [("pic", IMAGE, "png"), ("clip", VIDEO, "png")], "asset clip: declared a video, but its bytes are a PNG image"),
+    (REF2VA, [("clip", VIDEO, "half_png")], "asset clip: declared a video, but its bytes are a PNG image"),
+    (REF2VA, [("pic", IMAGE, "wav")], "asset pic: declared an image, but its bytes are audio (wav)"),
+    (FL2VA, [("first", IMAGE, "wav")], "asset first: declared an image, but its bytes are audio (wav)"),
+    (FL2VA, [("first", IMAGE, "png"), ("last", IMAGE, "mp4")],
+     "asset last: declared an image, but its bytes are a video (mp4)"),
+    (REF2VA, [("pic", IMAGE, "png"), ("song", AUDIO, "mp4")], "asset song: declared audio, but its bytes are a video (mp4)"),
+    (REF2VA, [("pic", IMAGE, "png"), ("song", AUDIO, "silent_mp4")],
+     "asset song: declared audio, but its bytes are a video (mp4)"),
+    (REF2VA, [("pic", IMAGE, "png"), ("song", AUDIO, "png")], "asset song: declared audio, but its bytes are a PNG image"),
+    (REF2VA, [("clip", VIDEO, "wav")], "asset clip: declared a video, but its bytes are audio (wav)"),
+]
+
+
+@pytest.mark.parametrize("service", ["encoder", "vae"])
+@pytest.mark.parametrize("workflow, items, reason", WRONG_KINDS)
+def test_media_of_the_wrong_kind_is_invalid_argument_naming_the_item(fuzz, media, service, workflow, items, reason):
+    called = [(asset_id, kind, media[name]) for asset_id, kind, name in items]
+    assert refusal(media_call(fuzz, service, workflow, called, "<Picture 1> and <Video 1> at dusk")) == reason
+
+
+@pytest.mark.parametrize("service", ["encoder", "vae"])
+@pytest.mark.parametrize("name", ["half_png", "head_png", "half_mp4", "head_mp4", "half_wav", "head_wav",
+                                  "half_silent_mp4"])
+def test_truncated_media_is_invalid_argument_or_runs(fuzz, media, service, name):
+    """A file cut short either still decodes (a WAV or an MP4 whose frames come first) or is refused by name."""
+    kind = {"png": IMAGE, "wav": AUDIO}.get(name.split("_")[-1], VIDEO)
+    items = [("pic", IMAGE, media["png"])] if kind != IMAGE else []
+    items.append(("cut", kind, media[name]))
+    outcome = status(media_call(fuzz, service, REF2VA, items, "<Picture 1> at dusk"))
+    assert outcome in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), outcome
+    if outcome == grpc.StatusCode.INVALID_ARGUMENT:
+        assert refusal(media_call(fuzz, service, REF2VA, items, "<Picture 1> at dusk")).startswith("asset ")
+
+
+@fuzzing(EXAMPLES["media"])
+@given(d=st.data(), service=st.sampled_from(["encoder", "vae"]), workflow=st.sampled_from([FL2VA, REF2VA]))
+def test_any_media_under_any_declared_kind(fuzz, media, d, service, workflow):
+    names = sorted(media)
+    items = d.draw(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([IMAGE, VIDEO, AUDIO]),
+                                      st.sampled_from(names)), min_size=1, max_size=3, unique_by=lambda t: t[0]))
+    outcome = status(media_call(fuzz, service, workflow, [(a, k, media[n]) for a, k, n in items],
+                                "<Picture 1> at dusk"))
+    event(outcome.name)
+    assert outcome not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+    assert fallen(fuzz) == []
+
+
+@pytest.mark.parametrize("service", ["encoder", "vae"])
+def test_a_video_reference_too_short_for_the_blocks_is_invalid_argument(fuzz, tmp_path, service):
+    import media_files
+
+    short = media_files.mp4(tmp_path / "short.mp4", 64, 32, 3).read_bytes()
+    assert refusal(media_call(fuzz, service, REF2VA, [("clip", VIDEO, short)], "<Video 1> at dusk")) == \
+        "asset clip: a video reference needs at least 22 frames at 24 fps (17n+5, n >= 1), got 3"

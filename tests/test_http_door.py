@@ -334,3 +334,70 @@ def test_a_body_over_the_upload_limit_is_refused_before_it_is_read(stack):
         assert response.status == 413 and "1,000,000,000,000 bytes" in error["message"]
         assert f"at most {max_body_bytes(load_deploy(stack.config_path).gateway):,}" in error["message"]
         connection.close()
+
+
+# Sizes (issue 29): a request too large is the client's to fix, never a 429 with `x-should-retry: true` (the SDKs
+# retried a 9 MB prompt for ever); only a full queue is worth a retry.
+
+@pytest.fixture()
+def counted_sdk(stack):
+    """An SDK that would retry three times, and the list of the requests it actually sent."""
+    sent = []
+    client = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="unused", max_retries=3,
+                           http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}))
+    yield client, sent
+    client.close()
+
+
+def test_a_9_mb_prompt_is_a_400_on_the_prompt_and_never_retried(stack, counted_sdk):
+    sdk, sent = counted_sdk
+    prompt = "a fox " * 1_500_000  # 9 MB: over the API's 4 MiB message limit
+    with pytest.raises(openai.BadRequestError) as caught:  # the SDK's multipart form
+        sdk.videos.create(prompt=prompt, size="64x32")
+    assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
+    assert caught.value.body == {"message": f"prompt: at most 8192 characters, got {len(prompt)}",
+                                 "type": "invalid_request_error", "param": "prompt", "code": "invalid_argument"}
+    with pytest.raises(openai.BadRequestError) as caught:  # JSON
+        sdk.post("/videos", cast_to=openai.types.Video, body={"prompt": prompt})
+    assert caught.value.body["param"] == "prompt" and len(sent) == 2
+
+
+def test_an_oversized_id_field_is_a_400_naming_it_and_never_retried(stack, counted_sdk):
+    sdk, sent = counted_sdk
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.post("/videos", cast_to=openai.types.Video, body={"prompt": "a fox", "first_frame": "f" * (5 << 20)})
+    assert caught.value.body["param"] == "first_frame" and "(max_request_bytes)" in caught.value.body["message"]
+    assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
+
+
+def test_a_form_field_over_the_door_limit_is_a_400_and_never_retried(stack, counted_sdk):
+    sdk, sent = counted_sdk
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.videos.create(prompt="x" * (20 << 20), size="64x32")
+    assert caught.value.body["type"] == "invalid_request_error" and "a field takes at most" in \
+        caught.value.body["message"]
+    assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
+
+
+def test_a_framework_refusal_is_openais_error_json(stack):
+    code, error = http_error(f"{stack.http}/v1/nowhere")
+    assert code == 404 and error["type"] == "invalid_request_error"
+    code, error = http_error(f"{stack.http}/v1/videos/x", method="PUT", data=b"")
+    assert code == 405 and error["message"] == "Method Not Allowed"
+
+
+@pytest.mark.parametrize("code, message, status, kind, retry", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9000044 vs. 4194304)", 413,
+     "invalid_request_error", "false"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (9000044 vs. 4194304)", 413,
+     "invalid_request_error", "false"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "the job queue is full: 8 unfinished jobs, the bound is 8; retry later", 429,
+     "rate_limit_error", "true"),
+    (grpc.StatusCode.UNAVAILABLE, "no replica", 503, "server_error", "true"),
+])
+def test_too_large_and_too_many_map_apart(code, message, status, kind, retry):
+    from h3serve.gateway.http.errors import error_response
+
+    response = error_response(code, message)
+    body = json.loads(response.body)["error"]
+    assert (response.status_code, body["type"], response.headers["x-should-retry"]) == (status, kind, retry)

@@ -206,66 +206,104 @@ def test_long_error_keeps_its_end(db_path):
     with_store(db_path, check)
 
 
-def test_a_restart_reruns_queued_and_interrupted_jobs_until_attempts_run_out(db_path):
-    """The job runner's restart policy (JobRunner.resume) on a store a dead gateway left behind: an interrupted
-    attempt counts only when it did work; one that only waited for its first stage is given back."""
+def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_than_the_bound(db_path):
+    """The job runner's restart policy (JobRunner.resume) on the store a dead gateway left behind, eleven restarts
+    in a row: a restart spends none of a job's `max_attempts` (not even of one whose attempts a stall spent); a
+    restart that caught one of its stage calls in progress is one of its MAX_RESTART_RERUNS re-runs, and the next
+    one fails it ABORTED with the reason; a job only waiting in a queue re-runs free every time."""
     from h3serve.gateway.jobs.events import EventHub
-    from h3serve.gateway.jobs.runner import JobRunner
+    from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS, JobRunner
     from h3serve.gateway.metrics import GatewayMetrics
     from h3serve.gateway.stages import STAGE_NAMES
     from h3serve.gateway.stages.calls import StageCaller
+
+    assert MAX_RESTART_RERUNS == 10
+
+    async def run_again(store, attempt: dict[str, int]):
+        """The jobs re-run by a restart are where the gateway left them when it died: 'running' in its dit call,
+        'worn' in its vae call, 'waited' queued for an encoder that never took it ('queued' never starts)."""
+        assert await store.start_attempt("running") == attempt["running"]
+        encoder = await store.stage_enqueued("running", attempt["running"], "encoder")
+        await store.stage_update(encoder, started=1.0, finished=2.0)
+        await store.append_event("running", gateway_pb2.JobEvent(encoding=gateway_pb2.Encoding()))
+        dit = await store.stage_enqueued("running", attempt["running"], "dit")
+        await store.stage_update(dit, started=3.0)
+        await store.append_event("running", gateway_pb2.JobEvent(denoising=gateway_pb2.Denoising(step=1)))
+        assert await store.start_attempt("waited") == attempt["waited"]
+        await store.stage_enqueued("waited", attempt["waited"], "encoder")
+        await store.append_event("waited", gateway_pb2.JobEvent(waiting=gateway_pb2.Waiting(stage="encoder")))
+        assert await store.start_attempt("worn") == attempt["worn"]
+        vae = await store.stage_enqueued("worn", attempt["worn"], "vae")
+        await store.stage_update(vae, started=4.0)
+        await store.append_event("worn", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding()))
 
     async def leave_behind():
         store = SqliteJobStore(db_path)
         for job_id in ("queued", "running", "waited", "worn", "done", "cancelled"):
             await store.submit(job_id, REQUEST, first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted()))
-        assert await store.start_attempt("running") == 1
-        await store.append_event("running", gateway_pb2.JobEvent(encoding=gateway_pb2.Encoding()))
-        await store.stage_enqueued("running", 1, "dit")
-        assert await store.start_attempt("waited") == 1
-        await store.stage_enqueued("waited", 1, "encoder")
-        await store.append_event("waited", gateway_pb2.JobEvent(waiting=gateway_pb2.Waiting(stage="encoder")))
-        for attempt in (1, 2):
-            assert await store.start_attempt("worn") == attempt
-            await store.append_event("worn", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding()))
-        await store.stage_enqueued("worn", 2, "vae")
+        assert await store.start_attempt("worn") == 1  # its first attempt stalled: its second is its last
+        assert await store.requeue("worn", gateway_pb2.JobEvent(retrying=gateway_pb2.Retrying(attempt=2)))
+        await run_again(store, {"running": 1, "waited": 1, "worn": 2})
         await store.finish("done", SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
         await store.finish("cancelled", CANCELLED, CANCEL)
         await store.close()
 
-    async def restart():
+    async def restart(n: int):
+        """The n-th gateway start after a death, on what the dead gateway left behind."""
         store, config = SqliteJobStore(db_path), GatewayConfig(max_attempts=2)
         metrics = GatewayMetrics(STAGE_NAMES)
         runner = JobRunner(config, store, EventHub(store), StageCaller(config, metrics), None, metrics, None)
         started = []
         runner.start = lambda job_id, request: started.append((job_id, request))
         await runner.resume()
-        assert [job_id for job_id, _ in started] == ["queued", "running", "waited"]
+        await runner.caller.close()
         assert all(request == REQUEST for _, request in started)
         queued = await store.get_job("queued")
-        assert queued.state == QUEUED and [e.WhichOneof("kind") for e in await store.events("queued")] == ["accepted"]
-        running = await store.get_job("running")
-        assert running.state == QUEUED and running.attempts == 1
-        assert (await store.events("running"))[-1].retrying == gateway_pb2.Retrying(
-            attempt=2, max_attempts=2, reason="the gateway restarted while this job was in the dit stage")
+        assert (queued.state, queued.attempts) == (QUEUED, 0)
+        assert [e.WhichOneof("kind") for e in await store.events("queued")] == ["accepted"]
         waited = await store.get_job("waited")
-        assert waited.state == QUEUED and waited.attempts == 0
+        assert (waited.state, waited.attempts) == (QUEUED, 0), "a re-run from a queue is free, however many"
         assert (await store.events("waited"))[-1].retrying == gateway_pb2.Retrying(
-            attempt=1, max_attempts=2, reason="the gateway restarted while this job waited in the encoder stage "
-                                              "before any work; attempt not counted")
-        worn = await store.get_job("worn")
-        assert worn.state == FAILED and worn.error == gateway_pb2.Failed(
-            code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED",
-            message="the gateway restarted while this job was in the vae stage (attempt 2 of 2)")
-        assert (await store.events("worn"))[-1].failed == worn.error
+            attempt=1, max_attempts=2, reason="the gateway restarted while this job waited for the encoder stage; "
+                                              "attempt not counted")
+        assert [(r.stage, r.error) for r in waited.stage_records] == [("encoder", INTERRUPTED)] * n
+        assert {job.job_id: job.restarts for job in await store.unfinished()}["waited"] == 0
+        running, worn = await store.get_job("running"), await store.get_job("worn")
+        if n <= MAX_RESTART_RERUNS:
+            assert [job_id for job_id, _ in started] == ["queued", "running", "waited", "worn"]
+            reason = (f"the gateway restarted while this job was in the {{}} stage; re-run {n} of "
+                      f"{MAX_RESTART_RERUNS} after a restart; attempt not counted")
+            assert (running.state, running.attempts) == (QUEUED, 0)
+            assert (await store.events("running"))[-1].retrying == gateway_pb2.Retrying(
+                attempt=1, max_attempts=2, reason=reason.format("dit"))
+            assert [(r.stage, r.error) for r in running.stage_records if not r.finished] == [("dit", INTERRUPTED)] * n
+            assert (worn.state, worn.attempts) == (QUEUED, 1), "a restart spends no attempt, even the last"
+            assert (await store.events("worn"))[-1].retrying == gateway_pb2.Retrying(
+                attempt=2, max_attempts=2, reason=reason.format("vae"))
+            assert [(r.stage, r.error) for r in worn.stage_records] == [("vae", INTERRUPTED)] * n
+            assert {job.job_id: job.restarts for job in await store.unfinished()} == {
+                "queued": 0, "running": n, "waited": 0, "worn": n}
+            await run_again(store, {"running": 1, "waited": 1, "worn": 2})
+        else:  # caught in a stage by an eleventh restart: the bound ends them, the others run on
+            assert [job_id for job_id, _ in started] == ["queued", "waited"]
+            for job, where in ((running, "dit"), (worn, "vae")):
+                assert job.state == FAILED and job.error == gateway_pb2.Failed(
+                    code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED", message=(
+                        f"the gateway restarted while this job was in the {where} stage: {MAX_RESTART_RERUNS + 1} "
+                        "restarts caught one of its stages in progress; restarts spend none of its 2 attempts, but "
+                        f"after {MAX_RESTART_RERUNS} such re-runs the job ends, in case it is what brings the gateway "
+                        "down"))
+                assert (await store.events(job.job_id))[-1].failed == job.error
+                assert [r.stage for r in job.stage_records if not r.finished] == [where] * n, "one pass a restart"
+                assert await store.start_attempt(job.job_id) == 0
+            assert [job.job_id for job in await store.unfinished()] == ["queued", "waited"]
         assert (await store.get_job("done")).state == SUCCEEDED
         assert (await store.get_job("cancelled")).state == CANCELLED
-        assert await store.start_attempt("running") == 2
-        await runner.caller.close()
         await store.close()
 
     run(leave_behind())
-    run(restart())
+    for n in range(1, MAX_RESTART_RERUNS + 2):
+        run(restart(n))
 
 
 # Artifact files.

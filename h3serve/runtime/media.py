@@ -8,6 +8,7 @@ media the in-process pipeline sees, and decoded frames never cross the network.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from collections.abc import Iterable
@@ -99,8 +100,52 @@ def decode_reference(kind: int, path: str):
     return reference
 
 
+KIND_NAMES = {media_pb2.ASSET_KIND_IMAGE: "an image", media_pb2.ASSET_KIND_VIDEO: "a video",
+              media_pb2.ASSET_KIND_AUDIO: "audio"}
+
+
+def content_kind(data: bytes) -> tuple[int | None, str]:
+    """What the bytes are, from their headers alone: (ASSET_KIND_*, "a PNG image" / "a video (mp4)" / "audio (wav)"),
+    or (None, why) when neither Pillow nor PyAV recognises them (the decode then says what is wrong with them).
+
+    Pillow first: PyAV also opens a still image (as a one-frame "video"), which is how a PNG declared as a video
+    reached the VAE-encode block and ended as INTERNAL."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return media_pb2.ASSET_KIND_IMAGE, f"a {image.format or 'still'} image"
+    except Exception:
+        pass
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            names = (container.format.name or "unknown").split(",")
+            fmt = "mp4" if "mp4" in names else names[0]
+            if fmt.endswith("_pipe") or fmt == "image2":  # a still image Pillow could not open (a broken one)
+                return media_pb2.ASSET_KIND_IMAGE, f"a {fmt.removesuffix('_pipe').upper()} image"
+            if container.streams.video:
+                return media_pb2.ASSET_KIND_VIDEO, f"a video ({fmt})"
+            if container.streams.audio:
+                return media_pb2.ASSET_KIND_AUDIO, f"audio ({fmt})"
+            return None, f"a {fmt} file with neither video nor audio"
+    except Exception:
+        return None, "not a recognised image, video or audio file"
+
+
+def check_kind(asset: MediaAsset) -> None:
+    """MediaError naming the item when its bytes are plainly another kind of media than it declares (bytes nothing
+    recognises are left to the decode, which names its own problem)."""
+    actual, what = content_kind(asset.data)
+    if actual is not None and actual != asset.item.kind:
+        declared = KIND_NAMES.get(asset.item.kind, f"kind {asset.item.kind}")
+        raise MediaError(f"asset {clip(asset.item.asset_id)}: declared {declared}, but its bytes are {what}")
+
+
 def decode_asset(asset: MediaAsset):
     """Decode one asset's bytes (through a private temporary file: diffusers' decoders take paths)."""
+    check_kind(asset)
     fd, path = tempfile.mkstemp(prefix="h3-asset-")
     try:
         with os.fdopen(fd, "wb") as file:
@@ -131,9 +176,21 @@ class MediaPreparer:
     def prepare(self, spec: media_pb2.MediaSpec, assets: list[MediaAsset]) -> PreparedMedia:
         decoded = [decode_asset(asset) for asset in assets]
         try:
-            return workflows.by_value(spec.workflow).prepare_media(self.pipes[spec.workflow], spec,
-                                                                    [asset.item for asset in assets], decoded)
+            prepared = workflows.by_value(spec.workflow).prepare_media(self.pipes[spec.workflow], spec,
+                                                                        [asset.item for asset in assets], decoded)
         except MediaError:
             raise
         except ValueError as exc:  # the model's own checks of the media
             raise MediaError(str(exc).strip().splitlines()[-1]) from exc
+        _check_lengths(assets, prepared)
+        return prepared
+
+
+def _check_lengths(assets: list[MediaAsset], prepared: PreparedMedia) -> None:
+    """A video reference too short for the blocks after the set-up (the text encoder's 2 fps sampling, the video
+    VAE's first chunk), refused by name as admission refuses its asset; they would raise a bare ValueError."""
+    for asset, item in zip(assets, prepared.items):
+        if getattr(item, "kind", None) == "video" and item.frames.shape[0] < rules.MIN_REFERENCE_FRAMES:
+            raise MediaError(f"asset {clip(asset.item.asset_id)}: a video reference needs at least "
+                             f"{rules.MIN_REFERENCE_FRAMES} frames at {rules.FPS} fps (17n+5, n >= 1), got "
+                             f"{item.frames.shape[0]}")

@@ -15,11 +15,13 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.http import videos
-from h3serve.gateway.http.errors import ApiError, from_api_error, from_rpc_error
+from h3serve.gateway.http.errors import ApiError, from_api_error, from_http_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
+from h3serve.model import rules
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 CONSOLE = Path(__file__).with_name("console")
@@ -82,9 +84,56 @@ def _check_length(request: Request, limit: int) -> None:
                        f"most {limit:,} (its largest upload limit plus the form)", status=413)
 
 
+def _check_request_size(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> None:
+    """A GenerateRequest over the public API's message limit (`max_request_bytes`) would never reach the gateway's
+    checks: gRPC refuses it with RESOURCE_EXHAUSTED, which reads like a full queue (429, retried for ever by the
+    SDKs). Refuse it here as a 400 naming its largest field: a 9 MB prompt is the prompt's rule broken."""
+    size, limit = request.ByteSize(), config.max_request_bytes
+    if size <= limit:
+        return
+    names = [field.name for field, _ in request.ListFields()]
+
+    def alone(name: str) -> int:
+        part = gateway_pb2.GenerateRequest()
+        part.CopyFrom(request)
+        for other in names:
+            if other != name:
+                part.ClearField(other)
+        return part.ByteSize()
+
+    largest = max(names, key=alone)
+    problem = rules.prompt_problem(request.prompt, config.max_prompt_chars) if largest == "prompt" else None
+    param = "adapters" if largest == "params" else largest
+    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {problem}" if problem else
+                   f"{param}: {alone(largest):,} bytes; a request takes at most {limit:,} bytes in all "
+                   "(max_request_bytes)", param)
+
+
 def max_body_bytes(config: GatewayConfig) -> int:
     """The largest upload the gateway takes, plus room for the form's other fields."""
     return max(config.max_image_bytes, config.max_video_bytes, config.max_audio_bytes) + FORM_BYTES
+
+
+def _inlined(schema: dict) -> dict:
+    """A pydantic model's JSON schema with its `$defs` references replaced by the definitions (for openapi_extra)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return walk(dict(defs[node["$ref"].rsplit("/", 1)[-1]]))
+            return {key: walk(value) for key, value in node.items()}
+        return [walk(item) for item in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+# The bodies the routes read themselves (JSON or a form), declared so the OpenAPI schema documents them (and a
+# schema-driven client or fuzzer sends them).
+CREATE_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(videos.VideoCreate.model_json_schema())}}}}
+ASSET_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file"], "properties": {"file": {"type": "string", "format": "binary"}}}}}}}
 
 
 def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: GatewayConfig) -> FastAPI:
@@ -97,6 +146,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
                   redoc_url=None)
     app.add_exception_handler(grpc.aio.AioRpcError, lambda request, error: from_rpc_error(error))
     app.add_exception_handler(ApiError, lambda request, error: from_api_error(error))
+    app.add_exception_handler(HTTPException, lambda request, error: from_http_error(error.status_code, error.detail))
 
     async def upload(file: UploadFile, request: Request) -> gateway_pb2.Asset:
         return await gateway.UploadAsset(_file_chunks(file), metadata=_metadata(request))
@@ -107,10 +157,10 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     async def job(video_id: str, request: Request) -> gateway_pb2.Job:
         return await gateway.GetJob(gateway_pb2.GetJobRequest(job_id=video_id), metadata=_metadata(request))
 
-    @app.post("/v1/videos")
+    @app.post("/v1/videos", openapi_extra=CREATE_BODY)
     async def create(request: Request):
         _check_length(request, max_body)
-        form = await _body(request)
+        form = await _body(request, max_field_bytes(config))
         reference = form.pop("input_reference", None)
         body = videos.VideoCreate.parse(form)
         if isinstance(reference, UploadFile):  # OpenAI's image-to-video: the upload is the first keyframe
@@ -119,8 +169,9 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "input_reference: upload the image as a file; "
                            "this server never fetches a URL (or pass an uploaded asset id as first_frame)",
                            "input_reference")
-        submitted = await gateway.Submit(videos.generate_request(body, request.headers.get("idempotency-key", "")),
-                                         metadata=_metadata(request))
+        generate = videos.generate_request(body, request.headers.get("idempotency-key", ""))
+        _check_request_size(generate, config)
+        submitted = await gateway.Submit(generate, metadata=_metadata(request))
         return as_video(submitted)
 
     @app.get("/v1/videos")
@@ -186,7 +237,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
                                  media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
-    @app.post("/v1/assets")
+    @app.post("/v1/assets", openapi_extra=ASSET_BODY)
     async def assets(request: Request):
         _check_length(request, max_body)
         form = await request.form()
@@ -210,13 +261,24 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     return app
 
 
-async def _body(request: Request) -> dict:
+def max_field_bytes(config: GatewayConfig) -> int:
+    """The largest form field (not file) the door reads: past the request limit, so that a field over it is read and
+    refused by name (`_check_request_size`); a field over this is refused unread, without a name."""
+    return 4 * config.max_request_bytes
+
+
+async def _body(request: Request, max_field: int) -> dict:
     """The create request's fields from JSON or a multipart / urlencoded form, where a repeated field, or one named
     `name[]` (how OpenAI's SDKs send a list), is a list."""
     kind = request.headers.get("content-type", "")
     if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         fields: dict[str, list] = {}
-        for key, value in (await request.form()).multi_items():
+        try:
+            form = await request.form(max_part_size=max_field)
+        except HTTPException as error:  # Starlette's 400 for a malformed form or a field over `max_field`
+            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the form: {error.detail} (a field takes at most "
+                           f"{max_field:,} bytes)") from None
+        for key, value in form.multi_items():
             fields.setdefault(key, []).append(value)
         return {key.removesuffix("[]"): values if len(values) > 1 or key.endswith("[]") else values[0]
                 for key, values in fields.items()}

@@ -17,6 +17,14 @@ _HTTP = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
 }
 RETRYABLE = {429, 503, 504}
+# gRPC's own RESOURCE_EXHAUSTED for a message over the server's max_receive_message_length ("Received message larger
+# than max (N vs. M)"; "Sent ..." on the client's side): the request is too large, which no retry fixes, unlike the
+# gateway's RESOURCE_EXHAUSTED for a full job queue (too many), the one 429 worth retrying.
+_TOO_LARGE = ("message larger than max",)
+
+
+def too_large(code: grpc.StatusCode, message: str) -> bool:
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(mark in message for mark in _TOO_LARGE)
 
 
 class ApiError(Exception):
@@ -30,12 +38,22 @@ class ApiError(Exception):
 def error_response(code: grpc.StatusCode, message: str, param: str | None = None,
                    status: int | None = None) -> JSONResponse:
     """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit)."""
-    mapped, kind = _HTTP.get(code, (500, "server_error"))
+    mapped, kind = (413, "invalid_request_error") if too_large(code, message) else _HTTP.get(code, (500, "server_error"))
     status = status or mapped
+    if status < 500 and kind == "server_error" or status in (400, 413) and kind == "rate_limit_error":
+        kind = "invalid_request_error"
     # OpenAI's SDKs retry 409 and every 5xx unless told: only a busy or absent server is worth a retry.
     headers = {"x-should-retry": "true" if status in RETRYABLE else "false"}
     body = {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def from_http_error(status: int, detail: str) -> JSONResponse:
+    """The framework's own refusals (an unknown path, a method not allowed, a malformed form) as OpenAI's error
+    JSON too, never retried."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"error": {"message": str(detail), "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> JSONResponse:

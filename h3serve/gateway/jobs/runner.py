@@ -39,8 +39,15 @@ from h3serve.v1 import gateway_pb2
 log = logging.getLogger("h3serve.gateway.jobs")
 S = gateway_pb2
 CANCELLED_BY_CLIENT = "cancelled by CancelJob"
-ATTEMPT_STARTS = ("accepted", "retrying")  # event kinds that begin an attempt
-WORK_EVENTS = ("encoding", "conditioning", "denoising", "decoding", "muxing")  # a stage made progress
+INTERRUPTED = "the gateway stopped during this pass"  # the error a dead gateway's open stage records get
+# A gateway restart is not the job's fault: a job in flight when the gateway died runs again without spending one of
+# its `max_attempts` (those count only what the job did: runs lost to a stall). The guard against a job that itself
+# brings the gateway down every time (a poison job) is a separate bound: a restart that caught one of the job's stage
+# calls in progress counts as one of its MAX_RESTART_RERUNS; the job's next such restart fails it (ABORTED, with this
+# reason). A job that was only waiting in a queue (before its first stage or between two) had nothing running, so it
+# cannot be the cause: its re-run is free and counted nowhere. A bound, not a judgement of which job was running for
+# how long: simple, and wrong only for a job caught in flight by more restarts than this, which then says why.
+MAX_RESTART_RERUNS = 10
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -94,32 +101,36 @@ class JobRunner:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def resume(self) -> None:
-        """At start-up: queued jobs run; jobs a dead gateway left in flight run again, their attempt counted only
-        when it did work (a job that was still waiting for its first stage loses nothing), or fail with the reason
-        when their attempts are spent."""
+        """At start-up: queued jobs run; jobs a dead gateway left in flight run again without spending an attempt,
+        or fail with the reason when restarts caught them in a stage more than MAX_RESTART_RERUNS times."""
         reran = 0
         for job in await self.store.unfinished():
             if job.state == S.JOB_STATE_RUNNING:
-                where = _where(job.last_stage)
-                if not await self._worked(job.job_id):
-                    await self._requeue_uncounted(job.job_id, "the gateway restarted while this job waited in "
-                                                              "{where} before any work")
-                elif await self._retry_or_fail(job.job_id, job.attempts, f"the gateway restarted while this job was "
-                                                                         f"in {where}", grpc.StatusCode.ABORTED):
-                    reran += 1
+                reran += 1
+                if not job.in_stage:
+                    waited = f"for the {job.last_stage} stage" if job.last_stage else "in the queue"
+                    await self._requeue_uncounted(job.job_id, f"the gateway restarted while this job waited {waited}",
+                                                  interrupted=INTERRUPTED)
+                elif job.restarts < MAX_RESTART_RERUNS:
+                    await self._requeue_uncounted(
+                        job.job_id, f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
+                                    f" of {MAX_RESTART_RERUNS} after a restart", interrupted=INTERRUPTED,
+                        count_restart=True)
                 else:
-                    log.warning("job %s failed: interrupted by restarts %d times", job.job_id, job.attempts)
+                    log.warning("job %s failed: caught in flight by %d gateway restarts", job.job_id,
+                                job.restarts + 1)
+                    await self._finish(job.job_id, S.JOB_STATE_FAILED, failed=failure(
+                        grpc.StatusCode.ABORTED,
+                        f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
+                        f"restarts caught one of its stages in progress; restarts spend none of its "
+                        f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job ends, in "
+                        "case it is what brings the gateway down"))
+                    reran -= 1
                     continue
             self.start(job.job_id, job.request)
         self.metrics.job_retries.labels("restart").inc(reran)
         if self._tasks:
             log.info("resumed %d job(s) (%d interrupted in flight)", len(self._tasks), reran)
-
-    async def _worked(self, job_id: str) -> bool:
-        """Whether the job's latest attempt produced any stage progress."""
-        kinds = [event.WhichOneof("kind") for event in await self.store.events(job_id)]
-        starts = [i for i, kind in enumerate(kinds) if kind in ATTEMPT_STARTS]
-        return any(kind in WORK_EVENTS for kind in kinds[starts[-1] if starts else 0:])
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         try:
@@ -163,14 +174,16 @@ class JobRunner:
                            failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})"))
         return False
 
-    async def _requeue_uncounted(self, job_id: str, why: str) -> None:
+    async def _requeue_uncounted(self, job_id: str, why: str, **restart) -> None:
         """Queue the job again without counting the interrupted attempt; the `retrying` event repeats its number and
-        says `why` ("{where}": the stage the job was in)."""
+        says `why` ("{where}": the stage the job was in). `restart`: JobStore.requeue's `interrupted` and
+        `count_restart`, at a start-up."""
         job = await self.store.get_job(job_id)
         where = _where(job.stage_records[-1].stage if job.stage_records else "")
         retrying = S.Retrying(attempt=job.attempts, max_attempts=self.max_attempts,
                               reason=why.format(where=where) + "; attempt not counted")
-        self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False))
+        self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False,
+                                                  **restart))
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
         self.hub.publish(await self.store.finish(job_id, state, S.JobEvent(**terminal)))

@@ -51,7 +51,7 @@ CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
 # Columns added after the first release: (name, declaration); added in place to an older file. `progress` is
 # NULL only in rows from before it existed (new jobs start at 0): they are filled from their events at open.
 _JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"),
-                ("deleted", "REAL NOT NULL DEFAULT 0"), ("progress", "REAL"))
+                ("deleted", "REAL NOT NULL DEFAULT 0"), ("progress", "REAL"), ("restarts", "INTEGER NOT NULL DEFAULT 0"))
 
 
 def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
@@ -175,13 +175,18 @@ class _Database:
             return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts",
                               (job_id,))[0][0]
 
-    def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True
-                ) -> gateway_pb2.JobEvent | None:
+    def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True, interrupted: str = "",
+                count_restart: bool = False) -> gateway_pb2.JobEvent | None:
         with self._conn:
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
                 return None
             if not count_attempt:
                 self._rows("UPDATE jobs SET attempts = MAX(attempts - 1, 0) WHERE job_id = ?", (job_id,))
+            if count_restart:
+                self._rows("UPDATE jobs SET restarts = restarts + 1 WHERE job_id = ?", (job_id,))
+            if interrupted:
+                self._rows("UPDATE stage_runs SET error = ? WHERE job_id = ? AND finished = 0 AND error = ''",
+                           (interrupted, job_id))
             return self._write_event(job_id, event)
 
     def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
@@ -201,10 +206,11 @@ class _Database:
     def unfinished(self) -> list[Unfinished]:
         rows = self._rows(
             "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
-            "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), '') FROM jobs WHERE state IN (?, ?) "
-            "ORDER BY created, rowid", UNFINISHED_STATES)
-        return [Unfinished(job_id, state, _request(request), attempts, stage)
-                for job_id, state, request, attempts, stage in rows]
+            "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), ''), restarts, EXISTS (SELECT 1 FROM stage_runs r "
+            "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = '') "
+            "FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid", UNFINISHED_STATES)
+        return [Unfinished(job_id, state, _request(request), attempts, stage, restarts, bool(in_stage))
+                for job_id, state, request, attempts, stage, restarts, in_stage in rows]
 
     # Stage records: one row per pass of a job through a stage.
 

@@ -48,6 +48,8 @@ class Unfinished:
     request: gateway_pb2.ResolvedRequest
     attempts: int
     last_stage: str  # the stage of its last stage record ("" if it never reached one)
+    restarts: int = 0  # gateway restarts that caught one of its stage calls in progress (runner.py: free re-runs)
+    in_stage: bool = False  # a stage call of it was in progress (started, not ended) when the gateway stopped
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,12 @@ class JobStore(Protocol):
     async def start_attempt(self, job_id: str) -> int:
         """Mark the job RUNNING and count one more attempt; returns its number (0: the job is already final)."""
 
-    async def requeue(self, job_id: str, event: gateway_pb2.JobEvent,
-                      count_attempt: bool = True) -> gateway_pb2.JobEvent | None:
+    async def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True,
+                      interrupted: str = "", count_restart: bool = False) -> gateway_pb2.JobEvent | None:
         """Queue an unfinished job again with `event` (its `retrying`); without `count_attempt` the interrupted
-        attempt is taken back. Returns the stored event, None when the job is already final."""
+        attempt is taken back. `interrupted`: the error its stage records still open get (a dead gateway's passes);
+        `count_restart`: one more restart caught it in a stage (`Unfinished.restarts`). Returns the stored event,
+        None when the job is already final."""
 
     async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
         """Set a terminal state with its terminal event (its `failed` also becomes the job's error). Returns the
