@@ -8,11 +8,15 @@ STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
 all: $(VENV)/.installed proto
 
+# The extras `make demo` and `make test` use (pyproject.toml): the model services, the experiment tool, the
+# suite, and dev's grpcio-tools for the stubs. A gateway-only host installs the base alone (`pip install .`).
+EXTRAS := model,experiment,test,dev
+
 # torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
 proto: $(STUBS)
