@@ -33,6 +33,17 @@ def refusal(tmp_path: Path, text: str) -> str:
     ("[gateway]\ndefault_steps = 300",
      "deploy.toml [gateway] default_steps: must be within 2..max_steps (200), got 300"),
     ("[vae]\nportt = 1", "deploy.toml [vae] portt: unknown key; did you mean port?"),
+    ("[encoder]\ntile_batch = 2", "deploy.toml [encoder] tile_batch: not a key of this section; it belongs in [vae]"),
+    ("[encoder]\nfp8 = true", "deploy.toml [encoder] fp8: not a key of this section; it belongs in [dit]"),
+    ("[encoder]\ncompile = true",
+     "deploy.toml [encoder] compile: not a key of this section; it belongs in [dit] or [vae]"),
+    ('[vae]\nquantize = "int8"', "deploy.toml [vae] quantize: not a key of this section; it belongs in [encoder]"),
+    ("[gateway]\nmax_rows = 300000", "deploy.toml [gateway] max_rows = 300,000 is above [dit] max_rows = 200,000: "
+                                     "requests it admits would be refused by the dit; lower the gateway's or raise "
+                                     "the dit's"),
+    ("[encoder]\nmax_prompt_chars = 100", "deploy.toml [gateway] max_prompt_chars = 8,192 is above [encoder] "
+                                          "max_prompt_chars = 100: requests it admits would be refused by the "
+                                          "encoder; lower the gateway's or raise the encoder's"),
     ("[frobnicate]\nx = 1",
      "deploy.toml [frobnicate]: unknown section; known: model, encoder, dit, vae, gateway, supervisor"),
     ("gateway = 5", "deploy.toml [gateway]: should be a table"),

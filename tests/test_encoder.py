@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from h3serve.common.config import ModelServiceConfig
+from h3serve.common.config import EncoderConfig
 from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
 from h3serve.services.encoder.cache import ByteLRU
@@ -40,7 +40,7 @@ def test_a_value_larger_than_the_bound_is_not_kept():
 def encoder():
     model = common_pb2.ModelInfo(model_revision="tiny-v1")
     servicer = EncoderServicer(TextEncoderRunner(ModelSource(None).load(COMPONENTS, "cpu", "float32")), model,
-                               ModelServiceConfig(cache_bytes=10_000, max_prompt_chars=100, max_prompt_tokens=80))
+                               EncoderConfig(cache_bytes=10_000, max_prompt_chars=100, max_prompt_tokens=80))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from h3serve.common.config import EncoderConfig, ModelServiceConfig
+from h3serve.common.config import EncoderConfig
 from h3serve.runtime import tiny, wire
 from h3serve.services.encoder import placement
 from h3serve.services.encoder import server as encoder_server
@@ -58,7 +58,7 @@ def test_int8_on_cpu_is_within_the_documented_error_and_really_quantized(text_pa
 
 
 def test_variant_names_the_numbers():
-    assert placement.variant(ModelServiceConfig()) == "fp32"
+    assert placement.variant(EncoderConfig()) == "fp32"
     assert placement.variant(EncoderConfig(dtype="bfloat16")) == "bf16"
     assert placement.variant(EncoderConfig(dtype="bfloat16", quantize="int8")) == "int8"
     assert placement.variant(EncoderConfig(dtype="bfloat16", quantize="nf4", device="cuda")) == "nf4"
@@ -193,29 +193,22 @@ def test_int8_quantized_layer_by_layer_for_the_offload_holds_int8_in_the_arenas_
     assert in_arenas([w.qdata for w in weights], arenas), "the int8 data is what the arenas hold"
 
 
-class StateWeights:
-    """A `sharded_load.Weights` reading a loaded model's values (as random:full's draws them), by name."""
+def test_a_model_directory_s_encoder_built_layer_by_layer_gives_the_encoder_loaded_whole(text_parts, tiny_model_dir):
+    """int8 with cpu_offload never holds the bf16 encoder whole: a skeleton's decoder layers are filled one by one from
+    the model directory's safetensors on the device, quantized and brought back, then the rest; the embeddings are
+    those of the encoder loaded whole and quantized the same way."""
+    from h3serve.runtime.models import ModelSource
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.state = model.state_dict()
-
-    def fill(self, name: str, rows) -> None:
-        rows.tensor.copy_(self.state[name])
-
-
-def test_a_skeleton_built_layer_by_layer_gives_the_encoder_loaded_whole(text_parts):
-    """random:full's encoder with int8 + cpu_offload is never whole in bf16: each decoder layer is filled on the
-    device, quantized and brought back, then the rest; the embeddings are the ones of the model loaded whole."""
-    from h3serve.runtime import random_full
-
-    loaded = tiny.build_component("text_encoder")
-    expected_model = tiny.build_component("text_encoder")
-    placement.quantize_through(expected_model, "int8", torch.device("cpu"))
-    skeleton = random_full.skeleton(lambda: tiny.build_component("text_encoder"), torch.float32)
-    assert all(p.is_meta for p in skeleton.parameters())
-    placement.quantize_through(skeleton, "int8", torch.device("cpu"), StateWeights(loaded))
-    assert not any(p.is_meta for p in skeleton.parameters())
-    assert torch.equal(embed(skeleton, text_parts), embed(expected_model, text_parts))
+    config = EncoderConfig(model_dir=str(tiny_model_dir), device="cuda", quantize="int8", cpu_offload=True)
+    weights = placement.layer_weights(config)
+    assert weights is not None and placement.layer_weights(config.replace(quantize="none")) is None
+    whole = ModelSource(str(tiny_model_dir)).load(["text_encoder"], "cpu", "float32")["text_encoder"]
+    placement.quantize_through(whole, "int8", torch.device("cpu"))
+    layered = placement.skeleton(weights, torch.float32)
+    assert all(p.is_meta for p in layered.parameters())
+    placement.quantize_through(layered, "int8", torch.device("cpu"), weights)
+    assert not any(p.is_meta for p in layered.parameters())
+    assert torch.equal(embed(layered, text_parts), embed(whole, text_parts))
 
 
 def test_spread_map_keeps_decoder_layers_whole_and_balances():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.common import Size, denoise_spec
-from h3serve.common.config import DiTConfig, ModelServiceConfig
+from h3serve.common.config import DiTConfig, VaeConfig
 from h3serve.runtime import compile_cache, fastpath
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
@@ -29,12 +29,13 @@ def test_an_unknown_attention_backend_is_refused_by_name():
 
 def test_fp8_needs_bf16_weights():
     with pytest.raises(ValueError, match='fp8 needs dtype = "bfloat16"'):
-        FastPath.of(ModelServiceConfig(fp8=True))
-    assert FastPath.of(ModelServiceConfig(dtype="bfloat16", fp8=True, compile=True)).describe() == "native+compile+fp8"
+        FastPath.of(DiTConfig(fp8=True))
+    fast = FastPath.of(DiTConfig(dtype="bfloat16", fp8=True, compile=True, compile_dynamic=False))
+    assert fast.describe() == "native+compile+fp8"
 
 
 def test_the_default_fast_path_is_diffusers_native_eager():
-    assert FastPath.of(ModelServiceConfig()) == FastPath(attention="native", compile=False, fp8=False)
+    assert FastPath.of(VaeConfig()) == FastPath(attention="native", compile=False, fp8=False)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cudnn") is not None, reason="nvidia-cudnn-frontend is installed here")
@@ -54,7 +55,7 @@ def test_compile_dynamic_needs_compile_and_is_the_dits_default():
         FastPath(dynamic=True)
     assert FastPath.of(DiTConfig(compile=True)).describe() == "native+compile+dynamic"
     assert FastPath.of(DiTConfig()) == FastPath(), "without compile there is nothing to compile dynamically"
-    assert not FastPath.of(ModelServiceConfig(compile=True)).dynamic, "the VAE keeps torch's default"
+    assert not FastPath.of(VaeConfig(compile=True)).dynamic, "the VAE keeps torch's default"
     assert warmup.prompt_lengths(DiTConfig(compile=True)) == [256, 255]  # the second compiles nothing
     assert warmup.prompt_lengths(DiTConfig(compile=True, compile_dynamic=False)) == [256, 255, 254]
 
@@ -82,7 +83,7 @@ def test_inductor_tuning_is_the_configs_choice_not_a_side_effect():
     # torchao's fp8 config turns Inductor's coordinate-descent tuning on for the whole process unless told not to:
     # at 480x832x124 on one H200 it was 125 s of a 153 s cold compile (README "Warm start")
     with pytest.raises(ValueError, match="compile_tuning needs compile = true"):
-        FastPath.of(ModelServiceConfig(compile_tuning=True))
+        FastPath.of(VaeConfig(compile_tuning=True))
     assert FastPath.of(DiTConfig(compile=True, compile_tuning=True)).describe() == "native+compile+dynamic+tune"
     import torch._inductor.config as inductor
 

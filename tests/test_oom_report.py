@@ -93,3 +93,16 @@ def test_the_dit_launcher_reports_a_rank_sigkilled_near_the_limit_as_oom_killed(
     assert f") was {OOM_SAID}" in group.last_exit, group.last_exit
     assert "stopped restarting: the same start-up failure twice: rank " in caplog.text
     assert caplog.text.count("starting the DiT group: ") == 2
+
+
+def test_a_restarted_dit_reports_how_the_start_before_it_ended():
+    """The launcher hands the last exit reason to the next start's ranks; rank 0 puts it in DiTInfo.state."""
+    from h3serve.common.config import DiTConfig
+    from h3serve.services.dit import rank, supervisor
+
+    config = DiTConfig(max_restarts=3)
+    reason = "rank 0 (pid 7) most likely killed by the kernel's OOM killer: host had 0.50 GiB available of 16.00 GiB"
+    env = supervisor.rank_env(config, 0, 1, ("127.0.0.1", 1), reason)
+    assert env[supervisor.LAST_EXIT_ENV] == reason
+    assert rank.start_state(config, 1, env[supervisor.LAST_EXIT_ENV]) == f"restarting (restart 1 of 3; after: {reason})"
+    assert rank.start_state(config, 0, "") == "starting"

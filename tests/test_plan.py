@@ -40,8 +40,9 @@ def _rank0(result) -> memory_plan.Share:
 def test_the_small_gpu_profiles_load_and_fit(profile):
     config = load_deploy(DEPLOY / profile)
     assert all(config.service(name).memory_limit_gib > 0 for name in ("encoder", "dit", "vae"))
-    out = subprocess.run([*CLI, "--config", str(DEPLOY / profile)], check=False, capture_output=True, text=True,
-                         timeout=120)
+    # a host large enough that only the GPUs are under test here (tests/test_host_plan.py plans the host)
+    out = subprocess.run([*CLI, "--config", str(DEPLOY / profile), "--host-gib", "256"], check=False,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.rstrip().endswith("fits") and "GPU 0:" in out.stdout
 
@@ -60,8 +61,8 @@ def test_turing_profile_places_what_the_brief_asks():
 def test_the_whole_bf16_dit_on_one_22_gib_card_is_refused_with_the_numbers(tmp_path):
     path = _config(tmp_path, '[dit]\ndevice = "cuda"\ngpus = "0"\ndtype = "bfloat16"\nworkflows = ["t2va"]\n'
                              "memory_limit_gib = 22\n")
-    out = subprocess.run([*CLI, "--config", str(path), "--frames", "124"], check=False, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([*CLI, "--config", str(path), "--frames", "124", "--host-gib", "256"], check=False,
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("h3serve plan: GPU 0: dit rank 0") for line in lines), lines

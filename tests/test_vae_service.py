@@ -17,7 +17,7 @@ import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 from media_files import image, mp4, wav
 
-from h3serve.common.config import ModelServiceConfig
+from h3serve.common.config import VaeConfig
 from h3serve.common.server import GRPC_OPTIONS
 from h3serve.model import workflows
 from h3serve.model.presets import TINY_REVISION
@@ -52,7 +52,7 @@ def make_latents() -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def vae_service(vae, audio_vae, config: ModelServiceConfig = ModelServiceConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
+def vae_service(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
     """A VaeServicer over `vae`/`audio_vae` on a gRPC server bound to loopback; yields a stub to it."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     vae_pb2_grpc.add_VAEServicer_to_server(VaeServicer(VaeDecoder(vae, audio_vae), MODEL, config), server)
@@ -170,13 +170,13 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
 
 
 def test_the_x264_preset_is_the_configured_one(components, latents, in_process):
-    with vae_service(*components, ModelServiceConfig(x264_preset="ultrafast")) as stub:
+    with vae_service(*components, VaeConfig(x264_preset="ultrafast")) as stub:
         video = files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"]
     frames, audio = in_process["videos"][0], in_process["audio"][0].numpy()
     assert video == encode_mp4(frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast")
     assert video != encode_mp4(frames, audio, in_process["sampling_rate"], ignore)  # medium, the default
     with pytest.raises(ValueError, match="x264_preset"):
-        ModelServiceConfig(x264_preset="warp")
+        VaeConfig(x264_preset="warp")
 
 
 def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
@@ -210,7 +210,7 @@ def test_events_arrive_in_phase_order(events):
 def test_info_reports_the_served_requests(stub, events):
     info = stub.Info(common_pb2.InfoRequest())
     assert info.requests_served == 1  # the `events` decode is the only one that succeeds on this server
-    assert info.max_raw_bytes == ModelServiceConfig().max_raw_bytes
+    assert info.max_raw_bytes == VaeConfig().max_raw_bytes
     assert info.model.model_revision == TINY_REVISION
 
 
@@ -257,7 +257,7 @@ def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
 
 def test_include_raw_over_the_limit_is_refused_before_decoding(components, latents):
     raw_bytes = 4 * (NUM_FRAMES * HEIGHT * WIDTH * 3 + 2 * NUM_SAMPLES)
-    with vae_service(*components, ModelServiceConfig(max_raw_bytes=raw_bytes - 1)) as stub:
+    with vae_service(*components, VaeConfig(max_raw_bytes=raw_bytes - 1)) as stub:
         error, events = failure(stub, requests(latents, include_raw=True))
         assert stub.Info(common_pb2.InfoRequest()).requests_served == 0
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -355,7 +355,7 @@ def test_decode_gpus_beyond_what_the_process_sees_is_refused_at_start():
 ])
 def test_decode_gpus_the_config_cannot_give_is_refused(keys, reason):
     with pytest.raises(ValueError, match=re.escape(reason)):
-        ModelServiceConfig(**keys)
+        VaeConfig(**keys)
 
 
 # EncodeConditions: progress per encoder call
@@ -425,7 +425,7 @@ def test_condition_progress_counts_every_encoder_call(media, case, small_tiles):
 def test_encode_conditions_streams_progress_then_the_latents_of_the_in_process_block(media, case):
     vae, audio_vae = condition_components(small_tiles=True)
     inputs = media_inputs(media, case)
-    with vae_service(vae, audio_vae, ModelServiceConfig(geometry=GEOMETRY)) as stub:
+    with vae_service(vae, audio_vae, VaeConfig(geometry=GEOMETRY)) as stub:
         events = list(stub.EncodeConditions(iter(inputs)))
     total = CONDITION_CASES[case][3]
     assert [(e.progress.done, e.progress.total) for e in events if e.HasField("progress")] == \
@@ -447,7 +447,7 @@ def test_encode_conditions_streams_progress_then_the_latents_of_the_in_process_b
 def test_cancelled_encode_stops_and_frees_the_service(media):
     vae, audio_vae = condition_components(small_tiles=True)
     inputs = media_inputs(media, "ref2va")
-    with vae_service(vae, audio_vae, ModelServiceConfig(geometry=GEOMETRY)) as stub:
+    with vae_service(vae, audio_vae, VaeConfig(geometry=GEOMETRY)) as stub:
         call = stub.EncodeConditions(iter(inputs))
         assert next(call).progress.done == 1
         call.cancel()

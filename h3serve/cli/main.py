@@ -190,7 +190,8 @@ def _reference(args) -> None:
         params = resolved_params(config.dit.adapters, _request(args).params, config.gateway.default_steps)
     except ValueError as exc:
         raise SystemExit(f"h3serve reference: {exc}") from None
-    result = run_reference(ModelSource(args.model_dir or config.dit.model_dir or None), ReferenceRequest(
+    source = ModelSource(args.model_dir or config.dit.model_dir or None, config.dit.transformer_file)  # the DiT's file
+    result = run_reference(source, ReferenceRequest(
         args.prompt, args.height, args.width, args.num_frames, params.num_inference_steps, args.seed,
         references=references, adapters=tuple((a.name, a.weight) for a in params.adapters),
         flow_shift=params.flow_shift, audio_flow_shift=params.audio_flow_shift, **frames),

@@ -17,6 +17,7 @@ from h3serve.common.config import SERVICES, AdapterSource, DeployConfig
 from h3serve.model import adapters, workflows
 from h3serve.model.adapters import DEFAULT_SHIFTS, AdapterCatalog, AdapterFacts
 from h3serve.model.rules import Geometry
+from h3serve.runtime import checkpoints
 from h3serve.runtime.media import decode_reference
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, media_pb2
@@ -90,6 +91,8 @@ def reference_pipeline(source: ModelSource, with_references: bool = False, devic
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
     names = [*T2VA_COMPONENTS, "transformer_ref"] if with_references else T2VA_COMPONENTS
+    if source.transformer_file:  # [dit] transformer_file: refused as the DiT refuses it, before anything loads
+        checkpoints.check(source.transformer_file, source.model_dir)
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(**source.load(names, device, dtype), **geometry.pipeline_configs())
     return pipe

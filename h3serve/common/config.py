@@ -50,6 +50,13 @@ FLOAT16_REFUSED = ("float16 is refused for the MiniMax-H3 DiT: its activations p
                    "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
                    'inside attention_backend = "sage")')
 
+# Limits both the gateway and a service hold to: one definition, the default of both sections; a deployment whose
+# gateway admits more than its service takes is refused (`_gateway_within_services`)
+MAX_PROMPT_CHARS = 8192
+MAX_STEPS = 200
+DEFAULT_STEPS = 50
+MAX_ROWS = 200_000
+
 Port = Annotated[int, Field(ge=0, le=65535)]
 Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
@@ -154,7 +161,8 @@ Adapter = Annotated[AdapterSource, BeforeValidator(_adapter_source), AfterValida
 
 
 class ModelServiceConfig(Section):
-    """One model service process (encoder, dit or vae)."""
+    """What every model service process (encoder, dit or vae) takes; each has its own section class below, so a key
+    of another service's is refused in its section."""
 
     host: str = "127.0.0.1"
     port: Port = 0
@@ -162,39 +170,53 @@ class ModelServiceConfig(Section):
     device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
     gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
     dtype: DType = "float32"
-    attention_backend: str = "native"  # dit, vae: a diffusers attention backend, "flash4" (FlashAttention 4)
-                                       # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
-    cache_bytes: NonNegativeInt = 256 << 20   # encoder embedding cache bound
-    max_prompt_chars: PositiveInt = 8192      # encoder: longest prompt accepted
-    max_prompt_tokens: PositiveInt = 2048     # encoder: longest prompt accepted, in the tokenizer's tokens
     max_input_bytes: PositiveInt = 2 << 30    # tensor or media bytes one request may carry (the DiT and the VAE's
                                               # Decode also hold to what the model's geometry allows)
     auth_token: str = ""           # the gateway's stage_token, required on every RPC but health and reflection
-    max_raw_bytes: NonNegativeInt = 512 << 20  # vae: largest raw.npz payload include_raw may produce
     threads: NonNegativeInt = 0    # torch intra-op threads; 0: torch's default
     tls_cert: str = ""             # PEM certificate chain + key: serve TLS instead of plaintext
     tls_key: str = ""
-    workflows: Workflows = ("t2va", "fl2va", "ref2va")  # dit: served workflows (decides the partitions loaded)
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
-    compile: bool = False          # dit, vae: torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
-    compile_dynamic: bool = False  # with compile: symbolic sizes from the first call, one graph per forward
-                                   # variant for every shape (false: torch's default, a static graph first)
-                                   # (the DiT's default is true: see DiTConfig)
-    compile_tuning: bool = False   # with compile: Inductor's coordinate-descent tuning of each kernel (minutes of a
-                                   # cold compile: 125 of 153 s at 480x832x124 with fp8 on one H200)
-    fp8: bool = False              # dit: fp8 W8A8 block linears (torchao, Hopper); changes the numbers
-    compile_cache_dir: str = ""    # dit, vae with compile: Inductor's and Triton's caches here, so a restart loads
-                                   # the compiled graphs (empty: torch's default, under /tmp)
-    tile_batch: PositiveInt = 1    # vae: spatial tiles per decoder call; 1 is diffusers' own loop (exact)
-    decode_gpus: PositiveInt = 1   # vae: GPUs one decode spreads its tiles over (decoder replicas on the next ones)
-    x264_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
-                         "veryslow"] = "medium"  # vae: libx264's speed / size trade at CRF 23 (bench/mux.py)
     memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
                                               # emulate a 22 GB card on a bigger one; 0: the whole device
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def compile_cache(self) -> str:
+        """Where this service keeps compiled graphs ("": it compiles nothing, or uses torch's default)."""
+        return ""
+
+
+class CompiledServiceConfig(ModelServiceConfig):
+    """A service whose model runs diffusers' blocks with the fast path (h3serve/runtime/fastpath.py): DiT and VAE."""
+
+    attention_backend: str = "native"  # a diffusers attention backend, "flash4" (FlashAttention 4)
+                                       # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
+    compile: bool = False          # torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
+    compile_dynamic: bool = False  # with compile: symbolic sizes from the first call, one graph per forward
+                                   # variant for every shape (false: torch's default, a static graph first)
+                                   # (the DiT's default is true: see DiTConfig)
+    compile_tuning: bool = False   # with compile: Inductor's coordinate-descent tuning of each kernel (minutes of a
+                                   # cold compile: 125 of 153 s at 480x832x124 with fp8 on one H200)
+    compile_cache_dir: str = ""    # with compile: Inductor's and Triton's caches here, so a restart loads
+                                   # the compiled graphs (empty: torch's default, under /tmp)
+
+    @property
+    def compile_cache(self) -> str:
+        return self.compile_cache_dir if self.compile else ""
+
+
+class VaeConfig(CompiledServiceConfig):
+    """The VAE service: video + audio decode, output checks, the MP4 mux, and condition encoding."""
+
+    max_raw_bytes: NonNegativeInt = 512 << 20  # largest raw.npz payload include_raw may produce
+    tile_batch: PositiveInt = 1    # spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+    decode_gpus: PositiveInt = 1   # GPUs one decode spreads its tiles over (decoder replicas on the next ones)
+    x264_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
+                         "veryslow"] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
 
     @field_validator("decode_gpus")
     @classmethod
@@ -213,6 +235,10 @@ class EncoderConfig(ModelServiceConfig):
     """The text encoder service. Qwen3-VL-32B is ~62 GiB in bf16: on small cards it is spread over the
     process's `gpus`, quantized, or offloaded (README "Small GPUs")."""
 
+    cache_bytes: NonNegativeInt = 256 << 20   # embedding cache bound
+    max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # longest prompt accepted
+    max_prompt_tokens: PositiveInt = 2048     # longest prompt accepted, in the tokenizer's tokens
+
     quantize: Literal["none", "int8", "nf4"] = "none"  # weight-only: int8 (torchao), nf4 (bitsandbytes, sm_75 too);
                                                        # changes the embeddings (the cache key says which)
     spread: bool = False             # the decoder layers spread over every visible GPU (accelerate's device map)
@@ -226,13 +252,15 @@ class EncoderConfig(ModelServiceConfig):
         return offload
 
 
-class DiTConfig(ModelServiceConfig):
+class DiTConfig(CompiledServiceConfig):
     """The DiT service: one process group of `world_size` ranks, started by h3serve's launcher on one node
     (h3serve/services/dit/supervisor.py) and by torchrun over several.
 
     Rank 0 hosts the gRPC server; every rank holds the transformer. See README "The sharded DiT".
     """
 
+    workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
+    fp8: bool = False                # fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     world_size: PositiveInt = 1      # ranks in the group (all nodes together); 1 runs the same code path
     nnodes: PositiveInt = 1          # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
     rdzv_endpoint: str = ""          # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
@@ -248,8 +276,8 @@ class DiTConfig(ModelServiceConfig):
     collective_timeout_s: PositiveFloat = 600.0  # a collective that takes longer fails the group (it restarts)
     heartbeat_s: PositiveFloat = 5.0  # idle ranks hear from rank 0 this often; a dead rank shows within this
     max_math_tokens: NonNegativeInt = 4096  # GPU: above this packed length attention never runs on the MATH kernel
-    max_steps: Steps = 200           # num_inference_steps accepted (as the gateway's max_steps)
-    max_rows: PositiveInt = 200_000  # packed rows of one request (as the gateway's max_rows)
+    max_steps: Steps = MAX_STEPS     # num_inference_steps accepted (at least the gateway's max_steps)
+    max_rows: PositiveInt = MAX_ROWS  # packed rows of one request (at least the gateway's max_rows)
     # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
     # (GenerationParams.adapters). See README "Adapters (LoRA) and few-step clips per request".
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
@@ -267,6 +295,19 @@ class DiTConfig(ModelServiceConfig):
     # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
     # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
     offload: Literal["none", "group"] = "none"
+    # The `transformer` partition (t2va, fl2va) from one file users already have: the published single-file layout
+    # (.safetensors) or a GGUF of it (.gguf, kept quantised); its config and every other component from [model] dir.
+    # A missing or unloadable file is refused at the DiT's start (h3serve/services/dit/transformer_file.py).
+    transformer_file: str = ""
+
+    @field_validator("transformer_file")
+    @classmethod
+    def _file_with_a_model_dir(cls, path: str, info: ValidationInfo) -> str:
+        if path and info.data.get("model_dir", "") in ("", "random:full"):
+            raise ValueError("the transformer's config and every other component come from [model] dir: set it")
+        if path and Path(path).suffix.lower() not in (".safetensors", ".gguf"):
+            raise ValueError(f"a transformer file is .safetensors or .gguf, got {path!r}")
+        return path
 
     @field_validator("dtype")
     @classmethod
@@ -328,10 +369,10 @@ class GatewayConfig(Section):
     encoder: Addresses = "127.0.0.1:50051"  # stage addresses
     dit: Addresses = "127.0.0.1:50052"
     vae: Addresses = "127.0.0.1:50053"
-    max_prompt_chars: PositiveInt = 8192
+    max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # at most the encoder's
     max_prompt_tokens: PositiveInt = 2048  # the prompt in the tokenizer's tokens (a character is up to 4)
-    max_steps: Steps = 200
-    default_steps: Steps = 50         # at most max_steps
+    max_steps: Steps = MAX_STEPS      # at most the DiT's
+    default_steps: Steps = DEFAULT_STEPS  # at most max_steps
     encode_deadline_s: PositiveFloat = 600.0  # per stage call
     denoise_deadline_s: PositiveFloat = 3600.0
     decode_deadline_s: PositiveFloat = 1800.0
@@ -347,13 +388,15 @@ class GatewayConfig(Section):
     max_video_pixels: PositiveInt = 3840 * 2160  # per frame
     max_video_seconds: PositiveFloat = 60.0
     max_audio_seconds: PositiveFloat = 60.0
-    max_rows: PositiveInt = 200_000   # admission: packed DiT rows per request (text, conditioning, generated)
+    max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
+                                      # conditioning, generated)
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""               # from [model] dir: admission counts text rows with its tokenizer and processor
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is
                                               # RESOURCE_EXHAUSTED (0: no bound)
-    max_attempts: PositiveInt = 3     # runs of one job that started work: re-runs after a gateway crash or a stall
+    max_attempts: PositiveInt = 3     # runs of one job: re-runs after a stalled stage; a gateway restart spends none
+                                      # (its own bound: runner.MAX_RESTART_RERUNS re-runs of a job caught in a stage)
     # Per-phase stall limits in seconds, measured from the phase's last progress event.
     stall_s: dict[Phase, PositiveFloat] = Field(default_factory=lambda: dict(STALL_DEFAULTS))
     # Admission capacity: {workflow: {"HxW" or "*": max packed-sequence rows}}; a canvas not listed
@@ -397,6 +440,9 @@ class SupervisorConfig(Section):
     max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
     stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
     start_timeout_s: PositiveFloat = 300.0  # start to SERVING; [dit] warmup shapes compile first (minutes each)
+    # the host's memory, GiB, that `h3serve plan` checks every process's private host memory against (less a reserve
+    # for the OS); 0: the machine's MemTotal where the plan runs
+    host_memory_gib: NonNegativeFloat = 0.0
 
     @field_validator("max_backoff_s")
     @classmethod
@@ -409,7 +455,7 @@ class SupervisorConfig(Section):
 class DeployConfig(Section):
     encoder: EncoderConfig = Field(default_factory=lambda: EncoderConfig(port=50051))
     dit: DiTConfig = Field(default_factory=lambda: DiTConfig(port=50052))
-    vae: ModelServiceConfig = Field(default_factory=lambda: ModelServiceConfig(port=50053))
+    vae: VaeConfig = Field(default_factory=lambda: VaeConfig(port=50053))
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
@@ -419,6 +465,8 @@ class DeployConfig(Section):
 
 SERVICES = ("encoder", "dit", "vae")
 SECTIONS = ("model", *SERVICES, "gateway", "supervisor")
+SECTION_MODELS: dict[str, type[Section]] = {"model": ModelSection, "encoder": EncoderConfig, "dit": DiTConfig,
+                                            "vae": VaeConfig, "gateway": GatewayConfig, "supervisor": SupervisorConfig}
 
 
 def load_deploy(path: str | Path | None) -> DeployConfig:
@@ -434,7 +482,24 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
     stages = {name: service.address for name, service in services.items()}
     gateway = _checked(config.gateway, {**shared, **stages, **tables["gateway"]}, f"{path} [gateway]")
     supervisor = _checked(config.supervisor, tables["supervisor"], f"{path} [supervisor]")
-    return DeployConfig(gateway=gateway, supervisor=supervisor, **services)
+    deploy = DeployConfig(gateway=gateway, supervisor=supervisor, **services)
+    problems = _gateway_within_services(deploy)
+    if problems:
+        raise ConfigError("\n".join(f"{path} {problem}" for problem in problems))
+    return deploy
+
+
+# (gateway key, service, service key): the gateway admits what the service then checks again
+SHARED_LIMITS = (("max_prompt_chars", "encoder", "max_prompt_chars"), ("max_steps", "dit", "max_steps"),
+                 ("max_rows", "dit", "max_rows"))
+
+
+def _gateway_within_services(deploy: DeployConfig) -> list[str]:
+    """A gateway limit above its service's would accept requests the service refuses after they waited in a queue."""
+    return [f"[gateway] {key} = {getattr(deploy.gateway, key):,} is above [{service}] {own} = "
+            f"{getattr(deploy.service(service), own):,}: requests it admits would be refused by the {service}; lower "
+            f"the gateway's or raise the {service}'s" for key, service, own in SHARED_LIMITS
+            if getattr(deploy.gateway, key) > getattr(deploy.service(service), own)]
 
 
 def override(section, **flags):
@@ -468,6 +533,10 @@ def _describe(problem: dict, model: type[Section]) -> str:
     """`key: what is wrong`, the key dotted into tables and lists ("capacity.t2va.768x1344", "workflows.0")."""
     key = ".".join(str(part) for part in problem["loc"] if part != "[key]")
     if problem["type"] == "extra_forbidden":
+        owners = [f"[{name}]" for name, section in SECTION_MODELS.items()
+                  if section is not model and str(problem["loc"][-1]) in section.model_fields]
+        if owners and len(problem["loc"]) == 1:
+            return f"{key}: not a key of this section; it belongs in {' or '.join(owners)}"
         close = difflib.get_close_matches(str(problem["loc"][-1]), model.model_fields, n=1)
         return f"{key}: unknown key" + (f"; did you mean {close[0]}?" if close else "")
     if problem["type"] == "value_error":  # our own checks: the message says it all

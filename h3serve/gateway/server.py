@@ -19,7 +19,7 @@ from h3serve.common import logs
 from h3serve.common.config import GatewayConfig
 from h3serve.common.guard import AsyncGuard
 from h3serve.common.processes import Refused, lock_directory, refuse
-from h3serve.common.server import EXCLUSIVE_PORT, GRACE_SECONDS, bind, enable_reflection
+from h3serve.common.server import EXCLUSIVE_PORT, GRACE_SECONDS, bind, enable_reflection, refuse_port_in_use
 from h3serve.gateway.admission.text_rows import TextRows
 from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
@@ -114,6 +114,7 @@ def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM or SIGINT, owning `data_dir` alone: two gateways on one job store and artifact tree
     would run each other's jobs again and delete each other's files. A second one exits EXIT_REFUSED."""
     logs.setup("gateway")
+    refuse_port_in_use(f"{config.host}:{config.port}")  # before the store opens: a restart would not free it
     try:
         lock = lock_directory(config.data_dir)
     except Refused as exc:

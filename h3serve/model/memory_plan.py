@@ -44,6 +44,49 @@ that cannot fit. Every number is an estimate; where each constant comes from:
   `memory_limit_gib`'s cap), 0.25 GiB more of NCCL buffers on a DiT rank of a group, and 5 % of the allocator's
   peak for fragmentation (inside the cap).
 
+Host memory (`host_plan`, `check_host`): the peak of each process's PRIVATE host memory (anonymous + pinned +
+shared memory, RssAnon + RssShmem: what the kernel cannot drop, what the OOM killer counts) in two phases, `start`
+(load, quantise, pin, adapters) and `serving`; memory-mapped files' pages (the fp8 store's) are reported apart as
+file pages, page cache the kernel reclaims. From the current code (read, not measured, unless it says so):
+
+- Every model process: `PROCESS_BASE_GIB` of runtime. Measured: the tiny CPU stack's services 0.5-0.6 GiB each
+  (`CPU_PROCESS_BASE_GIB`); on one H200 (torch 2.11) a bare process with torch, CUDA, cuBLAS and cuDNN 0.46 GiB,
+  0.93 with one torch.compile (its compile worker). Those do not explain the e2e measurement below, so
+  `PROCESS_BASE_GIB` (a process on CUDA) is CALIBRATED on it: the measured 49.2 GiB less what this model names
+  (the weights and buffers below, the gateway and the DiT's launcher), over the three CUDA processes, rounded:
+  (49.2 - 34.0) / 3 = 5.1 -> 5.0. It holds what is not modelled one by one (Inductor's compile, the CUDA host
+  allocator's cached blocks, load transients, gRPC buffers): an estimate from one profile, not a constant of
+  CUDA. The gateway: `GATEWAY_GIB` 0.3 (the tiny stack); the DiT's launcher (no torch): `LAUNCHER_GIB` (20 MiB
+  at import, measured here).
+- Pinned weights (h3serve/runtime/pinned.py): packed into 1 GiB arenas (`ARENA_GIB`: whole GiB, rounded up); a
+  tensor larger than an arena is pinned alone and the pinned allocator rounds it up to a power of two: the text
+  encoder's 1.45 GiB embedding takes 2 GiB. One H200, the 32 GB profile: the int8 encoder logged "25 arenas of
+  1024 MiB" (24.3 GiB without the embedding), so 27 GiB pinned.
+- DiT, `offload = "group"` with `fp8_cache_dir` (h3serve/runtime/weight_stream.py): `STAGING_SLOTS` (2) pinned
+  slots of one block (0.84 GiB in fp8, rounded up to 1 GiB each); the fp8 weights (43.8 GiB a partition) are the
+  store's mapped files: file pages. Start adds the adapters' factors (their file size: read to the host, then
+  moved to the GPU) and, with an empty cache, `FP8_BUILD_BLOCKS` (2) blocks' fp8 tensors on their way to the
+  writer thread (h3serve/runtime/fp8_store.py build); a filled cache needs neither (planned as empty:
+  conservative). Without fp8_cache_dir (h3serve/runtime/offload.py): every weight pinned (arenas), and at start
+  the bf16 weights are built in host memory before quantisation. Resident on the GPU: the runtime only (the fp8
+  save copies storage by storage). FSDP with fsdp_offload: each rank's shard pinned (total / world_size).
+- Encoder, cpu_offload: its weights pinned as above; with int8 it is built layer by layer on the GPU from the model
+  directory's safetensors or `random:full`'s draws (+ one quantised layer on the host); with bf16 the whole model
+  is loaded into host memory first.
+  Without cpu_offload on a GPU: quantize or spread stage the bf16 model in host memory at start; a plain load
+  goes to the GPU (the runtime only).
+- VAE: the runtime (weights on the GPU). Any service on the CPU (the demo): its weights are private host memory.
+  The tiny preset (`[model] dir` empty, or a directory of under `SMALL_MODEL_GIB` of safetensors files) has no
+  weights worth counting; any other directory is planned at the released sizes, as above.
+- `h3serve up` starts the processes together, so the deployment's start peak is planned as the sum of every
+  process's start peak (conservative: they need not peak at once).
+
+Measured (one H200, `python -m bench.e2e --side services --warm-start --deploy docs/deploy/single-32gb.toml
+--sizes 768x1344x124 --steps 4 --repeats 1 --adapter-rank 128 --flow-shift 6 --fp8-cache DIR --compile-cache DIR`,
+every service process's private memory sampled each 0.5 s from before the start, BENCHMARKS.md): empty caches
+49.2 GiB private at most (+45.8 GiB mapped file pages), filled caches 48.0 (+44.5). With its 2.42 GiB adapter
+(rank 128 on every block linear) this model predicts 49.0 GiB at start (tests/test_host_plan.py).
+
 The largest request planned for: the deployment's default canvas (the largest it serves, `[model]`
 geometry) at the longest clip (345 frames), bounded by what admission lets through (`[gateway] capacity`
 for that canvas over the served workflows, `max_rows`); `--frames` / `--canvas` plan for another.
@@ -51,8 +94,10 @@ for that canvas over the served workflows, `max_rows`); `--frames` / `--canvas` 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +118,15 @@ CONTEXT_GIB = 0.5
 NCCL_GIB = 0.25
 FRAGMENTATION = 0.05
 DEFAULT_TEXT_ROWS = 256
+PROCESS_BASE_GIB = 5.0         # a model process on CUDA: calibrated (module docstring)
+CPU_PROCESS_BASE_GIB = 0.6     # a model process on the CPU: measured, the tiny stack
+GATEWAY_GIB = 0.3
+LAUNCHER_GIB = 0.05
+HOST_RESERVE_GIB = 4.0         # left to the OS, page tables and whatever else the host runs
+ARENA_GIB = 1                  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py checks they agree)
+STAGING_SLOTS = 2              # h3serve/runtime/weight_stream.py's (the same check)
+SMALL_MODEL_GIB = 1.0          # a model directory with fewer GiB of weights is not the released model
+FP8_BUILD_BLOCKS = 2           # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
 
 
 @dataclass(frozen=True)
@@ -129,6 +183,11 @@ class TextEncoderCounts:
     def bytes(self, dtype: str, quantize: str) -> float:
         per = QUANT_BYTES.get(quantize, DTYPE_BYTES[dtype])
         return (self.total - self.quantisable) * DTYPE_BYTES[dtype] + self.quantisable * per
+
+    def layer_bytes(self, dtype: str, quantize: str) -> float:
+        """One decoder layer, its linears quantised."""
+        per, linears = QUANT_BYTES.get(quantize, DTYPE_BYTES[dtype]), self.layer_linears // self.layers
+        return (self.layer - linears) * DTYPE_BYTES[dtype] + linears * per
 
     def offloaded_bytes(self, dtype: str, quantize: str) -> float:
         """cpu_offload: the embedding and one decoder layer, a bound on what the streamed offload holds at once (the
@@ -222,7 +281,7 @@ class GpuPlan:
 class Plan:
     workload: Workload
     gpus: tuple[GpuPlan, ...]
-    host: float                      # GiB of weights in host memory (offloaded), all processes
+    host: HostPlan
     problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -234,8 +293,7 @@ class Plan:
             free = f", {gpu.card - gpu.used:.1f} free" if gpu.card else ""
             out.append(f"GPU {gpu.gpu}: {gpu.used:.1f} GiB predicted, {card}{free}")
             out += [f"  {share.describe()}" for share in gpu.shares]
-        if self.host:
-            out.append(f"host memory for offloaded weights: {self.host:.1f} GiB")
+        out += self.host.lines()
         out += [f"note: {note}" for note in self.notes]
         out.append("fits" if not self.problems else f"does not fit: {len(self.problems)} problem(s)")
         return out
@@ -360,10 +418,13 @@ def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
 
 
 def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | None = None, frames: int | None = None,
-         text_rows: int = DEFAULT_TEXT_ROWS) -> Plan:
-    """Every GPU's predicted memory for a deployment (h3serve.common.config.DeployConfig) and what does not fit.
+         text_rows: int = DEFAULT_TEXT_ROWS, host_gib: float | None = None, host_source: str = "--host-gib") -> Plan:
+    """Every GPU's predicted memory for a deployment (h3serve.common.config.DeployConfig), its host memory, and what
+    does not fit.
 
-    A GPU's card is `gpu_gib` when given, else the largest `memory_limit_gib` of the processes on it."""
+    A GPU's card is `gpu_gib` when given, else the largest `memory_limit_gib` of the processes on it. The host is
+    `host_gib` (from `host_source`), else `[supervisor] host_memory_gib`; None and 0: unknown, not checked (the
+    CLI reads the machine's MemTotal)."""
     notes: list[str] = []
     work = workload(config, canvas, frames, text_rows)
     shares = [*_dit_shares(config.dit, work, notes), *_encoder_shares(config.encoder, notes),
@@ -399,5 +460,205 @@ def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | No
             problems.append(f"GPU {gpu}: {parts} = {used:.1f} GiB predicted, over the card's {card:g} GiB ({source})")
     if not shares:
         notes.append("no model service is on a GPU (device = \"cpu\"): nothing to place")
-    host = sum(share.host for share in shares)
+    if host_gib is None and config.supervisor.host_memory_gib:
+        host_gib, host_source = config.supervisor.host_memory_gib, "[supervisor] host_memory_gib"
+    host = host_plan(config, host_gib or None, host_source)
+    problems += host.problems(config)
     return Plan(work, tuple(gpus), host, tuple(problems), tuple(notes))
+
+
+# Host memory (module docstring): each process's private peak at start and while serving.
+
+class HostMemoryError(ValueError):
+    """A service whose start needs more host memory than the host has available."""
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """One service's private host memory, in GiB, part by part, in its two phases; its mapped file pages apart."""
+
+    service: str
+    start_parts: dict[str, float]
+    serving_parts: dict[str, float]
+    file_pages: float = 0.0
+
+    @property
+    def start(self) -> float:
+        return sum(self.start_parts.values())
+
+    @property
+    def serving(self) -> float:
+        return sum(self.serving_parts.values())
+
+    def phase(self, name: str) -> float:
+        return self.start if name == "start" else self.serving
+
+    def parts(self, name: str) -> str:
+        parts = self.start_parts if name == "start" else self.serving_parts
+        return " + ".join(f"{part} {gib:.1f}" for part, gib in parts.items() if gib)
+
+    def describe(self) -> str:
+        files = f" (+{self.file_pages:.1f} GiB file pages)" if self.file_pages else ""
+        return f"{self.service:<12} start {self.start:5.1f} GiB, serving {self.serving:5.1f} GiB{files}"
+
+
+PHASES = ("start", "serving")
+
+
+def pinned_gib(nbytes: float, large: tuple[float, ...] = ()) -> float:
+    """Host memory that pinning `nbytes` takes (h3serve/runtime/pinned.py): whole arenas, and each tensor of `large`
+    (already in `nbytes`, each above an arena) on its own, rounded up to a power of two by the pinned allocator."""
+    alone = sum(2 ** math.ceil(math.log2(_gib(size))) for size in large)
+    return math.ceil(_gib(nbytes - sum(large)) / ARENA_GIB) * ARENA_GIB + alone
+
+
+def _runtime(service) -> float:
+    return PROCESS_BASE_GIB if _on_gpu(service) else CPU_PROCESS_BASE_GIB
+
+
+def _tiny(service) -> bool:
+    """The built-in tiny preset, or a model directory whose weights are that small (the tiny preset saved, as the
+    tests' stacks load it): megabytes of weights, not the released sizes the plan assumes."""
+    return not service.model_dir or _small_directory(service.model_dir)
+
+
+@functools.lru_cache(maxsize=None)
+def _small_directory(model_dir: str) -> bool:
+    if not os.path.isdir(model_dir):
+        return False  # not on this machine (a plan for another host), or random:full: the released sizes
+    weights = sum(_file_gib(str(path)) for path in Path(model_dir).rglob("*.safetensors"))
+    return weights < SMALL_MODEL_GIB
+
+
+def dit_host(dit) -> HostNeed:
+    """The DiT's processes on one node: its launcher and world_size / nnodes ranks."""
+    ranks = dit.world_size // dit.nnodes
+    runtime = {"launcher": LAUNCHER_GIB, "runtime": ranks * _runtime(dit)}
+    adapters = {"adapters": ranks * sum(_file_gib(source.path) for source in dit.adapters.values())}
+    count = len({workflows.by_name(name).partition for name in dit.workflows})
+    fp8, weights = dit.fp8, TRANSFORMER.bytes(dit.dtype, dit.fp8) * count
+    if _tiny(dit):
+        return HostNeed("dit", {**runtime, **adapters}, runtime)
+    if not _on_gpu(dit):
+        held = {"weights": ranks * _gib(weights)}
+        return HostNeed("dit", {**runtime, **held, **adapters}, {**runtime, **held})
+    if dit.offload == "group" and dit.fp8_cache_dir:
+        block = TRANSFORMER.block_bytes(dit.dtype, fp8)
+        staging = {"staging": STAGING_SLOTS * pinned_gib(block, (block,) if block > ARENA_GIB * GIB else ())}
+        build = {"fp8 build": FP8_BUILD_BLOCKS * _gib(block)}
+        return HostNeed("dit", {**runtime, **staging, **adapters, **build}, {**runtime, **staging}, _gib(weights))
+    if dit.offload == "group":
+        pinned = {"pinned weights": pinned_gib(weights)}
+        built = max(_gib(TRANSFORMER.bytes(dit.dtype, False) * count), pinned["pinned weights"])
+        return HostNeed("dit", {**runtime, "bf16 build": built, **adapters}, {**runtime, **pinned})
+    if dit.fsdp and dit.fsdp_offload and dit.world_size > 1:
+        shards = {"pinned shards": ranks * _gib(weights) / dit.world_size}
+        return HostNeed("dit", {**runtime, **shards, **adapters}, {**runtime, **shards})
+    return HostNeed("dit", {**runtime, **adapters}, runtime)
+
+
+def encoder_host(encoder, quantize: str | None = None) -> HostNeed:
+    """The text encoder's process; `quantize` plans another setting than the configured one."""
+    quantize = quantize or encoder.quantize
+    runtime = {"runtime": _runtime(encoder)}
+    if _tiny(encoder):
+        return HostNeed("encoder", runtime, runtime)
+    bf16 = _gib(TEXT_ENCODER.bytes(encoder.dtype, "none"))
+    weights = TEXT_ENCODER.bytes(encoder.dtype, quantize)
+    if not _on_gpu(encoder):  # loaded whole, then quantised in place
+        return HostNeed("encoder", {**runtime, "weights": max(bf16, _gib(weights))}, {**runtime, "weights": _gib(weights)})
+    if encoder.cpu_offload:
+        embedding = TEXT_ENCODER.embedding * DTYPE_BYTES[encoder.dtype]
+        pinned = {"pinned weights": pinned_gib(weights, (embedding,) if embedding > ARENA_GIB * GIB else ())}
+        if quantize != "none":  # built layer by layer on the GPU (placement.layer_weights)
+            layer = {"one layer": _gib(TEXT_ENCODER.layer_bytes(encoder.dtype, quantize))}
+            return HostNeed("encoder", {**runtime, **pinned, **layer}, {**runtime, **pinned})
+        return HostNeed("encoder", {**runtime, "bf16 load": max(bf16, pinned["pinned weights"])}, {**runtime, **pinned})
+    if quantize != "none" or encoder.spread:  # staged on the CPU, placed from there
+        return HostNeed("encoder", {**runtime, "bf16 load": bf16}, runtime)
+    return HostNeed("encoder", runtime, runtime)
+
+
+def vae_host(vae) -> HostNeed:
+    runtime = {"runtime": _runtime(vae)}
+    if _on_gpu(vae) or _tiny(vae):
+        return HostNeed("vae", runtime, runtime)
+    weights = {"weights": _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))}
+    return HostNeed("vae", {**runtime, **weights}, {**runtime, **weights})
+
+
+SERVICE_HOST = {"encoder": encoder_host, "dit": dit_host, "vae": vae_host}
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    needs: tuple[HostNeed, ...]   # every process of the deployment, the gateway last
+    size: float | None            # GiB; None: unknown
+    source: str
+
+    def total(self, phase: str) -> float:
+        return sum(need.phase(phase) for need in self.needs)
+
+    @property
+    def usable(self) -> float | None:
+        return None if self.size is None else self.size - HOST_RESERVE_GIB
+
+    def lines(self) -> list[str]:
+        size = (f"host {self.size:.1f} GiB ({self.source}), {self.usable:.1f} usable after {HOST_RESERVE_GIB:g} for "
+                "the OS" if self.size is not None else "host size unknown")
+        files = sum(need.file_pages for need in self.needs)
+        out = [f"host memory, private (file pages: page cache, reclaimable): {size}"]
+        out += [f"  {need.describe()}" for need in self.needs]
+        out.append(f"  {'total':<12} start {self.total('start'):5.1f} GiB, serving {self.total('serving'):5.1f} GiB"
+                   + (f" (+{files:.1f} GiB file pages)" if files else ""))
+        return out
+
+    def problems(self, config: Any) -> list[str]:
+        if self.usable is None:
+            return []
+        problems = []
+        for phase in PHASES:
+            if self.total(phase) > self.usable:
+                largest = max(self.needs, key=lambda need: need.phase(phase))
+                parts = " + ".join(f"{need.service} {need.phase(phase):.1f}" for need in self.needs)
+                problems.append(f"host: {phase}: {parts} = {self.total(phase):.1f} GiB of private host memory, over "
+                                f"the host's {self.size:.1f} GiB ({self.source}) less {HOST_RESERVE_GIB:g} for the "
+                                f"OS; largest: {largest.service} at {phase}, {largest.phase(phase):.1f} GiB "
+                                f"({largest.parts(phase)})")
+        if problems:
+            problems += _int8_proposal(config, self)
+        return problems
+
+
+def _int8_proposal(config: Any, host: HostPlan) -> list[str]:
+    """Where the encoder's bf16 weights in host memory are what does not fit and its int8 ones would."""
+    encoder = config.encoder
+    if not (encoder.cpu_offload and encoder.quantize == "none" and _on_gpu(encoder)) or _tiny(encoder):
+        return []
+    int8, current = encoder_host(encoder, "int8"), next(need for need in host.needs if need.service == "encoder")
+    others = [need for need in host.needs if need is not current]
+    if any(sum(need.phase(phase) for need in others) + int8.phase(phase) > host.usable for phase in PHASES):
+        return []
+    return [f"host: [encoder] quantize = \"int8\" would fit: {int8.serving_parts['pinned weights']:.0f} GiB of "
+            f"int8 weights pinned instead of {current.serving_parts['pinned weights']:.0f} of "
+            f"{encoder.dtype} (start {int8.start:.1f} GiB, serving {int8.serving:.1f}; it changes the embeddings "
+            "within the documented bound, h3serve/services/encoder/placement.py)"]
+
+
+def host_plan(config: Any, size: float | None, source: str) -> HostPlan:
+    needs = [SERVICE_HOST[name](config.service(name)) for name in SERVICE_HOST]
+    gateway = {"runtime": GATEWAY_GIB}
+    return HostPlan((*needs, HostNeed("gateway", gateway, gateway)), size, source)
+
+
+def check_host(service: str, section: Any, available_gib: float) -> HostNeed:
+    """A model service's own check at its start, before it loads anything: its start peak against the host's
+    MemAvailable now (the other services may be starting too: this sees only what they hold already).
+    HostMemoryError (a ValueError) names the service, the phase and the numbers."""
+    need = SERVICE_HOST[service](section)
+    if need.start > available_gib:
+        raise HostMemoryError(
+            f"host memory: {service} needs {need.start:.1f} GiB of private host memory at start "
+            f"({need.parts('start')}), but the host has {available_gib:.1f} GiB available (MemAvailable); "
+            f"`h3serve plan` shows every service's part (README \"Host memory\")")
+    return need

@@ -53,11 +53,11 @@ class FastPath:
     def of(cls, config) -> FastPath:
         """The fast path a model service's config selects (h3serve/common/config.py: `attention_backend`,
         `compile`, `compile_dynamic`, `fp8`); fp8 quantises bf16 weights, so it needs `dtype = "bfloat16"`."""
-        if config.fp8 and config.dtype != "bfloat16":
+        fp8 = getattr(config, "fp8", False)  # a key of [dit] only
+        if fp8 and config.dtype != "bfloat16":
             raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {config.dtype!r}")
         return cls(attention=config.attention_backend, compile=config.compile,
-                   dynamic=config.compile and config.compile_dynamic, tune=config.compile_tuning,
-                   fp8=config.fp8)
+                   dynamic=config.compile and config.compile_dynamic, tune=config.compile_tuning, fp8=fp8)
 
     def describe(self) -> str:
         return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])

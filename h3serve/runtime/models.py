@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from h3serve.model import presets
-from h3serve.runtime import pinned, random_full, sharded_load, tiny
+from h3serve.runtime import checkpoints, pinned, random_full, sharded_load, tiny
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,6 +26,8 @@ class ModelSource:
     random weights, built on the device (benchmarks)."""
 
     model_dir: str | None = None
+    transformer_file: str = ""  # `[dit] transformer_file`: the `transformer` partition from this file instead
+                                # (h3serve/runtime/checkpoints.py); the other components from model_dir
 
     @property
     def label(self) -> str:
@@ -45,6 +47,8 @@ class ModelSource:
                 digest.update(f"{path.relative_to(root)}:{stat.st_size}".encode())
                 if path.suffix == ".json":
                     digest.update(path.read_bytes())
+        if self.transformer_file:  # another file, other weights: the caches keyed by the revision must not mix them
+            digest.update(checkpoints.fingerprint(self.transformer_file).encode())
         return "dir-" + digest.hexdigest()[:16]
 
     def load(self, names: list[str], device: str, dtype: str) -> dict[str, Any]:
@@ -72,6 +76,9 @@ class ModelSource:
             raise ValueError("the tiny preset is built whole (its seeded values come from the full modules)")
         if self.model_dir == presets.RANDOM_FULL:
             return sharded_load.RandomWeights(name)
+        if self.from_file(name):
+            raise ValueError(f"{name} comes from transformer_file {self.transformer_file!r}, which is loaded whole: "
+                             "a rank's shards and the fp8 store's blocks are read from the released layout's files")
         return sharded_load.Checkpoint.open(Path(self.model_dir) / name)
 
     def _load_dir(self, names: list[str], dtype: torch.dtype) -> dict[str, Any]:
@@ -80,8 +87,14 @@ class ModelSource:
         if not os.path.isfile(os.path.join(self.model_dir, "modular_model_index.json")):
             raise FileNotFoundError(f"{self.model_dir} has no modular_model_index.json (not a diffusers model dir)")
         pipe = ModularPipeline.from_pretrained(self.model_dir)
-        pipe.load_components(names=names, dtype=dtype)
-        return {name: getattr(pipe, name) for name in names}
+        released = [name for name in names if not self.from_file(name)]
+        if released:
+            pipe.load_components(names=released, dtype=dtype)
+        return {name: checkpoints.load(self.transformer_file, self.model_dir, dtype) if self.from_file(name)
+                else getattr(pipe, name) for name in names}
+
+    def from_file(self, name: str) -> bool:
+        return bool(self.transformer_file) and name == checkpoints.PARTITION
 
 
 def drop_unread_parts(components: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,8 @@ import torch
 
 from h3serve.common import logs
 from h3serve.common.config import ModelServiceConfig
+from h3serve.common.processes import GIB, MEMINFO, read_meminfo
+from h3serve.model import memory_plan
 from h3serve.runtime import compile_cache, memory
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2
@@ -25,6 +27,20 @@ def warm_up(service: str, run: Callable[[], None]) -> None:
     log.info("%s: warmed up in %.2f s", service, time.perf_counter() - started)
 
 
+def check_host_memory(service: str, config: ModelServiceConfig, meminfo: str = MEMINFO) -> None:
+    """Before a model service loads anything: its predicted start peak of private host memory
+    (h3serve/model/memory_plan.py) against the host's MemAvailable now, so a host too small refuses with the numbers
+    instead of the OOM killer taking a process minutes later. memory_plan.HostMemoryError (a ValueError) when it
+    does not fit; nothing is checked where meminfo is unreadable."""
+    found = read_meminfo(meminfo)
+    if found is None:
+        log.warning("%s: %s unreadable: host memory not checked", service, meminfo)
+        return
+    need = memory_plan.check_host(service, config, found.available / GIB)
+    log.info("%s: host memory: %.1f GiB at start predicted, %.1f GiB available", service, need.start,
+             found.available / GIB)
+
+
 def load_model_service(service: str, names: list[str], config: ModelServiceConfig):
     """Load `names` for `service` as configured; returns (components, ModelInfo).
 
@@ -38,8 +54,8 @@ def load_model_service(service: str, names: list[str], config: ModelServiceConfi
         memory.cap(config, config.device)
     except memory.MemoryLimitError as exc:
         raise SystemExit(f"h3serve serve {service}: memory_limit_gib: {exc}") from None
-    if config.compile and config.compile_cache_dir:
-        compile_cache.use(config.compile_cache_dir)
+    if config.compile_cache:
+        compile_cache.use(config.compile_cache)
     source = ModelSource(config.model_dir or None)
     started = time.perf_counter()
     components = source.load(names, config.device, config.dtype)

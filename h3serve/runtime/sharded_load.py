@@ -56,9 +56,13 @@ class Weights(Protocol):
     def fill(self, name: str, rows: LocalRows) -> None: ...
 
 
+WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "model.safetensors")  # diffusers' and transformers' names
+
+
 @dataclass(frozen=True)
 class Checkpoint:
-    """A component folder in diffusers' layout: config.json and one safetensors file, or shards named by an index."""
+    """A component folder in diffusers' layout: config.json and one safetensors file, or shards named by an index
+    (a diffusers model's, or a transformers one's, such as the text encoder)."""
 
     folder: Path
     files: dict[str, Path]  # tensor name -> the file holding it
@@ -68,26 +72,32 @@ class Checkpoint:
         from safetensors import safe_open
 
         folder = Path(folder)
-        index = folder / "diffusion_pytorch_model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return cls(folder, {name: folder / file for name, file in weight_map.items()})
-        single = folder / "diffusion_pytorch_model.safetensors"
-        if not single.is_file():
-            raise FileNotFoundError(f"{folder} has neither {single.name} nor {index.name}")
-        with safe_open(single, framework="pt") as f:
-            return cls(folder, dict.fromkeys(f.keys(), single))
+        for name in WEIGHT_FILES:
+            index = folder / f"{name}.index.json"
+            if index.is_file():
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return cls(folder, {tensor: folder / file for tensor, file in weight_map.items()})
+            single = folder / name
+            if single.is_file():
+                with safe_open(single, framework="pt") as f:
+                    return cls(folder, dict.fromkeys(f.keys(), single))
+        raise FileNotFoundError(f"{folder} has none of {', '.join(WEIGHT_FILES)} (or their .index.json)")
 
     @property
     def label(self) -> str:
         return str(self.folder)
 
     def factory(self) -> torch.nn.Module:
-        import diffusers
-
         config = json.loads((self.folder / "config.json").read_text())
-        model_class = getattr(diffusers, config["_class_name"])
-        return model_class.from_config(model_class.load_config(str(self.folder)))
+        if "_class_name" in config:  # a diffusers model
+            import diffusers
+
+            model_class = getattr(diffusers, config["_class_name"])
+            return model_class.from_config(model_class.load_config(str(self.folder)))
+        import transformers
+
+        model_class = getattr(transformers, config["architectures"][0])
+        return model_class(transformers.AutoConfig.from_pretrained(str(self.folder)))
 
     def fill(self, name: str, rows: LocalRows) -> None:
         from safetensors import safe_open

@@ -13,7 +13,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from h3serve.common.config import GatewayConfig
+from h3serve.common.config import DEFAULT_STEPS, MAX_PROMPT_CHARS, MAX_STEPS, GatewayConfig
 from h3serve.model import adapters, rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import VALID_NUM_FRAMES, Geometry, InvalidRequest
@@ -27,9 +27,9 @@ _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_prompt_chars: int = 8192
-    max_steps: int = 200
-    default_steps: int = 50
+    max_prompt_chars: int = MAX_PROMPT_CHARS
+    max_steps: int = MAX_STEPS
+    default_steps: int = DEFAULT_STEPS
     geometry: Geometry = Geometry()
 
     def __post_init__(self):

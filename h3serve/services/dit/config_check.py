@@ -1,5 +1,5 @@
 """What no restart of the DiT group can fix: the layout, an unusable attention backend, a memory limit above the card,
-an adapter file that does not fit the transformer. Checked once per start of the service, before anything loads:
+an adapter file that does not fit the transformer, a start that needs more host memory than the host has available. Checked once per start of the service, before anything loads:
 
 - on one node by rank 0 of the first start, before it opens its port (rank.py): a refusal exits with
   `processes.EXIT_REFUSED` and the reason, and the launcher (supervisor.py) stops instead of restarting the group;
@@ -21,7 +21,8 @@ from h3serve.model import presets
 from h3serve.runtime import memory
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES
-from h3serve.services.dit import adapters, attention, parallel
+from h3serve.runtime.service import check_host_memory
+from h3serve.services.dit import adapters, attention, parallel, transformer_file
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import partitions, served
 
@@ -58,6 +59,7 @@ def check(config: DiTConfig) -> Layout:
         raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of the c10d rendezvous)")
     loaded = partitions(served(config.workflows))
     partition = loaded[0]
+    transformer_file.check(config)  # before the adapters are read against the transformer's shapes
     if config.adapters:
         adapters.read_all(config, {name: transformer_skeleton(config.model_dir, name) for name in loaded})
     FastPath.of(config)  # fp8 without bf16 is refused here
@@ -74,4 +76,5 @@ def check(config: DiTConfig) -> Layout:
         parallel.check_group_offload(device)
     attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
                     DTYPES[config.dtype], sequence_parallel=layout.world_size > 1, ring=layout.ring_degree > 1)
+    check_host_memory("dit", config)  # this node's launcher and ranks; memory_plan.HostMemoryError is a ValueError
     return layout

@@ -42,6 +42,7 @@ from h3serve.runtime.service import load_model_service
 from h3serve.services.dit import adapters, config_check, parallel, warmup
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
 from h3serve.services.dit.launch import REFUSED_PREFIX, decode_config
+from h3serve.services.dit.supervisor import LAST_EXIT_ENV
 from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 from h3serve.v1 import dit_pb2, dit_pb2_grpc
@@ -60,9 +61,8 @@ def backoff_seconds(config: DiTConfig, restart: int) -> float:
 class Endpoint:
     """Rank 0's gRPC server: up from the start, SERVING only while the group is whole."""
 
-    def __init__(self, config: DiTConfig, restart: int) -> None:
-        state = "starting" if restart == 0 else f"restarting (restart {restart} of {config.max_restarts})"
-        self.view = GroupView(state=state)
+    def __init__(self, config: DiTConfig, restart: int, last_exit: str = "") -> None:
+        self.view = GroupView(state=start_state(config, restart, last_exit))
         self.view.info.restarts, self.view.info.max_restarts = restart, config.max_restarts
         # Denoise checks requests against them
         self.view.info.workflows.extend(flow.value for flow in served(config.workflows))
@@ -120,6 +120,14 @@ class Endpoint:
         os._exit(self.exit_code)  # the driver thread may sit in a collective that will never return
 
 
+def start_state(config: DiTConfig, restart: int, last_exit: str) -> str:
+    """DiTInfo.state while the group starts: a restart says which, and how the start before it ended (the launcher's
+    words: the exit code or signal, and an OOM kill's figures), so a client sees why the DiT is not serving."""
+    if restart == 0:
+        return "starting"
+    return f"restarting (restart {restart} of {config.max_restarts}" + (f"; after: {last_exit})" if last_exit else ")")
+
+
 def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_pb2.DiTInfo]:
     """Everything between process start and the first request, on every rank."""
     time.sleep(backoff_seconds(config, restart))
@@ -128,7 +136,8 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     control = ControlPlane(parallel.init_groups(device, config.collective_timeout_s))
     flows = served(config.workflows)
     loaded = partitions(flows)
-    load = load_by_shard if parallel.loads_shards(config, layout) else load_whole
+    # a transformer_file is read whole (FSDP2 shards it after the load, as with adapters or fp8)
+    load = load_by_shard if parallel.loads_shards(config, layout) and not config.transformer_file else load_whole
     components, model, held = load(config, layout, device, loaded)
     member = GroupMember(control, DenoiseRunner(components, flows, held, device), device, config.attention_backend,
                          config.max_math_tokens)
@@ -147,7 +156,8 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     from the fp8 store's memory-mapped files with `fp8_cache_dir`, else pinned)."""
     grouped = config.offload == "group"
     home = "cpu" if grouped else str(device)
-    source, dtype, fast = ModelSource(config.model_dir or None), DTYPES[config.dtype], FastPath.of(config)
+    source, dtype, fast = ModelSource(config.model_dir or None, config.transformer_file), DTYPES[config.dtype], \
+        FastPath.of(config)
     store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
     streamed = grouped and store is not None
     if streamed:  # capped first: the partitions are quantised block by block on the GPU
@@ -157,7 +167,12 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
         stored = {partition: store.load(partition, source.weights(partition).factory) for partition in loaded} \
             if store else {}
     built = [partition for partition in loaded if stored.get(partition) is None]
-    components, model = load_model_service("dit", [*built, *SCHEDULERS], config.replace(device=home))
+    released = [partition for partition in built if not source.from_file(partition)]
+    components, model = load_model_service("dit", [*released, *SCHEDULERS], config.replace(device=home))
+    for partition in set(built) - set(released):  # [dit] transformer_file (load_model_service reads [model] dir)
+        components.update(source.load([partition], home, config.dtype))
+        model.components.append(partition)
+    model.model_revision = source.revision()  # the file's fingerprint in it
     for partition in set(loaded) - set(built):
         components[partition] = place_stored(stored[partition], home, grouped)
         model.components.append(partition)
@@ -313,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0 and restart == 0 and config.nnodes == 1:
         refuse_unfixable(config)
     if rank == 0:
-        endpoint = Endpoint(config, restart)
+        endpoint = Endpoint(config, restart, os.environ.get(LAST_EXIT_ENV, ""))
         threading.Thread(target=endpoint.start_group, args=(config, restart), name="dit-join", daemon=True).start()
         endpoint.wait_and_exit()  # the main thread stays free, so a signal is handled even while joining
     Follower(config, rank, restart).run_and_exit()

@@ -61,23 +61,29 @@ def open_store(listener: socket.socket, host: str, timeout_s: float):
                          timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
 
 
-def rank_env(config: DiTConfig, rank: int, restart: int, master: tuple[str, int]) -> dict[str, str]:
+LAST_EXIT_ENV = "H3SERVE_DIT_LAST_EXIT"  # how the start before this one ended: rank 0 reports it in DiTInfo.state
+
+
+def rank_env(config: DiTConfig, rank: int, restart: int, master: tuple[str, int],
+             last_exit: str = "") -> dict[str, str]:
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(config.world_size),
            "LOCAL_WORLD_SIZE": str(config.world_size), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-           "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+           "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True",
+           LAST_EXIT_ENV: last_exit}
     if config.world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks sharing the cores do not each take them all
     return env
 
 
 def start_ranks(config: DiTConfig, argv: list[str], restart: int, master: tuple[str, int],
-                stop: StopSignals) -> list[subprocess.Popen]:
+                stop: StopSignals, last_exit: str = "") -> list[subprocess.Popen]:
     """Every rank of one start, unless a stop comes first (what was started is then stopped by the caller)."""
     ranks = []
     for rank in range(config.world_size):
         if stop:
             break
-        ranks.append(processes.spawn(argv, death_signal=signal.SIGKILL, env=rank_env(config, rank, restart, master)))
+        env = rank_env(config, rank, restart, master, last_exit)
+        ranks.append(processes.spawn(argv, death_signal=signal.SIGKILL, env=env))
     return ranks
 
 
@@ -113,7 +119,7 @@ class Group:
         self.memory = MemoryWatch(meminfo)
         self.failures = RepeatedFailure()
         self.served = False  # the current start has reached SERVING
-        self.last_exit = ""  # how the last start ended (logged; no status message carries it yet)
+        self.last_exit = ""  # how the last start ended: logged, and in the next start's DiTInfo.state
 
     def run(self, on_started: Callable[[], None] = lambda: None) -> int:
         """Start the group until a stop signal (0), a refusal (EXIT_REFUSED) or a failure it must not retry (1).
@@ -122,7 +128,7 @@ class Group:
         while True:
             log.info("starting the DiT group: %d rank(s), store on %s:%d%s", self.config.world_size, *self.master,
                      f" (restart {restart} of {self.config.max_restarts})" if restart else "")
-            ranks = start_ranks(self.config, self.argv, restart, self.master, self.stop)
+            ranks = start_ranks(self.config, self.argv, restart, self.master, self.stop, self.last_exit)
             self.memory.sample_host()
             on_started()
             ended = self.first_exits(ranks)

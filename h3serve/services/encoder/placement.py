@@ -12,7 +12,7 @@ Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` cho
     vision token of fl2va and ref2va), and every norm.
   Works on the CPU too (torchao dequantizes in its matmul). Needs torchao (a dependency).
 - `quantize = "nf4"`: bitsandbytes 4-bit NF4 (double-quantized statistics, compute in `dtype`) on the same
-  linears. CUDA only: refused at start on the CPU. bitsandbytes is the `gpu` extra (`pip install 'h3serve[gpu]'`)
+  linears. CUDA only: refused at start on the CPU. bitsandbytes is the `gpu` extra (`pip install 'h3serve[model,gpu]'`)
   and is imported only when nf4 is configured.
 - `spread = true`: accelerate's balanced device map over every visible GPU (`infer_auto_device_map` with
   `get_balanced_memory`; Qwen3-VL's `_no_split_modules` keep each decoder layer and vision block whole), then
@@ -71,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h3serve.common.config import ModelServiceConfig
+from h3serve.common.config import EncoderConfig
 from h3serve.runtime import pinned
 from h3serve.runtime.offload import stream_from_host
 
@@ -104,24 +104,24 @@ def embedding_error(quantized: torch.Tensor, reference: torch.Tensor) -> tuple[f
     return diff.abs().max().item(), (diff.norm() / reference.float().norm()).item()
 
 
-def _settings(config: ModelServiceConfig) -> tuple[str, bool, bool]:
-    """(quantize, spread, cpu_offload); a plain ModelServiceConfig (tests, older callers) has none of them."""
-    return getattr(config, "quantize", "none"), getattr(config, "spread", False), getattr(config, "cpu_offload", False)
+def _settings(config: EncoderConfig) -> tuple[str, bool, bool]:
+    """(quantize, spread, cpu_offload)."""
+    return config.quantize, config.spread, config.cpu_offload
 
 
-def variant(config: ModelServiceConfig) -> str:
+def variant(config: EncoderConfig) -> str:
     """The numbers this encoder computes: "int8" / "nf4" when quantized, else its dtype ("bf16", "fp32")."""
     quantize, _, _ = _settings(config)
     return quantize if quantize != "none" else SHORT_DTYPES.get(config.dtype, config.dtype)
 
 
-def staged_on_cpu(config: ModelServiceConfig) -> bool:
+def staged_on_cpu(config: EncoderConfig) -> bool:
     """Load to the CPU first and place from there (so the bf16 model never has to fit one GPU)."""
     quantize, spread, offload = _settings(config)
     return torch.device(config.device).type != "cpu" and (quantize != "none" or spread or offload)
 
 
-def check(config: ModelServiceConfig) -> None:
+def check(config: EncoderConfig) -> None:
     """Refuse at start, before any weight is loaded, what placement cannot do here (ValueError, one line)."""
     quantize, spread, offload = _settings(config)
     cuda = torch.device(config.device).type == "cuda"
@@ -140,7 +140,7 @@ def check(config: ModelServiceConfig) -> None:
                              f'runs on {config.device!r}{_no_cuda()}: use quantize = "int8" on the CPU')
         if importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError('quantize = "nf4" needs the bitsandbytes package (the gpu extra: '
-                             "pip install 'h3serve[gpu]')")
+                             "pip install 'h3serve[model,gpu]')")
     if spread:
         visible = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
         if visible < 2:
@@ -154,14 +154,19 @@ def _no_cuda() -> str:
     return "" if torch.cuda.is_available() else " (no CUDA device is visible)"
 
 
-def load(config: ModelServiceConfig, names: list[str]):
+def load(config: EncoderConfig, names: list[str]):
     """load_model_service, then place the text encoder; returns (components, ModelInfo)."""
     from h3serve.runtime.service import load_model_service
 
     staged = staged_on_cpu(config)
     weights = layer_weights(config)
-    components, model = load_model_service(
-        "encoder", names, config.replace(device="meta" if weights else "cpu") if staged else config)
+    if weights is None:
+        components, model = load_model_service("encoder", names, config.replace(device="cpu") if staged else config)
+    else:  # the text encoder as a skeleton, filled layer by layer by place()
+        others = [name for name in names if name != "text_encoder"]
+        components, model = load_model_service("encoder", others, config.replace(device="cpu"))
+        components["text_encoder"] = skeleton(weights, TORCH_DTYPES[config.dtype])
+        model.components.append("text_encoder")
     if staged:  # load_model_service capped the allocator of the device it loaded to, the CPU: cap the GPU(s) now
         from h3serve.runtime import memory
 
@@ -175,24 +180,32 @@ def load(config: ModelServiceConfig, names: list[str]):
     return components, model
 
 
-def describe_dtype(config: ModelServiceConfig) -> str:
+def describe_dtype(config: EncoderConfig) -> str:
     quantize, _, _ = _settings(config)
     return config.dtype if quantize == "none" else f"{config.dtype} ({quantize} weights)"
 
 
-def layer_weights(config: ModelServiceConfig):
-    """Where a layer-by-layer build takes the encoder's values from (int8 with cpu_offload on `random:full`, whose
-    values are drawn per parameter), else None: the encoder then loads whole (a model directory's bf16 weights pass
-    through host memory once, before quantize_through turns them into int8 layer by layer)."""
-    from h3serve.model import presets
-    from h3serve.runtime.sharded_load import RandomWeights
+def layer_weights(config: EncoderConfig):
+    """Where a layer-by-layer build takes the encoder's values from, for int8 with cpu_offload (its bf16 layers then
+    never reach host memory: 48.9 GiB for the released encoder): `random:full`'s draws, or the model directory's
+    safetensors files (read tensor by tensor, memory-mapped). None otherwise (the tiny preset, built whole)."""
+    from h3serve.runtime.models import ModelSource
 
     quantize, _, offload = _settings(config)
-    layered = staged_on_cpu(config) and offload and quantize != "none" and config.model_dir == presets.RANDOM_FULL
-    return RandomWeights("text_encoder") if layered else None
+    if not (staged_on_cpu(config) and offload and quantize != "none" and config.model_dir):
+        return None
+    return ModelSource(config.model_dir).weights("text_encoder")
 
 
-def place(text_encoder: torch.nn.Module, config: ModelServiceConfig, weights=None) -> str:
+def skeleton(weights, dtype: torch.dtype) -> torch.nn.Module:
+    """The text encoder on the meta device as the service holds it (h3serve/runtime/models.py drop_unread_parts)."""
+    from h3serve.runtime import random_full
+    from h3serve.runtime.models import drop_unread_parts
+
+    return drop_unread_parts({"text_encoder": random_full.skeleton(weights.factory, dtype)})["text_encoder"]
+
+
+def place(text_encoder: torch.nn.Module, config: EncoderConfig, weights=None) -> str:
     """Place (and quantize) `text_encoder` as `config` says, in place; returns where it runs, in words.
 
     The model may be on the CPU (staged), on the meta device (built layer by layer from `weights`), or already on
@@ -271,7 +284,7 @@ def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
-        raise RuntimeError(f"quantize = \"nf4\" needs bitsandbytes (pip install 'h3serve[gpu]'): {exc}") from exc
+        raise RuntimeError(f"quantize = \"nf4\" needs bitsandbytes (pip install 'h3serve[model,gpu]'): {exc}") from exc
 
     modules = dict(model.named_modules())
     for name, linear in list(modules.items()):
@@ -293,7 +306,7 @@ def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None
             add_hook_to_module(q, old_hook)
 
 
-def _spread_budget(config: ModelServiceConfig) -> dict[int, int]:
+def _spread_budget(config: EncoderConfig) -> dict[int, int]:
     """Bytes each visible GPU may take: SPREAD_HEADROOM of its free memory, or of memory_limit_gib if lower."""
     budget = {}
     for index in range(torch.cuda.device_count()):

@@ -7,13 +7,13 @@ import time
 
 import grpc
 
-from h3serve.common.config import ModelServiceConfig
-from h3serve.common.server import run_server
+from h3serve.common.config import EncoderConfig
+from h3serve.common.server import refuse_port_in_use, run_server
 from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import wire
 from h3serve.runtime.checks import spec_checked
 from h3serve.runtime.media import MediaPreparer, read_media_stream
-from h3serve.runtime.service import warm_up
+from h3serve.runtime.service import check_host_memory, warm_up
 from h3serve.services.encoder import checks, placement
 from h3serve.services.encoder.cache import ByteLRU, media_key, prompt_key
 from h3serve.services.encoder.runner import COMPONENTS, TextEncoderRunner
@@ -23,7 +23,7 @@ log = logging.getLogger("h3serve.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: ModelServiceConfig,
+    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: EncoderConfig,
                  cache: ByteLRU | None = None) -> None:
         self.runner = runner
         self.model = model
@@ -82,9 +82,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             max_prompt_chars=self.config.max_prompt_chars)
 
 
-def serve(config: ModelServiceConfig) -> None:
+def serve(config: EncoderConfig) -> None:
+    refuse_port_in_use(config.address)  # before minutes of loading: a restart would not free the port
     try:
         placement.check(config)  # before any weight is loaded
+        check_host_memory("encoder", config)
         components, model = placement.load(config, COMPONENTS)  # spread refuses a model the GPUs cannot hold
     except ValueError as exc:
         raise SystemExit(f"h3serve serve encoder: {exc}") from exc

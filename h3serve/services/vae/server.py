@@ -15,15 +15,15 @@ import numpy as np
 import torch
 
 from h3serve.common.bounds import brief
-from h3serve.common.config import ModelServiceConfig
-from h3serve.common.server import run_server
+from h3serve.common.config import VaeConfig
+from h3serve.common.server import refuse_port_in_use, run_server
 from h3serve.model.workflows.base import MediaError
 from h3serve.runtime import fastpath, memory, wire
 from h3serve.runtime.checks import check_media_spec, spec_checked
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.media import MediaPreparer, read_media_stream
 from h3serve.runtime.pump import ClientGone, pump
-from h3serve.runtime.service import load_model_service, warm_up
+from h3serve.runtime.service import check_host_memory, load_model_service, warm_up
 from h3serve.services.vae import checks, mux
 from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, Decoded, DecodePlan, OnPixels, Progress, VaeDecoder
@@ -101,7 +101,7 @@ def unless_cancelled(report: Report, context) -> Report:
 
 
 class VaeServicer(vae_pb2_grpc.VAEServicer):
-    def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: ModelServiceConfig) -> None:
+    def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: VaeConfig) -> None:
         self.decoder = decoder
         self.conditions = ConditionEncoder(decoder.vae, decoder.audio_vae)
         self.media = MediaPreparer(config.geometry)
@@ -209,7 +209,12 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                                max_raw_bytes=self.config.max_raw_bytes)
 
 
-def serve(config: ModelServiceConfig) -> None:
+def serve(config: VaeConfig) -> None:
+    refuse_port_in_use(config.address)  # before minutes of loading: a restart would not free the port
+    try:
+        check_host_memory("vae", config)
+    except ValueError as exc:
+        raise SystemExit(f"h3serve serve vae: {exc}") from None
     components, model = load_model_service("vae", COMPONENTS, config)
     vae = components["vae"]
     tiles = TileDecoder(vae, config.tile_batch, decode_devices(vae.device, config.decode_gpus))
