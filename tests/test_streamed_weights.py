@@ -103,10 +103,14 @@ def test_a_stream_copy_that_fails_fails_the_forward_with_the_block_named(fp8_on_
     def broken(self, index, onload, slot):
         raise OSError("Input/output error")
 
+    copy = weight_stream.BlockStream._copy
     monkeypatch.setattr(weight_stream.BlockStream, "_copy", broken)
     with pytest.raises(RuntimeError, match="block 0's weights could not be streamed") as failure:
         latents(transformer)
     assert "Input/output error" in str(failure.value.__cause__)
+    monkeypatch.setattr(weight_stream.BlockStream, "_copy", copy)
+    resident, _ = start(tiny_model_dir, tmp_path, offload="none")
+    assert_same(latents(transformer), latents(resident)), "the next request streams again: nothing stays broken"
 
 
 def gpu_latents(transformer: torch.nn.Module, device: torch.device) -> dict[str, torch.Tensor]:

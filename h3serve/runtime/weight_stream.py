@@ -126,6 +126,7 @@ class BlockStream:
         onload = self._request(index)
         onload.ready.wait()
         if onload.error is not None:
+            self.onloads.pop(index, None)  # the next forward asks again: a failed copy (out of memory) may pass then
             raise RuntimeError(f"block {index}'s weights could not be streamed to {self.device}") from onload.error
         if onload.event is not None:
             compute = torch.cuda.current_stream(self.device)
@@ -166,17 +167,17 @@ class BlockStream:
                   for start in range(0, span, CHUNK_BYTES)]
         list(self.copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
         self._wait_for_room()  # after the memcpy: the host's copy overlaps the wait for the GPU
-        self.live += 1
-        self.peak_live = max(self.peak_live, self.live)
         if not self.cuda:
             onload.buffer = slot.buffer[:size].clone()
-            return
-        with torch.cuda.stream(self.copy_stream):
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            buffer.copy_(slot.buffer[:size], non_blocking=True)
-            slot.event = onload.event = torch.cuda.Event()
-            onload.event.record(self.copy_stream)
-        onload.buffer = buffer
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+                buffer.copy_(slot.buffer[:size], non_blocking=True)
+                slot.event = onload.event = torch.cuda.Event()
+                onload.event.record(self.copy_stream)
+            onload.buffer = buffer
+        self.live += 1  # counted once allocated: a failed allocation holds nothing that will be given back
+        self.peak_live = max(self.peak_live, self.live)
 
     def _wait_for_room(self) -> None:
         """Block until fewer than LIVE_BLOCKS buffers are in use on the GPU (module docstring). A buffer that a forward
