@@ -268,8 +268,8 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
         # The model's rule, checked on the spec before any byte is read: audio needs a picture or a video.
         ([spec(media_pb2.ASSET_KIND_AUDIO), chunk], "items: audio references need at least one image or video "
                                                     "reference with them"),
-        # Complete and well formed, but not what it claims to be; the decoder's message names the asset, not a path.
-        ([spec(media_pb2.ASSET_KIND_IMAGE), chunk], "asset a: cannot decode: cannot identify image file 'a'"),
+        # Complete and well formed, but not what it claims to be: named by the asset and what its bytes are, not a path.
+        ([spec(media_pb2.ASSET_KIND_IMAGE), chunk], "asset a: declared an image, but its bytes are audio (wav)"),
     ]
     for stub, rpc in ((encoder, "EncodeMedia"), (vae, "EncodeConditions")):
         for messages, reason in cases:

@@ -27,7 +27,7 @@ def t2va_stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("t2va-only")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
     config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                          model=GEOMETRY.pipeline_configs(), service_keys={"workflows": ["t2va"]},
+                          model=GEOMETRY.pipeline_configs(), dit={"workflows": ["t2va"]},
                           outage_s=QUICK_OUTAGE)
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
         yield group, ports
