@@ -112,10 +112,6 @@ class BlockStream:
         log.info("%d blocks (%.1f GiB) streamed to %s from memory-mapped files through %d pinned slots of %d MiB",
                  len(self.parts), sum(self.block_bytes) / 2**30, device, STAGING_SLOTS, largest >> 20)
 
-    @property
-    def staging_bytes(self) -> int:
-        return sum(slot.buffer.numel() for slot in self.slots)
-
     def _request(self, index: int) -> Onload:
         if index not in self.onloads:
             self.onloads[index] = Onload()
