@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/h3serve/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all demo test proto clean
+.PHONY: all demo test test-timing proto clean
 
 all: $(VENV)/.installed proto
 
@@ -27,8 +27,14 @@ h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed
 demo: all
 	$(VENV)/bin/h3serve demo --config docs/deploy/tiny-cpu.toml
 
+# The timing tier (measured latencies against a tolerance) runs on its own: on the shared 2-core machine the same
+# experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone (+18.7 /
+# +11.5 %), so it must not decide whether the rest of the suite passed (.ci/run reports it after).
 test: all
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -m "not timing"
+
+test-timing: all
+	$(PY) -m pytest -q -rs -m timing
 
 clean:
 	rm -rf $(VENV) h3serve/v1/*_pb2*.py h3serve/v1/*_pb2*.pyi var

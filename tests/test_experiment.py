@@ -214,6 +214,7 @@ def prediction_errors(measured_from: Path, predicted: Path) -> dict[str, float]:
     return {q: prediction.latency_s[q] / measured[q] - 1 for q in ("p50", "p95")}
 
 
+@pytest.mark.timing
 def test_the_model_predicts_one_vae_from_the_run_on_two(sweep):
     """The run on two VAE replicas measured how much two calls at once slow each other on this machine; the
     model, fed that run alone, predicts the one-replica run (the same arrivals) within the tolerance."""
