@@ -18,11 +18,12 @@ from h3serve.gateway.jobs.runner import all_of
 from h3serve.gateway.jobs.store import QueueFull, RequestIdConflict
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import STAGE_NAMES
+from h3serve.gateway.stages import calls as stage_calls
 from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
 from h3serve.gateway.stages.queue import StageQueue
 from h3serve.gateway.stages.stage import JobContext
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
-from h3serve.v1 import encoder_pb2_grpc, gateway_pb2
+from h3serve.v1 import dit_pb2, dit_pb2_grpc, encoder_pb2_grpc, gateway_pb2, tensor_pb2
 
 S = gateway_pb2
 REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124)
@@ -206,6 +207,39 @@ def test_unavailable_is_tried_on_every_replica_until_the_outage_limit():
     assert events == [{"waiting": S.Waiting(stage="encoder", limit_s=0.3,
                                             reason="UNAVAILABLE: refused by a test replica (UNAVAILABLE)")}]
     assert all(not s.healthy and s.failures == s.calls for s in stats)
+
+
+class RefusingDiT(dit_pb2_grpc.DiTServicer):
+    """Ends the call after the first message without reading the rest: what a process that dies mid-upload does."""
+
+    async def Denoise(self, request_iterator, context):
+        await request_iterator.__anext__()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+
+
+def test_a_call_broken_while_its_request_is_sent_is_transient_and_other_internal_errors_are_not():
+    async def broken_upload() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server()
+        dit_pb2_grpc.add_DiTServicer_to_server(RefusingDiT(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        chunk = dit_pb2.DenoiseInput(chunk=tensor_pb2.TensorChunk(tensor=tensor_pb2.Tensor(data=bytes(1 << 20))))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                for _ in range(20):  # the refusal may, rarely, arrive after the last write: then it is UNAVAILABLE
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        async for _event in dit_pb2_grpc.DiTStub(channel).Denoise(iter([chunk] * 32)):
+                            pass
+                    if caught.value.code() == grpc.StatusCode.INTERNAL:
+                        return caught.value
+        finally:
+            await server.stop(None)
+        raise AssertionError("grpc never reported a broken upload")
+
+    error = run(broken_upload())
+    assert (error.code(), error.details()) == stage_calls.BROKEN_UPLOAD and stage_calls._is_transient(error)
+    other = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "decode failed")
+    assert not stage_calls._is_transient(other)
 
 
 def test_a_replica_keeps_call_counters_per_stage_and_clears_its_error_when_a_call_succeeds():

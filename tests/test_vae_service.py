@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import re
@@ -31,7 +32,7 @@ from h3serve.services.vae.mux import encode_mp4, to_uint8
 from h3serve.services.vae.server import VaeServicer, decode_checked
 from h3serve.services.vae.tiles import TileDecoder, decode_devices
 from h3serve.services.vae.validate import InvalidOutput, validate
-from h3serve.v1 import common_pb2, media_pb2, vae_pb2, vae_pb2_grpc
+from h3serve.v1 import common_pb2, media_pb2, tensor_pb2, vae_pb2, vae_pb2_grpc
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
 AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz
@@ -52,17 +53,24 @@ def make_latents() -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def vae_service(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
-    """A VaeServicer over `vae`/`audio_vae` on a gRPC server bound to loopback; yields a stub to it."""
+def vae_server(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[str]:
+    """A VaeServicer over `vae`/`audio_vae` on a gRPC server bound to loopback; yields its address."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     vae_pb2_grpc.add_VAEServicer_to_server(VaeServicer(VaeDecoder(vae, audio_vae), MODEL, config), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS) as channel:
-            yield vae_pb2_grpc.VAEStub(channel)
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(None)
+
+
+@contextmanager
+def vae_service(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
+    """A stub to a `vae_server`."""
+    with vae_server(vae, audio_vae, config) as address, \
+            grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+        yield vae_pb2_grpc.VAEStub(channel)
 
 
 def requests(tensors: dict[str, torch.Tensor], include_raw: bool = False,
@@ -253,6 +261,29 @@ def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'latents' truncated" in error.details()
     assert events == []
+
+
+def test_a_decode_refused_at_its_spec_is_heard_by_an_async_client_still_sending(components):
+    """The gateway's client (grpc.aio) reports a call refused while it still writes as INTERNAL "Internal error from
+    Core" unless the service reads the rest of the stream first: each of these refusals must arrive as itself."""
+    chunks = [vae_pb2.DecodeInput(chunk=tensor_pb2.TensorChunk(name="latents", tensor=tensor_pb2.Tensor(
+        data=bytes(wire.CHUNK_BYTES)))) for _ in range(16)]
+    inputs = [vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec(job_id="not an id!")), *chunks]
+
+    async def refusals(address: str) -> list[tuple[grpc.StatusCode, str]]:
+        seen = []
+        async with grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+            for _ in range(8):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _event in vae_pb2_grpc.VAEStub(channel).Decode(iter(inputs)):
+                        pass
+                seen.append((caught.value.code(), caught.value.details()))
+        return seen
+
+    with vae_server(*components) as address:
+        seen = asyncio.run(refusals(address))
+    assert {code for code, _ in seen} == {grpc.StatusCode.INVALID_ARGUMENT}, seen
+    assert all(details.startswith("job_id:") for _, details in seen), seen
 
 
 def test_include_raw_over_the_limit_is_refused_before_decoding(components, latents):

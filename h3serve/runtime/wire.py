@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,9 @@ from h3serve.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20
 MAX_DIMS = 8  # h3serve's tensors have at most 5
+# What a service still reads (and drops) of a request stream it refused part-way, so that the sender hears why; a
+# longer rest is cut off (the sender then sees grpc's INTERNAL "Internal error from Core").
+MAX_DRAIN_BYTES = 1 << 30
 
 _TO_WIRE = {
     torch.float32: tensor_pb2.DTYPE_FLOAT32,
@@ -162,6 +166,23 @@ def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str
     for chunk in chunks:
         assembler.add(chunk)
     return assembler.finish(*required)
+
+
+@contextmanager
+def refusal_heard(messages: Iterable) -> Iterator[None]:
+    """Around reading a request stream: when the reader refuses it part-way (raises), the rest of the stream is
+    read and dropped before the refusal goes on. A grpc client still writing when the call ends reports INTERNAL
+    "Internal error from Core" and loses the server's status: a DiT group that is restarting (UNAVAILABLE, worth
+    another try) or a bad spec (INVALID_ARGUMENT, final) would both reach the gateway as that."""
+    try:
+        yield
+    except Exception:
+        read = 0
+        for message in messages:
+            read += message.ByteSize()
+            if read > MAX_DRAIN_BYTES:
+                break
+        raise
 
 
 def read_spec_stream(messages: Iterable, expect: Callable[[object], Expected]

@@ -1,7 +1,8 @@
 """Stage calls: a replica of the stage's service, the per-call deadline, bounded retries, the watchdog.
 
 Every stage call is deterministic for a given input (the seed is part of the DiT spec), so a call
-that fails UNAVAILABLE (the replica is down or restarting) is retried from the start with
+that fails UNAVAILABLE (the replica is down or restarting), or breaks while its request is still being sent,
+is retried from the start with
 exponential back-off, on another replica when there is one; any other status (a bad request above
 all) is final at once. Each try runs under the watchdog of its phase.
 """
@@ -26,11 +27,16 @@ from h3serve.gateway.stages.watchdog import Stuck, Watchdog
 from h3serve.v1 import gateway_pb2
 
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE}
+# What grpc's client reports when a call ends while it is still writing the request stream: the server's own status
+# is lost. Our services read a refused stream to its end first (wire.refusal_heard), so this is a process or a
+# connection that went away mid-upload: transient, like UNAVAILABLE.
+BROKEN_UPLOAD = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 T = TypeVar("T")
 
 
 def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in TRANSIENT
+    return isinstance(exc, grpc.aio.AioRpcError) and (exc.code() in TRANSIENT
+                                                      or (exc.code(), exc.details()) == BROKEN_UPLOAD)
 
 
 class StageFailed(Exception):

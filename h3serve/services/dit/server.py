@@ -49,7 +49,8 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         try:
             check = checks.DenoiseCheck(self.config, list(self.view.info.workflows), self._dims,
                                         AdapterCatalog.from_info(self.view.info))
-            spec, tensors = wire.read_spec_stream(request_iterator, check.expect)
+            with wire.refusal_heard(request_iterator):
+                spec, tensors = wire.read_spec_stream(request_iterator, check.expect)
             conditioning = check.conditioning(spec, tensors)
             ticket = self._driver().submit(spec, tensors, conditioning)
             context.add_callback(ticket.cancel)

@@ -44,8 +44,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def EncodeMedia(self, request_iterator, context):
         """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
         try:
-            spec, assets = read_media_stream(spec_checked(
-                request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens)))
+            with wire.refusal_heard(request_iterator):
+                spec, assets = read_media_stream(spec_checked(
+                    request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens)))
         except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = media_key(self.model.model_revision, self.variant, spec)

@@ -112,8 +112,9 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
     def Decode(self, request_iterator, context):
         try:
-            spec, tensors = wire.read_spec_stream(
-                request_iterator, lambda spec: checks.decode_expected(spec, self.decoder, self.config))
+            with wire.refusal_heard(request_iterator):
+                spec, tensors = wire.read_spec_stream(
+                    request_iterator, lambda spec: checks.decode_expected(spec, self.decoder, self.config))
             plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
             checks.check_plan(plan, tensors["audio_latents"].shape[-1], self.config)
         except ValueError as exc:  # WireError, InvalidLatents, InvalidRequest
@@ -176,7 +177,8 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
 
     def EncodeConditions(self, request_iterator, context):
         try:
-            spec, assets = read_media_stream(spec_checked(request_iterator, self._check_media))
+            with wire.refusal_heard(request_iterator):
+                spec, assets = read_media_stream(spec_checked(request_iterator, self._check_media))
         except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         result = yield from self._pumped(
