@@ -46,8 +46,8 @@ def write_lora(transformer: torch.nn.Module, path: Path, rank: int, seed: int) -
     factors = {}
     for name, module in transformer.named_modules():
         if name.startswith("transformer_blocks.") and isinstance(module, torch.nn.Linear):
-            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features ** 0.5
-            up = torch.randn(module.out_features, rank, generator=generator) * 0.01 / rank ** 0.5
+            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
+            up = torch.randn(module.out_features, rank, generator=generator) * 0.01 / rank**0.5
             factors[f"transformer.{name}.lora_A.weight"] = down.to(torch.bfloat16).contiguous()
             factors[f"transformer.{name}.lora_B.weight"] = up.to(torch.bfloat16).contiguous()
     save_file(factors, str(path))
@@ -61,13 +61,15 @@ class Phase:
         self.args, self.device = args, device
         parts = components(args.quick, device, getattr(torch, args.dtype))
         transformer = parts["transformer"]
-        config = DiTConfig(compile=fast.compile, adapters={k: str(v) for k, v in (files or {}).items()},
-                           adapter_slots=1)
+        config = DiTConfig(
+            compile=fast.compile, adapters={k: str(v) for k, v in (files or {}).items()}, adapter_slots=1
+        )
         self.held = adapters.install(config, {"transformer": transformer})  # before the fast path, as rank.py
         fastpath.apply(transformer, fast)
         self.runner = DenoiseRunner(parts, served(["t2va"]), self.held)
-        self.embeds = torch.randn(1, TEXT_TOKENS, transformer.config.text_dim,
-                                  generator=torch.Generator().manual_seed(0)).to(device, transformer.dtype)
+        self.embeds = torch.randn(
+            1, TEXT_TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0)
+        ).to(device, transformer.dtype)
         self.tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)
 
     def request(self, size: Size, names: list[str]):
@@ -108,11 +110,22 @@ class Phase:
 
 def record(size: Size, variant: str, seconds: float, base: float, args, device: str, **extra) -> Record:
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
-    return Record(name=f"dit_adapter_{size}", device=device_label(device), world_size=1, dtype=args.dtype,
-                  seconds=seconds, baseline_seconds=base, ratio=base / seconds, peak_gib=round(peak, 2),
-                  command=args.command, date=datetime.date.today().isoformat(), variant=variant,
-                  baseline="the same service DiT without adapters (same fast path, same run)", software=software(),
-                  **extra)
+    return Record(
+        name=f"dit_adapter_{size}",
+        device=device_label(device),
+        world_size=1,
+        dtype=args.dtype,
+        seconds=seconds,
+        baseline_seconds=base,
+        ratio=base / seconds,
+        peak_gib=round(peak, 2),
+        command=args.command,
+        date=datetime.date.today().isoformat(),
+        variant=variant,
+        baseline="the same service DiT without adapters (same fast path, same run)",
+        software=software(),
+        **extra,
+    )
 
 
 def run_phase(name: str, size: Size, files: dict[str, Path], args, device: str) -> list[Record]:
@@ -129,15 +142,16 @@ def run_phase(name: str, size: Size, files: dict[str, Path], args, device: str) 
     holder = "slots" if fast.compile else "resident"
     with_a = phase.seconds_per_step(size, ["a"])
     without = phase.seconds_per_step(size, [])
-    records = [record(size, f"{fast.describe()}, adapter a (rank {args.rank}, {holder})", with_a, base_s, args,
-                      device),
-               record(size, f"{fast.describe()}, adapters loaded, none named ({holder})", without, base_s, args,
-                      device)]
+    records = [
+        record(size, f"{fast.describe()}, adapter a (rank {args.rank}, {holder})", with_a, base_s, args, device),
+        record(size, f"{fast.describe()}, adapters loaded, none named ({holder})", without, base_s, args, device),
+    ]
     line = f"  {name}: adapter {with_a:.4f}, none named {without:.4f} s/step"
     if fast.compile:
         swap, graphs = phase.swap_seconds(size)
-        records.append(record(size, f"{fast.describe()}, swap a<->b ({holder}); new graphs: {graphs}", swap,
-                              swap, args, device))
+        records.append(
+            record(size, f"{fast.describe()}, swap a<->b ({holder}); new graphs: {graphs}", swap, swap, args, device)
+        )
         line += f", swap {swap:.3f} s, {graphs} new graphs"
     print(line, flush=True)
     phase.close()
@@ -162,11 +176,17 @@ def main(argv: list[str] | None = None) -> list[Record]:
     device = "cpu" if args.quick else "cuda"
     with tempfile.TemporaryDirectory() as folder:
         model = components(args.quick, "cpu" if args.quick else "meta", getattr(torch, args.dtype))["transformer"]
-        files = {name: write_lora(model, Path(folder) / f"{name}.safetensors", args.rank, seed)
-                 for seed, name in enumerate(("a", "b"))}
+        files = {
+            name: write_lora(model, Path(folder) / f"{name}.safetensors", args.rank, seed)
+            for seed, name in enumerate(("a", "b"))
+        }
         del model
-        records = [r for size in (Size.parse(s) for s in args.sizes.split(","))
-                   for name in args.phases.split(",") for r in run_phase(name, size, files, args, device)]
+        records = [
+            r
+            for size in (Size.parse(s) for s in args.sizes.split(","))
+            for name in args.phases.split(",")
+            for r in run_phase(name, size, files, args, device)
+        ]
     print(f"{'measurement':26} {'variant':70} {'s':>8} {'base s':>8} {'ratio':>6}")
     for r in records:
         print(f"{r.name:26} {r.variant:70} {r.seconds:8.4f} {r.baseline_seconds:8.4f} {r.ratio:6.3f}")

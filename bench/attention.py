@@ -28,7 +28,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     """fp32 attention output of the first CHECKED_ROWS query rows, one head at a time."""
     heads = []
     for h in range(q.shape[2]):
-        scores = q[0, :CHECKED_ROWS, h].float() @ k[0, :, h].float().T * HEAD_DIM ** -0.5
+        scores = q[0, :CHECKED_ROWS, h].float() @ k[0, :, h].float().T * HEAD_DIM**-0.5
         heads.append(scores.softmax(dim=-1) @ v[0, :, h].float())
     return torch.stack(heads, dim=1)
 
@@ -58,8 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'rows':>6} {'backend':22} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
     for rows in (int(r) for r in args.rows.split(",")):
         generator = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
-                   for _ in range(3))
+        q, k, v = (
+            torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+            for _ in range(3)
+        )
         expected = reference(q, k, v)
         for spec in args.backends.split(","):
             call = attention_call(spec)

@@ -33,9 +33,13 @@ class Size:
 
 def denoise_spec(size: Size, forwards: int) -> dit_pb2.DenoiseSpec:
     """A t2va DiT request of `size` running `forwards` transformer forwards (N steps give N-1), seed 0."""
-    return dit_pb2.DenoiseSpec(height=size.height, width=size.width, num_frames=size.frames,
-                               workflow=common_pb2.WORKFLOW_T2VA,
-                               params=common_pb2.GenerationParams(num_inference_steps=forwards + 1, seed=0))
+    return dit_pb2.DenoiseSpec(
+        height=size.height,
+        width=size.width,
+        num_frames=size.frames,
+        workflow=common_pb2.WORKFLOW_T2VA,
+        params=common_pb2.GenerationParams(num_inference_steps=forwards + 1, seed=0),
+    )
 
 
 def timed(fn, device: str) -> float:
@@ -67,14 +71,18 @@ def add_variant_arguments(parser, sizes: str, repeats: int) -> None:
     parser.add_argument("--sizes", default=sizes)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=repeats)
-    parser.add_argument("--variants", default="native",
-                        help="fast paths to time, in order, each only adding to the one before (see the docstring)")
+    parser.add_argument(
+        "--variants",
+        default="native",
+        help="fast paths to time, in order, each only adding to the one before (see the docstring)",
+    )
     parser.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
 
 
 def _smi(query: str) -> list[list[int]]:
-    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+    ).stdout
     return [[int(v) for v in line.split(",")] for line in out.splitlines() if line.strip()]
 
 
@@ -126,8 +134,8 @@ def gpu_peak(every_s: float = 0.5):
 class ProcMemory:
     """A process's resident memory by kind (kB), from /proc/<pid>/status."""
 
-    anon_kib: int   # RssAnon: heap, tensors in host memory, pinned buffers
-    file_kib: int   # RssFile: mapped file pages (safetensors, libraries): page cache, reclaimable
+    anon_kib: int  # RssAnon: heap, tensors in host memory, pinned buffers
+    file_kib: int  # RssFile: mapped file pages (safetensors, libraries): page cache, reclaimable
     shmem_kib: int  # RssShmem: shared memory (tmpfs, /dev/shm, CUDA IPC), as unreclaimable as anon
 
     @property
@@ -190,13 +198,15 @@ class HostPeak:
     coincide). `samples` counts the readings taken, so a test can wait for one."""
 
     private_gib: float = 0.0  # RssAnon + RssShmem: what the OOM killer counts
-    file_gib: float = 0.0     # RssFile: mapped file pages, page cache the kernel can drop under pressure
-    used_gib: float = 0.0     # the whole system's MemTotal - MemAvailable, less what it was at the start
+    file_gib: float = 0.0  # RssFile: mapped file pages, page cache the kernel can drop under pressure
+    used_gib: float = 0.0  # the whole system's MemTotal - MemAvailable, less what it was at the start
     samples: int = 0
 
     def describe(self) -> str:
-        return (f"host {self.private_gib:.1f} GiB private (+{self.file_gib:.1f} mapped files), "
-                f"system used +{self.used_gib:.1f} GiB")
+        return (
+            f"host {self.private_gib:.1f} GiB private (+{self.file_gib:.1f} mapped files), "
+            f"system used +{self.used_gib:.1f} GiB"
+        )
 
 
 @contextlib.contextmanager

@@ -34,8 +34,10 @@ def tiny_deployment(root: Path, base: DeployConfig | None = None) -> Path:
     geometry = base.gateway.geometry.pipeline_configs()
     lines = [f'[model]\ndir = "{model}"', *(f"{k} = {v}" for k, v in geometry.items())]
     lines += [f"\n[{name}]\nport = {free_port()}\nthreads = {base.service(name).threads}" for name in MODEL_SERVICES]
-    lines.append(f'\n[gateway]\nport = {free_port()}\ndata_dir = "{root / "gateway"}"\n'
-                 f"default_steps = {base.gateway.default_steps}")
+    lines.append(
+        f'\n[gateway]\nport = {free_port()}\ndata_dir = "{root / "gateway"}"\n'
+        f"default_steps = {base.gateway.default_steps}"
+    )
     path = root / "deploy.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -50,8 +52,12 @@ def profile_deployment(profile: Path, changes: dict[str, dict], path: Path) -> P
     for name in (*MODEL_SERVICES, "gateway"):
         data.setdefault(name, {})["port"] = free_port()
     data["gateway"].pop("http_port", None)
-    path.write_text("".join(f"[{name}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in section.items())
-                            + "\n" for name, section in data.items()))
+    path.write_text(
+        "".join(
+            f"[{name}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in section.items()) + "\n"
+            for name, section in data.items()
+        )
+    )
     return path
 
 
@@ -79,6 +85,12 @@ def cpu_record(bench: str, argv: list[str] | None, **measured) -> Record:
     variant."""
     import torch
 
-    return Record(device="cpu (tiny model, 1 thread per service)", world_size=1, dtype="float32",
-                  command=command_line(bench, argv), date=date.today().isoformat(),
-                  software=f"torch {torch.__version__}, python {platform.python_version()}", **measured)
+    return Record(
+        device="cpu (tiny model, 1 thread per service)",
+        world_size=1,
+        dtype="float32",
+        command=command_line(bench, argv),
+        date=date.today().isoformat(),
+        software=f"torch {torch.__version__}, python {platform.python_version()}",
+        **measured,
+    )

@@ -44,9 +44,21 @@ from h3serve.runtime import random_full
 from h3serve.runtime.fastpath import FastPath
 
 MID_SIZE = dict(  # the released structure at a size one GPU runs in seconds: real head dim, real channels
-    num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_layers=4, num_refiner_layers=1,
-    ffn_dim=4096, in_channels=24, audio_in_channels=32, patch_size=(1, 2, 2), text_dim=1024, freq_dim=256,
-    time_embed_hidden_dim=1024, time_embed_dim=512, rope_freq_dim=16, rope_theta=10000.0,
+    num_attention_heads=8,
+    attention_head_dim=128,
+    hidden_size=1024,
+    num_layers=4,
+    num_refiner_layers=1,
+    ffn_dim=4096,
+    in_channels=24,
+    audio_in_channels=32,
+    patch_size=(1, 2, 2),
+    text_dim=1024,
+    freq_dim=256,
+    time_embed_hidden_dim=1024,
+    time_embed_dim=512,
+    rope_freq_dim=16,
+    rope_theta=10000.0,
 )
 
 
@@ -57,8 +69,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", choices=["ulysses", "ring"], default="ulysses", help="how the sequence is split")
     p.add_argument("--sizes", default="768x1344x124")
     p.add_argument("--dtype", default=None, help="default: bfloat16 (timing), float32 (--check, --quick)")
-    p.add_argument("--attention-backend", default="native",
-                   help="a diffusers backend name, or a local kernel (flash4, cudnn_fp8: Ulysses only)")
+    p.add_argument(
+        "--attention-backend",
+        default="native",
+        help="a diffusers backend name, or a local kernel (flash4, cudnn_fp8: Ulysses only)",
+    )
     p.add_argument("--compile", action="store_true", help="regional torch.compile (the fast path) before the split")
     p.add_argument("--fp8", action="store_true", help="fp8 W8A8 block linears (the fast path's opt-in option)")
     p.add_argument("--forwards", type=int, default=4, help="forwards in the timed request (steps timed: one less)")
@@ -97,9 +112,20 @@ def launch(args: argparse.Namespace, argv: list[str]) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.world_size}", "-m", "bench.dit_sharded", *argv, "--out", str(out),
-                   "--command", " ".join(["python -m bench.dit_sharded", *argv])]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.world_size}",
+            "-m",
+            "bench.dit_sharded",
+            *argv,
+            "--out",
+            str(out),
+            "--command",
+            " ".join(["python -m bench.dit_sharded", *argv]),
+        ]
         env = {**NCCL_ENV, **os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         with leaves_gpu_empty():
             subprocess.run(command, check=True, env=env)
@@ -157,8 +183,11 @@ def components(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         transformer = random_full.materialise(skeleton, "transformer", "cpu").to(device)
     else:  # released size, built on this rank's GPU, seeded alike on every rank
         transformer = random_full.build_component("transformer", str(device), dtype)
-    return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
-            "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+    return {
+        "transformer": transformer,
+        "scheduler": MiniMaxH3Scheduler(shift=12.0),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+    }
 
 
 def job_message(size: Size, forwards: int, text_dim: int):
@@ -207,8 +236,9 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
     control.any(False)  # the other ranks wait here for the baseline
     layout = layout_of(args)
     parallel.parallelize(parts["transformer"], layout, device)
-    member = GroupMember(control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend,
-                         max_math_tokens=4096)
+    member = GroupMember(
+        control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend, max_math_tokens=4096
+    )
 
     def group_run(m, observe):
         outcome = member.run(m, observe, lambda: False)
@@ -220,11 +250,21 @@ def measure(size: Size, args: argparse.Namespace, control, device: torch.device)
     peaks = [round(r.peak_bytes / 2**30, 2) for r in outcome.ranks]
     split = "1 rank" if layout.world_size == 1 else f"{layout.split}, {'FSDP2' if layout.fsdp else 'replicated'}"
     return Record(
-        name=f"dit_sharded_{size}", device=device_label(device, layout.world_size), world_size=layout.world_size,
-        dtype=args.dtype, seconds=seconds, baseline_seconds=baseline, ratio=baseline / seconds,
-        peak_gib=max(peaks), rank_peaks_gib=peaks, command=args.command, date=datetime.date.today().isoformat(),
+        name=f"dit_sharded_{size}",
+        device=device_label(device, layout.world_size),
+        world_size=layout.world_size,
+        dtype=args.dtype,
+        seconds=seconds,
+        baseline_seconds=baseline,
+        ratio=baseline / seconds,
+        peak_gib=max(peaks),
+        rank_peaks_gib=peaks,
+        command=args.command,
+        date=datetime.date.today().isoformat(),
         variant=f"group: {split}, {fast.describe()}",
-        baseline="service runner on 1 GPU, whole model (= diffusers core denoise step)", software=software())
+        baseline="service runner on 1 GPU, whole model (= diffusers core denoise step)",
+        software=software(),
+    )
 
 
 def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]:
@@ -239,19 +279,22 @@ def check(args: argparse.Namespace, control, device: torch.device) -> list[dict]
     reference = None
     if control.rank == 0:
         reference = DenoiseRunner(components(args, device, dtype, config), served(["t2va"])).run(
-            message.spec, *message.tensors.values(), lambda step, total: None)
+            message.spec, *message.tensors.values(), lambda step, total: None
+        )
     rows = []
     for split in ("ulysses", "ring"):
         for fsdp in (False, True):
             layout = layout_of(args, split, fsdp)
             parts = components(args, device, dtype, config)
-            parallel.prepare_transformer(parts["transformer"], layout, FastPath(args.attention_backend), device,
-                                         dtype)
-            member = GroupMember(control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend,
-                                 4096)
+            parallel.prepare_transformer(parts["transformer"], layout, FastPath(args.attention_backend), device, dtype)
+            member = GroupMember(control, DenoiseRunner(parts, served(["t2va"])), device, args.attention_backend, 4096)
             outcome = member.run(message, lambda step, total: None, lambda: False)
-            row = {"variant": f"{layout.split}, {'FSDP2' if fsdp else 'replicated'}", "size": str(size),
-                   "dtype": args.dtype, "backend": args.attention_backend}
+            row = {
+                "variant": f"{layout.split}, {'FSDP2' if fsdp else 'replicated'}",
+                "size": str(size),
+                "dtype": args.dtype,
+                "backend": args.attention_backend,
+            }
             if outcome.invalid is not None:
                 row["error"] = str(outcome.invalid)
             elif reference is not None:
@@ -277,8 +320,10 @@ def device_label(device: torch.device, world_size: int) -> str:
 def print_records(records: list[Record]) -> None:
     print(f"{'measurement':26} {'device':10} {'variant':50} {'s/step':>8} {'1-GPU s':>8} {'x':>6}  peak GiB/rank")
     for r in records:
-        print(f"{r.name:26} {r.device:10} {r.variant:50} {r.seconds:8.4f} {r.baseline_seconds:8.4f} "
-              f"{r.ratio:6.3f}  {r.rank_peaks_gib}")
+        print(
+            f"{r.name:26} {r.device:10} {r.variant:50} {r.seconds:8.4f} {r.baseline_seconds:8.4f} "
+            f"{r.ratio:6.3f}  {r.rank_peaks_gib}"
+        )
 
 
 def print_check(rows: list[dict]) -> None:

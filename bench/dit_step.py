@@ -49,8 +49,11 @@ def components(quick: bool, device: str, dtype: torch.dtype) -> dict:
         transformer = build_component("transformer")
     else:
         transformer = random_full.build_component("transformer", device, dtype)
-    return {"transformer": transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
-            "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+    return {
+        "transformer": transformer,
+        "scheduler": MiniMaxH3Scheduler(shift=12.0),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+    }
 
 
 def baseline_pipeline(parts: dict):
@@ -68,18 +71,25 @@ class Workload:
     def __init__(self, size: Size, parts: dict, args, device: str) -> None:
         self.size, self.args, self.device = size, args, device
         transformer = parts["transformer"]
-        self.embeds = torch.randn(1, TEXT_TOKENS, transformer.config.text_dim,
-                                  generator=torch.Generator().manual_seed(0)).to(device, transformer.dtype)
+        self.embeds = torch.randn(
+            1, TEXT_TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0)
+        ).to(device, transformer.dtype)
         self.tags = torch.ones(TEXT_TOKENS, dtype=torch.int64)  # the layout is built on the CPU
         self.baseline, self.ours = baseline_pipeline(parts), DenoiseRunner(parts, served(["t2va"]))
         self.spec = denoise_spec(size, args.forwards)
         self.flops = flops.dit_forward_flops(transformer, packed_length(TEXT_TOKENS, self.spec, {}))
 
     def run_baseline(self, steps: int | None = None) -> None:
-        self.baseline(prompt_embeds=self.embeds, text_token_tags=self.tags, height=self.size.height,
-                      width=self.size.width, num_frames=self.size.frames,
-                      num_inference_steps=steps or self.spec.params.num_inference_steps,
-                      generator=torch.Generator().manual_seed(0), output=["latents", "audio_latents"])
+        self.baseline(
+            prompt_embeds=self.embeds,
+            text_token_tags=self.tags,
+            height=self.size.height,
+            width=self.size.width,
+            num_frames=self.size.frames,
+            num_inference_steps=steps or self.spec.params.num_inference_steps,
+            generator=torch.Generator().manual_seed(0),
+            output=["latents", "audio_latents"],
+        )
 
     def run_ours(self) -> None:
         self.ours.run(self.spec, self.embeds, self.tags, lambda step, total: None)
@@ -103,7 +113,7 @@ class Timing:
     per_step: float
     peak_gib: float
     first_call: float  # seconds of the first call at this size (--forwards forwards)
-    graphs: int        # graphs torch.compile built during it
+    graphs: int  # graphs torch.compile built during it
 
 
 @dataclass
@@ -121,8 +131,11 @@ class Accuracy:
 
     def of(self, transformer, lossy: bool) -> dict:
         out = forward_output(transformer, self.inputs)
-        return {"rel_err_fp32": rel_l2(out, self.fp32), "bf16_rel_err_fp32": rel_l2(self.bf16, self.fp32),
-                "rel_err_bf16": rel_l2(out, self.bf16) if lossy else None}
+        return {
+            "rel_err_fp32": rel_l2(out, self.fp32),
+            "bf16_rel_err_fp32": rel_l2(self.bf16, self.fp32),
+            "rel_err_bf16": rel_l2(out, self.bf16) if lossy else None,
+        }
 
 
 class FastPathLadder:
@@ -151,7 +164,9 @@ def parse_variant(text: str) -> FastPath:
     attention, *flags = text.split("+")
     unknown = set(flags) - set(fastpath.FLAGS)
     if unknown:
-        raise SystemExit(f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: {', '.join(fastpath.FLAGS)})")
+        raise SystemExit(
+            f"--variants: unknown option(s) {sorted(unknown)} in {text!r} (known: {', '.join(fastpath.FLAGS)})"
+        )
     try:
         return FastPath(attention=attention, **{flag: flag in flags for flag in fastpath.FLAGS})
     except ValueError as exc:
@@ -174,8 +189,11 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
             records.append(record(w.size, fast, ours, base, {**errors, **rate}, args, device))
             if fast.compile:  # what a request of a shape not compiled yet pays
                 records.append(first_call_record(w.size, fast, ours, base, args, device))
-            print(f"  {w.size} {fast.describe()}: {ours.per_step:.4f} s/step vs {base.per_step:.4f} {errors}; first "
-                  f"call {ours.first_call:.1f} s ({ours.graphs} graphs) vs {base.first_call:.1f} s", flush=True)
+            print(
+                f"  {w.size} {fast.describe()}: {ours.per_step:.4f} s/step vs {base.per_step:.4f} {errors}; first "
+                f"call {ours.first_call:.1f} s ({ours.graphs} graphs) vs {base.first_call:.1f} s",
+                flush=True,
+            )
             if args.profile:
                 with torch.no_grad():
                     rows = profile.kernels(w.run_ours, per=args.forwards)
@@ -185,23 +203,40 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
 
 def record(size: Size, fast: FastPath, ours: Timing, base: Timing, measured: dict, args, device: str) -> Record:
     return Record(
-        name=f"dit_step_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
-        seconds=ours.per_step, baseline_seconds=base.per_step, ratio=base.per_step / ours.per_step,
-        peak_gib=ours.peak_gib, command=args.command, date=datetime.date.today().isoformat(),
+        name=f"dit_step_{size}",
+        device=device_label(device),
+        world_size=1,
+        dtype=str(args.dtype),
+        seconds=ours.per_step,
+        baseline_seconds=base.per_step,
+        ratio=base.per_step / ours.per_step,
+        peak_gib=ours.peak_gib,
+        command=args.command,
+        date=datetime.date.today().isoformat(),
         variant=f"service runner, fast path {fast.describe()}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
-        software=software(), **measured)
+        software=software(),
+        **measured,
+    )
 
 
 def first_call_record(size: Size, fast: FastPath, ours: Timing, base: Timing, args, device: str) -> Record:
     return Record(
-        name=f"dit_first_call_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
-        seconds=ours.first_call, baseline_seconds=base.first_call, ratio=base.first_call / ours.first_call,
-        peak_gib=ours.peak_gib, command=args.command, date=datetime.date.today().isoformat(),
+        name=f"dit_first_call_{size}",
+        device=device_label(device),
+        world_size=1,
+        dtype=str(args.dtype),
+        seconds=ours.first_call,
+        baseline_seconds=base.first_call,
+        ratio=base.first_call / ours.first_call,
+        peak_gib=ours.peak_gib,
+        command=args.command,
+        date=datetime.date.today().isoformat(),
         variant=f"service runner, fast path {fast.describe()}: first call of {args.forwards} forwards at this size "
-                f"after the variants before it; graphs compiled: {ours.graphs}",
+        f"after the variants before it; graphs compiled: {ours.graphs}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process: its first call",
-        software=software())
+        software=software(),
+    )
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -217,13 +252,17 @@ def main(argv: list[str] | None = None) -> list[Record]:
     device = "cpu" if args.quick else "cuda"
     parts = components(args.quick, device, getattr(torch, args.dtype))
     records = run([Size.parse(s) for s in args.sizes.split(",")], parts, args, device)
-    print(f"{'measurement':24} {'variant':44} {'ours s':>8} {'diffusers s':>11} {'ratio':>6} {'peak GiB':>8} "
-          f"{'TFLOP/s':>8} {'ceiling':>8} {'err/fp32':>9} {'bf16/fp32':>9}")
+    print(
+        f"{'measurement':24} {'variant':44} {'ours s':>8} {'diffusers s':>11} {'ratio':>6} {'peak GiB':>8} "
+        f"{'TFLOP/s':>8} {'ceiling':>8} {'err/fp32':>9} {'bf16/fp32':>9}"
+    )
     for r in records:
         err = f"{r.rel_err_fp32:9.2e} {r.bf16_rel_err_fp32:9.2e}" if r.rel_err_fp32 is not None else ""
         rate = f"{r.tflops:8.1f} {r.ceiling_tflops:8.1f}" if r.tflops is not None else f"{'':8} {'':8}"
-        print(f"{r.name:24} {r.variant[:44]:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
-              f"{r.peak_gib:8.2f} {rate} {err}")
+        print(
+            f"{r.name:24} {r.variant[:44]:44} {r.seconds:8.4f} {r.baseline_seconds:11.4f} {r.ratio:6.3f} "
+            f"{r.peak_gib:8.2f} {rate} {err}"
+        )
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

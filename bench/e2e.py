@@ -109,9 +109,11 @@ from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import encode_mp4
 
-PROMPT = ("A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
-          "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
-          "breath steaming, then bounds away over a ridge as black crows call above.")
+PROMPT = (
+    "A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
+    "branches, low sun throws long blue shadows, the fox stops, turns its head toward the camera, "
+    "breath steaming, then bounds away over a ridge as black crows call above."
+)
 SEED = 1234
 ADAPTER = "turbo"  # --adapter-rank: a random LoRA of that rank on every block linear, named so on both sides
 OUTPUTS = (".mp4", ".npz")  # what each side's last request leaves for the comparison: the MP4, the raw output
@@ -144,24 +146,42 @@ class Side:
     stages: dict[str, float]
     transport: float
     digest: str
-    used_gib: float                  # on the fullest GPU the side used
+    used_gib: float  # on the fullest GPU the side used
     rank_peaks_gib: list[float] = field(default_factory=list)  # services: each DiT rank's peak, last request
-    ready_s: float = 0.0             # start to ready: the pipeline loaded / the services healthy (SERVING)
-    first_s: float = 0.0             # --warm-start: the first request after SERVING, with no warm-up request
-    host_peak_gib: float = 0.0       # private host memory (RssAnon + RssShmem), all the side's processes together
-    host_file_gib: float = 0.0       # mapped file pages (RssFile): page cache, reclaimable
-    host_used_gib: float = 0.0       # the system's used memory (MemTotal - MemAvailable) over its value at the start
+    ready_s: float = 0.0  # start to ready: the pipeline loaded / the services healthy (SERVING)
+    first_s: float = 0.0  # --warm-start: the first request after SERVING, with no warm-up request
+    host_peak_gib: float = 0.0  # private host memory (RssAnon + RssShmem), all the side's processes together
+    host_file_gib: float = 0.0  # mapped file pages (RssFile): page cache, reclaimable
+    host_used_gib: float = 0.0  # the system's used memory (MemTotal - MemAvailable) over its value at the start
 
     @classmethod
-    def of(cls, runs: list[Run], used_gib: float, rank_peaks_gib: list[float] | None = None, ready_s: float = 0.0,
-           first_s: float = 0.0) -> "Side":
+    def of(
+        cls,
+        runs: list[Run],
+        used_gib: float,
+        rank_peaks_gib: list[float] | None = None,
+        ready_s: float = 0.0,
+        first_s: float = 0.0,
+    ) -> "Side":
         stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
-        return cls(statistics.median(r.seconds for r in runs), stages, statistics.median(r.transport for r in runs),
-                   runs[-1].digest, used_gib, rank_peaks_gib or [], ready_s, first_s)
+        return cls(
+            statistics.median(r.seconds for r in runs),
+            stages,
+            statistics.median(r.transport for r in runs),
+            runs[-1].digest,
+            used_gib,
+            rank_peaks_gib or [],
+            ready_s,
+            first_s,
+        )
 
     def with_host(self, host: HostPeak) -> "Side":
-        return replace(self, host_peak_gib=round(host.private_gib, 2), host_file_gib=round(host.file_gib, 2),
-                       host_used_gib=round(host.used_gib, 2))
+        return replace(
+            self,
+            host_peak_gib=round(host.private_gib, 2),
+            host_file_gib=round(host.file_gib, 2),
+            host_used_gib=round(host.used_gib, 2),
+        )
 
     def host_text(self) -> str:
         """Its host peaks as the table prints them; "" for a side saved before they were sampled."""
@@ -175,7 +195,7 @@ class Comparison:
     size: Size
     in_process: Side
     served: Side
-    media: MediaDiff   # the two MP4s decoded (zero when they are the same bytes)
+    media: MediaDiff  # the two MP4s decoded (zero when they are the same bytes)
     frames: FramesDiff  # the two sides' decoded frames and waveform before the muxer (the last requests)
 
     @property
@@ -183,8 +203,9 @@ class Comparison:
         return self.in_process.digest == self.served.digest
 
     @classmethod
-    def of(cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path],
-           raw: tuple[Path, Path]) -> "Comparison":
+    def of(
+        cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path], raw: tuple[Path, Path]
+    ) -> "Comparison":
         same = in_process.digest == served.digest
         return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos), FramesDiff.of(*raw))
 
@@ -232,8 +253,9 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
     def once(size: Size, steps: int) -> Run:
         clock.reset()
         started = time.perf_counter()
-        result = run_pipeline(pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED,
-                                                     **options))
+        result = run_pipeline(
+            pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED, **options)
+        )
         muxed = time.perf_counter()
         video = encode_mp4(result["frames"], result["audio"], int(result["sample_rate"]), lambda *_: None)
         (out / f"in-process-{size}.mp4").write_bytes(video)
@@ -264,20 +286,23 @@ def deployment(args, device: str, work: Path) -> Path:
         pinned = f'gpus = "{gpus}"\n' if gpus else ""
         return f'{pinned}device = "{device}"\ndtype = "{args.dtype}"\nport = {free_port()}\n'
 
-    text = (f'[model]\ndir = "{args.model_dir or ""}"\n\n'
-            f"[encoder]\n{common(place.encoder)}cache_bytes = 0\n\n"
-            f'[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n'
-            f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
-            f"compile = {str(dit.compile).lower()}\ncompile_dynamic = {str(dit.dynamic).lower()}\n"
-            f"fp8 = {str(dit.fp8).lower()}\n{cache_line(args)}"
-            + (f'fp8_cache_dir = "{args.fp8_cache}"\n' if args.fp8_cache else "")
-            + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
-            + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "") + "\n"
-            f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
-            f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n{cache_line(args)}"
-            f"max_raw_bytes = {RAW_BYTES}\n\n"
-            f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
-            f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n")
+    text = (
+        f'[model]\ndir = "{args.model_dir or ""}"\n\n'
+        f"[encoder]\n{common(place.encoder)}cache_bytes = 0\n\n"
+        f"[dit]\n{common(place.dit)}world_size = {place.world_size}\nfsdp = {str(place.fsdp).lower()}\n"
+        f'workflows = ["t2va"]\nattention_backend = "{dit.attention}"\n'
+        f"compile = {str(dit.compile).lower()}\ncompile_dynamic = {str(dit.dynamic).lower()}\n"
+        f"fp8 = {str(dit.fp8).lower()}\n{cache_line(args)}"
+        + (f'fp8_cache_dir = "{args.fp8_cache}"\n' if args.fp8_cache else "")
+        + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
+        + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "")
+        + "\n"
+        f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
+        f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n{cache_line(args)}"
+        f"max_raw_bytes = {RAW_BYTES}\n\n"
+        f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
+        f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n"
+    )
     path = work / "deploy.toml"
     path.write_text(text)
     return path
@@ -286,9 +311,14 @@ def deployment(args, device: str, work: Path) -> Path:
 def profile_changes(args, work: Path) -> dict[str, dict]:
     """What --deploy changes in a profile: the weights, the encoder cache off, room for the raw output, this
     run's data directory, the request's adapter; its placement, memory and fast-path settings stay."""
-    changes = {"model": {"dir": args.model_dir or ""}, "encoder": {"cache_bytes": 0}, "dit": {},
-               "vae": {"max_raw_bytes": RAW_BYTES}, "gateway": {"data_dir": str(work / "gateway")},
-               "supervisor": {"start_timeout_s": START_TIMEOUT_S}}
+    changes = {
+        "model": {"dir": args.model_dir or ""},
+        "encoder": {"cache_bytes": 0},
+        "dit": {},
+        "vae": {"max_raw_bytes": RAW_BYTES},
+        "gateway": {"data_dir": str(work / "gateway")},
+        "supervisor": {"start_timeout_s": START_TIMEOUT_S},
+    }
     if args.adapter_file:
         changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
     if args.warm_start:
@@ -307,9 +337,11 @@ def cache_line(args) -> str:
 def cache_state(args) -> str:
     """What --compile-cache and --fp8-cache held before the services started: a warm restart loads them, a cold
     start fills them."""
-    return "".join(f", {what} {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if size else 'empty'} at start"
-                   for what, size in (("compile cache", _bytes_in(args.compile_cache)),
-                                      ("fp8 cache", _bytes_in(args.fp8_cache))) if size is not None)
+    return "".join(
+        f", {what} {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if size else 'empty'} at start"
+        for what, size in (("compile cache", _bytes_in(args.compile_cache)), ("fp8 cache", _bytes_in(args.fp8_cache)))
+        if size is not None
+    )
 
 
 def _bytes_in(directory: str) -> int | None:
@@ -323,12 +355,16 @@ def served_request(client, size: Size, steps: int, events: list, args, include_r
     from h3serve.client import describe_event
     from h3serve.v1 import common_pb2, gateway_pb2
 
-    params = common_pb2.GenerationParams(num_inference_steps=steps, seed=SEED, include_raw=include_raw,
-                                         flow_shift=args.flow_shift,
-                                         adapters=[common_pb2.Adapter(name=ADAPTER)] if args.adapter_file
-                                         else [])
-    request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=size.height, width=size.width, num_frames=size.frames,
-                                          params=params)
+    params = common_pb2.GenerationParams(
+        num_inference_steps=steps,
+        seed=SEED,
+        include_raw=include_raw,
+        flow_shift=args.flow_shift,
+        adapters=[common_pb2.Adapter(name=ADAPTER)] if args.adapter_file else [],
+    )
+    request = gateway_pb2.GenerateRequest(
+        prompt=PROMPT, height=size.height, width=size.width, num_frames=size.frames, params=params
+    )
     final = client.generate(request, events.append)
     if final.WhichOneof("kind") != "done":
         raise RuntimeError(f"job {final.job_id} {describe_event(final)}")
@@ -380,8 +416,10 @@ def dit_group(config: DeployConfig, place: Placement) -> str:
     """The group the DiT reports, checked against the placement asked for."""
     info = dit_info(config)
     if (info.world_size, info.fsdp) != (place.world_size, place.fsdp):
-        raise RuntimeError(f"the DiT runs {info.world_size} rank(s), FSDP {info.fsdp}; the placement asked for "
-                           f"{place.world_size}, FSDP {place.fsdp}")
+        raise RuntimeError(
+            f"the DiT runs {info.world_size} rank(s), FSDP {info.fsdp}; the placement asked for "
+            f"{place.world_size}, FSDP {place.fsdp}"
+        )
     devices = ", ".join(r.device for r in info.ranks)
     return f"{info.world_size} rank(s) on {devices}, {info.compute_backend}, attention {info.attention_backend}"
 
@@ -396,8 +434,12 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     try:
         # the host sampler asks for the services' pids at every sample: it starts before they do, so their start-up
         # (loading, --warm-start's compile) is in the peak
-        with (leaves_gpu_empty(), gpu_peak() as peak_mib,
-              host_peak(lambda: [service.process.pid for service in group.running]) as host, group):
+        with (
+            leaves_gpu_empty(),
+            gpu_peak() as peak_mib,
+            host_peak(lambda: [service.process.pid for service in group.running]) as host,
+            group,
+        ):
             ready_s = time.perf_counter() - started
             print(f"services healthy in {ready_s:.1f} s; DiT {dit_group(config, place)}", flush=True)
             client = GatewayClient(f"127.0.0.1:{config.gateway.port}")
@@ -407,8 +449,16 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                     once = functools.partial(served_once, client, size, out=work, args=args)
                     first_run = once(args.steps) if args.warm_start else None  # warmed at start, or not
                     first = first_run.seconds if first_run else 0.0
-                    print(f"services {size}: " + (f"first request {first:.2f} s ({stage_text(first_run)}), then "
-                                                  if first_run else "warm-up + ") + f"{args.repeats} runs", flush=True)
+                    print(
+                        f"services {size}: "
+                        + (
+                            f"first request {first:.2f} s ({stage_text(first_run)}), then "
+                            if first_run
+                            else "warm-up + "
+                        )
+                        + f"{args.repeats} runs",
+                        flush=True,
+                    )
                     runs = [once(args.steps) for _ in range(args.repeats)] if first else repeated(once, args)
                     served_raw(client, size, args.steps, work, args)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
@@ -425,9 +475,12 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
         print(f"services: at most {host.describe()} while they started and ran, all processes together", flush=True)
         return sides
     peak = round(max(peak_mib) / 1024, 2)
-    print(f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
-          + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else "")
-          + f"; {host.describe()}", flush=True)
+    print(
+        f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
+        + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else "")
+        + f"; {host.describe()}",
+        flush=True,
+    )
     return {size: replace(side, used_gib=peak) for size, side in sides.items()}
 
 
@@ -439,8 +492,11 @@ def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
     started = time.perf_counter()
     while fp8_store.saves_in_flight(Path(directory)) and time.perf_counter() - started < timeout_s:
         time.sleep(1.0)
-    print(f"services: the fp8 weights in {directory} written {time.perf_counter() - started:.1f} s after the "
-          "last request", flush=True)
+    print(
+        f"services: the fp8 weights in {directory} written {time.perf_counter() - started:.1f} s after the "
+        "last request",
+        flush=True,
+    )
 
 
 def emulated_card(config: DeployConfig) -> float:
@@ -455,14 +511,29 @@ def stage_text(run: Run) -> str:
 
 def setup(args) -> dict:
     """What a saved baseline must share with the services run it is compared with."""
-    return {"sizes": args.sizes, "steps": args.steps, "warmup_steps": args.warmup_steps, "dtype": args.dtype,
-            "model_dir": args.model_dir, "adapter_rank": args.adapter_rank, "flow_shift": args.flow_shift}
+    return {
+        "sizes": args.sizes,
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "dtype": args.dtype,
+        "model_dir": args.model_dir,
+        "adapter_rank": args.adapter_rank,
+        "flow_shift": args.flow_shift,
+    }
 
 
 def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"setup": setup(args), "command": args.command,
-                                "sides": {str(size): asdict(side) for size, side in sides.items()}}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "setup": setup(args),
+                "command": args.command,
+                "sides": {str(size): asdict(side) for size, side in sides.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
@@ -474,8 +545,9 @@ def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
     same = {**saved["setup"], **unchecked} == {**setup(args), **unchecked}
     missing = set(args.sizes.split(",")) - set(saved["sides"])
     if not same or missing:  # a subset of its sizes may be compared: one call per size when time is short
-        raise SystemExit(f"--side services: the baseline in {path} was measured with {saved['setup']}, "
-                         f"this run is {setup(args)}")
+        raise SystemExit(
+            f"--side services: the baseline in {path} was measured with {saved['setup']}, this run is {setup(args)}"
+        )
     return {Size.parse(size): Side(**side) for size, side in saved["sides"].items()}, saved["command"]
 
 
@@ -495,19 +567,32 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
     rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
     rows.append((f"{name}_transport", ours.transport, base.transport))
     if ours.first_s:  # --warm-start: the first request after SERVING and start to SERVING, against the pipeline
-        rows += [(f"{name}_first_request", ours.first_s, base.seconds), (f"{name}_start_to_ready", ours.ready_s,
-                                                                          base.ready_s)]
+        rows += [
+            (f"{name}_first_request", ours.first_s, base.seconds),
+            (f"{name}_start_to_ready", ours.ready_s, base.ready_s),
+        ]
     common = dict(
-        device=device_label(device, place.gpus), world_size=place.world_size, dtype=args.dtype,
-        peak_gib=ours.used_gib, rank_peaks_gib=ours.rank_peaks_gib, host_peak_gib=ours.host_peak_gib,
-        host_file_gib=ours.host_file_gib, host_used_gib=ours.host_used_gib, command=command,
-        date=datetime.date.today().isoformat(), software=software(),
-        variant=(f"gRPC services, deployment {args.deploy} as shipped" if args.deploy else
-                 f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}")
-                + adapted(args) + args.cache_state,
-        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args))
-    return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common)
-            for n, s, b in rows]
+        device=device_label(device, place.gpus),
+        world_size=place.world_size,
+        dtype=args.dtype,
+        peak_gib=ours.used_gib,
+        rank_peaks_gib=ours.rank_peaks_gib,
+        host_peak_gib=ours.host_peak_gib,
+        host_file_gib=ours.host_file_gib,
+        host_used_gib=ours.host_used_gib,
+        command=command,
+        date=datetime.date.today().isoformat(),
+        software=software(),
+        variant=(
+            f"gRPC services, deployment {args.deploy} as shipped"
+            if args.deploy
+            else f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
+        )
+        + adapted(args)
+        + args.cache_state,
+        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args),
+    )
+    return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common) for n, s, b in rows]
 
 
 def adapted(args) -> str:
@@ -517,19 +602,29 @@ def adapted(args) -> str:
 
 
 def print_table(comparisons: list[Comparison]) -> None:
-    print(f"{'size':16} {'':12} {'e2e s':>8} " + " ".join(f"{s:>8}" for s in (*STAGES, "transport"))
-          + f" {'GiB used':>9}  host memory at most")
+    print(
+        f"{'size':16} {'':12} {'e2e s':>8} "
+        + " ".join(f"{s:>8}" for s in (*STAGES, "transport"))
+        + f" {'GiB used':>9}  host memory at most"
+    )
     for c in comparisons:
         for label, side in (("in process", c.in_process), ("services", c.served)):
-            print(f"{str(c.size):16} {label:12} {side.seconds:8.3f} "
-                  + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES) + f" {side.transport:8.3f}"
-                  + f" {side.used_gib:9.2f}  {side.host_text()}")
-        print(f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
-              f"(in process / services; same MP4: {c.same_output}; {c.media.describe()}; {c.frames.describe()})")
+            print(
+                f"{str(c.size):16} {label:12} {side.seconds:8.3f} "
+                + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES)
+                + f" {side.transport:8.3f}"
+                + f" {side.used_gib:9.2f}  {side.host_text()}"
+            )
+        print(
+            f"{'':16} {'ratio':12} {c.in_process.seconds / c.served.seconds:8.4f}  "
+            f"(in process / services; same MP4: {c.same_output}; {c.media.describe()}; {c.frames.describe()})"
+        )
         if c.served.first_s:
-            print(f"{'':16} {'first':12} {c.served.first_s:8.3f}  (the first request after SERVING: "
-                  f"{c.served.first_s / c.served.seconds:.3f}x the median; start to SERVING {c.served.ready_s:.1f} s, "
-                  f"pipeline load in process {c.in_process.ready_s:.1f} s)")
+            print(
+                f"{'':16} {'first':12} {c.served.first_s:8.3f}  (the first request after SERVING: "
+                f"{c.served.first_s / c.served.seconds:.3f}x the median; start to SERVING {c.served.ready_s:.1f} s, "
+                f"pipeline load in process {c.in_process.ready_s:.1f} s)"
+            )
 
 
 def baseline_output(baseline_file: Path, size: Size, suffix: str) -> Path:
@@ -560,12 +655,14 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
     if args.side == "services":
         baseline, baseline_command = load_baseline(baseline_file, args)
         command = f"{baseline_command}; {args.command}"
-        reference = {(size, suffix): baseline_output(baseline_file, size, suffix)
-                     for size in sizes for suffix in OUTPUTS}
+        reference = {
+            (size, suffix): baseline_output(baseline_file, size, suffix) for size in sizes for suffix in OUTPUTS
+        }
         missing = [str(path) for path in reference.values() if not path.exists()]
         if missing:
-            raise SystemExit(f"--side services: the in-process outputs {missing} are missing; run --side in-process "
-                             "again")
+            raise SystemExit(
+                f"--side services: the in-process outputs {missing} are missing; run --side in-process again"
+            )
     else:
         baseline = in_process(sizes, args, device, work)
         reference = {(size, suffix): work / f"in-process-{size}{suffix}" for size in sizes for suffix in OUTPUTS}
@@ -576,9 +673,15 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
         print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
         return [], command
     served = through_services(sizes, args, device, work, config_path)
-    return [Comparison.of(size, baseline[size], served[size],
-                          *((reference[size, suffix], work / f"served-{size}{suffix}") for suffix in OUTPUTS))
-            for size in sizes], command
+    return [
+        Comparison.of(
+            size,
+            baseline[size],
+            served[size],
+            *((reference[size, suffix], work / f"served-{size}{suffix}") for suffix in OUTPUTS),
+        )
+        for size in sizes
+    ], command
 
 
 def main(argv: list[str] | None = None) -> list[Comparison]:
@@ -587,39 +690,75 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--sizes", default="768x1344x124,480x832x124")
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps (N gives N-1 DiT forwards)")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup-steps", type=int, default=3,
-                   help="num_inference_steps of the warm-up request (3: both DiT forward variants compile)")
+    p.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=3,
+        help="num_inference_steps of the warm-up request (3: both DiT forward variants compile)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
     p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
-    p.add_argument("--gpus", type=int, default=1,
-                   help="GPUs the services use (the DiT group spans them, bench/placement.py); the in-process "
-                        "baseline always runs on one. --quick: the DiT's gloo ranks on the CPU")
-    p.add_argument("--placement", choices=PLACEMENTS, default="shared",
-                   help="shared: the DiT on all GPUs, the encoder on GPU 0 and the VAE on the last one beside its "
-                        "ranks; dedicated: docs/deploy/h200x4.toml's layout (encoder, DiT, VAE on their own GPUs)")
-    p.add_argument("--dit-fsdp", choices=("on", "off"), default="off",
-                   help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs the services use (the DiT group spans them, bench/placement.py); the in-process "
+        "baseline always runs on one. --quick: the DiT's gloo ranks on the CPU",
+    )
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="shared",
+        help="shared: the DiT on all GPUs, the encoder on GPU 0 and the VAE on the last one beside its "
+        "ranks; dedicated: docs/deploy/h200x4.toml's layout (encoder, DiT, VAE on their own GPUs)",
+    )
+    p.add_argument(
+        "--dit-fsdp",
+        choices=("on", "off"),
+        default="off",
+        help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)",
+    )
     p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
-    p.add_argument("--deploy", help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
-                                    "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped")
+    p.add_argument(
+        "--deploy",
+        help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
+        "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped",
+    )
     p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
-    p.add_argument("--side", choices=("both", "in-process", "services"), default="both",
-                   help="one side per call when both do not fit in one: in-process saves its medians to "
-                        "--baseline-file, services compares with them (the same machine, the same options)")
+    p.add_argument(
+        "--side",
+        choices=("both", "in-process", "services"),
+        default="both",
+        help="one side per call when both do not fit in one: in-process saves its medians to "
+        "--baseline-file, services compares with them (the same machine, the same options)",
+    )
     p.add_argument("--baseline-file", default="var/e2e-baseline.json")
-    p.add_argument("--adapter-rank", type=int, default=0,
-                   help="both sides run a random LoRA of this rank on every block linear (a few-step adapter's "
-                        "cost; 0: none), loaded by diffusers' load_lora_weights in process, by [dit] adapters served")
+    p.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="both sides run a random LoRA of this rank on every block linear (a few-step adapter's "
+        "cost; 0: none), loaded by diffusers' load_lora_weights in process, by [dit] adapters served",
+    )
     p.add_argument("--flow-shift", type=float, default=12.0, help="the video schedule's shift on both sides")
-    p.add_argument("--warm-start", action="store_true",
-                   help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
-                        "the first request after SERVING and start to SERVING become rows of their own")
-    p.add_argument("--compile-cache", default="",
-                   help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart")
-    p.add_argument("--fp8-cache", default="",
-                   help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
-                        "assigns them instead of building and quantising")
+    p.add_argument(
+        "--warm-start",
+        action="store_true",
+        help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
+        "the first request after SERVING and start to SERVING become rows of their own",
+    )
+    p.add_argument(
+        "--compile-cache",
+        default="",
+        help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart",
+    )
+    p.add_argument(
+        "--fp8-cache",
+        default="",
+        help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
+        "assigns them instead of building and quantising",
+    )
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
@@ -637,8 +776,7 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         return []
     print_table(comparisons)
     if args.write:
-        update_results([r for c in comparisons for r in records(c, args, device, command)], args.results,
-                       args.markdown)
+        update_results([r for c in comparisons for r in records(c, args, device, command)], args.results, args.markdown)
     return comparisons
 
 

@@ -27,11 +27,23 @@ def random_text_encoder(hidden: int, intermediate: int, layers: int) -> torch.nn
     from h3serve.runtime import tiny
 
     tokenizer = presets.tiny_tokenizer()
-    text = {"vocab_size": len(tokenizer), "hidden_size": hidden, "intermediate_size": intermediate,
-            "num_hidden_layers": layers, "num_attention_heads": hidden // 64,
-            "num_key_value_heads": max(1, hidden // 256), "head_dim": 64, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
-                                                      "mrope_section": [16, 8, 8], "mrope_interleaved": True}}
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": hidden // 64,
+        "num_key_value_heads": max(1, hidden // 256),
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5e6,
+            "mrope_section": [16, 8, 8],
+            "mrope_interleaved": True,
+        },
+    }
     config = tiny.qwen3_vl_config(tokenizer, text, presets.TINY_TEXT_ENCODER_VISION)
     tiny.seeded("text_encoder")
     return Qwen3VLForConditionalGeneration(config).eval()
@@ -40,8 +52,11 @@ def random_text_encoder(hidden: int, intermediate: int, layers: int) -> torch.nn
 def components(text_encoder: torch.nn.Module | None = None) -> dict:
     from h3serve.runtime import tiny
 
-    return {"text_encoder": text_encoder if text_encoder is not None else tiny.build_component("text_encoder"),
-            "tokenizer": tiny.build_component("tokenizer"), "processor": tiny.build_component("processor")}
+    return {
+        "text_encoder": text_encoder if text_encoder is not None else tiny.build_component("text_encoder"),
+        "tokenizer": tiny.build_component("tokenizer"),
+        "processor": tiny.build_component("processor"),
+    }
 
 
 def embed(parts: dict, prompt: str = PROMPT) -> torch.Tensor:
@@ -54,8 +69,11 @@ def embed(parts: dict, prompt: str = PROMPT) -> torch.Tensor:
 def report(label: str, quantized: torch.Tensor, reference: torch.Tensor) -> None:
     max_abs, rel = placement.embedding_error(quantized, reference)
     peak = reference.float().abs().max().item()
-    print(f"{label}: max abs {max_abs:.2e} ({100 * max_abs / peak:.1f} % of max |ref| {peak:.3g}), "
-          f"relative L2 {rel:.2e}, within the bound: {placement.INT8_BOUND.holds(quantized, reference)}", flush=True)
+    print(
+        f"{label}: max abs {max_abs:.2e} ({100 * max_abs / peak:.1f} % of max |ref| {peak:.3g}), "
+        f"relative L2 {rel:.2e}, within the bound: {placement.INT8_BOUND.holds(quantized, reference)}",
+        flush=True,
+    )
 
 
 def measure(build, dtypes=(torch.float32,)) -> None:
@@ -68,11 +86,13 @@ def measure(build, dtypes=(torch.float32,)) -> None:
         if dtype == torch.float32:
             fp32_reference = reference
         elif fp32_reference is not None:
-            report(f"unquantized {str(dtype).removeprefix('torch.')} vs float32 (for scale)", reference,
-                   fp32_reference)
+            report(f"unquantized {str(dtype).removeprefix('torch.')} vs float32 (for scale)", reference, fp32_reference)
         placement.quantize_in_place(parts["text_encoder"], "int8", dtype, None)
-        report(f"int8 vs unquantized, {str(dtype).removeprefix('torch.')}, {reference.shape[1]} tokens",
-               embed(parts), reference)
+        report(
+            f"int8 vs unquantized, {str(dtype).removeprefix('torch.')}, {reference.shape[1]} tokens",
+            embed(parts),
+            reference,
+        )
         print(f"  ({time.perf_counter() - started:.0f} s)", flush=True)
 
 

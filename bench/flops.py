@@ -16,9 +16,11 @@ from bench.common import timed
 
 
 def dit_forward_flops(transformer, rows: int) -> float:
-    weights = sum(module.weight.numel() for name, module in transformer.named_modules()
-                  if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
-                  and ".adaln_proj." not in name)
+    weights = sum(
+        module.weight.numel()
+        for name, module in transformer.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.") and ".adaln_proj." not in name
+    )
     config = transformer.config
     attention = 4 * rows * rows * config.num_attention_heads * config.attention_head_dim * config.num_layers
     return 2 * weights * rows + attention
@@ -30,4 +32,4 @@ def matmul_ceiling_tflops(device: str, dtype: torch.dtype, n: int = 8192, repeat
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     a @ b  # warm-up: kernel selection
     seconds = statistics.median(timed(lambda: a @ b, device) for _ in range(repeats))
-    return 2 * n ** 3 / seconds / 1e12
+    return 2 * n**3 / seconds / 1e12

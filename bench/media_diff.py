@@ -28,8 +28,8 @@ def _audio(path: Path) -> np.ndarray:
 
 @dataclass(frozen=True)
 class MediaDiff:
-    video_levels: int      # largest difference of one decoded 8-bit pixel value (0: the same pictures)
-    audio: float           # largest difference of one decoded audio sample (full scale is 1.0)
+    video_levels: int  # largest difference of one decoded 8-bit pixel value (0: the same pictures)
+    audio: float  # largest difference of one decoded audio sample (full scale is 1.0)
 
     @classmethod
     def of(cls, a: Path, b: Path) -> "MediaDiff":
@@ -53,9 +53,9 @@ class FramesDiff:
     """How far apart two decodes are before any codec: float frames in [0, 1], their 8-bit levels (what the
     muxer encodes) and the waveform. Zero everywhere: the split computed exactly what the pipeline did."""
 
-    frames: float     # largest difference of one float frame value
-    levels: int       # largest difference of one 8-bit frame value after h3serve/services/vae/mux.to_uint8
-    audio: float      # largest difference of one audio sample
+    frames: float  # largest difference of one float frame value
+    levels: int  # largest difference of one 8-bit frame value after h3serve/services/vae/mux.to_uint8
+    audio: float  # largest difference of one audio sample
 
     @classmethod
     def of(cls, a: Path, b: Path) -> "FramesDiff":
@@ -70,5 +70,7 @@ class FramesDiff:
             return cls(frames, levels, float(np.abs(x["audio"] - y["audio"]).max()))
 
     def describe(self) -> str:
-        return (f"raw frames differ by at most {self.frames:.3g} ({self.levels} levels after uint8), "
-                f"audio by {self.audio:.3g}")
+        return (
+            f"raw frames differ by at most {self.frames:.3g} ({self.levels} levels after uint8), "
+            f"audio by {self.audio:.3g}"
+        )

@@ -36,7 +36,7 @@ def frames_of(content: str, size: Size) -> np.ndarray:
     """(F, H, W, 3) uint8 frames of `content`, the same for every run."""
     if content == "noise":
         return np.random.default_rng(0).integers(0, 256, (size.frames, size.height, size.width, 3), dtype=np.uint8)
-    y, x = np.mgrid[0:size.height, 0:size.width].astype(np.float32)
+    y, x = np.mgrid[0 : size.height, 0 : size.width].astype(np.float32)
     clip = np.empty((size.frames, size.height, size.width, 3), dtype=np.uint8)
     for t in range(size.frames):
         cx, cy = size.width * (0.2 + 0.6 * t / size.frames), size.height * (0.5 + 0.3 * np.sin(t / 9))
@@ -52,7 +52,7 @@ def encode(frames: np.ndarray, preset: str) -> tuple[float, bytes]:
     started = time.perf_counter()
     with Muxer(len(frames), frames.shape[1], frames.shape[2], SAMPLE_RATE, 2, lambda *_: None, preset) as muxer:
         for first in range(0, len(frames), 17):  # the decoder's chunk of frames
-            muxer.add(frames[first:first + 17])
+            muxer.add(frames[first : first + 17])
         video = muxer.finish(audio)
     return time.perf_counter() - started, video
 
@@ -61,7 +61,7 @@ def psnr(video: bytes, frames: np.ndarray) -> float:
     with av.open(io.BytesIO(video)) as container:
         decoded = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(container.streams.video[0])])
     error = np.mean((decoded.astype(np.float64) - frames) ** 2)
-    return float("inf") if error == 0 else 10 * np.log10(255 ** 2 / error)
+    return float("inf") if error == 0 else 10 * np.log10(255**2 / error)
 
 
 def main(argv: list[str] | None = None) -> list[Record]:
@@ -88,14 +88,28 @@ def main(argv: list[str] | None = None) -> list[Record]:
                 seconds, video = encode(frames, preset)
                 base = base or seconds
                 quality = psnr(video, frames)
-                print(f"{f'{size} {content}':26} {preset:10} {seconds:8.2f} {base / seconds:6.2f} {quality:8.2f} "
-                      f"{len(video) / 1e6:7.2f}", flush=True)
-                records.append(Record(
-                    name=f"mux_{size}_{content}", device=device, world_size=1, dtype="uint8", seconds=seconds,
-                    baseline_seconds=base, ratio=base / seconds, peak_gib=0.0,
-                    command=command_line("bench.mux", argv), date=datetime.date.today().isoformat(),
-                    variant=f"libx264 preset {preset}, CRF 23: PSNR {quality:.2f} dB, {len(video) / 1e6:.2f} MB",
-                    baseline=f"the muxer's default, preset {PRESET}", software=f"PyAV {av.__version__}"))
+                print(
+                    f"{f'{size} {content}':26} {preset:10} {seconds:8.2f} {base / seconds:6.2f} {quality:8.2f} "
+                    f"{len(video) / 1e6:7.2f}",
+                    flush=True,
+                )
+                records.append(
+                    Record(
+                        name=f"mux_{size}_{content}",
+                        device=device,
+                        world_size=1,
+                        dtype="uint8",
+                        seconds=seconds,
+                        baseline_seconds=base,
+                        ratio=base / seconds,
+                        peak_gib=0.0,
+                        command=command_line("bench.mux", argv),
+                        date=datetime.date.today().isoformat(),
+                        variant=f"libx264 preset {preset}, CRF 23: PSNR {quality:.2f} dB, {len(video) / 1e6:.2f} MB",
+                        baseline=f"the muxer's default, preset {PRESET}",
+                        software=f"PyAV {av.__version__}",
+                    )
+                )
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

@@ -25,9 +25,15 @@ from h3serve.v1 import common_pb2, gateway_pb2
 
 def _requests(args, tag: str) -> list[gateway_pb2.GenerateRequest]:
     # Distinct prompts: every job pays its encode (no cache hit helps one mode over the other).
-    return [gateway_pb2.GenerateRequest(prompt=f"overlap bench {tag} {i}", height=args.height, width=args.width,
-                                        params=common_pb2.GenerationParams(num_inference_steps=args.steps, seed=i))
-            for i in range(args.jobs)]
+    return [
+        gateway_pb2.GenerateRequest(
+            prompt=f"overlap bench {tag} {i}",
+            height=args.height,
+            width=args.width,
+            params=common_pb2.GenerationParams(num_inference_steps=args.steps, seed=i),
+        )
+        for i in range(args.jobs)
+    ]
 
 
 def _serial(client: GatewayClient, requests) -> float:
@@ -71,14 +77,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     serial, pipelined = measure(args)
     name = f"gateway_overlap_{args.height}x{args.width}x{args.steps}steps_{args.jobs}jobs"
-    print(f"| mode | {args.jobs} jobs, {args.height}x{args.width}, {args.steps} steps | per job |\n|---|---|---|\n"
-          f"| serial (submit after done) | {serial:.2f} s | {serial / args.jobs:.2f} s |\n"
-          f"| pipelined (submit all) | {pipelined:.2f} s | {pipelined / args.jobs:.2f} s |\n"
-          f"speed-up: {serial / pipelined:.2f}x")
+    print(
+        f"| mode | {args.jobs} jobs, {args.height}x{args.width}, {args.steps} steps | per job |\n|---|---|---|\n"
+        f"| serial (submit after done) | {serial:.2f} s | {serial / args.jobs:.2f} s |\n"
+        f"| pipelined (submit all) | {pipelined:.2f} s | {pipelined / args.jobs:.2f} s |\n"
+        f"speed-up: {serial / pipelined:.2f}x"
+    )
     if args.write:
-        record = cpu_record("bench.overlap", argv, name=name, seconds=pipelined, baseline_seconds=serial,
-                            ratio=serial / pipelined, peak_gib=0.0, variant="pipelined stages",
-                            baseline="same jobs, serial")
+        record = cpu_record(
+            "bench.overlap",
+            argv,
+            name=name,
+            seconds=pipelined,
+            baseline_seconds=serial,
+            ratio=serial / pipelined,
+            peak_gib=0.0,
+            variant="pipelined stages",
+            baseline="same jobs, serial",
+        )
         update_results([record], args.results, args.markdown)
 
 

@@ -31,11 +31,11 @@ def gpu_list(first: int, last: int) -> str:
 class Placement:
     """Each service's GPUs (CUDA_VISIBLE_DEVICES; empty: inherit, i.e. one device or the CPU) and the DiT group."""
 
-    gpus: int                   # GPUs of the host the services use
+    gpus: int  # GPUs of the host the services use
     encoder: str
     dit: str
     vae: str
-    world_size: int             # DiT ranks, one per GPU in `dit` (on CPU: gloo ranks)
+    world_size: int  # DiT ranks, one per GPU in `dit` (on CPU: gloo ranks)
     fsdp: bool
 
     @classmethod
@@ -62,5 +62,7 @@ class Placement:
             return "one device" + (", DiT FSDP2" if self.fsdp else "")
         if not self.dit:
             return f"CPU; DiT {self.world_size} gloo ranks (Ulysses {self.world_size}, {weights})"
-        return (f"{self.gpus} GPUs; encoder GPU {self.encoder}, DiT Ulysses {self.world_size} on GPUs {self.dit} "
-                f"({weights}), VAE GPU {self.vae}")
+        return (
+            f"{self.gpus} GPUs; encoder GPU {self.encoder}, DiT Ulysses {self.world_size} on GPUs {self.dit} "
+            f"({weights}), VAE GPU {self.vae}"
+        )

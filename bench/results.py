@@ -16,7 +16,7 @@ class Record:
     dtype: str
     seconds: float
     baseline_seconds: float
-    ratio: float              # baseline_seconds / seconds, both from the same run
+    ratio: float  # baseline_seconds / seconds, both from the same run
     peak_gib: float
     command: str
     date: str
@@ -30,8 +30,8 @@ class Record:
     bf16_rel_err_fp32: float | None = None
     rel_err_bf16: float | None = None
     rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
-    tflops: float | None = None           # achieved rate from the counted FLOPs (bench/flops.py)
-    ceiling_tflops: float | None = None   # the device's matmul rate, measured in the same run
+    tflops: float | None = None  # achieved rate from the counted FLOPs (bench/flops.py)
+    ceiling_tflops: float | None = None  # the device's matmul rate, measured in the same run
     # Host memory, the most its processes held together from their start on (None: not sampled; bench/common.py
     # host_peak): private (RssAnon + RssShmem, what the OOM killer counts), mapped file pages (RssFile, page cache),
     # the system's used memory (MemTotal - MemAvailable) over its value at the start.
@@ -65,7 +65,8 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline} | "
         f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_host(r)} | {_rate(r)} | {accuracy(r)} | "
         f"{r.software} | `{r.command}` |\n"
-        for r in merged)
+        for r in merged
+    )
     Path(markdown_path).write_text(HEADER + rows)
 
 

@@ -32,8 +32,8 @@ from h3serve.v1 import common_pb2, gateway_pb2
 
 @dataclass(frozen=True)
 class Finished:
-    at_s: float        # since the soak started
-    seconds: float     # submit to terminal event
+    at_s: float  # since the soak started
+    seconds: float  # submit to terminal event
     done: bool
 
 
@@ -62,11 +62,18 @@ def tree_mib(root: Path) -> float:
 
 
 def sample(group: ServiceGroup, root: Path, started: float, finished: list[Finished]) -> Sample:
-    taken = Sample(time.monotonic() - started, len(finished), {r.name: rss_mib(r.process.pid) for r in group.running},
-                   tree_mib(root / "gateway"))
-    print(f"{taken.at_s:7.0f} s  {taken.jobs:6d} jobs  RSS "
-          + "  ".join(f"{name} {mib:.0f}" for name, mib in taken.rss_mib.items())
-          + f" MiB  data {taken.data_mib:.1f} MiB", flush=True)
+    taken = Sample(
+        time.monotonic() - started,
+        len(finished),
+        {r.name: rss_mib(r.process.pid) for r in group.running},
+        tree_mib(root / "gateway"),
+    )
+    print(
+        f"{taken.at_s:7.0f} s  {taken.jobs:6d} jobs  RSS "
+        + "  ".join(f"{name} {mib:.0f}" for name, mib in taken.rss_mib.items())
+        + f" MiB  data {taken.data_mib:.1f} MiB",
+        flush=True,
+    )
     return taken
 
 
@@ -77,8 +84,9 @@ def client_loop(address: str, args, number: int, started: float, deadline: float
             if time.monotonic() >= deadline:
                 return
             params = common_pb2.GenerationParams(num_inference_steps=args.steps, seed=job)
-            request = gateway_pb2.GenerateRequest(prompt=f"soak client {number} job {job}", height=args.height,
-                                                  width=args.width, params=params)
+            request = gateway_pb2.GenerateRequest(
+                prompt=f"soak client {number} job {job}", height=args.height, width=args.width, params=params
+            )
             submitted = time.monotonic()
             final = client.generate(request)
             now = time.monotonic()
@@ -98,8 +106,10 @@ def soak(args) -> tuple[list[Finished], list[Sample]]:
             started = time.monotonic()
             deadline = started + args.minutes * 60
             address = f"127.0.0.1:{deploy.gateway.port}"
-            clients = [threading.Thread(target=client_loop, args=(address, args, n, started, deadline, finished))
-                       for n in range(args.clients)]
+            clients = [
+                threading.Thread(target=client_loop, args=(address, args, n, started, deadline, finished))
+                for n in range(args.clients)
+            ]
             for thread in clients:
                 thread.start()
             while (left := deadline - time.monotonic()) > 0:
@@ -129,20 +139,28 @@ def main(argv: list[str] | None = None) -> None:
     first, last = samples[1] if len(samples) > 1 else samples[0], samples[-1]  # after the first jobs warmed up
     jobs = max(1, last.jobs - first.jobs)
     early, late = quarter_p(finished, False, 0.5), quarter_p(finished, True, 0.5)
-    print(f"\n{len(finished)} jobs in {args.minutes:g} min, {args.clients} clients, {args.height}x{args.width}, "
-          f"{args.steps} steps: {sum(f.done for f in finished)} done, {sum(not f.done for f in finished)} not\n"
-          f"| quarter | p50 s | p95 s |\n|---|---|---|\n"
-          f"| first | {early:.2f} | {quarter_p(finished, False, 0.95):.2f} |\n"
-          f"| last | {late:.2f} | {quarter_p(finished, True, 0.95):.2f} |\n"
-          f"RSS growth from {first.at_s:.0f} s to {last.at_s:.0f} s ({jobs} jobs): "
-          + ", ".join(f"{name} {last.rss_mib[name] - first.rss_mib[name]:+.1f} MiB" for name in last.rss_mib)
-          + f"; data directory {1024 * (last.data_mib - first.data_mib) / jobs:+.1f} KiB per job")
+    print(
+        f"\n{len(finished)} jobs in {args.minutes:g} min, {args.clients} clients, {args.height}x{args.width}, "
+        f"{args.steps} steps: {sum(f.done for f in finished)} done, {sum(not f.done for f in finished)} not\n"
+        f"| quarter | p50 s | p95 s |\n|---|---|---|\n"
+        f"| first | {early:.2f} | {quarter_p(finished, False, 0.95):.2f} |\n"
+        f"| last | {late:.2f} | {quarter_p(finished, True, 0.95):.2f} |\n"
+        f"RSS growth from {first.at_s:.0f} s to {last.at_s:.0f} s ({jobs} jobs): "
+        + ", ".join(f"{name} {last.rss_mib[name] - first.rss_mib[name]:+.1f} MiB" for name in last.rss_mib)
+        + f"; data directory {1024 * (last.data_mib - first.data_mib) / jobs:+.1f} KiB per job"
+    )
     if args.write:
-        record = cpu_record("bench.soak", argv, name=f"soak_{args.minutes:g}min_{args.clients}clients_{args.height}x"
-                                                      f"{args.width}x{args.steps}steps",
-                            seconds=late, baseline_seconds=early, ratio=early / late,
-                            peak_gib=max(sum(s.rss_mib.values()) for s in samples) / 1024,
-                            variant="p50 latency, last quarter", baseline="p50 latency, first quarter (drift)")
+        record = cpu_record(
+            "bench.soak",
+            argv,
+            name=f"soak_{args.minutes:g}min_{args.clients}clients_{args.height}x{args.width}x{args.steps}steps",
+            seconds=late,
+            baseline_seconds=early,
+            ratio=early / late,
+            peak_gib=max(sum(s.rss_mib.values()) for s in samples) / 1024,
+            variant="p50 latency, last quarter",
+            baseline="p50 latency, first quarter (drift)",
+        )
         update_results([record], args.results, args.markdown)
 
 

@@ -67,13 +67,18 @@ def latents_for(size: Size, vae, audio_vae) -> tuple[torch.Tensor, torch.Tensor]
     """Random latents that decode to `size` (5n + 2 latent frames, as the DiT produces them)."""
     ratio = vae.spatial_compression_ratio
     chunk, kept = vae.tokens_chunk_size, vae.tokens_chunk_size - vae.config.token_drop
-    latent_frames = next(chunk * n + kept for n in range(1, 1000)
-                         if pixel_geometry(vae, (1, 1, chunk * n + kept, 1, 1))[0] == size.frames)
+    latent_frames = next(
+        chunk * n + kept
+        for n in range(1, 1000)
+        if pixel_geometry(vae, (1, 1, chunk * n + kept, 1, 1))[0] == size.frames
+    )
     generator = torch.Generator().manual_seed(0)
-    latents = torch.randn(1, vae.config.latent_channels, latent_frames, size.height // ratio,
-                          size.width // ratio, generator=generator)
-    audio = torch.randn(2, audio_vae.config.latent_channels, round(size.frames * AUDIO_LATENTS_PER_FRAME),
-                        generator=generator)
+    latents = torch.randn(
+        1, vae.config.latent_channels, latent_frames, size.height // ratio, size.width // ratio, generator=generator
+    )
+    audio = torch.randn(
+        2, audio_vae.config.latent_channels, round(size.frames * AUDIO_LATENTS_PER_FRAME), generator=generator
+    )
     return latents, audio
 
 
@@ -107,16 +112,30 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
             compiled = True
         TileDecoder(vae, variant.tile_batch)
         seconds, peak, frames = measure(decode, args, device)
-        errors = {} if reference is None else {"rel_err_fp32": rel_l2(frames.cpu(), reference),
-                                               "bf16_rel_err_fp32": rel_l2(base_frames, reference)}
+        errors = (
+            {}
+            if reference is None
+            else {"rel_err_fp32": rel_l2(frames.cpu(), reference), "bf16_rel_err_fp32": rel_l2(base_frames, reference)}
+        )
         print(f"  {size} {variant.describe()}: {seconds:.3f} s vs {base_seconds:.3f} {errors}", flush=True)
-        records.append(Record(
-            name=f"vae_decode_{size}", device=device_label(device), world_size=1, dtype=str(args.dtype),
-            seconds=seconds, baseline_seconds=base_seconds, ratio=base_seconds / seconds, peak_gib=peak,
-            command=args.command, date=datetime.date.today().isoformat(),
-            variant=f"VAE service decoder, {variant.describe()}",
-            baseline="diffusers MiniMaxH3DecodeStep (native attention, tile by tile), in process",
-            software=software(), **errors))
+        records.append(
+            Record(
+                name=f"vae_decode_{size}",
+                device=device_label(device),
+                world_size=1,
+                dtype=str(args.dtype),
+                seconds=seconds,
+                baseline_seconds=base_seconds,
+                ratio=base_seconds / seconds,
+                peak_gib=peak,
+                command=args.command,
+                date=datetime.date.today().isoformat(),
+                variant=f"VAE service decoder, {variant.describe()}",
+                baseline="diffusers MiniMaxH3DecodeStep (native attention, tile by tile), in process",
+                software=software(),
+                **errors,
+            )
+        )
     return records
 
 
@@ -149,8 +168,10 @@ def main(argv: list[str] | None = None) -> list[Record]:
     vae, audio_vae = vaes(args.quick, device, getattr(torch, args.dtype))
     records = [r for s in args.sizes.split(",") for r in run(Size.parse(s), vae, audio_vae, args, device)]
     for r in records:
-        print(f"{r.name:26} {r.variant:48} {r.seconds:8.3f} s  diffusers {r.baseline_seconds:8.3f} s  "
-              f"ratio {r.ratio:6.3f}  peak {r.peak_gib:6.2f} GiB")
+        print(
+            f"{r.name:26} {r.variant:48} {r.seconds:8.3f} s  diffusers {r.baseline_seconds:8.3f} s  "
+            f"ratio {r.ratio:6.3f}  peak {r.peak_gib:6.2f} GiB"
+        )
     if args.write:
         update_results(records, args.results, args.markdown)
     return records

@@ -27,18 +27,28 @@ from tests.media_files import image, mp4, wav
 
 
 def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gateway_pb2.GenerateRequest]:
-    first, last = client.upload(image(media / "first.png", 48, 32, seed=1)), client.upload(
-        image(media / "last.png", 48, 32, seed=2))
-    refs = [client.upload(mp4(media / "clip.mp4", 64, 36, 30, seed=3)),
-            client.upload(image(media / "ref.png", 40, 30, seed=4)), client.upload(wav(media / "voice.wav", 2.0))]
-    common = dict(params=common_pb2.GenerationParams(num_inference_steps=steps))  # no size: the deployment's canvas (fl2va: the first keyframe's aspect)
+    first, last = (
+        client.upload(image(media / "first.png", 48, 32, seed=1)),
+        client.upload(image(media / "last.png", 48, 32, seed=2)),
+    )
+    refs = [
+        client.upload(mp4(media / "clip.mp4", 64, 36, 30, seed=3)),
+        client.upload(image(media / "ref.png", 40, 30, seed=4)),
+        client.upload(wav(media / "voice.wav", 2.0)),
+    ]
+    common = dict(
+        params=common_pb2.GenerationParams(num_inference_steps=steps)
+    )  # no size: the deployment's canvas (fl2va: the first keyframe's aspect)
     return {
         "t2va": gateway_pb2.GenerateRequest(prompt="a kite over the dunes", **common),
-        "fl2va": gateway_pb2.GenerateRequest(prompt="<Picture 1> melts into <Picture 2>", first_frame=first.asset_id,
-                                             last_frame=last.asset_id, **common),
+        "fl2va": gateway_pb2.GenerateRequest(
+            prompt="<Picture 1> melts into <Picture 2>", first_frame=first.asset_id, last_frame=last.asset_id, **common
+        ),
         "ref2va": gateway_pb2.GenerateRequest(
-            prompt="<Picture 1> dances to <Audio 2> like <Video 1>", **common,
-            references=[gateway_pb2.ReferenceInput(asset_id=r.asset_id) for r in refs]),
+            prompt="<Picture 1> dances to <Audio 2> like <Video 1>",
+            **common,
+            references=[gateway_pb2.ReferenceInput(asset_id=r.asset_id) for r in refs],
+        ),
     }
 
 

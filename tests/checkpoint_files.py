@@ -26,14 +26,17 @@ TO_ORIGINAL = (
     (".ff.net.0.proj.", ".mlp.fc1."),
     (".ff.net.2.", ".mlp.fc2."),
 )
-TOP_LEVEL = (("proj_in.", "video_patch_proj."), ("proj_out.", "final_layer.video_out."),
-             ("transformer_blocks.", "blocks."))
+TOP_LEVEL = (
+    ("proj_in.", "video_patch_proj."),
+    ("proj_out.", "final_layer.video_out."),
+    ("transformer_blocks.", "blocks."),
+)
 
 
 def original_name(name: str) -> str:
     for prefix, original in TOP_LEVEL:
         if name.startswith(prefix):
-            name = original + name[len(prefix):]
+            name = original + name[len(prefix) :]
     for diffusers_part, original in TO_ORIGINAL:
         name = name.replace(diffusers_part, original)
     return name
@@ -56,8 +59,9 @@ def to_published(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return published
 
 
-def write_single_file(model_dir: Path, path: Path, dtype: torch.dtype = torch.float32,
-                      extra: dict[str, torch.Tensor] | None = None) -> Path:
+def write_single_file(
+    model_dir: Path, path: Path, dtype: torch.dtype = torch.float32, extra: dict[str, torch.Tensor] | None = None
+) -> Path:
     """The model directory's transformer as one published-layout safetensors file."""
     from safetensors.torch import load_file, save_file
 
@@ -92,5 +96,5 @@ def write_gguf(single_file: Path, path: Path, kind: str) -> Path:
 
 def truncated(path: Path, out: Path, keep: float = 0.6) -> Path:
     data = path.read_bytes()
-    out.write_bytes(data[:int(len(data) * keep)])
+    out.write_bytes(data[: int(len(data) * keep)])
     return out

@@ -21,15 +21,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_config(path: Path, model_dir: str, data_dir: Path, ports: dict[str, int], model: dict | None = None,
-                 service_keys: dict | None = None, dit: dict | None = None, **gateway) -> Path:
+def write_config(
+    path: Path,
+    model_dir: str,
+    data_dir: Path,
+    ports: dict[str, int],
+    model: dict | None = None,
+    service_keys: dict | None = None,
+    dit: dict | None = None,
+    **gateway,
+) -> Path:
     """A deployment file: every section on loopback, extra [model] keys from `model`, `service_keys` in each
     model service section, `dit` in [dit] only, the gateway's keys from `gateway`."""
     lines = [f'[model]\ndir = "{model_dir}"' + "".join(f"\n{key} = {value!r}" for key, value in (model or {}).items())]
     for name in ("encoder", "dit", "vae"):
         keys = {**(service_keys or {}), **((dit or {}) if name == "dit" else {})}
-        lines.append(f"[{name}]\nport = {ports[name]}" + "".join(f"\n{key} = {toml_value(value)}"
-                                                               for key, value in keys.items()))
+        lines.append(
+            f"[{name}]\nport = {ports[name]}" + "".join(f"\n{key} = {toml_value(value)}" for key, value in keys.items())
+        )
     extra = "".join(f"\n{key} = {toml_value(value)}" for key, value in gateway.items())
     lines.append(f'[gateway]\nport = {ports["gateway"]}\ndata_dir = "{data_dir}"{extra}')
     path.write_text("\n\n".join(lines) + "\n")
@@ -64,9 +73,28 @@ def certificate(tmp_path_factory) -> tuple[Path, Path]:
     """A self-signed certificate and key for localhost / 127.0.0.1 (openssl from the OS)."""
     root = tmp_path_factory.mktemp("tls")
     cert, key = root / "cert.pem", root / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 
@@ -96,9 +124,17 @@ def stack(tmp_path_factory, tiny_model_dir):
     """Encoder, DiT, VAE and gateway as real processes, loading the tiny model from its directory."""
     root = tmp_path_factory.mktemp("stack")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics", "http")}
-    config_path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                               outage_s=QUICK_OUTAGE, retry_backoff_s=0.1, metrics_port=ports["metrics"],
-                               http_port=ports["http"], capacity=STACK_CAPACITY)
+    config_path = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        outage_s=QUICK_OUTAGE,
+        retry_backoff_s=0.1,
+        metrics_port=ports["metrics"],
+        http_port=ports["http"],
+        capacity=STACK_CAPACITY,
+    )
     group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
     with group:
         yield Stack(config_path, group, tiny_model_dir, ports)

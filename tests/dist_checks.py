@@ -32,12 +32,21 @@ from h3serve.v1 import common_pb2, dit_pb2, media_pb2
 
 CPU = torch.device("cpu")
 T2VA = workflows.by_value(common_pb2.WORKFLOW_T2VA)
-JOB_SPEC = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124, workflow=common_pb2.WORKFLOW_T2VA,
-                               params=common_pb2.GenerationParams(num_inference_steps=5, seed=3))
+JOB_SPEC = dit_pb2.DenoiseSpec(
+    height=32,
+    width=64,
+    num_frames=124,
+    workflow=common_pb2.WORKFLOW_T2VA,
+    params=common_pb2.GenerationParams(num_inference_steps=5, seed=3),
+)
 # packed length = text + 414 audio rows + 74 video rows: 10 tokens give an even length, 11 an odd one
 TEXT_TOKENS = (10, 11)
-VARIANTS = [parallel.Layout(2, 2, 1, False), parallel.Layout(2, 1, 2, False),
-            parallel.Layout(2, 2, 1, True), parallel.Layout(2, 1, 2, True)]
+VARIANTS = [
+    parallel.Layout(2, 2, 1, False),
+    parallel.Layout(2, 1, 2, False),
+    parallel.Layout(2, 2, 1, True),
+    parallel.Layout(2, 1, 2, True),
+]
 
 
 def components(dtype: torch.dtype = torch.float32, partition: str = "transformer") -> dict:
@@ -49,8 +58,11 @@ def components(dtype: torch.dtype = torch.float32, partition: str = "transformer
         transformer.to(dtype)
         for name in transformer._keep_in_fp32_modules:
             getattr(transformer, name).float()
-    return {partition: transformer, "scheduler": MiniMaxH3Scheduler(shift=12.0),
-            "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+    return {
+        partition: transformer,
+        "scheduler": MiniMaxH3Scheduler(shift=12.0),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+    }
 
 
 def inputs(tokens: int) -> dict[str, torch.Tensor]:
@@ -58,8 +70,13 @@ def inputs(tokens: int) -> dict[str, torch.Tensor]:
     return {"prompt_embeds": embeds, "text_token_tags": torch.ones(tokens, dtype=torch.int64)}
 
 
-def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtype = torch.float32,
-               workflow: int = common_pb2.WORKFLOW_T2VA, fast: FastPath = FastPath("native")) -> GroupMember:
+def member_for(
+    control: ControlPlane,
+    layout: parallel.Layout,
+    dtype: torch.dtype = torch.float32,
+    workflow: int = common_pb2.WORKFLOW_T2VA,
+    fast: FastPath = FastPath("native"),
+) -> GroupMember:
     flow = workflows.by_value(workflow)
     parts = components(dtype, flow.partition)
     parallel.prepare_transformer(parts[flow.partition], layout, fast, CPU, dtype)
@@ -68,8 +85,9 @@ def member_for(control: ControlPlane, layout: parallel.Layout, dtype: torch.dtyp
 
 def cpu_kernel(q, k, v, softmax_scale=None, causal=False):
     """A stand-in for FlashAttention 4 / cuDNN FP8 in their slot: (batch, rows, heads, dim) attention on the CPU."""
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                           scale=softmax_scale, is_causal=causal)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale, is_causal=causal
+    )
     return out.transpose(1, 2)
 
 
@@ -99,8 +117,11 @@ def run(member: GroupMember, message: Message | None, stop_at: int = 0):
     """Rank 0 sends `message`; every rank runs it; rank 0 asks to stop after step `stop_at` (0: never)."""
     message = member.control.broadcast(message)
     seen = []
-    return member.run(message, lambda step, total: seen.append(step),
-                      lambda: bool(stop_at) and seen[-1] >= stop_at and member.control.rank == 0)
+    return member.run(
+        message,
+        lambda step, total: seen.append(step),
+        lambda: bool(stop_at) and seen[-1] >= stop_at and member.control.rank == 0,
+    )
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -110,8 +131,11 @@ def max_diff(a: dict, b: dict) -> float:
 def applied(member: GroupMember) -> dict:
     transformer = member.runner.pipes[common_pb2.WORKFLOW_T2VA].transformer
     sharded = all(isinstance(p, DTensor) for p in transformer.transformer_blocks.parameters())
-    split = any(getattr(m.processor, "_parallel_config", None) is not None
-                for m in transformer.modules() if hasattr(m, "processor"))
+    split = any(
+        getattr(m.processor, "_parallel_config", None) is not None
+        for m in transformer.modules()
+        if hasattr(m, "processor")
+    )
     return {"fsdp": sharded, "context_parallel": split}
 
 
@@ -127,8 +151,10 @@ def adapter_checks(control: ControlPlane, root: Path) -> dict:
     """Adapters switched per request on 2 ranks with FSDP2 (peft's own switch, and the compiled path's slots, whose
     sharded factors are written in place) against one rank."""
     root.mkdir(parents=True, exist_ok=True)
-    loras = {"a": str(original_lora(root / "a.safetensors", 1, 4, 2.0)),
-             "b": str(diffusers_lora(root / "b", 2, 2, 4.0))}
+    loras = {
+        "a": str(original_lora(root / "a.safetensors", 1, 4, 2.0)),
+        "b": str(diffusers_lora(root / "b", 2, 2, 4.0)),
+    }
     requests = [[("a", 1.0)], [("b", 1.0)], [("a", 0.5)], []]
     jobs = []
     for named in requests:
@@ -169,7 +195,8 @@ def main(out_path: str) -> None:
         job, conditioning = conditioned(workflow)
         flow = workflows.by_value(workflow)
         reference = DenoiseRunner(components(partition=flow.partition), [flow]).run(
-            job, *inputs(11).values(), lambda s, t: None, conditioning)
+            job, *inputs(11).values(), lambda s, t: None, conditioning
+        )
         for layout in VARIANTS[:2]:
             message = Message(JOB, job, inputs(11), conditioning) if control.rank == 0 else None
             outcome = run(member_for(control, layout, workflow=workflow), message)
@@ -178,8 +205,10 @@ def main(out_path: str) -> None:
 
     message = Message(JOB, JOB_SPEC, inputs(11)) if control.rank == 0 else None
     reference = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(11).values(), lambda s, t: None)
-    report["local_kernel_slot"] = {layout.split + f" fsdp={layout.fsdp}": max_diff(
-        run(slot_member(control, layout), message).latents, reference) for layout in (VARIANTS[0], VARIANTS[2])}
+    report["local_kernel_slot"] = {
+        layout.split + f" fsdp={layout.fsdp}": max_diff(run(slot_member(control, layout), message).latents, reference)
+        for layout in (VARIANTS[0], VARIANTS[2])
+    }
 
     # the deployment files' setting: regional compile with the sequence split, prompts of both length parities
     compiled = member_for(control, VARIANTS[0], fast=FastPath("native", compile=True))
@@ -202,10 +231,14 @@ def main(out_path: str) -> None:
     member = member_for(control, VARIANTS[0])
     cancelled = run(member, message, stop_at=2)
     after = run(member, message)
-    report["cancel"] = {"cancelled": cancelled.cancelled, "steps": [r.steps_served for r in cancelled.ranks],
-                        "next_matches": max_diff(after.latents, DenoiseRunner(components(), [T2VA]).run(
-                            JOB_SPEC, *inputs(10).values(), lambda s, t: None)),
-                        "steps_after": [r.steps_served for r in after.ranks]}
+    report["cancel"] = {
+        "cancelled": cancelled.cancelled,
+        "steps": [r.steps_served for r in cancelled.ranks],
+        "next_matches": max_diff(
+            after.latents, DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
+        ),
+        "steps_after": [r.steps_served for r in after.ranks],
+    }
     if control.rank == 0:
         with open(out_path, "w") as out:
             json.dump(report, out, indent=1)

@@ -33,8 +33,9 @@ def _mux_all(container, stream, frames) -> None:
             container.mux(packet)
 
 
-def audio(path: Path, seconds: float, rate: int = 32000, seed: int = 0, container: str = "wav",
-          codec: str = "pcm_s16le") -> Path:
+def audio(
+    path: Path, seconds: float, rate: int = 32000, seed: int = 0, container: str = "wav", codec: str = "pcm_s16le"
+) -> Path:
     """Mono noise in any PyAV container/codec (the samples are converted to the codec's own format)."""
     samples = (np.random.default_rng(seed).standard_normal((1, int(seconds * rate))) * 0.1).astype(np.float32)
     with av.open(str(path), "w", format=container) as out:
@@ -49,8 +50,17 @@ def wav(path: Path, seconds: float, rate: int = 32000, seed: int = 0) -> Path:
     return audio(path, seconds, rate, seed)
 
 
-def mp4(path: Path, width: int, height: int, frames: int, fps: int = 24, seed: int = 0,
-        audio_rate: int | None = 32000, container: str = "mp4", codec: str = "libx264") -> Path:
+def mp4(
+    path: Path,
+    width: int,
+    height: int,
+    frames: int,
+    fps: int = 24,
+    seed: int = 0,
+    audio_rate: int | None = 32000,
+    container: str = "mp4",
+    codec: str = "libx264",
+) -> Path:
     """Noise frames (H.264 in MP4 by default), with an AAC stereo soundtrack as long as the video unless
     audio_rate is None."""
     rng = np.random.default_rng(seed)
@@ -58,10 +68,19 @@ def mp4(path: Path, width: int, height: int, frames: int, fps: int = 24, seed: i
     with av.open(buffer, "w", format=container) as out:
         video = out.add_stream(codec, rate=fps)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        sound = out.add_stream("aac" if container != "webm" else "libopus", rate=audio_rate, layout="stereo") \
-            if audio_rate else None
-        _mux_all(out, video, [av.VideoFrame.from_ndarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8),
-                                                               format="rgb24") for _ in range(frames)])
+        sound = (
+            out.add_stream("aac" if container != "webm" else "libopus", rate=audio_rate, layout="stereo")
+            if audio_rate
+            else None
+        )
+        _mux_all(
+            out,
+            video,
+            [
+                av.VideoFrame.from_ndarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8), format="rgb24")
+                for _ in range(frames)
+            ],
+        )
         if sound:
             samples = (rng.standard_normal((2, int(frames / fps * audio_rate))) * 0.1).astype(np.float32)
             resampler = av.AudioResampler(format=sound.codec_context.format.name, layout="stereo", rate=audio_rate)

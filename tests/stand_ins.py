@@ -22,8 +22,10 @@ SLEEP = "import time; time.sleep(600)"
 
 def health_server(port: int) -> str:
     """A child that serves gRPC health (SERVING) on `port` until it is killed."""
-    return ("import threading; from h3serve.common.server import start_server; "
-            f"start_server(lambda s: None, [], '127.0.0.1:{port}'); threading.Event().wait()")
+    return (
+        "import threading; from h3serve.common.server import start_server; "
+        f"start_server(lambda s: None, [], '127.0.0.1:{port}'); threading.Event().wait()"
+    )
 
 
 def counted(path: Path, code: str) -> list[str]:
@@ -38,8 +40,10 @@ def starts(path: Path) -> int:
 def meminfo(path: Path, total_gib: float, available_gib: float) -> str:
     """A stand-in /proc/meminfo with these figures."""
     kib = 1 << 20
-    path.write_text(f"MemTotal:       {int(total_gib * kib)} kB\nMemFree:        1 kB\n"
-                    f"MemAvailable:   {int(available_gib * kib)} kB\nBuffers:        0 kB\n")
+    path.write_text(
+        f"MemTotal:       {int(total_gib * kib)} kB\nMemFree:        1 kB\n"
+        f"MemAvailable:   {int(available_gib * kib)} kB\nBuffers:        0 kB\n"
+    )
     return str(path)
 
 
@@ -71,6 +75,7 @@ class StandIns(ServiceGroup):
 def kill_on_serving(probe):
     """A readiness probe that SIGKILLs what it found serving, right after finding it so: a child that died after
     it had reached SERVING. `probe(*args)` is the real probe; the kill goes to the test's children that serve."""
+
     def ready(*args, **kwargs) -> bool:
         if not probe(*args, **kwargs):
             return False
@@ -79,4 +84,5 @@ def kill_on_serving(probe):
                 if b"start_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     os.kill(pid, signal.SIGKILL)
         return True
+
     return ready

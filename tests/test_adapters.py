@@ -33,26 +33,36 @@ RANK, ALPHA = 4, 2.0  # alpha != rank: every module runs at 0.5 x its weight
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("loras")
-    return {"kohya": original_lora(root / "kohya.safetensors", 1, RANK, ALPHA, fused=False),
-            "aitk": original_lora(root / "aitk.safetensors", 1, RANK, ALPHA, style="aitk", fused=False),
-            "qkv": original_lora(root / "qkv.safetensors", 2, RANK, ALPHA, sidecar={"steps": 3, "flow_shift": 6.0}),
-            "diffusers": diffusers_lora(root / "diffusers", 3, RANK, 2 * RANK),
-            "ref": diffusers_lora(root / "ref", 4, 2, 1.0, partition="transformer_ref")}
+    return {
+        "kohya": original_lora(root / "kohya.safetensors", 1, RANK, ALPHA, fused=False),
+        "aitk": original_lora(root / "aitk.safetensors", 1, RANK, ALPHA, style="aitk", fused=False),
+        "qkv": original_lora(root / "qkv.safetensors", 2, RANK, ALPHA, sidecar={"steps": 3, "flow_shift": 6.0}),
+        "diffusers": diffusers_lora(root / "diffusers", 3, RANK, 2 * RANK),
+        "ref": diffusers_lora(root / "ref", 4, 2, 1.0, partition="transformer_ref"),
+    }
 
 
 def components() -> dict:
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    return {"transformer": build_component("transformer"), "transformer_ref": build_component("transformer_ref"),
-            "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0)}
+    return {
+        "transformer": build_component("transformer"),
+        "transformer_ref": build_component("transformer_ref"),
+        "scheduler": MiniMaxH3Scheduler(shift=12.0),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+    }
 
 
 def runner(files: dict, names=(), flows=(T2VA, REF2VA), fast: FastPath | None = None, **config) -> DenoiseRunner:
     """A DiT rank's runner: its adapters installed, then the fast path, as rank.py does."""
     parts = components()
     loaded = {flow.partition: parts[flow.partition] for flow in flows}
-    dit = DiTConfig(adapters={name: str(files[name]) for name in names}, workflows=tuple(f.name for f in flows),
-                    compile=bool(fast and fast.compile), **config)
+    dit = DiTConfig(
+        adapters={name: str(files[name]) for name in names},
+        workflows=tuple(f.name for f in flows),
+        compile=bool(fast and fast.compile),
+        **config,
+    )
     held = adapters.install(dit, loaded)
     for model in loaded.values():
         if fast is not None:
@@ -61,8 +71,13 @@ def runner(files: dict, names=(), flows=(T2VA, REF2VA), fast: FastPath | None = 
 
 
 def spec(*named, workflow=T2VA, steps: int = 3, **params) -> dit_pb2.DenoiseSpec:
-    job = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124, workflow=workflow.value,
-                              params=common_pb2.GenerationParams(num_inference_steps=steps, seed=5, **params))
+    job = dit_pb2.DenoiseSpec(
+        height=32,
+        width=64,
+        num_frames=124,
+        workflow=workflow.value,
+        params=common_pb2.GenerationParams(num_inference_steps=steps, seed=5, **params),
+    )
     for name, weight in named:
         job.params.adapters.add(name=name, weight=weight)
     if workflow is REF2VA:
@@ -100,17 +115,28 @@ def test_alpha_over_rank_is_applied_as_a_manual_merge_gives_it(files, fmt):
     assert close(served, run(merged_runner(files[fmt], alpha / RANK * 0.5), spec()))
     unscaled = run(merged_runner(files[fmt], 0.5), spec())  # the seeds' bug: alpha dropped, every module at 1 x w
     assert (served - unscaled).abs().max() > 1e-2
-    (facts,) = adapters.read_all(DiTConfig(adapters={fmt: str(files[fmt])}),
-                                 {"transformer": config_check.transformer_skeleton("", "transformer")})
+    (facts,) = adapters.read_all(
+        DiTConfig(adapters={fmt: str(files[fmt])}),
+        {"transformer": config_check.transformer_skeleton("", "transformer")},
+    )
     assert (facts.facts.rank, facts.facts.alpha, facts.facts.partitions) == (RANK, alpha, ("transformer",))
-    assert set(factors(files[fmt])) <= {k.removeprefix("transformer.").removesuffix(".lora_A.weight")
-                                        for k in facts.state_dict if k.endswith("lora_A.weight")}
+    assert set(factors(files[fmt])) <= {
+        k.removeprefix("transformer.").removesuffix(".lora_A.weight")
+        for k in facts.state_dict
+        if k.endswith("lora_A.weight")
+    }
 
 
 def test_switching_adapters_gives_what_a_fresh_runner_with_that_adapter_gives(files):
     served = runner(files, ["kohya", "diffusers", "qkv"])
-    requests = [[("kohya", 1.0)], [("diffusers", 0.0)], [("kohya", 1.0)], [], [("qkv", 0.7), ("diffusers", 1.0)],
-                [("kohya", -0.5)]]
+    requests = [
+        [("kohya", 1.0)],
+        [("diffusers", 0.0)],
+        [("kohya", 1.0)],
+        [],
+        [("qkv", 0.7), ("diffusers", 1.0)],
+        [("kohya", -0.5)],
+    ]
     outputs = [run(served, spec(*named)) for named in requests]
     for named, output in zip(requests, outputs):
         fresh = runner(files, sorted({name for name, _ in named}))
@@ -121,8 +147,10 @@ def test_switching_adapters_gives_what_a_fresh_runner_with_that_adapter_gives(fi
 
 def test_a_transformer_ref_file_adapts_ref2va_only(files, tmp_path):
     served = runner(files, ["ref", "kohya"])
-    assert [(f.name, f.partitions) for f in served.adapters.facts] == [("kohya", ("transformer",)),
-                                                                        ("ref", ("transformer_ref",))]
+    assert [(f.name, f.partitions) for f in served.adapters.facts] == [
+        ("kohya", ("transformer",)),
+        ("ref", ("transformer_ref",)),
+    ]
     base = run(DenoiseRunner(components(), [T2VA, REF2VA]), spec(workflow=REF2VA))
     adapted = run(served, spec(("ref", 1.0), workflow=REF2VA))
     assert not torch.equal(adapted, base)
@@ -132,8 +160,10 @@ def test_a_transformer_ref_file_adapts_ref2va_only(files, tmp_path):
     (routed,) = adapters.read_all(into_ref, {p: config_check.transformer_skeleton("", p) for p in adapters.PREFIXES})
     assert routed.facts.partitions == ("transformer_ref",)
     # a DiT serving ref2va only routes a transformer. file there by itself, as diffusers does
-    (alone,) = adapters.read_all(DiTConfig(adapters={"k": str(files["kohya"])}),
-                                 {"transformer_ref": config_check.transformer_skeleton("", "transformer_ref")})
+    (alone,) = adapters.read_all(
+        DiTConfig(adapters={"k": str(files["kohya"])}),
+        {"transformer_ref": config_check.transformer_skeleton("", "transformer_ref")},
+    )
     assert alone.facts.partitions == ("transformer_ref",)
 
 
@@ -144,8 +174,7 @@ def test_compiled_slots_switch_adapters_without_recompiling(files):
     eager = runner(files, ["kohya", "qkv"], flows=(T2VA,))
     compiled = runner(files, ["kohya", "qkv"], flows=(T2VA,), fast=FastPath(compile=True), adapter_slots=2)
     assert compiled.adapters.describe()["max_request_adapters"] == 2
-    requests = [[("kohya", 1.0)], [("qkv", 1.0)], [("qkv", 0.5), ("kohya", 2.0)], [], [("kohya", -1.0)],
-                [("qkv", 1.0)]]
+    requests = [[("kohya", 1.0)], [("qkv", 1.0)], [("qkv", 0.5), ("kohya", 2.0)], [], [("kohya", -1.0)], [("qkv", 1.0)]]
     run(compiled, spec(*requests[0]))  # compiles (the block's graphs for both forwards of a request)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
@@ -191,6 +220,7 @@ def test_the_schedules_shift_per_request_and_return_to_the_model_s_own(files):
 
 # Refused at start: by the deployment file's check, and by rank 0 before it loads anything (config_check.py).
 
+
 def _bad_file(path, key: str, shape=(RANK, 32)):
     from safetensors.torch import save_file
 
@@ -199,12 +229,14 @@ def _bad_file(path, key: str, shape=(RANK, 32)):
     return path
 
 
-@pytest.mark.parametrize("key,problem", [
-    ("transformer.transformer_blocks.0.attn.to_nowhere.lora_A.weight", "the partition has no linear layer"),
-    ("transformer.transformer_blocks.0.attn.to_q.lora_A.weight", "shape (4, 48)"),
-])
-def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_the_key(tmp_path, files, key,
-                                                                                       problem):
+@pytest.mark.parametrize(
+    "key,problem",
+    [
+        ("transformer.transformer_blocks.0.attn.to_nowhere.lora_A.weight", "the partition has no linear layer"),
+        ("transformer.transformer_blocks.0.attn.to_q.lora_A.weight", "shape (4, 48)"),
+    ],
+)
+def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_the_key(tmp_path, files, key, problem):
     bad = _bad_file(tmp_path / "bad.safetensors", key, (RANK, 48) if "to_q" in key else (RANK, 32))
     config = DiTConfig(adapters={"good": str(files["kohya"]), "bad": str(bad)})
     with pytest.raises(adapters.AdapterRefused) as err:
@@ -212,10 +244,19 @@ def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_
     assert f"adapters.bad: {bad}: key {key!r} does not fit transformer: {problem}" in str(err.value)
 
     # `h3serve serve dit` exits with that reason, not restarting its group (what `up` and the logs show)
-    deploy = write_config(tmp_path / "deploy.toml", "", tmp_path / "gw", dict(encoder=1, dit=2, vae=3, gateway=4),
-                          dit={"adapters": {"bad": str(bad)}})
-    done = subprocess.run([sys.executable, "-m", "h3serve.cli", "serve", "dit", "--config", str(deploy)],
-                          capture_output=True, text=True, timeout=120)
+    deploy = write_config(
+        tmp_path / "deploy.toml",
+        "",
+        tmp_path / "gw",
+        dict(encoder=1, dit=2, vae=3, gateway=4),
+        dit={"adapters": {"bad": str(bad)}},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "h3serve.cli", "serve", "dit", "--config", str(deploy)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 78  # processes.EXIT_REFUSED: `h3serve up` does not restart it either
     assert f"h3serve serve dit: adapters.bad: {bad}: key {key!r} does not fit transformer" in done.stderr
     assert "configuration was refused" in done.stderr and "(restart 1 of" not in done.stderr
@@ -223,28 +264,38 @@ def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_
 
 def test_an_adapter_for_a_partition_the_dit_does_not_load_is_refused_at_start(files):
     config = DiTConfig(adapters={"ref": str(files["ref"])}, workflows=("t2va",))
-    with pytest.raises(adapters.AdapterRefused, match="adapters.ref: it loads into transformer_ref, which this DiT "
-                                                      "does not load"):
+    with pytest.raises(
+        adapters.AdapterRefused, match="adapters.ref: it loads into transformer_ref, which this DiT does not load"
+    ):
         config_check.check(config)
 
 
-@pytest.mark.parametrize("dit,problem", [
-    ({"adapters": {"turbo4": "/nowhere/turbo4.safetensors"}}, "adapters.turbo4: no such file: /nowhere/turbo4"),
-    ({"adapters": {"turbo4": "{json}"}}, "adapters.turbo4: sidecar {json_sidecar}: unknown key 'shift'"),
-    ({"adapters": {"t": "{pt}"}}, "adapters.t: must be a .safetensors file"),
-    ({"adapters": {"bad name": "{lora}"}}, "adapters.bad name: an adapter name is"),
-    ({"adapters": {"a": "{lora}", "b": "{lora}"}, "adapter_mode": "fused"},
-     'adapter_mode: "fused" merges exactly one adapter into the weights; adapters has 2'),
-])
+@pytest.mark.parametrize(
+    "dit,problem",
+    [
+        ({"adapters": {"turbo4": "/nowhere/turbo4.safetensors"}}, "adapters.turbo4: no such file: /nowhere/turbo4"),
+        ({"adapters": {"turbo4": "{json}"}}, "adapters.turbo4: sidecar {json_sidecar}: unknown key 'shift'"),
+        ({"adapters": {"t": "{pt}"}}, "adapters.t: must be a .safetensors file"),
+        ({"adapters": {"bad name": "{lora}"}}, "adapters.bad name: an adapter name is"),
+        (
+            {"adapters": {"a": "{lora}", "b": "{lora}"}, "adapter_mode": "fused"},
+            'adapter_mode: "fused" merges exactly one adapter into the weights; adapters has 2',
+        ),
+    ],
+)
 def test_the_deployment_file_refuses_bad_adapters_naming_the_key(tmp_path, files, dit, problem):
     (tmp_path / "sided.safetensors").write_bytes(files["kohya"].read_bytes())
     (tmp_path / "sided.json").write_text('{"steps": 5, "shift": 6}')
     (tmp_path / "t.pt").write_bytes(b"")
-    paths = {"{json}": str(tmp_path / "sided.safetensors"), "{pt}": str(tmp_path / "t.pt"),
-             "{lora}": str(files["kohya"])}
+    paths = {
+        "{json}": str(tmp_path / "sided.safetensors"),
+        "{pt}": str(tmp_path / "t.pt"),
+        "{lora}": str(files["kohya"]),
+    }
     dit = {**dit, "adapters": {k: paths.get(v, v) for k, v in dit["adapters"].items()}}
-    deploy = write_config(tmp_path / "deploy.toml", "", tmp_path / "gw", dict(encoder=1, dit=2, vae=3, gateway=4),
-                          dit=dit)
+    deploy = write_config(
+        tmp_path / "deploy.toml", "", tmp_path / "gw", dict(encoder=1, dit=2, vae=3, gateway=4), dit=dit
+    )
     with pytest.raises(ConfigError) as err:
         load_deploy(deploy)
     assert f"{deploy} [dit] {problem.replace('{json_sidecar}', str(tmp_path / 'sided.json'))}" in str(err.value)
@@ -252,10 +303,13 @@ def test_the_deployment_file_refuses_bad_adapters_naming_the_key(tmp_path, files
 
 # The request rules, shared by the gateway (resolve) and the DiT's boundary (checks.py).
 
-CATALOG = AdapterCatalog({
-    "turbo4": AdapterFacts("turbo4", ("transformer",), 128, 8.0, Recommendation(5, 6.0, None)),
-    "style": AdapterFacts("style", ("transformer",), 64, 0.0, Recommendation(0, 5.0, 2.0)),
-    "ref": AdapterFacts("ref", ("transformer_ref",), 16, 16.0)})
+CATALOG = AdapterCatalog(
+    {
+        "turbo4": AdapterFacts("turbo4", ("transformer",), 128, 8.0, Recommendation(5, 6.0, None)),
+        "style": AdapterFacts("style", ("transformer",), 64, 0.0, Recommendation(0, 5.0, 2.0)),
+        "ref": AdapterFacts("ref", ("transformer_ref",), 16, 16.0),
+    }
+)
 
 
 def _resolve(*named, catalog=CATALOG, **fields) -> common_pb2.GenerationParams:
@@ -272,13 +326,18 @@ def test_the_gateway_fills_weights_steps_and_shifts_from_the_first_recommending_
     params = _resolve(("style", 1.0), params=common_pb2.GenerationParams(num_inference_steps=9, flow_shift=7.5))
     assert (params.num_inference_steps, params.flow_shift, params.audio_flow_shift) == (9, 7.5, 2.0)
     params = _resolve()
-    assert (list(params.adapters), params.num_inference_steps, params.flow_shift, params.audio_flow_shift) == \
-        ([], 50, 12.0, 3.0)
+    assert (list(params.adapters), params.num_inference_steps, params.flow_shift, params.audio_flow_shift) == (
+        [],
+        50,
+        12.0,
+        3.0,
+    )
 
 
 def test_a_fused_dit_s_adapter_is_part_of_every_resolved_request():
-    fused = AdapterCatalog({"turbo4": AdapterFacts("turbo4", ("transformer",), recommended=Recommendation(5),
-                                                   fused=True)})
+    fused = AdapterCatalog(
+        {"turbo4": AdapterFacts("turbo4", ("transformer",), recommended=Recommendation(5), fused=True)}
+    )
     params = _resolve(catalog=fused)
     assert ([(a.name, a.weight) for a in params.adapters], params.num_inference_steps) == ([("turbo4", 1.0)], 5)
     for named in ([("turbo4", 0.5)], [("other", 1.0)]):
@@ -286,17 +345,20 @@ def test_a_fused_dit_s_adapter_is_part_of_every_resolved_request():
             _resolve(*named, catalog=AdapterCatalog({**fused.adapters, "other": CATALOG.adapters["style"]}))
 
 
-@pytest.mark.parametrize("named,fields,message", [
-    ([("nope", 1.0)], {}, "adapters: unknown adapter 'nope'; this DiT loads ref, style, turbo4"),
-    ([("x" * 65, 1.0)], {}, "adapters: a name is 1-64 characters"),
-    ([("turbo4", 10.5)], {}, "adapters: turbo4: weight must be within -10..10 (0 means 1.0), got 10.5"),
-    ([("turbo4", float("nan"))], {}, "adapters: turbo4: weight must be within"),
-    ([("turbo4", 1.0), ("turbo4", 0.5)], {}, "adapters: turbo4 is named twice"),
-    ([("ref", 1.0)], {}, "adapters: ref targets transformer_ref, not transformer, the partition t2va runs on"),
-    ([], {"flow_shift": 0.0}, "flow_shift: must be a number with 0 < shift <= 100, got 0.0"),
-    ([], {"audio_flow_shift": 100.5}, "audio_flow_shift: must be a number with 0 < shift <= 100"),
-    ([], {"flow_shift": float("inf")}, "flow_shift: must be a number"),
-])
+@pytest.mark.parametrize(
+    "named,fields,message",
+    [
+        ([("nope", 1.0)], {}, "adapters: unknown adapter 'nope'; this DiT loads ref, style, turbo4"),
+        ([("x" * 65, 1.0)], {}, "adapters: a name is 1-64 characters"),
+        ([("turbo4", 10.5)], {}, "adapters: turbo4: weight must be within -10..10 (0 means 1.0), got 10.5"),
+        ([("turbo4", float("nan"))], {}, "adapters: turbo4: weight must be within"),
+        ([("turbo4", 1.0), ("turbo4", 0.5)], {}, "adapters: turbo4 is named twice"),
+        ([("ref", 1.0)], {}, "adapters: ref targets transformer_ref, not transformer, the partition t2va runs on"),
+        ([], {"flow_shift": 0.0}, "flow_shift: must be a number with 0 < shift <= 100, got 0.0"),
+        ([], {"audio_flow_shift": 100.5}, "audio_flow_shift: must be a number with 0 < shift <= 100"),
+        ([], {"flow_shift": float("inf")}, "flow_shift: must be a number"),
+    ],
+)
 def test_every_bad_adapter_or_shift_is_refused_naming_its_field(named, fields, message):
     with pytest.raises(InvalidRequest) as err:
         _resolve(*named, params=common_pb2.GenerationParams(**fields))

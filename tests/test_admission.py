@@ -22,9 +22,15 @@ def test_rows_match_the_model_layout():
 
 
 def _request(height, width, num_frames, text_rows=5, workflow=common_pb2.WORKFLOW_T2VA, condition_rows=0):
-    return gateway_pb2.ResolvedRequest(prompt="a fox", height=height, width=width, num_frames=num_frames,
-                                       workflow=workflow, text_rows=text_rows,
-                                       condition_rows=condition_rows)
+    return gateway_pb2.ResolvedRequest(
+        prompt="a fox",
+        height=height,
+        width=width,
+        num_frames=num_frames,
+        workflow=workflow,
+        text_rows=text_rows,
+        condition_rows=condition_rows,
+    )
 
 
 def test_capacity_refuses_with_the_frame_ceiling():
@@ -34,8 +40,9 @@ def test_capacity_refuses_with_the_frame_ceiling():
     with pytest.raises(OverCapacity) as err:
         table.admit(_request(1344, 768, 345))
     message = err.value.message
-    assert message.startswith("num_frames: 1344x768 allows at most 192 frames here: 345 frames need 103,971 "
-                              "packed rows"), message
+    assert message.startswith(
+        "num_frames: 1344x768 allows at most 192 frames here: 345 frames need 103,971 packed rows"
+    ), message
     assert "capacity at 1344x768 is 60,000" in message
     assert packed_rows(1344, 768, 192, 5).total <= 60_000 < packed_rows(1344, 768, 209, 5).total
     with pytest.raises(OverCapacity, match="^height: 768x1344 allows no video here, not even 124 frames"):
@@ -68,13 +75,16 @@ def test_max_rows_bounds_every_workflow_and_canvas():
     with pytest.raises(OverCapacity) as err:
         table.admit(request)
     # 141 frames: 42 latent frames x 1008 rows.
-    assert err.value.message == ("num_frames: 768x1344 allows at most 124 frames here: 141 frames need 42,811 packed "
-                                 "rows (text 5, audio 470, video 42336, conditioning 0), this deployment's max_rows "
-                                 "is 40,000")
+    assert err.value.message == (
+        "num_frames: 768x1344 allows at most 124 frames here: 141 frames need 42,811 packed "
+        "rows (text 5, audio 470, video 42336, conditioning 0), this deployment's max_rows "
+        "is 40,000"
+    )
 
 
-@pytest.mark.parametrize("limits", [{"t3va": {"*": 1}}, {"t2va": {"768*1344": 1}}, {"t2va": {"*": 0}},
-                                    {"t2va": {"*": "many"}}])
+@pytest.mark.parametrize(
+    "limits", [{"t3va": {"*": 1}}, {"t2va": {"768*1344": 1}}, {"t2va": {"*": 0}}, {"t2va": {"*": "many"}}]
+)
 def test_a_bad_table_is_refused(limits):
     with pytest.raises(ValueError, match="capacity"):
         CapacityTable(limits)
@@ -83,8 +93,12 @@ def test_a_bad_table_is_refused(limits):
 def test_capacity_command_prints_the_table(tmp_path):
     config = tmp_path / "deploy.toml"
     config.write_text('[gateway.capacity.t2va]\n"768x1344" = 38000\n"480x832" = 14000\n')
-    out = subprocess.run([sys.executable, "-m", "h3serve.cli", "capacity", "--config", str(config),
-                          "--text-rows", "100"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "h3serve.cli", "capacity", "--config", str(config), "--text-rows", "100"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     lines = out.splitlines()
     assert lines[0].split()[:4] == ["workflow", "canvas", "max", "rows"]
     assert lines[1].split() == ["t2va", "480x832", "14,000", "none", "fit"]

@@ -52,7 +52,7 @@ def test_each_supported_format_is_recognised_by_content(tmp_path, name, make, ex
 
 async def _chunks(data: bytes, size: int, name: str):
     for offset in range(0, len(data), size):
-        yield gateway_pb2.UploadAssetChunk(file_name=name if offset == 0 else "", data=data[offset:offset + size])
+        yield gateway_pb2.UploadAssetChunk(file_name=name if offset == 0 else "", data=data[offset : offset + size])
 
 
 def _upload(tmp_path: Path, path: Path, limits: AssetLimits, chunk: int = 4096):
@@ -65,20 +65,23 @@ def test_a_file_over_its_kinds_byte_limit_is_refused_while_streaming(tmp_path):
     with pytest.raises(AssetRefused) as err:
         _upload(tmp_path, path, AssetLimits(max_image_bytes=10_000))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, "over a limit: not retryable"
-    assert err.value.message == ("asset 'big.png': size more than 10000 bytes, over the limit of 10000 bytes "
-                                 "(max_image_bytes)")
+    assert err.value.message == (
+        "asset 'big.png': size more than 10000 bytes, over the limit of 10000 bytes (max_image_bytes)"
+    )
     assert not list((tmp_path / "store" / "tmp").iterdir()), "the spooled part is removed"
 
 
 def test_pixel_and_duration_limits_name_the_limit(tmp_path):
     with pytest.raises(AssetRefused) as err:
         _upload(tmp_path, image(tmp_path / "wide.png", 300, 100), AssetLimits(max_image_pixels=20_000))
-    assert err.value.message == ("asset 'wide.png': image of 300x100 = 30000 pixels, over the limit of 20000 "
-                                 "(max_image_pixels)")
+    assert err.value.message == (
+        "asset 'wide.png': image of 300x100 = 30000 pixels, over the limit of 20000 (max_image_pixels)"
+    )
     with pytest.raises(AssetRefused) as err:
         _upload(tmp_path, mp4(tmp_path / "long.mp4", 64, 36, 48), AssetLimits(max_video_seconds=1.5))
-    assert err.value.message == ("asset 'long.mp4': video duration past 1.5 s, over the limit of 1.5 s "
-                                 "(max_video_seconds)")
+    assert err.value.message == (
+        "asset 'long.mp4': video duration past 1.5 s, over the limit of 1.5 s (max_video_seconds)"
+    )
 
 
 @pytest.mark.parametrize("head", [b"\x89PNG\r\n\x1a\n", b"\x00\x00\x00\x18ftypmp42"], ids=["png", "mp4"])
@@ -107,6 +110,7 @@ def test_an_upload_is_stored_under_its_sha256(tmp_path):
     path = audio(tmp_path / "a.wav", 0.5)
     store, asset = _upload(tmp_path, path, AssetLimits())
     assert asset.asset_id == hashlib.sha256(path.read_bytes()).hexdigest() and not asset.deduplicated
+
     async def read():
         return b"".join([data async for data in store.read(asset.asset_id, chunk_bytes=1000)])
 
@@ -141,13 +145,26 @@ def test_rows_match_the_released_geometry_examples_of_the_brief():
     assert _rows(gateway_pb2.ResolvedRequest(**ref2va), video).condition_video == 12096
     # The packed ref2va example: a 16:9 image, a 5 s 16:9 video with sound, a 3 s audio; with 100 text tokens
     # the sequence is 83,056 rows, 44,592 of them conditioning video and 654 reference audio.
-    rows = _rows(gateway_pb2.ResolvedRequest(**ref2va), _asset(IMAGE, width=1920, height=1080),
-                 _asset(VIDEO, width=1920, height=1080, num_frames=124, fps=24.0, has_audio=True, sample_rate=32000,
-                        audio_samples=165600, duration_s=5.2),
-                 _asset(AUDIO, has_audio=True, sample_rate=32000, audio_samples=96000, duration_s=3.0))
+    rows = _rows(
+        gateway_pb2.ResolvedRequest(**ref2va),
+        _asset(IMAGE, width=1920, height=1080),
+        _asset(
+            VIDEO,
+            width=1920,
+            height=1080,
+            num_frames=124,
+            fps=24.0,
+            has_audio=True,
+            sample_rate=32000,
+            audio_samples=165600,
+            duration_s=5.2,
+        ),
+        _asset(AUDIO, has_audio=True, sample_rate=32000, audio_samples=96000, duration_s=3.0),
+    )
     generated = rules.generated_rows(768, 1344, 124)
     assert (rows.condition_video, rows.condition_audio, 100 + rows.total + generated.total) == (44592, 654, 83056)
     # fl2va with both keyframes at 768x1344: 1008 rows each.
-    fl2va = gateway_pb2.ResolvedRequest(workflow=common_pb2.WORKFLOW_FL2VA, height=768, width=1344, num_frames=124,
-                                        first_frame="a", last_frame="b")
+    fl2va = gateway_pb2.ResolvedRequest(
+        workflow=common_pb2.WORKFLOW_FL2VA, height=768, width=1344, num_frames=124, first_frame="a", last_frame="b"
+    )
     assert conditioning_rows(fl2va, {}).condition_video == 2016

@@ -33,8 +33,21 @@ def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     from bench import vae_decode
 
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
-    vae_decode.main(["--quick", "--repeats", "1", "--errors", "--variants", "native,native+tiles=2", "--write",
-                     "--results", str(results), "--markdown", str(markdown)])
+    vae_decode.main(
+        [
+            "--quick",
+            "--repeats",
+            "1",
+            "--errors",
+            "--variants",
+            "native,native+tiles=2",
+            "--write",
+            "--results",
+            str(results),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     records = json.loads(results.read_text())
     assert [r["variant"] for r in records] == ["VAE service decoder, native", "VAE service decoder, native+tiles=2"]
     # fp32 weights: the decode is its own fp32 reference.
@@ -45,12 +58,36 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     from bench import e2e
 
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
-    old = {"name": "e2e_old", "device": "cpu", "world_size": 1, "dtype": "float32", "seconds": 1.0,
-           "baseline_seconds": 1.0, "ratio": 1.0, "peak_gib": 0.0, "command": "c", "date": "2026-01-01",
-           "variant": "v", "baseline": "b", "software": "s"}  # written before host memory was sampled
+    old = {
+        "name": "e2e_old",
+        "device": "cpu",
+        "world_size": 1,
+        "dtype": "float32",
+        "seconds": 1.0,
+        "baseline_seconds": 1.0,
+        "ratio": 1.0,
+        "peak_gib": 0.0,
+        "command": "c",
+        "date": "2026-01-01",
+        "variant": "v",
+        "baseline": "b",
+        "software": "s",
+    }  # written before host memory was sampled
     results.write_text(json.dumps([old]))
-    [comparison] = e2e.main(["--quick", "--repeats", "1", "--out", str(tmp_path / "run"), "--write",
-                             "--results", str(results), "--markdown", str(markdown)])
+    [comparison] = e2e.main(
+        [
+            "--quick",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+            "--write",
+            "--results",
+            str(results),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     # The same request through the four processes and through MiniMaxH3Blocks: the same MP4, byte for byte,
     # from the same decoded frames and waveform, bit for bit.
     assert comparison.same_output
@@ -67,8 +104,11 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     assert old_row["name"] == "e2e_old" and old_row["host_peak_gib"] is None
     name = "e2e_32x64x124_4steps"
     assert [r["name"] for r in records] == [name, *(f"{name}_{s}" for s in (*e2e.STAGES, "transport"))]
-    assert all((r["host_peak_gib"], r["host_file_gib"], r["host_used_gib"])
-               == (served.host_peak_gib, served.host_file_gib, served.host_used_gib) for r in records)
+    assert all(
+        (r["host_peak_gib"], r["host_file_gib"], r["host_used_gib"])
+        == (served.host_peak_gib, served.host_file_gib, served.host_used_gib)
+        for r in records
+    )
     total = records[0]
     assert (total["seconds"], total["baseline_seconds"]) == (served.seconds, in_process.seconds)
     assert total["ratio"] == in_process.seconds / served.seconds
@@ -88,8 +128,16 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
     from bench import e2e
     from bench.common import Size
 
-    args = argparse.Namespace(sizes="32x64x124,64x32x124", steps=4, warmup_steps=2, dtype="float32", model_dir="",
-                              adapter_rank=0, flow_shift=12.0, command="python -m bench.e2e --quick --side in-process")
+    args = argparse.Namespace(
+        sizes="32x64x124,64x32x124",
+        steps=4,
+        warmup_steps=2,
+        dtype="float32",
+        model_dir="",
+        adapter_rank=0,
+        flow_shift=12.0,
+        command="python -m bench.e2e --quick --side in-process",
+    )
     side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)
     path = tmp_path / "baseline.json"
     with pytest.raises(SystemExit, match="no baseline at .*; run with --side in-process first"):
@@ -129,10 +177,21 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
 
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
-    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="flash4+compile+fp8",
-                              vae="native+compile+tiles=28", gpus=1, placement="shared", dit_fsdp="off",
-                              adapter_file=str(lora), deploy=None, warm_start=False, sizes="480x832x124",
-                              compile_cache=str(tmp_path / "cc"), fp8_cache="")
+    args = argparse.Namespace(
+        model_dir="random:full",
+        dtype="bfloat16",
+        dit="flash4+compile+fp8",
+        vae="native+compile+tiles=28",
+        gpus=1,
+        placement="shared",
+        dit_fsdp="off",
+        adapter_file=str(lora),
+        deploy=None,
+        warm_start=False,
+        sizes="480x832x124",
+        compile_cache=str(tmp_path / "cc"),
+        fp8_cache="",
+    )
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
@@ -153,9 +212,21 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
 
     profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
     fp8 = tmp_path / "fp8"
-    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="_native_cudnn+compile+fp8",
-                              vae="native", gpus=1, placement="shared", dit_fsdp="off", adapter_file="", deploy=None,
-                              warm_start=True, sizes="480x832x124", compile_cache="", fp8_cache=str(fp8))
+    args = argparse.Namespace(
+        model_dir="random:full",
+        dtype="bfloat16",
+        dit="_native_cudnn+compile+fp8",
+        vae="native",
+        gpus=1,
+        placement="shared",
+        dit_fsdp="off",
+        adapter_file="",
+        deploy=None,
+        warm_start=True,
+        sizes="480x832x124",
+        compile_cache="",
+        fp8_cache=str(fp8),
+    )
     for deploy in (None, str(profile)):
         args.deploy = deploy
         assert load_deploy(e2e.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)
@@ -174,16 +245,27 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     shipped = load_deploy(profile)
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
-    args = argparse.Namespace(deploy=str(profile), model_dir="random:full", adapter_file=str(lora), warm_start=True,
-                              sizes="768x1344x124", compile_cache="", fp8_cache="")
+    args = argparse.Namespace(
+        deploy=str(profile),
+        model_dir="random:full",
+        adapter_file=str(lora),
+        warm_start=True,
+        sizes="768x1344x124",
+        compile_cache="",
+        fp8_cache="",
+    )
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
         ours, theirs = config.service(name), shipped.service(name)
         assert ours.model_dir == "random:full" and ours.port not in (0, theirs.port)
-        changed = {"encoder": ("cache_bytes",), "vae": ("max_raw_bytes",),
-                   "dit": ("adapters", "warmup", "fp8_cache_dir")}[name]
-        assert ours.replace(model_dir="", port=0) == theirs.replace(model_dir="", port=0,
-                                                                    **{key: getattr(ours, key) for key in changed})
+        changed = {
+            "encoder": ("cache_bytes",),
+            "vae": ("max_raw_bytes",),
+            "dit": ("adapters", "warmup", "fp8_cache_dir"),
+        }[name]
+        assert ours.replace(model_dir="", port=0) == theirs.replace(
+            model_dir="", port=0, **{key: getattr(ours, key) for key in changed}
+        )
     assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, e2e.RAW_BYTES)
     assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
     assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 31.5, True)
@@ -212,8 +294,20 @@ def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_ps
     from bench import mux
 
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
-    mux.main(["--quick", "--content", "scene", "--presets", "veryfast", "--write", "--results", str(results),
-              "--markdown", str(markdown)])
+    mux.main(
+        [
+            "--quick",
+            "--content",
+            "scene",
+            "--presets",
+            "veryfast",
+            "--write",
+            "--results",
+            str(results),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     medium, veryfast = json.loads(results.read_text())
     assert medium["variant"].startswith("libx264 preset medium") and medium["ratio"] == 1.0
     assert veryfast["variant"].startswith("libx264 preset veryfast")
@@ -231,8 +325,9 @@ class _StandInSmi:
         self.readings, self.calls = tmp_path / "used.csv", tmp_path / "calls"
         self.set(used)
         smi = tmp_path / "nvidia-smi"
-        smi.write_text(f"#!/bin/sh\necho >> {self.calls}\ngrep -q fail {self.readings} && exit 1\n"
-                       f"cat {self.readings}\n")
+        smi.write_text(
+            f"#!/bin/sh\necho >> {self.calls}\ngrep -q fail {self.readings} && exit 1\ncat {self.readings}\n"
+        )
         smi.chmod(0o755)
         monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
 

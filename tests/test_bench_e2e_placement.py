@@ -19,9 +19,20 @@ from h3serve.common.config import load_deploy
 
 
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
-    args = argparse.Namespace(model_dir="random:full", dtype="bfloat16", dit="_native_cudnn", vae="native",
-                              gpus=gpus, placement=placement, dit_fsdp=fsdp, adapter_file="", deploy=None,
-                              warm_start=False, compile_cache="", fp8_cache="")
+    args = argparse.Namespace(
+        model_dir="random:full",
+        dtype="bfloat16",
+        dit="_native_cudnn",
+        vae="native",
+        gpus=gpus,
+        placement=placement,
+        dit_fsdp=fsdp,
+        adapter_file="",
+        deploy=None,
+        warm_start=False,
+        compile_cache="",
+        fp8_cache="",
+    )
     return load_deploy(e2e.deployment(args, "cuda", tmp_path))
 
 
@@ -48,24 +59,45 @@ def test_dedicated_placement_is_the_deployment_files_layout(tmp_path):
 
 def test_the_records_name_each_sides_devices():
     assert Placement.plan(1).describe() == "one device"  # the one-device records keep their key
-    assert Placement.plan(4).describe() == \
-        "4 GPUs; encoder GPU 0, DiT Ulysses 4 on GPUs 0,1,2,3 (replicated), VAE GPU 3"
+    assert (
+        Placement.plan(4).describe() == "4 GPUs; encoder GPU 0, DiT Ulysses 4 on GPUs 0,1,2,3 (replicated), VAE GPU 3"
+    )
     assert Placement.plan(2, fsdp=True, cuda=False).describe() == "CPU; DiT 2 gloo ranks (Ulysses 2, FSDP2)"
 
 
 def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_anything_loads(tmp_path):
     # _native_math runs one rank; diffusers has no context parallelism for it.
     out = tmp_path / "run"
-    with pytest.raises(SystemExit, match="DiT service would refuse to start .*2 gloo ranks.*'_native_math' cannot "
-                                         "split the sequence across ranks"):
+    with pytest.raises(
+        SystemExit,
+        match="DiT service would refuse to start .*2 gloo ranks.*'_native_math' cannot split the sequence across ranks",
+    ):
         e2e.main(["--quick", "--gpus", "2", "--dit", "_native_math", "--out", str(out)])
     assert not list(out.glob("*.mp4")) and not list(out.glob("*.log"))  # neither side started
-    e2e.refuse_early(load_deploy(e2e.deployment(
-        argparse.Namespace(model_dir="", dtype="float32", dit="_native_math", vae="native", gpus=1,
-                           placement="shared", dit_fsdp="off", adapter_file="", deploy=None, warm_start=False,
-                           compile_cache="", fp8_cache=""),
-        "cpu", tmp_path)),
-        Placement.plan(1), "cpu")
+    e2e.refuse_early(
+        load_deploy(
+            e2e.deployment(
+                argparse.Namespace(
+                    model_dir="",
+                    dtype="float32",
+                    dit="_native_math",
+                    vae="native",
+                    gpus=1,
+                    placement="shared",
+                    dit_fsdp="off",
+                    adapter_file="",
+                    deploy=None,
+                    warm_start=False,
+                    compile_cache="",
+                    fp8_cache="",
+                ),
+                "cpu",
+                tmp_path,
+            )
+        ),
+        Placement.plan(1),
+        "cpu",
+    )
 
 
 def test_more_gpus_than_visible_and_an_impossible_layout_are_refused_before_anything_loads(tmp_path):
@@ -83,8 +115,22 @@ def test_quick_e2e_with_a_two_rank_dit_group_against_a_saved_baseline_gives_the_
     common = ["--quick", "--repeats", "1", "--baseline-file", str(baseline)]
     assert e2e.main([*common, "--side", "in-process", "--out", str(tmp_path / "one")]) == []
     assert all(e2e.baseline_output(baseline, Size(32, 64, 124), suffix).exists() for suffix in (".mp4", ".npz"))
-    [comparison] = e2e.main([*common, "--gpus", "2", "--side", "services", "--out", str(tmp_path / "two"), "--write",
-                             "--results", str(results), "--markdown", str(markdown)])
+    [comparison] = e2e.main(
+        [
+            *common,
+            "--gpus",
+            "2",
+            "--side",
+            "services",
+            "--out",
+            str(tmp_path / "two"),
+            "--write",
+            "--results",
+            str(results),
+            "--markdown",
+            str(markdown),
+        ]
+    )
     # Two ranks compute the request within float rounding of one (tests/test_dit_group.py: 1e-5): the
     # decoded pictures are the same; AAC turns the tiny audio differences into slightly larger ones.
     assert comparison.media.video_levels == 0

@@ -45,12 +45,19 @@ def served_transformer(model_dir, dtype: str, transformer_file: str = "") -> tor
 def latents(transformer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from h3serve.runtime.tiny import build_component
 
-    parts = {"transformer": transformer, "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": transformer,
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
     runner = DenoiseRunner(parts, served(["t2va"]), device=CPU)
-    return runner.run(denoise_spec(Size.parse("32x64x124"), forwards=2), embeds.to(dtype),
-                      torch.ones(TOKENS, dtype=torch.int64), lambda step, total: None)
+    return runner.run(
+        denoise_spec(Size.parse("32x64x124"), forwards=2),
+        embeds.to(dtype),
+        torch.ones(TOKENS, dtype=torch.int64),
+        lambda step, total: None,
+    )
 
 
 def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -73,7 +80,8 @@ def test_the_written_file_is_the_inverse_of_diffusers_conversion(tiny_model_dir,
     published = load_file(files["single"])
     assert checkpoints.DETECTION_KEY in published and not any("to_q" in name for name in published)
     back = convert_minimax_h3_transformer_checkpoint_to_diffusers(
-        dict(published), config=Transformer.load_config(str(tiny_model_dir / "transformer")), qkv_layout="stacked")
+        dict(published), config=Transformer.load_config(str(tiny_model_dir / "transformer")), qkv_layout="stacked"
+    )
     assert back.keys() == released.keys()
     for name, tensor in released.items():
         assert torch.equal(back[name], tensor), name
@@ -85,8 +93,9 @@ def test_the_dit_serves_the_single_file_as_the_released_layout(tiny_model_dir, f
     torch_dtype = getattr(torch, dtype)
     from_file = served_transformer(tiny_model_dir, dtype, str(files["single"]))
     released = served_transformer(tiny_model_dir, dtype)
-    assert {n: t.dtype for n, t in from_file.state_dict().items()} == \
-        {n: t.dtype for n, t in released.state_dict().items()}, "the fp32 modules stay fp32, as from_pretrained"
+    assert {n: t.dtype for n, t in from_file.state_dict().items()} == {
+        n: t.dtype for n, t in released.state_dict().items()
+    }, "the fp32 modules stay fp32, as from_pretrained"
     assert_same(latents(from_file, torch_dtype), latents(released, torch_dtype))
 
 
@@ -96,11 +105,14 @@ def test_the_dit_serves_what_diffusers_from_single_file_gives(tiny_model_dir, fi
     the `_keep_in_fp32_modules` to bf16; the DiT keeps them fp32 (the test above), as the released layout does."""
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
 
-    plain = Transformer.from_single_file(str(files["single"]), config=str(tiny_model_dir), subfolder="transformer",
-                                         local_files_only=True)
+    plain = Transformer.from_single_file(
+        str(files["single"]), config=str(tiny_model_dir), subfolder="transformer", local_files_only=True
+    )
     own_memory(plain)
-    assert_same(latents(served_transformer(tiny_model_dir, "float32", str(files["single"])), torch.float32),
-                latents(plain, torch.float32))
+    assert_same(
+        latents(served_transformer(tiny_model_dir, "float32", str(files["single"])), torch.float32),
+        latents(plain, torch.float32),
+    )
 
 
 @pytest.mark.parametrize("kind", GGUF_BOUNDS)
@@ -112,8 +124,12 @@ def test_a_gguf_denoises_within_its_bound(tiny_model_dir, files, kind):
     served_gguf = served_transformer(tiny_model_dir, "float32", str(files[kind]))
     assert any(isinstance(module, GGUFLinear) for module in served_gguf.modules()), "kept quantised"
     got = latents(served_gguf, torch.float32)
-    plain = Transformer.from_single_file(str(files[kind]), config=str(tiny_model_dir), subfolder="transformer",
-                                         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32))
+    plain = Transformer.from_single_file(
+        str(files[kind]),
+        config=str(tiny_model_dir),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+    )
     own_memory(plain)
     assert_same(got, latents(plain, torch.float32))
     error = relative_l2(got, latents(served_transformer(tiny_model_dir, "float32"), torch.float32))
@@ -135,8 +151,9 @@ def test_the_revision_follows_the_file(tiny_model_dir, files, tmp_path):
 def refusal(model_dir, path, **options) -> str:
     """The start-up check's one line; nothing was loaded (rank.load_whole never ran)."""
     with pytest.raises(ValueError) as refused:
-        config_check.check(DiTConfig(model_dir=str(model_dir), workflows=("t2va",), transformer_file=str(path),
-                                     **options))
+        config_check.check(
+            DiTConfig(model_dir=str(model_dir), workflows=("t2va",), transformer_file=str(path), **options)
+        )
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"transformer_file {str(path)!r}: ")
     return message
@@ -152,14 +169,16 @@ def test_each_unloadable_file_is_refused_naming_it_and_why(tiny_model_dir, files
     other = tmp_path / "other.safetensors"
     save_file({"model.diffusion_model.x.weight": torch.zeros(2, 2)}, other)
     assert "unknown layout" in refusal(tiny_model_dir, other)
-    pruned = write_single_file(tiny_model_dir, tmp_path / "pruned.safetensors",
-                               extra={"adaln_t_table": torch.zeros(4, 8)})
+    pruned = write_single_file(
+        tiny_model_dir, tmp_path / "pruned.safetensors", extra={"adaln_t_table": torch.zeros(4, 8)}
+    )
     assert "This is a pruned MiniMax-H3 checkpoint" in refusal(tiny_model_dir, pruned), "diffusers' own words"
     state = load_file(files["single"])
     state["blocks.0.mlp.fc2.weight"] = torch.zeros(32, 16)
     save_file(state, tmp_path / "wrong.safetensors")
-    assert "wrong shapes: transformer_blocks.0.ff.net.2.weight [32, 16]" in refusal(tiny_model_dir,
-                                                                                    tmp_path / "wrong.safetensors")
+    assert "wrong shapes: transformer_blocks.0.ff.net.2.weight [32, 16]" in refusal(
+        tiny_model_dir, tmp_path / "wrong.safetensors"
+    )
     del state["blocks.1.mlp.fc2.weight"]
     save_file(state, tmp_path / "short.safetensors")
     assert "lacks transformer_blocks.1.ff.net.2.weight" in refusal(tiny_model_dir, tmp_path / "short.safetensors")
@@ -169,20 +188,25 @@ def test_a_gguf_of_another_transformer_is_refused(tiny_model_dir, files, tmp_pat
     """A GGUF whose tensors do not fit: the tiny model with another width, quantised."""
     from safetensors.torch import load_file, save_file
 
-    state = {name: torch.cat([tensor, tensor]) if name.endswith("mlp.fc2.weight") else tensor
-             for name, tensor in load_file(files["single"]).items()}
+    state = {
+        name: torch.cat([tensor, tensor]) if name.endswith("mlp.fc2.weight") else tensor
+        for name, tensor in load_file(files["single"]).items()
+    }
     save_file(state, tmp_path / "wide.safetensors")
     gguf = write_gguf(tmp_path / "wide.safetensors", tmp_path / "wide.gguf", "Q8_0")
     message = refusal(tiny_model_dir, gguf)
     assert "has wrong shapes:" in message and "ff.net.2.weight [64, 64] (the transformer's: [32, 64])" in message
 
 
-@pytest.mark.parametrize("options, reason", [
-    ({"fp8": True, "dtype": "bfloat16"}, "fp8 = true cannot re-quantise them"),
-    ({"compile": True}, "compile = true is untested"),
-    ({"offload": "group", "device": "cpu"}, 'offload = "group" is untested'),
-    ({"adapters": {"turbo": "ADAPTER"}}, "adapters are untested"),
-])
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({"fp8": True, "dtype": "bfloat16"}, "fp8 = true cannot re-quantise them"),
+        ({"compile": True}, "compile = true is untested"),
+        ({"offload": "group", "device": "cpu"}, 'offload = "group" is untested'),
+        ({"adapters": {"turbo": "ADAPTER"}}, "adapters are untested"),
+    ],
+)
 def test_gguf_refuses_the_fast_path_options_that_cannot_apply(tiny_model_dir, files, options, reason, monkeypatch):
     if "adapters" in options:  # an adapter file is not needed to show the refusal
         options = {**options, "adapters": {}}
@@ -191,13 +215,16 @@ def test_gguf_refuses_the_fast_path_options_that_cannot_apply(tiny_model_dir, fi
 
 
 def test_the_fp8_store_is_refused_with_any_file(tiny_model_dir, files, tmp_path):
-    assert "fp8_cache_dir saves and streams" in refusal(tiny_model_dir, files["single"], dtype="bfloat16", fp8=True,
-                                                         fp8_cache_dir=str(tmp_path))
+    assert "fp8_cache_dir saves and streams" in refusal(
+        tiny_model_dir, files["single"], dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path)
+    )
 
 
 def test_the_key_needs_a_model_dir_and_a_known_suffix(tmp_path):
-    for text, expected in (('[dit]\ntransformer_file = "/x/h3.gguf"\n', "come from [model] dir"),
-                           ('[model]\ndir = "/m"\n[dit]\ntransformer_file = "/x/h3.ckpt"\n', ".safetensors or .gguf")):
+    for text, expected in (
+        ('[dit]\ntransformer_file = "/x/h3.gguf"\n', "come from [model] dir"),
+        ('[model]\ndir = "/m"\n[dit]\ntransformer_file = "/x/h3.ckpt"\n', ".safetensors or .gguf"),
+    ):
         path = tmp_path / "deploy.toml"
         path.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(expected)):

@@ -58,12 +58,17 @@ def up(tmp_path_factory, tiny_model_dir):
     as in docs/deploy/tiny-cpu.toml and a log directory that does not exist yet. The last test stops it."""
     root = tmp_path_factory.mktemp("up")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                          service_keys={"threads": 1})
+    config = write_config(
+        root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports, service_keys={"threads": 1}
+    )
     log_dir, output = root / "logs" / "up", root / "up.out"
     with open(output, "wb") as out:
-        process = subprocess.Popen([*CLI, "up", "--config", str(config), "--log-dir", str(log_dir)], stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [*CLI, "up", "--config", str(config), "--log-dir", str(log_dir)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     started = []
     try:
         deadline = time.monotonic() + 240
@@ -94,8 +99,11 @@ def test_up_creates_a_missing_log_dir(up):
 def test_served_raw_is_byte_identical_to_reference_with_the_same_config(up, tmp_path):
     """The README's comparison: threads = 1 services against `reference --config` (not torch's default threads)."""
     config = ["--config", str(up.config), *README_REQUEST]
-    subprocess.run([*CLI, "generate", *config, "--out", str(tmp_path), "--raw", str(tmp_path / "served.npz")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*CLI, "generate", *config, "--out", str(tmp_path), "--raw", str(tmp_path / "served.npz")],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run([*CLI, "reference", *config, "--raw", str(tmp_path / "ref.npz")], check=True, capture_output=True)
     served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")
     assert served["frames"].shape == (124, 32, 64, 3)
@@ -122,8 +130,12 @@ def test_demo_keeps_its_jobs_in_a_fresh_data_dir(tmp_path, tiny_model_dir):
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
     up_data = tmp_path / "up-data"
     config = write_config(tmp_path / "deploy.toml", str(tiny_model_dir), up_data, ports)
-    out = subprocess.run([*CLI, "demo", "--config", str(config), *QUICK, "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=280)
+    out = subprocess.run(
+        [*CLI, "demo", "--config", str(config), *QUICK, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert out.returncode == 0, out.stderr
     jobs = Path(re.search(r"jobs in (\S+): a fresh data directory", out.stdout).group(1))
     try:
@@ -136,20 +148,36 @@ def test_demo_keeps_its_jobs_in_a_fresh_data_dir(tmp_path, tiny_model_dir):
 def test_generate_reaches_a_tls_gateway_with_a_token(stack, tmp_path, certificate):
     cert, key = certificate
     ports = {**stack.ports, "gateway": free_port()}
-    config = write_config(tmp_path / "tls.toml", str(stack.model_dir), tmp_path / "gateway", ports,
-                          auth_token="s3cret", tls_cert=str(cert), tls_key=str(key))
+    config = write_config(
+        tmp_path / "tls.toml",
+        str(stack.model_dir),
+        tmp_path / "gateway",
+        ports,
+        auth_token="s3cret",
+        tls_cert=str(cert),
+        tls_key=str(key),
+    )
     env = {k: v for k, v in os.environ.items() if k != "H3SERVE_TOKEN"}
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("gateway",)):
         generate = [*CLI, "generate", "--gateway", f"127.0.0.1:{ports['gateway']}", "--ca", str(cert), *QUICK]
-        flag = subprocess.run([*generate, "--token", "s3cret", "--out", str(tmp_path / "flag.mp4")], env=env,
-                              capture_output=True, text=True)
+        flag = subprocess.run(
+            [*generate, "--token", "s3cret", "--out", str(tmp_path / "flag.mp4")],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert flag.returncode == 0, flag.stderr
         assert "\x1b" not in flag.stderr and "\ndone: " in flag.stderr, "a pipe gets plain progress lines"
-        from_env = subprocess.run([*generate, "--out", str(tmp_path / "env.mp4")], capture_output=True, text=True,
-                                  env={**env, "H3SERVE_TOKEN": "s3cret"})
+        from_env = subprocess.run(
+            [*generate, "--out", str(tmp_path / "env.mp4")],
+            capture_output=True,
+            text=True,
+            env={**env, "H3SERVE_TOKEN": "s3cret"},
+        )
         assert from_env.returncode == 0, from_env.stderr
-        refused = subprocess.run([*generate, "--out", str(tmp_path / "no.mp4")], env=env, capture_output=True,
-                                 text=True)
+        refused = subprocess.run(
+            [*generate, "--out", str(tmp_path / "no.mp4")], env=env, capture_output=True, text=True
+        )
     assert (tmp_path / "flag.mp4").stat().st_size > 0 and (tmp_path / "env.mp4").stat().st_size > 0
     assert refused.returncode != 0 and not (tmp_path / "no.mp4").exists()
     assert refused.stderr.startswith("h3serve generate: UNAUTHENTICATED: "), refused.stderr
@@ -170,16 +198,24 @@ def test_the_client_walkthrough_runs_as_written(stack, tmp_path, monkeypatch):
 
 # --- what a user meets first: the address, the help, the progress to a file, the capacity ---------------------
 
+
 def test_generate_takes_h3serve_gateway_and_names_a_gateway_that_does_not_answer(tmp_path):
     """Real unused loopback ports: a one-line refusal after --connect-timeout, not the retries' silence."""
     from_env, from_flag = (f"127.0.0.1:{free_port()}" for _ in range(2))
     for address, flags in ((from_env, []), (from_flag, ["--gateway", from_flag])):
         started = time.monotonic()
-        out = subprocess.run([*CLI, "generate", *QUICK, "--connect-timeout", "1", *flags], cwd=tmp_path,
-                             env={**os.environ, "H3SERVE_GATEWAY": from_env}, capture_output=True, text=True,
-                             timeout=60)
-        assert (out.returncode, out.stderr) == (1, f"h3serve generate: no h3serve gateway answers at {address} "
-                                                   "within 1 s (H3SERVE_GATEWAY / --gateway)\n")
+        out = subprocess.run(
+            [*CLI, "generate", *QUICK, "--connect-timeout", "1", *flags],
+            cwd=tmp_path,
+            env={**os.environ, "H3SERVE_GATEWAY": from_env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (out.returncode, out.stderr) == (
+            1,
+            f"h3serve generate: no h3serve gateway answers at {address} within 1 s (H3SERVE_GATEWAY / --gateway)\n",
+        )
         assert time.monotonic() - started < 20, "the timeout, not the retry policy's ~24 s"
 
 
@@ -236,18 +272,20 @@ def test_progress_on_a_terminal_redraws_one_line():
 def test_capacity_states_the_max_rows_bound_on_single_32gb():
     path = ROOT / "docs" / "deploy" / "single-32gb.toml"
     gateway = load_deploy(path).gateway
-    out = subprocess.run([*CLI, "capacity", "--config", str(path)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([*CLI, "capacity", "--config", str(path)], capture_output=True, text=True, check=True).stdout
     assert "every valid request is admitted" not in out
     # the file's own note: "max_rows = 42,000 admits 768x1344 x 124 frames"
-    assert (f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
-            f"768x1344: at most 124 frames (text 256 rows, no conditioning)") in out, out
+    assert (
+        f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
+        f"768x1344: at most 124 frames (text 256 rows, no conditioning)"
+    ) in out, out
 
 
 def test_capacity_bounds_a_table_entry_by_max_rows(tmp_path):
     config = tmp_path / "deploy.toml"
     config.write_text('[gateway]\nmax_rows = 30000\n[gateway.capacity.t2va]\n"768x1344" = 38000\n')
-    out = subprocess.run([*CLI, "capacity", "--config", str(config)], capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    out = subprocess.run(
+        [*CLI, "capacity", "--config", str(config)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert out[1].split() == ["t2va", "768x1344", "30,000", "none", "fit"], "what admission lets through"
     assert out[2].startswith("every request: at most 30,000 packed rows ([gateway] max_rows)"), out

@@ -40,8 +40,13 @@ CLIENT_PACKAGES = ("grpc", "google.protobuf", "google._upb", "h3serve.client", "
 
 
 def request(prompt: str, steps: int, seed: int = 1, **fields) -> gateway_pb2.GenerateRequest:
-    return S.GenerateRequest(prompt=prompt, height=32, width=64, **fields,
-                             params=common_pb2.GenerationParams(num_inference_steps=steps, seed=seed))
+    return S.GenerateRequest(
+        prompt=prompt,
+        height=32,
+        width=64,
+        **fields,
+        params=common_pb2.GenerationParams(num_inference_steps=steps, seed=seed),
+    )
 
 
 def quick(attempts: int) -> RetryPolicy:
@@ -50,13 +55,22 @@ def quick(attempts: int) -> RetryPolicy:
 
 # --- what the package is -------------------------------------------------------------------------------------------
 
+
 def test_the_client_imports_only_grpc_protobuf_the_stdlib_and_the_stubs(tmp_path):
-    code = "import sys, grpc\nbefore = set(sys.modules)\nimport h3serve.client\nprint(*sorted(set(sys.modules) - before))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=tmp_path).stdout.split()
-    foreign = [name for name in loaded if name.split(".")[0] not in sys.stdlib_module_names
-               and name not in ("h3serve", "google") and not name.startswith(tuple(f"{p}." for p in CLIENT_PACKAGES))
-               and name not in CLIENT_PACKAGES]
+    code = (
+        "import sys, grpc\nbefore = set(sys.modules)\nimport h3serve.client\nprint(*sorted(set(sys.modules) - before))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout.split()
+    foreign = [
+        name
+        for name in loaded
+        if name.split(".")[0] not in sys.stdlib_module_names
+        and name not in ("h3serve", "google")
+        and not name.startswith(tuple(f"{p}." for p in CLIENT_PACKAGES))
+        and name not in CLIENT_PACKAGES
+    ]
     assert not foreign, f"h3serve.client loads {foreign}"
     assert {"h3serve.client.gateway", "h3serve.v1.gateway_pb2_grpc"} <= set(loaded), "the check sees the client"
 
@@ -102,6 +116,7 @@ def test_the_retry_policy_backs_off_exponentially_up_to_its_bound():
 
 # --- retries and credentials against a real local gRPC server -------------------------------------------------------
 
+
 class QueueFull(gateway_pb2_grpc.GatewayServicer):
     """Submit answers RESOURCE_EXHAUSTED `full` times, as a gateway whose queue is full, then queues the job; every
     call's request and metadata are kept."""
@@ -146,8 +161,11 @@ def test_submit_retries_a_full_queue_with_one_request_id_and_returns_the_job():
 
 def test_submit_gives_up_after_its_attempts_and_keeps_the_callers_request_id():
     servicer = QueueFull(full=5)
-    with local_gateway(servicer) as address, GatewayClient(address, retry=quick(3)) as client, \
-            pytest.raises(grpc.RpcError) as err:
+    with (
+        local_gateway(servicer) as address,
+        GatewayClient(address, retry=quick(3)) as client,
+        pytest.raises(grpc.RpcError) as err,
+    ):
         client.submit(request("never admitted", steps=8, request_id="mine"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 5" in err.value.details()
     assert [request.request_id for request, _ in servicer.calls] == ["mine"] * 3
@@ -168,17 +186,42 @@ def test_tls_and_the_bearer_token_reach_the_server(certificate):
 
 # --- against the real stack ----------------------------------------------------------------------------------------
 
+
 def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(stack, tmp_path):
     """A job is followed by `client.events()` and by `h3serve generate` (the same job: the same request_id) while
     the gateway is killed mid-denoise and started again: the job runs again, and both see all of it, in order."""
     job_request = request("a lighthouse in a gale", steps=30, seed=7, request_id="restart-followed-1")
     # --connect-timeout: the gateway may already be down for its restart when this process first connects (its
     # start takes seconds on a loaded machine), and that wait is not what this test is about
-    cli = subprocess.Popen([sys.executable, "-m", "h3serve.cli", "generate", "--gateway", stack.address("gateway"),
-                            "--connect-timeout", "120", "--prompt", job_request.prompt, "--height", "32", "--width",
-                            "64", "--steps", "30", "--seed", "7", "--request-id", job_request.request_id,
-                            "--out", str(tmp_path / "cli.mp4")],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "generate",
+            "--gateway",
+            stack.address("gateway"),
+            "--connect-timeout",
+            "120",
+            "--prompt",
+            job_request.prompt,
+            "--height",
+            "32",
+            "--width",
+            "64",
+            "--steps",
+            "30",
+            "--seed",
+            "7",
+            "--request-id",
+            job_request.request_id,
+            "--out",
+            str(tmp_path / "cli.mp4"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first_step = threading.Event()
 
     def follow(client: GatewayClient, job_id: str) -> list[gateway_pb2.JobEvent]:
@@ -203,8 +246,9 @@ def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(
     assert kinds.count("accepted") == 1 and kinds.count("retrying") == 1 and kinds[-1] == "done"
     assert cli.returncode == 0, err
     # a restart spends no attempt: the job killed mid-denoise is re-run 1 of 10 on its first attempt
-    restarted = ("the gateway restarted while this job was in the dit stage; re-run 1 of 10 after a restart; attempt "
-                 "not counted")
+    restarted = (
+        "the gateway restarted while this job was in the dit stage; re-run 1 of 10 after a restart; attempt not counted"
+    )
     assert seen[kinds.index("retrying")].retrying == S.Retrying(attempt=1, max_attempts=3, reason=restarted)
     assert f"accepted {job.job_id}" in err and f"retrying: attempt 1/3: {restarted}\n" in err and "done: " in err
     assert (tmp_path / "cli.mp4").stat().st_size == seen[-1].done.video.bytes
@@ -238,12 +282,14 @@ def test_events_of_an_unknown_job_fail_at_once(stack):
 
 # --- the wheel, and the walkthrough from it against TLS and a token ----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """`make client`'s build, into a temporary dist directory."""
     dist = tmp_path_factory.mktemp("dist")
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "client_wheel.py"), "--dist", str(dist)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "client_wheel.py"), "--dist", str(dist)], capture_output=True, text=True
+    )
     if out.returncode and importlib.util.find_spec("setuptools") is None:
         pytest.skip(f"no setuptools here and pip could not fetch one to build with: {out.stdout[-500:]}")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -299,9 +345,11 @@ def walkthrough_blocks() -> list[str]:
 
 def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_and_protobuf_only(wheel):
     names, metadata = wheel_files(wheel)
-    expected = {"h3serve/__init__.py",
-                *(f"h3serve/client/{path.name}" for path in (ROOT / "h3serve" / "client").glob("*.py")),
-                *(f"h3serve/v1/{path.name}" for path in (ROOT / "h3serve" / "v1").glob("*.py*"))}
+    expected = {
+        "h3serve/__init__.py",
+        *(f"h3serve/client/{path.name}" for path in (ROOT / "h3serve" / "client").glob("*.py")),
+        *(f"h3serve/v1/{path.name}" for path in (ROOT / "h3serve" / "v1").glob("*.py*")),
+    }
     assert {name for name in names if ".dist-info/" not in name} == expected
     assert declared(metadata)[""] == {"grpcio", "protobuf"}, metadata
 
@@ -340,8 +388,10 @@ def test_the_wheel_installs_into_a_fresh_venv_with_what_the_walkthrough_imports(
 def installed(wheel, tmp_path_factory) -> Path:
     """The wheel installed on its own into a directory (`pip install --target`), first on PYTHONPATH below."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
-                    str(wheel)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        check=True,
+    )
     return target
 
 
@@ -351,20 +401,39 @@ def tls_gateway(stack, certificate, tmp_path_factory) -> Iterator[str]:
     cert, key = certificate
     root = tmp_path_factory.mktemp("tls-gateway")
     ports = {**stack.ports, "gateway": free_port()}
-    config = write_config(root / "tls.toml", str(stack.model_dir), root / "gateway", ports, auth_token=TOKEN,
-                          tls_cert=str(cert), tls_key=str(key))
+    config = write_config(
+        root / "tls.toml",
+        str(stack.model_dir),
+        root / "gateway",
+        ports,
+        auth_token=TOKEN,
+        tls_cert=str(cert),
+        tls_key=str(key),
+    )
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("gateway",)):
         yield f"127.0.0.1:{ports['gateway']}"
 
 
-def test_the_walkthrough_runs_from_the_installed_wheel_against_tls_and_a_token(installed, tls_gateway, certificate,
-                                                                                tmp_path):
+def test_the_walkthrough_runs_from_the_installed_wheel_against_tls_and_a_token(
+    installed, tls_gateway, certificate, tmp_path
+):
     blocks = walkthrough_blocks()
     from_wheel = f"import h3serve.client\nassert h3serve.client.__file__.startswith({str(installed)!r})\n"
-    env = {**os.environ, "PYTHONPATH": str(installed), "H3SERVE_GATEWAY": tls_gateway,
-           "H3SERVE_CA": str(certificate[0]), "H3SERVE_TOKEN": TOKEN}
-    out = subprocess.run([sys.executable, "-c", from_wheel + "\n".join(blocks)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(installed),
+        "H3SERVE_GATEWAY": tls_gateway,
+        "H3SERVE_CA": str(certificate[0]),
+        "H3SERVE_TOKEN": TOKEN,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", from_wheel + "\n".join(blocks)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "\nJOB_STATE_CANCELLED\ncancelled: " in out.stdout and "refused: INVALID_ARGUMENT: " in out.stdout
     for name in ("kite.mp4", "dawn.mp4"):
@@ -372,7 +441,9 @@ def test_the_walkthrough_runs_from_the_installed_wheel_against_tls_and_a_token(i
 
 
 def test_a_wrong_token_is_refused_at_once(tls_gateway, certificate):
-    with GatewayClient(tls_gateway, root_pem=certificate[0].read_bytes(), token="wrong") as client, \
-            pytest.raises(grpc.RpcError) as err:
+    with (
+        GatewayClient(tls_gateway, root_pem=certificate[0].read_bytes(), token="wrong") as client,
+        pytest.raises(grpc.RpcError) as err,
+    ):
         client.info()
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

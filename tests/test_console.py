@@ -22,11 +22,19 @@ import pytest
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags Chromium's own connections are refused by a closed network.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 VIEWPORT = {"width": 1280, "height": 800}
 DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
-JOB_TIMEOUT_MS = 180_000   # a 64x32, 8-step job on a shared CPU takes seconds; the first one also warms up
+JOB_TIMEOUT_MS = 180_000  # a 64x32, 8-step job on a shared CPU takes seconds; the first one also warms up
 SMALL = {"size": "64x32", "steps": "8"}
 
 # Records, per job card, every value its progress bar and its status detail took (the oldValue chain of the
@@ -57,8 +65,15 @@ RECORDER = """() => {
 # ---------------------------------------------------------------- helpers
 
 
-def call(base: str, method: str, path: str, body: dict | None = None, *, data: bytes | None = None,
-         content_type: str | None = None) -> tuple[int, dict]:
+def call(
+    base: str,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    *,
+    data: bytes | None = None,
+    content_type: str | None = None,
+) -> tuple[int, dict]:
     """One HTTP call to the door, without the browser: (status, JSON body)."""
     if body is not None:
         data, content_type = json.dumps(body).encode(), "application/json"
@@ -74,8 +89,14 @@ def call(base: str, method: str, path: str, body: dict | None = None, *, data: b
 
 def upload(base: str, name: str, payload: bytes, mime: str) -> tuple[int, dict]:
     boundary = uuid.uuid4().hex
-    data = (f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
-            f"Content-Type: {mime}\r\n\r\n").encode() + payload + f"\r\n--{boundary}--\r\n".encode()
+    data = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            f"Content-Type: {mime}\r\n\r\n"
+        ).encode()
+        + payload
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     return call(base, "POST", "/v1/assets", data=data, content_type=f"multipart/form-data; boundary={boundary}")
 
 
@@ -135,8 +156,9 @@ def wait_completed(page, job_id: str) -> None:
     expect(job.locator(".status-word")).to_have_text("completed")
 
 
-def fill_form(page, workflow: str, prompt: str, size: str = "", seconds: str = "", steps: str = "",
-              seed: str = "") -> None:
+def fill_form(
+    page, workflow: str, prompt: str, size: str = "", seconds: str = "", steps: str = "", seed: str = ""
+) -> None:
     page.check(f"#wf-{workflow}")
     page.fill("#prompt", prompt)
     page.fill("#size", size)
@@ -209,7 +231,7 @@ def test_t2va_progress_play_download_bin_restore_rerun(page, base, shots):
 
     wait_completed(page, job_id)
     seen = page.evaluate("id => window.__seen[id]", job_id)
-    assert any(0 < value < 100 for value in seen["progress"]), seen          # the bar moved through the stages
+    assert any(0 < value < 100 for value in seen["progress"]), seen  # the bar moved through the stages
     assert seen["progress"][-1] == 100
     assert any(text.startswith("denoising ") and re.search(r"\d+/\d+", text) for text in seen["detail"]), seen
     shot(page, shots, "completed")
@@ -274,8 +296,8 @@ def test_t2va_progress_play_download_bin_restore_rerun(page, base, shots):
     assert second["prompt"] == first["prompt"]
     assert second["size"] == first["size"] == "64x32"
     for key in ("workflow", "steps", "seed", "num_frames", "width", "height"):
-        assert second["h3serve"][key] == first["h3serve"][key], key   # the seed too: all 63 bits of it
-    for shown in (job_id, rerun["id"]):    # both players, paused a second in, for the README's picture
+        assert second["h3serve"][key] == first["h3serve"][key], key  # the seed too: all 63 bits of it
+    for shown in (job_id, rerun["id"]):  # both players, paused a second in, for the README's picture
         card(page, shown).locator("[data-testid=job-play]").click()
         player = card(page, shown).locator("[data-testid=job-video]").element_handle()
         page.wait_for_function("v => v.readyState >= 2 && v.duration > 0", arg=player)
@@ -303,8 +325,7 @@ def test_fl2va_keyframe_upload_and_upload_error(page, base, shots, tmp_path):
     status, answer = upload(base, "notes.txt", refused, "text/plain")
     assert 400 <= status < 500, (status, answer)
     message = answer["error"]["message"]
-    page.set_input_files("#last-frame-file", files=[{"name": "notes.txt", "mimeType": "text/plain",
-                                                     "buffer": refused}])
+    page.set_input_files("#last-frame-file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": refused}])
     bad_chip = page.locator("#last-frame-asset [data-testid=asset]")
     expect(bad_chip).to_have_attribute("data-state", "error")
     expect(bad_chip.locator("[data-testid=asset-info]")).to_have_text(message)
@@ -323,7 +344,7 @@ def test_fl2va_keyframe_upload_and_upload_error(page, base, shots, tmp_path):
     expect(chip.locator("[data-testid=asset-info]")).to_contain_text("64×32")
     expect(chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 1>")
     page.fill("#prompt", "")
-    chip.locator("[data-testid=asset-label]").click()          # inserts the label into the prompt
+    chip.locator("[data-testid=asset-label]").click()  # inserts the label into the prompt
     page.locator("#prompt").press_sequentially("slowly drifts out to sea")
     expect(page.locator("#prompt")).to_have_value("<Picture 1> slowly drifts out to sea")
     page.fill("#size", SMALL["size"])
@@ -354,8 +375,13 @@ def test_fl2va_keyframe_upload_and_upload_error(page, base, shots, tmp_path):
 def test_refused_request_shows_the_server_message(page, base, shots):
     from playwright.sync_api import expect
 
-    body = {"model": "minimax-h3", "workflow": "t2va", "prompt": "a canvas the model does not take",
-            "size": "100x100", "steps": 8}
+    body = {
+        "model": "minimax-h3",
+        "workflow": "t2va",
+        "prompt": "a canvas the model does not take",
+        "size": "100x100",
+        "steps": 8,
+    }
     status, answer = call(base, "POST", "/v1/videos", body)
     assert 400 <= status < 500, (status, answer)
     message = answer["error"]["message"]
@@ -384,7 +410,7 @@ def test_token_is_kept_and_sent(page, base):
     token = "console-test-token"
     page.fill("#token", token)
     with page.expect_request(lambda r: "/v1/videos?" in r.url) as listed:
-        page.locator("#token").blur()          # "change": the list is fetched again with the token
+        page.locator("#token").blur()  # "change": the list is fetched again with the token
     assert listed.value.headers.get("authorization") == f"Bearer {token}"
     page.reload()
     expect(page.locator("#token")).to_have_value(token)
@@ -440,7 +466,7 @@ def test_events_resume_with_last_event_id(page, base):
     expect(job.locator(".status-detail")).to_contain_text("denoising", timeout=JOB_TIMEOUT_MS)
     assert asked[:2] == [None, "2"], asked
     seen = page.evaluate("id => window.__seen[id]", video["id"])
-    assert seen["progress"] == sorted(seen["progress"]), seen    # no event replayed twice, none moved it back
+    assert seen["progress"] == sorted(seen["progress"]), seen  # no event replayed twice, none moved it back
     job.locator("[data-testid=job-cancel]").click()
     expect(job).to_have_attribute("data-status", "cancelled", timeout=60_000)
 
@@ -449,8 +475,14 @@ def test_a_refused_token_says_so(page):
     """A 401 from the door (here staged by the browser: the test stack takes any token) puts up the banner."""
     from playwright.sync_api import expect
 
-    refusal = {"error": {"message": "missing or wrong bearer token", "type": "authentication_error",
-                         "param": None, "code": "unauthenticated"}}
+    refusal = {
+        "error": {
+            "message": "missing or wrong bearer token",
+            "type": "authentication_error",
+            "param": None,
+            "code": "unauthenticated",
+        }
+    }
     page.route("**/v1/videos?*", lambda route: route.fulfill(status=401, json=refusal))
     page.click("#refresh")
     expect(page.locator("#auth-banner")).to_be_visible()

@@ -17,15 +17,20 @@ CHECKS = Path(__file__).with_name("dist_checks.py")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("dist") / "checks.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(CHECKS), str(out)], check=True, timeout=420, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHECKS), str(out)],
+        check=True,
+        timeout=420,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(out.read_text())
 
 
 @pytest.mark.distributed
 def test_two_ranks_give_the_one_rank_latents(report):
-    expected = {f"{split} fsdp={fsdp} S={s}" for split in ("ulysses 2", "ring 2") for fsdp in (False, True)
-                for s in (498, 499)}
+    expected = {
+        f"{split} fsdp={fsdp} S={s}" for split in ("ulysses 2", "ring 2") for fsdp in (False, True) for s in (498, 499)
+    }
     assert set(report["latents"]) == expected, "Ulysses and ring, FSDP on and off, even and odd packed length"
     for name, diff in report["latents"].items():
         assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
@@ -48,8 +53,9 @@ def test_fsdp_shards_bf16_blocks_next_to_fp32_pinned_modules(report):
 
 @pytest.mark.distributed
 def test_fl2va_and_ref2va_conditioning_rows_split_like_the_rest(report):
-    assert set(report["workflows"]) == {f"WORKFLOW_{w} {split}" for w in ("FL2VA", "REF2VA")
-                                        for split in ("ulysses 2", "ring 2")}
+    assert set(report["workflows"]) == {
+        f"WORKFLOW_{w} {split}" for w in ("FL2VA", "REF2VA") for split in ("ulysses 2", "ring 2")
+    }
     for name, diff in report["workflows"].items():
         assert diff <= TOLERANCE, f"{name}: max abs difference {diff}"
 

@@ -58,8 +58,15 @@ class Group:
 def group(stack, tmp_path_factory):
     root = tmp_path_factory.mktemp("dit-group")
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
-    config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports, dit=DIT2,
-                          outage_s={**QUICK_OUTAGE, "dit": 60.0}, retry_backoff_s=0.5)
+    config = write_config(
+        root / "deploy.toml",
+        str(stack.model_dir),
+        root / "gateway",
+        ports,
+        dit=DIT2,
+        outage_s={**QUICK_OUTAGE, "dit": 60.0},
+        retry_backoff_s=0.5,
+    )
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("dit", "gateway")):
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['dit']}")
         client = GatewayClient(f"127.0.0.1:{ports['gateway']}")
@@ -69,8 +76,11 @@ def group(stack, tmp_path_factory):
 
 
 def test_t2va_with_two_dit_ranks_decodes_to_the_in_process_frames(group, tmp_path):
-    final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, height=32, width=64,
-                                                               num_inference_steps=8, seed=21, include_raw=True))
+    final = group.gateway.generate(
+        gateway_pb2.GenerateRequest(
+            prompt=PROMPT, height=32, width=64, num_inference_steps=8, seed=21, include_raw=True
+        )
+    )
     assert final.WhichOneof("kind") == "done", final
     served = np.load(group.gateway.download(final.done.raw.artifact_id, tmp_path / "served.npz"))
     expected = run_reference(ModelSource(None), ReferenceRequest(PROMPT, 32, 64, 124, 8, 21))
@@ -79,8 +89,7 @@ def test_t2va_with_two_dit_ranks_decodes_to_the_in_process_frames(group, tmp_pat
     assert np.abs(served["audio"] - expected["audio"]).max() <= TOLERANCE
 
     info = group.info()
-    assert (info.state, info.world_size, info.ulysses_degree, info.ring_degree, info.fsdp) == \
-        ("serving", 2, 2, 1, True)
+    assert (info.state, info.world_size, info.ulysses_degree, info.ring_degree, info.fsdp) == ("serving", 2, 2, 1, True)
     assert (info.attention_backend, info.compute_backend, info.model.dtype) == ("native", "gloo", "float32")
     assert [r.rank for r in info.ranks] == [0, 1] and len({r.pid for r in info.ranks}) == 2
     assert all(r.peak_bytes > 0 for r in info.ranks)
@@ -108,8 +117,9 @@ def test_cancel_stops_both_ranks_at_the_same_step_and_the_next_job_runs(group):
     ran = info.steps_served - before
     assert 2 <= ran <= 3, f"the group ran {ran} steps; the client cancelled after step 2"
     assert [r.steps_served for r in info.ranks] == [info.steps_served] * 2, "every rank stopped at the same step"
-    after = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, height=32, width=64,
-                                                               num_inference_steps=4, seed=5))
+    after = group.gateway.generate(
+        gateway_pb2.GenerateRequest(prompt=PROMPT, height=32, width=64, num_inference_steps=4, seed=5)
+    )
     assert after.WhichOneof("kind") == "done"
 
 
@@ -121,9 +131,14 @@ class HealthLog:
     """
 
     def __init__(self, address: str) -> None:
-        channel = grpc.insecure_channel(address, options=[("grpc.initial_reconnect_backoff_ms", 100),
-                                                          ("grpc.max_reconnect_backoff_ms", 100),
-                                                          ("grpc.min_reconnect_backoff_ms", 100)])
+        channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+            ],
+        )
         self.health, self.seen, self.stop = health_pb2_grpc.HealthStub(channel), [], threading.Event()
         self.thread = threading.Thread(target=self._poll, daemon=True)
         self.thread.start()
@@ -132,7 +147,8 @@ class HealthLog:
         while not self.stop.is_set():
             try:
                 status = health_pb2.HealthCheckResponse.ServingStatus.Name(
-                    self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status)
+                    self.health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                )
             except grpc.RpcError as exc:
                 status = exc.code().name
             if not self.seen or self.seen[-1] != status:
@@ -149,8 +165,13 @@ class HealthLog:
 
 
 def denoise_inputs(steps: int) -> list[dit_pb2.DenoiseInput]:
-    spec = dit_pb2.DenoiseSpec(job_id="kill-probe", height=LONG["height"], width=LONG["width"], num_frames=124,
-                               params=common_pb2.GenerationParams(num_inference_steps=steps, seed=9))
+    spec = dit_pb2.DenoiseSpec(
+        job_id="kill-probe",
+        height=LONG["height"],
+        width=LONG["width"],
+        num_frames=124,
+        params=common_pb2.GenerationParams(num_inference_steps=steps, seed=9),
+    )
     tensors = {"prompt_embeds": torch.randn(1, 12, 32), "text_token_tags": torch.ones(12, dtype=torch.int64)}
     return [dit_pb2.DenoiseInput(spec=spec), *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
 
@@ -191,8 +212,9 @@ def test_a_hung_rank_times_out_the_collective_and_the_group_comes_back(group):
 def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
     ranks = group.info().ranks
     kill = AtStep(2, lambda e: os.kill(ranks[1].pid, signal.SIGKILL))
-    final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, height=64, width=128,
-                                                               num_inference_steps=30, seed=6), kill)
+    final = group.gateway.generate(
+        gateway_pb2.GenerateRequest(prompt=PROMPT, height=64, width=128, num_inference_steps=30, seed=6), kill
+    )
     assert kill.fired.is_set()
     assert final.WhichOneof("kind") == "done", final
     assert group.gateway.job(final.job_id).state == gateway_pb2.JOB_STATE_SUCCEEDED
@@ -200,8 +222,23 @@ def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
 
 
 def test_an_unusable_attention_backend_fails_the_start_with_the_reason():
-    result = subprocess.run([sys.executable, "-m", "h3serve.cli", "serve", "dit", "--world-size", "2",
-                             "--port", str(free_port()), "--attention-backend", "flash"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "serve",
+            "dit",
+            "--world-size",
+            "2",
+            "--port",
+            str(free_port()),
+            "--attention-backend",
+            "flash",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "attention backend 'flash'" in result.stderr and "flash-attn" in result.stderr, result.stderr[-2000:]

@@ -32,12 +32,15 @@ def test_layout_defaults_to_ulysses_over_all_ranks_and_fsdp_only_with_ranks_to_s
     assert Layout.from_config(DiTConfig(world_size=1, fsdp=True)) == Layout(1, 1, 1, False)
 
 
-@pytest.mark.parametrize("fields,message", [
-    (dict(world_size=4, ulysses_degree=2, ring_degree=2), "hybrid"),
-    (dict(world_size=4, ulysses_degree=3), "must equal world_size 4"),
-    (dict(world_size=3, nnodes=2), "multiple of nnodes"),
-    (dict(world_size=2, nnodes=2), "rdzv_endpoint"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(world_size=4, ulysses_degree=2, ring_degree=2), "hybrid"),
+        (dict(world_size=4, ulysses_degree=3), "must equal world_size 4"),
+        (dict(world_size=3, nnodes=2), "multiple of nnodes"),
+        (dict(world_size=2, nnodes=2), "rdzv_endpoint"),
+    ],
+)
 def test_a_layout_no_restart_can_fix_fails_before_any_rank_starts(fields, message):
     with pytest.raises(ValueError, match=message):
         check(DiTConfig(**fields))
@@ -59,11 +62,18 @@ def test_one_node_runs_h3serves_launcher_and_several_nodes_torchrun():
     single = launcher_argv(config)
     assert single[1:3] == ["-m", "h3serve.services.dit.supervisor"]
     assert json.loads(single[-1])["world_size"] == 2 and decode_config(single[-1]) == config  # JSON, not a pickle
-    multi = launcher_argv(DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3",
-                                    max_restarts=5))
+    multi = launcher_argv(
+        DiTConfig(world_size=8, nnodes=2, rdzv_endpoint="10.0.0.1:29400", rdzv_id="h3", max_restarts=5)
+    )
     assert multi[1:3] == ["-m", "torch.distributed.run"] and multi[-3:-1] == ["-m", "h3serve.services.dit.rank"]
-    assert {"--nproc-per-node=4", "--max-restarts=5", "--nnodes=2", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=10.0.0.1:29400", "--rdzv-id=h3"} <= set(multi)
+    assert {
+        "--nproc-per-node=4",
+        "--max-restarts=5",
+        "--nnodes=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=10.0.0.1:29400",
+        "--rdzv-id=h3",
+    } <= set(multi)
 
 
 def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it():
@@ -73,12 +83,15 @@ def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_res
         launch.serve(DiTConfig(world_size=2, nnodes=2))
 
 
-@pytest.mark.parametrize("name,reason", [
-    ("_native_cudnn", "No viable backend"),   # cuDNN attention has no CPU kernel
-    ("flash", "flash-attn"),                  # package not installed
-    ("flash_hub", "downloads its kernel"),    # never downloads at run time
-    ("no_such_backend", "not a valid AttentionBackendName"),
-])
+@pytest.mark.parametrize(
+    "name,reason",
+    [
+        ("_native_cudnn", "No viable backend"),  # cuDNN attention has no CPU kernel
+        ("flash", "flash-attn"),  # package not installed
+        ("flash_hub", "downloads its kernel"),  # never downloads at run time
+        ("no_such_backend", "not a valid AttentionBackendName"),
+    ],
+)
 def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
     with pytest.raises(attention.BackendUnusable, match=reason) as err:
         attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32)
@@ -88,16 +101,14 @@ def test_an_unusable_attention_backend_is_refused_with_the_reason(name, reason):
 def test_a_backend_without_context_parallelism_is_refused_for_a_split_sequence():
     attention.check("_native_math", heads=2, head_dim=16, device=CPU, dtype=torch.float32)  # one rank: fine
     with pytest.raises(attention.BackendUnusable, match="cannot split the sequence across ranks") as err:
-        attention.check("_native_math", heads=2, head_dim=16, device=CPU, dtype=torch.float32,
-                        sequence_parallel=True)
+        attention.check("_native_math", heads=2, head_dim=16, device=CPU, dtype=torch.float32, sequence_parallel=True)
     assert "_native_cudnn" in str(err.value) and "native" in str(err.value)
 
 
 @pytest.mark.parametrize("name", ["flash4", "cudnn_fp8"])
 def test_a_local_kernel_is_refused_for_ring_attention(name):
     with pytest.raises(attention.BackendUnusable, match="runs under Ulysses but not ring attention"):
-        attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32, sequence_parallel=True,
-                        ring=True)
+        attention.check(name, heads=2, head_dim=16, device=CPU, dtype=torch.float32, sequence_parallel=True, ring=True)
 
 
 @pytest.mark.parametrize("name", ["_native_math", "flex"])
@@ -130,10 +141,12 @@ def test_packed_length_is_the_transformers_sequence_length(height, width, frames
     seen = []
     transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["token_tags"].shape[0]), with_kwargs=True)
     parts = {"transformer": transformer, **{n: build_component(n) for n in ("scheduler", "audio_scheduler")}}
-    spec = dit_pb2.DenoiseSpec(height=height, width=width, num_frames=frames,
-                               params=common_pb2.GenerationParams(num_inference_steps=2, seed=0))
-    DenoiseRunner(parts, served(["t2va"])).run(spec, torch.zeros(1, 9, 32), torch.ones(9, dtype=torch.int64),
-                                               lambda step, total: None)
+    spec = dit_pb2.DenoiseSpec(
+        height=height, width=width, num_frames=frames, params=common_pb2.GenerationParams(num_inference_steps=2, seed=0)
+    )
+    DenoiseRunner(parts, served(["t2va"])).run(
+        spec, torch.zeros(1, 9, 32), torch.ones(9, dtype=torch.int64), lambda step, total: None
+    )
     assert seen == [attention.packed_length(9, spec, {})]
 
 
@@ -141,8 +154,9 @@ def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailab
     view = GroupView(state="restarting (restart 1 of 3)")
     view.info.workflows.append(common_pb2.WORKFLOW_T2VA)
     address = f"127.0.0.1:{free_port()}"
-    server, _ = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(view), s),
-                             [SERVICE_NAME], address, serving=False)
+    server, _ = start_server(
+        lambda s: dit_pb2_grpc.add_DiTServicer_to_server(DiTServicer(view), s), [SERVICE_NAME], address, serving=False
+    )
     try:
         with grpc.insecure_channel(address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
@@ -150,10 +164,13 @@ def test_while_the_group_starts_health_is_not_serving_and_a_request_is_unavailab
             dit = dit_pb2_grpc.DiTStub(channel)
             assert dit.Info(common_pb2.InfoRequest()).state == "restarting (restart 1 of 3)"
             tensors = {"prompt_embeds": torch.zeros(1, 4, 32), "text_token_tags": torch.ones(4, dtype=torch.int64)}
-            spec = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
-                                       params=common_pb2.GenerationParams(num_inference_steps=3))
-            inputs = [dit_pb2.DenoiseInput(spec=spec),
-                      *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors))]
+            spec = dit_pb2.DenoiseSpec(
+                height=32, width=64, num_frames=124, params=common_pb2.GenerationParams(num_inference_steps=3)
+            )
+            inputs = [
+                dit_pb2.DenoiseInput(spec=spec),
+                *(dit_pb2.DenoiseInput(chunk=c) for c in wire.encode_many(tensors)),
+            ]
             with pytest.raises(grpc.RpcError) as err:
                 list(dit.Denoise(iter(inputs), timeout=30))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -39,17 +39,28 @@ def test_the_spec_names_every_tensor_a_request_carries():
     assert workflows.by_value(T2VA).tensor_names(dit_pb2.DenoiseSpec()) == ("prompt_embeds", "text_token_tags")
     fl2va = dit_pb2.DenoiseSpec(workflow=FL2VA, keyframe_anchors=["first", "last"])
     assert workflows.by_value(FL2VA).tensor_names(fl2va)[2:] == ("condition_latents.0", "condition_latents.1")
-    ref2va = dit_pb2.DenoiseSpec(workflow=REF2VA, references=[
-        media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_VIDEO, has_audio=True),
-        media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_IMAGE),
-        media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_AUDIO, has_audio=True)])
+    ref2va = dit_pb2.DenoiseSpec(
+        workflow=REF2VA,
+        references=[
+            media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_VIDEO, has_audio=True),
+            media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_IMAGE),
+            media_pb2.ReferenceEntry(kind=media_pb2.ASSET_KIND_AUDIO, has_audio=True),
+        ],
+    )
     flow = workflows.by_value(REF2VA)
-    assert flow.tensor_names(ref2va)[2:] == ("condition_latents.0", "condition_latents.1",
-                                             "audio_condition_latents.0", "audio_condition_latents.1")
+    assert flow.tensor_names(ref2va)[2:] == (
+        "condition_latents.0",
+        "condition_latents.1",
+        "audio_condition_latents.0",
+        "audio_condition_latents.1",
+    )
     latents = {name: name for name in flow.tensor_names(ref2va)}
     inputs = flow.denoise_inputs(ref2va, latents)
-    assert [(r.kind, r.has_audio) for r in inputs["normalized_references"]] == [("video", True), ("image", False),
-                                                                                ("audio", True)]
+    assert [(r.kind, r.has_audio) for r in inputs["normalized_references"]] == [
+        ("video", True),
+        ("image", False),
+        ("audio", True),
+    ]
     assert inputs["condition_latents"] == ["condition_latents.0", "condition_latents.1"]
 
 
@@ -65,8 +76,10 @@ def test_bad_conditioning_specs_are_refused():
 def test_a_request_names_its_workflow_or_its_media_do():
     assert workflows.of_request(gateway_pb2.GenerateRequest()).name == "t2va"
     assert workflows.of_request(gateway_pb2.GenerateRequest(last_frame="a")).name == "fl2va"
-    assert workflows.of_request(gateway_pb2.GenerateRequest(
-        references=[gateway_pb2.ReferenceInput(asset_id="a")])).name == "ref2va"
+    assert (
+        workflows.of_request(gateway_pb2.GenerateRequest(references=[gateway_pb2.ReferenceInput(asset_id="a")])).name
+        == "ref2va"
+    )
     assert [w.name for w in workflows.WORKFLOWS] == workflows.names() == ["t2va", "fl2va", "ref2va"]
     assert {w.partition for w in workflows.WORKFLOWS} == {"transformer", "transformer_ref"}
 
@@ -76,30 +89,44 @@ DIMS = ModelDims(text_dim=32, latent_channels=24, audio_latent_channels=32)
 
 
 def _ref2va(*entries) -> dit_pb2.DenoiseSpec:
-    return dit_pb2.DenoiseSpec(workflow=REF2VA, height=32, width=64, num_frames=124,
-                               references=[media_pb2.ReferenceEntry(kind=k, has_audio=a) for k, a in entries])
+    return dit_pb2.DenoiseSpec(
+        workflow=REF2VA,
+        height=32,
+        width=64,
+        num_frames=124,
+        references=[media_pb2.ReferenceEntry(kind=k, has_audio=a) for k, a in entries],
+    )
 
 
-@pytest.mark.parametrize("spec,message", [
-    (dit_pb2.DenoiseSpec(workflow=FL2VA, keyframe_anchors=["first", "first"]), "keyframe_anchors: fl2va needs"),
-    (dit_pb2.DenoiseSpec(workflow=FL2VA, keyframe_anchors=["last"] * 1000), "got 1000 anchors"),
-    (_ref2va((AUDIO, True)), "references: audio references need at least one image or video reference"),
-    (_ref2va((IMAGE, True)), r"references\[0\]: an image reference has no audio"),
-    (_ref2va((IMAGE, False), (AUDIO, False)), r"references\[1\]: an audio reference is its audio"),
-    (_ref2va((0, False)), "references: asset kind 0"),
-    (_ref2va(*[(IMAGE, False)] * 10), "10 image references; at most 9"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (dit_pb2.DenoiseSpec(workflow=FL2VA, keyframe_anchors=["first", "first"]), "keyframe_anchors: fl2va needs"),
+        (dit_pb2.DenoiseSpec(workflow=FL2VA, keyframe_anchors=["last"] * 1000), "got 1000 anchors"),
+        (_ref2va((AUDIO, True)), "references: audio references need at least one image or video reference"),
+        (_ref2va((IMAGE, True)), r"references\[0\]: an image reference has no audio"),
+        (_ref2va((IMAGE, False), (AUDIO, False)), r"references\[1\]: an audio reference is its audio"),
+        (_ref2va((0, False)), "references: asset kind 0"),
+        (_ref2va(*[(IMAGE, False)] * 10), "10 image references; at most 9"),
+    ],
+)
 def test_a_manifest_the_model_cannot_lay_out_is_refused_before_any_tensor(spec, message):
     with pytest.raises(ValueError, match=message):
         workflows.by_value(spec.workflow).check_manifest(spec)
 
 
-@pytest.mark.parametrize("shapes,message", [
-    ({"condition_latents.0": (1, 24, 1, 2, 4)}, None),
-    ({"condition_latents.0": (1, 24, 1, 4, 4)}, r"condition_latents.0: shape \[1, 24, 1, 4, 4\], expected "
-                                                r"\[1, 24, 1, 2, 4\]"),
-    ({"condition_latents.0": (24, 1, 2, 4)}, "expected"),
-])
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        ({"condition_latents.0": (1, 24, 1, 2, 4)}, None),
+        (
+            {"condition_latents.0": (1, 24, 1, 4, 4)},
+            r"condition_latents.0: shape \[1, 24, 1, 4, 4\], expected "
+            r"\[1, 24, 1, 2, 4\]",
+        ),
+        ({"condition_latents.0": (24, 1, 2, 4)}, "expected"),
+    ],
+)
 def test_keyframe_latents_are_one_frame_of_the_canvas(shapes, message):
     spec = dit_pb2.DenoiseSpec(workflow=FL2VA, height=32, width=64, num_frames=124, keyframe_anchors=["first"])
     check = workflows.by_value(FL2VA).check_conditioning
@@ -110,17 +137,20 @@ def test_keyframe_latents_are_one_frame_of_the_canvas(shapes, message):
             check(spec, shapes, DIMS, Geometry())
 
 
-@pytest.mark.parametrize("latents,audio,message", [
-    ((1, 24, 7, 2, 4), (414, 32), None),                 # a 22-frame clip, a whole-length soundtrack
-    ((1, 24, 37, 2, 4), (2, 32), None),                  # as long as the video (124 frames)
-    ((1, 24, 42, 2, 4), (2, 32), "42 latent frames; a video reference is 5n\\+2"),  # 141 frames: too long
-    ((1, 24, 8, 2, 4), (2, 32), "8 latent frames"),
-    ((1, 24, 7, 3, 4), (2, 32), "each side a multiple of 2"),
-    ((1, 24, 7, 2, 2**20), (2, 32), "at most 48 on the short side and 192"),
-    ((1, 24, 7, 2, 4), (3, 32), "3 rows; a soundtrack takes an even number"),
-    ((1, 24, 7, 2, 4), (420, 32), "at most 416 for 124 frames"),
-    ((1, 24, 7, 2, 4), (2, 64), r"audio_condition_latents.0: shape \[2, 64\]"),
-])
+@pytest.mark.parametrize(
+    "latents,audio,message",
+    [
+        ((1, 24, 7, 2, 4), (414, 32), None),  # a 22-frame clip, a whole-length soundtrack
+        ((1, 24, 37, 2, 4), (2, 32), None),  # as long as the video (124 frames)
+        ((1, 24, 42, 2, 4), (2, 32), "42 latent frames; a video reference is 5n\\+2"),  # 141 frames: too long
+        ((1, 24, 8, 2, 4), (2, 32), "8 latent frames"),
+        ((1, 24, 7, 3, 4), (2, 32), "each side a multiple of 2"),
+        ((1, 24, 7, 2, 2**20), (2, 32), "at most 48 on the short side and 192"),
+        ((1, 24, 7, 2, 4), (3, 32), "3 rows; a soundtrack takes an even number"),
+        ((1, 24, 7, 2, 4), (420, 32), "at most 416 for 124 frames"),
+        ((1, 24, 7, 2, 4), (2, 64), r"audio_condition_latents.0: shape \[2, 64\]"),
+    ],
+)
 def test_reference_latents_fit_the_manifest_and_the_geometry(latents, audio, message):
     spec = _ref2va((VIDEO, True))
     shapes = {"condition_latents.0": latents, "audio_condition_latents.0": audio}

@@ -39,8 +39,11 @@ def test_a_value_larger_than_the_bound_is_not_kept():
 @pytest.fixture(scope="module")
 def encoder():
     model = common_pb2.ModelInfo(model_revision="tiny-v1")
-    servicer = EncoderServicer(TextEncoderRunner(ModelSource(None).load(COMPONENTS, "cpu", "float32")), model,
-                               EncoderConfig(cache_bytes=10_000, max_prompt_chars=100, max_prompt_tokens=80))
+    servicer = EncoderServicer(
+        TextEncoderRunner(ModelSource(None).load(COMPONENTS, "cpu", "float32")),
+        model,
+        EncoderConfig(cache_bytes=10_000, max_prompt_chars=100, max_prompt_tokens=80),
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -76,10 +79,14 @@ def test_eviction_in_the_service_respects_its_byte_bound(encoder):
     assert info.cache_evictions > 0
 
 
-@pytest.mark.parametrize("prompt,needle", [
-    ("", "must not be blank"), ("x" * 101, "at most 100 characters"),
-    ("\U0001f98a" * 21, "prompt: at most 80 tokens, got 84 (max_prompt_tokens)"),  # 21 characters of 4 bytes
-])
+@pytest.mark.parametrize(
+    "prompt,needle",
+    [
+        ("", "must not be blank"),
+        ("x" * 101, "at most 100 characters"),
+        ("\U0001f98a" * 21, "prompt: at most 80 tokens, got 84 (max_prompt_tokens)"),  # 21 characters of 4 bytes
+    ],
+)
 def test_bad_prompts_are_refused_before_any_model_runs(encoder, prompt, needle):
     runs = encoder.Info(common_pb2.InfoRequest()).model_runs
     with pytest.raises(grpc.RpcError) as err:
@@ -93,8 +100,9 @@ def test_a_job_id_that_is_no_id_is_refused_without_echoing_it(encoder, job_id):
     with pytest.raises(grpc.RpcError) as err:
         list(encoder.Encode(encoder_pb2.EncodeRequest(prompt="a fox", job_id=job_id)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details() == (f"job_id: at most 128 printable ASCII characters without spaces, got {len(job_id)} "
-                                   f"characters")
+    assert err.value.details() == (
+        f"job_id: at most 128 printable ASCII characters without spaces, got {len(job_id)} characters"
+    )
 
 
 def test_a_loaded_encoder_drops_the_layers_and_head_the_pipeline_never_reads(tmp_path):
@@ -107,8 +115,11 @@ def test_a_loaded_encoder_drops_the_layers_and_head_the_pipeline_never_reads(tmp
 
     tokenizer = presets.tiny_tokenizer()
     tiny.seeded("text_encoder")
-    whole = Qwen3VLForConditionalGeneration(tiny.qwen3_vl_config(
-        tokenizer, {**presets.TINY_TEXT_ENCODER_TEXT, "num_hidden_layers": 54}, presets.TINY_TEXT_ENCODER_VISION)).eval()
+    whole = Qwen3VLForConditionalGeneration(
+        tiny.qwen3_vl_config(
+            tokenizer, {**presets.TINY_TEXT_ENCODER_TEXT, "num_hidden_layers": 54}, presets.TINY_TEXT_ENCODER_VISION
+        )
+    ).eval()
     directory = tiny.write_tiny_model(tmp_path / "h3")
     whole.save_pretrained(directory / "text_encoder")
     parts = {name: tiny.build_component(name) for name in ("tokenizer", "processor")}

@@ -45,8 +45,9 @@ def test_int8_on_cpu_is_within_the_documented_error_and_really_quantized(text_pa
     encoder = tiny.build_component("text_encoder")
     where = placement.place(encoder, EncoderConfig(quantize="int8"))
     assert where == "cpu"
-    quantized = {name for name, module in encoder.named_modules()
-                 if isinstance(getattr(module, "weight", None), Int8Tensor)}
+    quantized = {
+        name for name, module in encoder.named_modules() if isinstance(getattr(module, "weight", None), Int8Tensor)
+    }
     assert quantized == {name for name, module in encoder.named_modules() if placement.is_target(module, name)}
     assert len(quantized) == 51 * 7  # q, k, v, o, gate, up, down of every decoder layer
     assert not any(name.startswith(("model.visual", "lm_head", "model.language_model.embed")) for name in quantized)
@@ -112,15 +113,31 @@ def test_the_cache_is_keyed_by_variant_through_the_real_services(reference):
             server.stop(None)
 
 
-@pytest.mark.parametrize("settings,needle", [
-    ({"quantize": "nf4"}, 'quantize = "nf4" needs a CUDA device'),
-    ({"spread": True}, ("spread = true puts the text encoder's decoder layers on several GPUs: it needs device = "
-                        '"cuda" and at least 2 visible CUDA devices')),
-    ({"spread": True, "device": "cuda"}, "at least 2 visible CUDA devices"),
-    ({"cpu_offload": True}, ('cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: '
-                             'it needs device = "cuda"')),
-    ({"cpu_offload": True, "quantize": "nf4", "device": "cuda"}, 'cpu_offload = true and quantize = "nf4" do not go'),
-])
+@pytest.mark.parametrize(
+    "settings,needle",
+    [
+        ({"quantize": "nf4"}, 'quantize = "nf4" needs a CUDA device'),
+        (
+            {"spread": True},
+            (
+                "spread = true puts the text encoder's decoder layers on several GPUs: it needs device = "
+                '"cuda" and at least 2 visible CUDA devices'
+            ),
+        ),
+        ({"spread": True, "device": "cuda"}, "at least 2 visible CUDA devices"),
+        (
+            {"cpu_offload": True},
+            (
+                "cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
+                'it needs device = "cuda"'
+            ),
+        ),
+        (
+            {"cpu_offload": True, "quantize": "nf4", "device": "cuda"},
+            'cpu_offload = true and quantize = "nf4" do not go',
+        ),
+    ],
+)
 def test_placements_that_cannot_work_here_are_refused_at_start(monkeypatch, settings, needle):
     if torch.cuda.device_count() >= 2 and settings.get("spread") and settings.get("device") == "cuda":
         pytest.skip("this machine has the GPUs the refusal is about")
@@ -151,8 +168,11 @@ def grouped(module: torch.nn.Module) -> set[str]:
     """The modules diffusers' group offload hooks (each one group, onloaded when it runs)."""
     from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 
-    return {name for name, m in module.named_modules()
-            if hasattr(m, "_diffusers_hook") and m._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None}
+    return {
+        name
+        for name, m in module.named_modules()
+        if hasattr(m, "_diffusers_hook") and m._diffusers_hook.get_hook(_GROUP_OFFLOADING) is not None
+    }
 
 
 def in_arenas(tensors, arenas) -> bool:
@@ -168,7 +188,10 @@ def test_streamed_offload_groups_each_layer_holds_the_weights_once_and_keeps_the
     encoder = tiny.build_component("text_encoder")
     arenas = placement.offload_to_host(encoder, torch.device("cpu"), use_stream=False)
     blocks = {f"model.language_model.layers.{i}" for i in range(51)} | {
-        "model.visual.blocks.0", "model.visual.blocks.1", "model.visual.deepstack_merger_list.0"}
+        "model.visual.blocks.0",
+        "model.visual.blocks.1",
+        "model.visual.deepstack_merger_list.0",
+    }
     loose = {"model.language_model", "model.language_model.embed_tokens", "model.visual"}  # their other parts
     assert grouped(encoder) == blocks | loose, "one group per layer and vision block, none for the whole model"
     assert torch.equal(embed(encoder, text_parts), reference)
@@ -222,8 +245,9 @@ def test_spread_map_keeps_decoder_layers_whole_and_balances():
             assert len(parts) == 4, name
         if name.startswith("model.visual.blocks."):
             assert len(parts) == 4, name
-    layers = [device_map.get(f"model.language_model.layers.{i}", device_map.get("model.language_model"))
-              for i in range(51)]
+    layers = [
+        device_map.get(f"model.language_model.layers.{i}", device_map.get("model.language_model")) for i in range(51)
+    ]
     assert layers.count(0) > 10 and layers.count(1) > 10  # balanced, not all on the first GPU
     with pytest.raises(ValueError, match="does not fit the 2 GPUs' free memory"):
         placement.spread_map(encoder, {0: size // 4, 1: size // 4})
@@ -242,8 +266,9 @@ def test_cuda_placements_from_the_cpu(text_parts, reference, quantize):
     placement.place(encoder, config)
     out = embed(encoder, text_parts).cpu()
     max_abs, rel = placement.embedding_error(out, reference)
-    assert rel < 1e-4 if quantize == "none" else 0 < rel <= (placement.INT8_BOUND.rel_l2 if quantize == "int8"
-                                                              else 0.3), (quantize, max_abs, rel)
+    assert (
+        rel < 1e-4 if quantize == "none" else 0 < rel <= (placement.INT8_BOUND.rel_l2 if quantize == "int8" else 0.3)
+    ), (quantize, max_abs, rel)
 
 
 @pytest.mark.gpu

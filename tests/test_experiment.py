@@ -82,8 +82,16 @@ def experiment(*argv: str) -> None:
 def deployment(root: Path, name: str, model_dir: Path, vae_replicas: int) -> Path:
     ports = {service: free_port() for service in ("encoder", "dit", "vae", "gateway", "metrics")}
     vae = [f"127.0.0.1:{ports['vae']}", *(f"127.0.0.1:{free_port()}" for _ in range(vae_replicas - 1))]
-    return write_config(root / f"{name}.toml", str(model_dir), root / name, ports, model=GEOMETRY,
-                        service_keys={"threads": 1}, metrics_port=ports["metrics"], vae=vae)
+    return write_config(
+        root / f"{name}.toml",
+        str(model_dir),
+        root / name,
+        ports,
+        model=GEOMETRY,
+        service_keys={"threads": 1},
+        metrics_port=ports["metrics"],
+        vae=vae,
+    )
 
 
 def machine_busy_s() -> float:
@@ -143,10 +151,13 @@ def sweep(tmp_path_factory, tiny_model_dir) -> Sweep:
     the same load, stopped."""
     root = tmp_path_factory.mktemp("experiment")
     (root / "load.toml").write_text(LOAD.format(jobs=JOBS))
-    configs = {name: deployment(root, name, tiny_model_dir, replicas) for name, replicas in (("vae-1", 1),
-                                                                                           ("vae-2", 2))}
-    (root / "sweep.toml").write_text('load = "load.toml"\n' + "".join(
-        f'[[config]]\nname = "{name}"\ndeploy = "{path.name}"\n' for name, path in configs.items()))
+    configs = {
+        name: deployment(root, name, tiny_model_dir, replicas) for name, replicas in (("vae-1", 1), ("vae-2", 2))
+    }
+    (root / "sweep.toml").write_text(
+        'load = "load.toml"\n'
+        + "".join(f'[[config]]\nname = "{name}"\ndeploy = "{path.name}"\n' for name, path in configs.items())
+    )
     with OtherWork() as other:
         experiment("run", "--sweep", str(root / "sweep.toml"), "--out", str(root / "out"), "--quiet")
     runs = {name: json.loads((root / "out" / name / "run.json").read_text()) for name in configs}
@@ -156,16 +167,32 @@ def sweep(tmp_path_factory, tiny_model_dir) -> Sweep:
 def gateway_records(root: Path, name: str) -> ServiceGroup:
     """A gateway alone on the configuration's kept data directory: its job records as the API serves them."""
     config = root / f"{name}.toml"
-    return ServiceGroup(load_deploy(config), str(config), str(root / "readback"), names=("gateway",),
-                        ready=is_answering, flags={"gateway": ["--data-dir", str(root / "out" / name / "gateway-data")]})
+    return ServiceGroup(
+        load_deploy(config),
+        str(config),
+        str(root / "readback"),
+        names=("gateway",),
+        ready=is_answering,
+        flags={"gateway": ["--data-dir", str(root / "out" / name / "gateway-data")]},
+    )
 
 
 @pytest.mark.parametrize("name", ["vae-1", "vae-2"])
 def test_the_report_holds_exactly_the_gateways_job_records(sweep, name):
     folder = sweep.root / "out" / name
-    for file in ("jobs.csv", "stage_records.csv", "steps.csv", "metrics.json", "summary.json", "run.json",
-                 "report.html", *(f"{figure}.png" for figure in ("utilisation", "queue_depth", "latency_cdf",
-                                                                 "throughput", "timeline", "dit_steps"))):
+    for file in (
+        "jobs.csv",
+        "stage_records.csv",
+        "steps.csv",
+        "metrics.json",
+        "summary.json",
+        "run.json",
+        "report.html",
+        *(
+            f"{figure}.png"
+            for figure in ("utilisation", "queue_depth", "latency_cdf", "throughput", "timeline", "dit_steps")
+        ),
+    ):
         assert (folder / file).stat().st_size > 0, file
     recorded = Records.read(folder)
     assert len(recorded.jobs) == JOBS and all(job.done for job in recorded.jobs)
@@ -173,8 +200,9 @@ def test_the_report_holds_exactly_the_gateways_job_records(sweep, name):
     config = load_deploy(sweep.root / f"{name}.toml")
     with gateway_records(sweep.root, name), GatewayClient(f"127.0.0.1:{config.gateway.port}") as client:
         jobs = [client.job(job.job_id) for job in recorded.jobs]
-    assert recorded.jobs == [job_row(job, row.index, row.arrival_s, row.submitted)
-                             for job, row in zip(jobs, recorded.jobs)]
+    assert recorded.jobs == [
+        job_row(job, row.index, row.arrival_s, row.submitted) for job, row in zip(jobs, recorded.jobs)
+    ]
     assert recorded.stages == [row for job in jobs for row in stage_rows(job)]
     vae = {record.replica for job in jobs for record in job.stage_records if record.stage == "vae"}
     assert len(vae) == len(config.gateway.replicas("vae")), "every VAE replica took jobs"
@@ -194,7 +222,7 @@ def test_the_report_holds_exactly_the_gateways_job_records(sweep, name):
     scraped = json.loads((folder / "metrics.json").read_text())["scrapes"]
     assert scraped[-1]["series"]['h3serve_jobs{state="succeeded"}'] >= JOBS  # warm-up jobs count too
     page = (folder / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 6 and "src=\"http" not in page
+    assert page.count("data:image/png;base64,") == 6 and 'src="http' not in page
     before = (folder / "summary.json").read_text()
     experiment("report", str(folder))
     assert (folder / "summary.json").read_text() == before
@@ -221,25 +249,36 @@ def test_the_model_predicts_one_vae_from_the_run_on_two(sweep):
     out = sweep.root / "out"
     errors = prediction_errors(out / "vae-2", out / "vae-1")
     reverse = prediction_errors(out / "vae-1", out / "vae-2")
-    print(f"\nmodel error, vae-2 run -> vae-1: {errors}; vae-1 run -> vae-2 (no speed measured at 2): {reverse}; "
-          f"other work on the machine during the runs, cores: {sweep.other_cores}")
+    print(
+        f"\nmodel error, vae-2 run -> vae-1: {errors}; vae-1 run -> vae-2 (no speed measured at 2): {reverse}; "
+        f"other work on the machine during the runs, cores: {sweep.other_cores}"
+    )
     if max(sweep.other_cores.values()) > QUIET_CORES:
-        pytest.skip(f"not compared: other work used {max(sweep.other_cores.values()):.2f} cores during a run "
-                    f"(errors p50 {errors['p50']:+.1%}, p95 {errors['p95']:+.1%})")
+        pytest.skip(
+            f"not compared: other work used {max(sweep.other_cores.values()):.2f} cores during a run "
+            f"(errors p50 {errors['p50']:+.1%}, p95 {errors['p95']:+.1%})"
+        )
     assert all(abs(error) <= TOLERANCE for error in errors.values()), errors
 
 
 # The load and sweep files: every refusal names the file and the key.
 
-GOOD = {"arrivals": 'process = "poisson"\nrate = 1.0', "bounds": "max_jobs = 2",
-        "mix": 'workflow = "t2va"\nheight = 32\nwidth = 64\nsteps = 4'}
+GOOD = {
+    "arrivals": 'process = "poisson"\nrate = 1.0',
+    "bounds": "max_jobs = 2",
+    "mix": 'workflow = "t2va"\nheight = 32\nwidth = 64\nsteps = 4',
+}
 
 
-def load_text(top: str = "", arrivals: str | None = None, bounds: str | None = None, mix: str | None = None,
-              extra: str = "") -> str:
+def load_text(
+    top: str = "", arrivals: str | None = None, bounds: str | None = None, mix: str | None = None, extra: str = ""
+) -> str:
     sections = [top]
-    for name, body, table in (("arrivals", arrivals, "[arrivals]"), ("bounds", bounds, "[bounds]"),
-                              ("mix", mix, "[[mix]]")):
+    for name, body, table in (
+        ("arrivals", arrivals, "[arrivals]"),
+        ("bounds", bounds, "[bounds]"),
+        ("mix", mix, "[[mix]]"),
+    ):
         body = GOOD[name] if body is None else body
         if body != "-":
             sections.append(f"{table}\n{body}")
@@ -254,13 +293,17 @@ CASES = {
     "no arrivals": (load_text(arrivals="-"), "arrivals: required"),
     "unknown process": (load_text(arrivals='process = "bursty"'), "arrivals.process: Input should be 'poisson'"),
     "poisson without a rate": (load_text(arrivals='process = "poisson"'), "process 'poisson' needs rate"),
-    "two parameters": (load_text(arrivals='process = "poisson"\nrate = 1.0\nconcurrency = 2'),
-                       "process 'poisson' takes rate only, not concurrency"),
+    "two parameters": (
+        load_text(arrivals='process = "poisson"\nrate = 1.0\nconcurrency = 2'),
+        "process 'poisson' takes rate only, not concurrency",
+    ),
     "rate 0": (load_text(arrivals='process = "poisson"\nrate = 0'), "arrivals.rate: Input should be greater than 0"),
     "rate as text": (load_text(arrivals='process = "poisson"\nrate = "1"'), "arrivals.rate: Input should be a valid"),
     "closed without clients": (load_text(arrivals='process = "closed"'), "process 'closed' needs concurrency"),
-    "closed, 0 clients": (load_text(arrivals='process = "closed"\nconcurrency = 0'),
-                          "arrivals.concurrency: Input should be greater than 0"),
+    "closed, 0 clients": (
+        load_text(arrivals='process = "closed"\nconcurrency = 0'),
+        "arrivals.concurrency: Input should be greater than 0",
+    ),
     "trace without a file": (load_text(arrivals='process = "trace"'), "process 'trace' needs trace"),
     "trace missing": (load_text(arrivals='process = "trace"\ntrace = "none.txt"'), "arrivals.trace: no such file"),
     "unbounded": (load_text(bounds=""), "bounds: give max_jobs, max_seconds or both"),
@@ -272,27 +315,40 @@ CASES = {
     "unknown workflow": (load_text(mix='workflow = "i2v"'), "mix.0.workflow: Input should be 't2va'"),
     "unknown mix key": (load_text(mix='workflow = "t2va"\ncanvas = "32x64"'), "mix.0.canvas: unknown key"),
     "weight 0": (load_text(mix='workflow = "t2va"\nweight = 0'), "mix.0.weight: Input should be greater than 0"),
-    "odd canvas": (load_text(mix='workflow = "t2va"\nheight = 40\nwidth = 64'),
-                   "mix.0.height: must be a multiple of 32, got 40"),
+    "odd canvas": (
+        load_text(mix='workflow = "t2va"\nheight = 40\nwidth = 64'),
+        "mix.0.height: must be a multiple of 32, got 40",
+    ),
     "height alone": (load_text(mix='workflow = "t2va"\nheight = 32'), "height and width go together"),
     "frames": (load_text(mix='workflow = "t2va"\nnum_frames = 125'), "mix.0.num_frames: must be 17n+5 in 124..345"),
     "one step": (load_text(mix='workflow = "t2va"\nsteps = 1'), "mix.0.steps: must be at least 2"),
     "steps as text": (load_text(mix='workflow = "t2va"\nsteps = "4"'), "mix.0.steps: Input should be a valid integer"),
     "empty prompt": (load_text(mix='workflow = "t2va"\nprompt = ""'), "mix.0.prompt: String should have at least 1"),
-    "t2va with a keyframe": (load_text(mix='workflow = "t2va"\nfirst_frame = "key.png"'),
-                             "a t2va job takes no first_frame"),
-    "fl2va with references": (load_text(mix='workflow = "fl2va"\nreferences = ["key.png"]'),
-                              "a fl2va job takes no references"),
+    "t2va with a keyframe": (
+        load_text(mix='workflow = "t2va"\nfirst_frame = "key.png"'),
+        "a t2va job takes no first_frame",
+    ),
+    "fl2va with references": (
+        load_text(mix='workflow = "fl2va"\nreferences = ["key.png"]'),
+        "a fl2va job takes no references",
+    ),
     "keyframe missing": (load_text(mix='workflow = "fl2va"\nlast_frame = "gone.png"'), "mix.0.last_frame: no such"),
-    "media missing": (load_text(mix='workflow = "ref2va"\nreferences = ["gone.wav"]'),
-                      "mix.0.references: no such file"),
-    "adapters": (load_text(mix='workflow = "t2va"\nadapters = ["style:strong"]'),
-                 "mix.0.adapters: NAME[:WEIGHT] with a number as the weight, got 'style:strong'"),
+    "media missing": (
+        load_text(mix='workflow = "ref2va"\nreferences = ["gone.wav"]'),
+        "mix.0.references: no such file",
+    ),
+    "adapters": (
+        load_text(mix='workflow = "t2va"\nadapters = ["style:strong"]'),
+        "mix.0.adapters: NAME[:WEIGHT] with a number as the weight, got 'style:strong'",
+    ),
     "scrape period": (load_text(extra="[metrics]\nscrape_s = 0"), "metrics.scrape_s: Input should be greater than 0"),
 }
-TRACES = {"a word": ("0\nsoon\n", "line 2: not a number: 'soon'"), "backwards": ("0\n2\n1\n", "line 3: arrival "
-                                                                                             "times must be"),
-          "negative": ("-1\n", "line 1: arrival times must be"), "empty": ("# nothing\n", "no arrival times")}
+TRACES = {
+    "a word": ("0\nsoon\n", "line 2: not a number: 'soon'"),
+    "backwards": ("0\n2\n1\n", "line 3: arrival times must be"),
+    "negative": ("-1\n", "line 1: arrival times must be"),
+    "empty": ("# nothing\n", "no arrival times"),
+}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -332,17 +388,25 @@ def test_a_missing_load_file_is_refused(tmp_path):
 
 SWEEPS = {
     "no configuration": ('load = "load.toml"\nconfig = []', "at least one [[config]] is required"),
-    "same names": ('load = "load.toml"\n' + '[[config]]\nname = "a"\ndeploy = "deploy.toml"\n' * 2,
-                   "config names must differ: a, a"),
+    "same names": (
+        'load = "load.toml"\n' + '[[config]]\nname = "a"\ndeploy = "deploy.toml"\n' * 2,
+        "config names must differ: a, a",
+    ),
     "no load": ('[[config]]\nname = "a"\ndeploy = "deploy.toml"', "give a load"),
-    "bad name": ('load = "load.toml"\n[[config]]\nname = "a/b"\ndeploy = "deploy.toml"', "config.0.name: String "
-                                                                                        "should match pattern"),
+    "bad name": (
+        'load = "load.toml"\n[[config]]\nname = "a/b"\ndeploy = "deploy.toml"',
+        "config.0.name: String should match pattern",
+    ),
     "load missing": ('[[config]]\nname = "a"\ndeploy = "deploy.toml"\nload = "gone.toml"', "config.0.load: no such"),
     "deploy missing": ('load = "load.toml"\n[[config]]\nname = "a"\ndeploy = "gone.toml"', "config.0.deploy: no such"),
-    "gpus per replica": ('load = "load.toml"\n[[config]]\nname = "a"\ndeploy = "deploy.toml"\n[config.gpus]\n'
-                         'vae = ["0", "1"]', "config a gpus.vae: 2 entries for 1 replicas"),
-    "unknown service": ('load = "load.toml"\n[[config]]\nname = "a"\ndeploy = "deploy.toml"\n[config.gpus]\n'
-                        'gateway = ["0"]', "config.0.gpus.gateway: Input should be 'encoder'"),
+    "gpus per replica": (
+        'load = "load.toml"\n[[config]]\nname = "a"\ndeploy = "deploy.toml"\n[config.gpus]\nvae = ["0", "1"]',
+        "config a gpus.vae: 2 entries for 1 replicas",
+    ),
+    "unknown service": (
+        'load = "load.toml"\n[[config]]\nname = "a"\ndeploy = "deploy.toml"\n[config.gpus]\ngateway = ["0"]',
+        "config.0.gpus.gateway: Input should be 'encoder'",
+    ),
 }
 
 
@@ -367,13 +431,26 @@ def test_the_documented_example_files_are_valid():
 
 # The model's mechanics against queueing theory and a known slow-down, on profiles made here.
 
-def profile(work_s: list[float], replicas: int = 1, speeds: tuple[float, ...] = (1.0,), clients: int | None = None,
-            rate: float = 1.0) -> Profile:
+
+def profile(
+    work_s: list[float],
+    replicas: int = 1,
+    speeds: tuple[float, ...] = (1.0,),
+    clients: int | None = None,
+    rate: float = 1.0,
+) -> Profile:
     """One job class whose only stage is the DiT (the encoder and VAE take no time), no overhead."""
-    job = JobClass("t2va", (("encoder",), ("dit",), ("vae",)),
-                   {"encoder": (0.0,), "dit": tuple(work_s), "vae": (0.0,)}, (0.0,))
-    return Profile("made", {"t2va": job}, tuple((i / rate, "t2va") for i in range(100)),
-                   {"encoder": 1, "dit": replicas, "vae": 1}, clients, {"dit": speeds})
+    job = JobClass(
+        "t2va", (("encoder",), ("dit",), ("vae",)), {"encoder": (0.0,), "dit": tuple(work_s), "vae": (0.0,)}, (0.0,)
+    )
+    return Profile(
+        "made",
+        {"t2va": job},
+        tuple((i / rate, "t2va") for i in range(100)),
+        {"encoder": 1, "dit": replicas, "vae": 1},
+        clients,
+        {"dit": speeds},
+    )
 
 
 def test_the_model_matches_an_m_d_1_queue():
@@ -392,14 +469,15 @@ def test_replicas_that_share_a_machine_run_at_the_measured_speed():
     assert prediction.latency_s["p50"] == pytest.approx(2.0) and prediction.throughput_per_s == pytest.approx(1.0)
     assert prediction.max_rate == pytest.approx(1.0) and not prediction.unmeasured
     assert simulate(made, {**made.replicas, "dit": 3}, Load(), runs=1).unmeasured == [
-        "dit: speed with up to 3 calls at once taken as with 2 (measured up to 2)"]
+        "dit: speed with up to 3 calls at once taken as with 2 (measured up to 2)"
+    ]
 
 
 def test_the_speeds_are_recovered_from_overlapping_passes():
     """Passes of known work (0.5..1.5 s) that shared the stage for a random part of their time at speed 0.6."""
     rng = np.random.default_rng(0)
     work, shared_fraction = rng.uniform(0.5, 1.5, 400), rng.uniform(0.0, 1.0, 400)
-    alone = work * (1 - shared_fraction)        # seconds at speed 1
-    together = work * shared_fraction / 0.6     # seconds at speed 0.6 for the same work
+    alone = work * (1 - shared_fraction)  # seconds at speed 1
+    together = work * shared_fraction / 0.6  # seconds at speed 0.6 for the same work
     measured = speeds([np.array([a, t]) for a, t in zip(alone, together)], ["t2va"] * 400)
     assert measured[0] == 1.0 and measured[1] == pytest.approx(0.6, rel=0.02)

@@ -20,10 +20,12 @@ from h3serve.v1 import gateway_pb2
 SMALL = dict(prompt="a kite over a beach", height=32, width=64, num_inference_steps=8, seed=11)
 
 
-def start(root: Path, name: str, names: tuple[str, ...], model_dir: str, ports: dict[str, int],
-          ready=is_serving) -> ServiceGroup:
-    config = write_config(root / f"{name}.toml", model_dir, root / name, ports, outage_s=QUICK_OUTAGE,
-                          retry_backoff_s=0.1)
+def start(
+    root: Path, name: str, names: tuple[str, ...], model_dir: str, ports: dict[str, int], ready=is_serving
+) -> ServiceGroup:
+    config = write_config(
+        root / f"{name}.toml", model_dir, root / name, ports, outage_s=QUICK_OUTAGE, retry_backoff_s=0.1
+    )
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=names, ready=ready)
     group.__enter__()
     return group
@@ -105,8 +107,9 @@ def interrupt_mid_denoise(stack, request: gateway_pb2.GenerateRequest, signum: i
 
 @pytest.mark.gateway
 def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_result(stack, tmp_path):
-    request = gateway_pb2.GenerateRequest(prompt="a slow one", height=128, width=224, num_inference_steps=40, seed=2,
-                                          include_raw=True)
+    request = gateway_pb2.GenerateRequest(
+        prompt="a slow one", height=128, width=224, num_inference_steps=40, seed=2, include_raw=True
+    )
     job, first_step = interrupt_mid_denoise(stack, request, signal.SIGKILL)  # no terminal event was written
 
     client = GatewayClient(stack.address("gateway"))
@@ -124,19 +127,25 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
     assert kinds.count("accepted") == 1 and kinds.count("retrying") == 1
     # A restart spends no attempt: the killed run is re-run 1 of MAX_RESTART_RERUNS, the job still on attempt 1.
     assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
-        attempt=1, max_attempts=3, reason=f"the gateway restarted while this job was in the dit stage; re-run 1 of "
-                                          f"{MAX_RESTART_RERUNS} after a restart; attempt not counted")
+        attempt=1,
+        max_attempts=3,
+        reason=f"the gateway restarted while this job was in the dit stage; re-run 1 of "
+        f"{MAX_RESTART_RERUNS} after a restart; attempt not counted",
+    )
     assert rerun.state == gateway_pb2.JOB_STATE_SUCCEEDED and rerun.attempts == 1
     assert [(r.stage, r.attempt, r.finished > 0, r.error) for r in rerun.stage_records] == [
-        ("encoder", 1, True, ""), ("dit", 1, False, INTERRUPTED),  # the pass the dead gateway left open
-        ("encoder", 1, True, ""), ("dit", 1, True, ""), ("vae", 1, True, "")]
+        ("encoder", 1, True, ""),
+        ("dit", 1, False, INTERRUPTED),  # the pass the dead gateway left open
+        ("encoder", 1, True, ""),
+        ("dit", 1, True, ""),
+        ("vae", 1, True, ""),
+    ]
     assert np.array_equal(served["frames"], expected["frames"]) and np.array_equal(served["audio"], expected["audio"])
 
 
 @pytest.mark.gateway
 def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_attempt(stack):
-    request = gateway_pb2.GenerateRequest(prompt="a stopped one", height=128, width=224, num_inference_steps=40,
-                                          seed=3)
+    request = gateway_pb2.GenerateRequest(prompt="a stopped one", height=128, width=224, num_inference_steps=40, seed=3)
     job, _ = interrupt_mid_denoise(stack, request, signal.SIGTERM)  # through the shutdown path
 
     client = GatewayClient(stack.address("gateway"))
@@ -149,7 +158,15 @@ def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_att
     assert [e.seq for e in events] == list(range(1, len(events) + 1)), "nothing lost, nothing repeated"
     assert kinds.count("retrying") == 1 and kinds[-1] == "done"
     assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
-        attempt=1, max_attempts=3, reason="the gateway shut down while this job was in the dit stage; attempt not counted")
+        attempt=1,
+        max_attempts=3,
+        reason="the gateway shut down while this job was in the dit stage; attempt not counted",
+    )
     assert rerun.state == gateway_pb2.JOB_STATE_SUCCEEDED and rerun.attempts == 1
     assert [(r.stage, r.attempt, r.finished > 0) for r in rerun.stage_records] == [
-        ("encoder", 1, True), ("dit", 1, False), ("encoder", 1, True), ("dit", 1, True), ("vae", 1, True)]
+        ("encoder", 1, True),
+        ("dit", 1, False),
+        ("encoder", 1, True),
+        ("dit", 1, True),
+        ("vae", 1, True),
+    ]

@@ -63,16 +63,25 @@ def test_compile_dynamic_needs_compile_and_is_the_dits_default():
 @pytest.mark.parametrize("dynamic,recompiles", [(True, False), (False, True)])
 def test_a_dynamic_compile_runs_a_new_canvas_and_prompt_length_without_compiling(dynamic, recompiles):
     torch._dynamo.reset()
-    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": build_component("transformer"),
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     fastpath.apply(parts["transformer"], FastPath(compile=True, dynamic=dynamic))
     runner = DenoiseRunner(parts, served(["t2va"]))
 
     def graphs_of(size: str, tokens: int) -> int:
-        embeds = torch.randn(1, tokens, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0))
+        embeds = torch.randn(
+            1, tokens, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0)
+        )
         before = compile_cache.compiled_graphs()
-        runner.run(denoise_spec(Size.parse(size), forwards=2), embeds, torch.ones(tokens, dtype=torch.int64),
-                   lambda step, total: None)
+        runner.run(
+            denoise_spec(Size.parse(size), forwards=2),
+            embeds,
+            torch.ones(tokens, dtype=torch.int64),
+            lambda step, total: None,
+        )
         return compile_cache.compiled_graphs() - before
 
     assert graphs_of("32x64x124", 12) > 0, "the first call compiles both forward variants"
@@ -101,19 +110,27 @@ def test_compiling_blocks_again_compiles_their_own_forward_not_the_compiled_one(
     for block, before in zip(blocks, first):
         assert block.forward is not before
         assert block.forward._torchdynamo_orig_callable == vars(block)[fastpath.EAGER_FORWARD]
-    assert all(len(b._forward_pre_hooks) == (1 if type(b).__name__ == "MiniMaxH3TransformerBlock" else 0)
-               for b in blocks), "the noise-level rows are marked once per block"
+    assert all(
+        len(b._forward_pre_hooks) == (1 if type(b).__name__ == "MiniMaxH3TransformerBlock" else 0) for b in blocks
+    ), "the noise-level rows are marked once per block"
 
 
 def test_one_graph_per_block_kind_serves_both_forward_variants():
     # a request's first forward has one noise level (video and audio start together), the later ones two: with
     # the AdaLN rows' count left unbacked, torch compiles neither block kind twice
     torch._dynamo.reset()
-    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": build_component("transformer"),
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     fastpath.apply(parts["transformer"], FastPath(compile=True, dynamic=True))
     embeds = torch.randn(1, 12, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0))
     graphs = compile_cache.compiled_graphs()
-    DenoiseRunner(parts, served(["t2va"])).run(denoise_spec(Size.parse("32x64x124"), forwards=3), embeds,
-                                               torch.ones(12, dtype=torch.int64), lambda step, total: None)
+    DenoiseRunner(parts, served(["t2va"])).run(
+        denoise_spec(Size.parse("32x64x124"), forwards=3),
+        embeds,
+        torch.ones(12, dtype=torch.int64),
+        lambda step, total: None,
+    )
     assert compile_cache.compiled_graphs() - graphs == len(parts["transformer"]._repeated_blocks)

@@ -25,10 +25,14 @@ STEPS = 40  # enough forwards that a kill lands mid-denoise on two CPU cores
 DONE = gateway_pb2.JOB_STATE_SUCCEEDED
 # The two reasons a gateway restart re-runs a job with: a stage call of it was in progress (one of its
 # MAX_RESTART_RERUNS), or it only waited in a queue (free).
-RERUN = re.compile(rf"the gateway restarted while this job was in the (?P<stage>[a-z-]+) stage; re-run (?P<n>\d+) of "
-                   rf"{MAX_RESTART_RERUNS} after a restart; attempt not counted")
-WAITED = re.compile(r"the gateway restarted while this job waited (for the [a-z-]+ stage|in the queue); attempt not "
-                    r"counted")
+RERUN = re.compile(
+    rf"the gateway restarted while this job was in the (?P<stage>[a-z-]+) stage; re-run (?P<n>\d+) of "
+    rf"{MAX_RESTART_RERUNS} after a restart; attempt not counted"
+)
+WAITED = re.compile(
+    r"the gateway restarted while this job waited (for the [a-z-]+ stage|in the queue); attempt not "
+    r"counted"
+)
 TERMINAL = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
 
 
@@ -48,8 +52,12 @@ def submit(up: Up, name: str, count: int = JOBS) -> list[str]:
     client = GatewayClient(f"127.0.0.1:{up.ports['gateway']}")
     try:
         params = common_pb2.GenerationParams(num_inference_steps=STEPS, seed=7)
-        return [client.stub.Submit(gateway_pb2.GenerateRequest(prompt=f"{name} {i}", height=64, width=128,
-                                                               params=params)).job_id for i in range(count)]
+        return [
+            client.stub.Submit(
+                gateway_pb2.GenerateRequest(prompt=f"{name} {i}", height=64, width=128, params=params)
+            ).job_id
+            for i in range(count)
+        ]
     finally:
         client.close()
 
@@ -58,8 +66,9 @@ def watch(up: Up, job_id: str, timeout: float):
     """The job's events as they come; nothing more once the deadline passes or the gateway goes away."""
     try:
         with grpc.insecure_channel(f"127.0.0.1:{up.ports['gateway']}") as channel:
-            yield from gateway_pb2_grpc.GatewayStub(channel).Watch(gateway_pb2.WatchRequest(job_id=job_id),
-                                                                   timeout=timeout)
+            yield from gateway_pb2_grpc.GatewayStub(channel).Watch(
+                gateway_pb2.WatchRequest(job_id=job_id), timeout=timeout
+            )
     except grpc.RpcError:
         pass  # the deadline of a job still running, or the gateway restarting
 
@@ -83,6 +92,7 @@ def final_jobs(up: Up, job_ids: list[str], limit_s: float = 300) -> list[gateway
         except grpc.RpcError:
             return None
         return jobs if all(job.state in TERMINAL for job in jobs) else None
+
     return wait_until(ended, limit_s, "every job ends", poll_s=1.0)
 
 
@@ -144,7 +154,11 @@ def test_the_gateway_killed_twice_spends_no_attempt_and_counts_only_the_stage_ca
                     first_reasons.append(reason)
         assert kinds.count("retrying") >= 1 and job.attempts == 1, (job.job_id, job.attempts, " ".join(kinds))
         # the re-runs counted are exactly the passes a kill caught started (their records say so), numbered 1, 2
-        assert caught == [(record.stage, n) for n, record in enumerate(
-            (r for r in job.stage_records if r.error == INTERRUPTED and r.started > 0), 1)], (job.job_id, caught)
-    assert first_reasons[0] == (f"the gateway restarted while this job was in the dit stage; re-run 1 of "
-                                f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"), first_reasons
+        assert caught == [
+            (record.stage, n)
+            for n, record in enumerate((r for r in job.stage_records if r.error == INTERRUPTED and r.started > 0), 1)
+        ], (job.job_id, caught)
+    assert first_reasons[0] == (
+        f"the gateway restarted while this job was in the dit stage; re-run 1 of "
+        f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"
+    ), first_reasons

@@ -27,8 +27,9 @@ TOKENS = 12
 
 
 def start(model_dir, cache_dir) -> torch.nn.Module:
-    config = DiTConfig(model_dir=str(model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(cache_dir),
-                       workflows=("t2va",))
+    config = DiTConfig(
+        model_dir=str(model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(cache_dir), workflows=("t2va",)
+    )
     components, model, _ = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
     assert "transformer" in model.components
     assert fp8_store.wait_for_saves(timeout_s=120)
@@ -47,12 +48,19 @@ def fp8_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
 def latents(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     from h3serve.runtime.tiny import build_component
 
-    parts = {"transformer": transformer, "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": transformer,
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
     runner = DenoiseRunner(parts, served(["t2va"]), device=CPU)
-    return runner.run(denoise_spec(Size.parse("32x64x124"), forwards=2), embeds.to(torch.bfloat16),
-                      torch.ones(TOKENS, dtype=torch.int64), lambda step, total: None)
+    return runner.run(
+        denoise_spec(Size.parse("32x64x124"), forwards=2),
+        embeds.to(torch.bfloat16),
+        torch.ones(TOKENS, dtype=torch.int64),
+        lambda step, total: None,
+    )
 
 
 def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -61,8 +69,7 @@ def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor])
         assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
-def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cpu, loads, tiny_model_dir,
-                                                                       tmp_path):
+def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cpu, loads, tiny_model_dir, tmp_path):
     first = start(tiny_model_dir, tmp_path)
     quantised = [name for name, module in first.named_modules() if pinned.parts(getattr(module, "weight", None))]
     assert quantised and all(name.startswith("transformer_blocks.") for name in quantised)
@@ -70,18 +77,19 @@ def test_a_restart_assigns_the_saved_fp8_weights_and_denoises_the_same(fp8_on_cp
     assert len(saved) == 1 and not list(tmp_path.glob("*.partial-*"))
     blocks = len(first.transformer_blocks)
     assert sorted(f.name for f in saved[0].iterdir()) == sorted(
-        ["rest.pt", *(f"transformer_blocks.{i}.pt" for i in range(blocks))]), "a file per block, one for the rest"
+        ["rest.pt", *(f"transformer_blocks.{i}.pt" for i in range(blocks))]
+    ), "a file per block, one for the rest"
 
     second = start(tiny_model_dir, tmp_path)
-    assert loads == [["transformer", "scheduler", "audio_scheduler"], ["scheduler", "audio_scheduler"]], \
+    assert loads == [["transformer", "scheduler", "audio_scheduler"], ["scheduler", "audio_scheduler"]], (
         "the restart neither loads nor quantises the bf16 transformer"
+    )
     assert_same(fp8_state(second), fp8_state(first))
     assert all(tensor.device.type == "cpu" for tensor in fp8_state(second).values())
     assert_same(latents(second), latents(first))
 
 
-def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, loads, tiny_model_dir, tmp_path,
-                                                                   caplog):
+def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, loads, tiny_model_dir, tmp_path, caplog):
     expected = fp8_state(start(tiny_model_dir, tmp_path))
     (saved,) = tmp_path.glob("transformer-fp8-*")
     block = saved / "transformer_blocks.1.pt"
@@ -95,8 +103,9 @@ def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, l
     assert loads[-1] == ["scheduler", "audio_scheduler"]
 
 
-def test_the_start_goes_on_while_the_served_weights_are_written(fp8_on_cpu, loads, tiny_model_dir, tmp_path,
-                                                               monkeypatch):
+def test_the_start_goes_on_while_the_served_weights_are_written(
+    fp8_on_cpu, loads, tiny_model_dir, tmp_path, monkeypatch
+):
     """One rank without sharding writes the weights it serves on a thread: the start returns before the file is
     written, and what is written is what the first start serves."""
     release, save = threading.Event(), torch.save
@@ -106,8 +115,9 @@ def test_the_start_goes_on_while_the_served_weights_are_written(fp8_on_cpu, load
         save(state, path)
 
     monkeypatch.setattr(torch, "save", held_save)
-    config = DiTConfig(model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path),
-                       workflows=("t2va",))
+    config = DiTConfig(
+        model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path), workflows=("t2va",)
+    )
     first = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])[0]["transformer"]
     assert not list(tmp_path.glob("transformer-fp8-????????????????")) and not fp8_store.wait_for_saves(timeout_s=0)
     release.set()
@@ -146,8 +156,11 @@ def test_the_key_names_the_weights_partition_dtype_and_versions(tmp_path, monkey
 
     store = fp8_store.Fp8Store(tmp_path, "rev-a", torch.bfloat16)
     path = store.path("transformer")
-    others = [fp8_store.Fp8Store(tmp_path, "rev-b", torch.bfloat16).path("transformer"),
-              store.path("transformer_ref"), fp8_store.Fp8Store(tmp_path, "rev-a", torch.float32).path("transformer")]
+    others = [
+        fp8_store.Fp8Store(tmp_path, "rev-b", torch.bfloat16).path("transformer"),
+        store.path("transformer_ref"),
+        fp8_store.Fp8Store(tmp_path, "rev-a", torch.float32).path("transformer"),
+    ]
     monkeypatch.setattr(torchao, "__version__", "0.0.1")
     others.append(store.path("transformer"))
     assert len({path, *others}) == 5 and all(p.parent == tmp_path for p in others)
@@ -168,13 +181,23 @@ def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
     assert (path / "rest.pt").is_file() and not stale.exists() and live.exists()
 
 
-@pytest.mark.parametrize("settings, reason", [
-    (dict(fp8_cache_dir="var/fp8"), "it needs fp8 = true"),
-    (dict(fp8=True, dtype="bfloat16", fp8_cache_dir="var/fp8", adapters={"a": "a.safetensors"},
-          adapter_mode="fused"), "a fused adapter is merged into the weights before quantisation"),
-])
-def test_fp8_cache_dir_is_refused_where_it_would_do_nothing_or_the_wrong_thing(settings, reason, tmp_path,
-                                                                              monkeypatch):
+@pytest.mark.parametrize(
+    "settings, reason",
+    [
+        (dict(fp8_cache_dir="var/fp8"), "it needs fp8 = true"),
+        (
+            dict(
+                fp8=True,
+                dtype="bfloat16",
+                fp8_cache_dir="var/fp8",
+                adapters={"a": "a.safetensors"},
+                adapter_mode="fused",
+            ),
+            "a fused adapter is merged into the weights before quantisation",
+        ),
+    ],
+)
+def test_fp8_cache_dir_is_refused_where_it_would_do_nothing_or_the_wrong_thing(settings, reason, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match=reason):

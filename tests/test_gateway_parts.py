@@ -45,6 +45,7 @@ async def wait_forever(cancelled: asyncio.Event) -> None:
 
 # Stage queues.
 
+
 def test_stage_queue_is_fifo_and_a_cancelled_waiter_leaves_it():
     async def scenario():
         queue, order, release = StageQueue("dit", workers=1), [], asyncio.Event()
@@ -88,6 +89,7 @@ def test_stage_queue_runs_as_many_as_it_has_workers():
 
 
 # The watchdog.
+
 
 def test_watchdog_cancels_a_silent_call_and_names_its_phase():
     async def scenario():
@@ -150,6 +152,7 @@ def test_a_cancelled_watchdog_leaves_no_task_behind():
 
 # Retries: only transient codes, moving between replicas.
 
+
 class FailingEncoder(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, code: grpc.StatusCode):
         self.code, self.calls = code, 0
@@ -194,7 +197,9 @@ def test_invalid_argument_is_never_retried():
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and sum(calls) == 1 and record.tries == 1 and retries == 0
     assert str(error).endswith("refused by a test replica (INVALID_ARGUMENT)") and events == []
     failed = [s for s in stats if s.calls]
-    assert len(failed) == 1 and failed[0].healthy and failed[0].failures == 1, "a bad request is not the replica's fault"
+    assert len(failed) == 1 and failed[0].healthy and failed[0].failures == 1, (
+        "a bad request is not the replica's fault"
+    )
     assert failed[0].last_error == "INVALID_ARGUMENT: refused by a test replica (INVALID_ARGUMENT)"
 
 
@@ -204,8 +209,13 @@ def test_unavailable_is_tried_on_every_replica_until_the_outage_limit():
     assert str(error).endswith("no encoder replica took the call for 0.3 s (its outage limit)")
     assert min(calls) >= 2 and abs(calls[0] - calls[1]) <= 1, "tries alternate between the replicas"
     assert record.tries == sum(calls) and retries == record.tries - 1
-    assert events == [{"waiting": S.Waiting(stage="encoder", limit_s=0.3,
-                                            reason="UNAVAILABLE: refused by a test replica (UNAVAILABLE)")}]
+    assert events == [
+        {
+            "waiting": S.Waiting(
+                stage="encoder", limit_s=0.3, reason="UNAVAILABLE: refused by a test replica (UNAVAILABLE)"
+            )
+        }
+    ]
     assert all(not s.healthy and s.failures == s.calls for s in stats)
 
 
@@ -260,6 +270,7 @@ def test_a_replica_keeps_call_counters_per_stage_and_clears_its_error_when_a_cal
 
 # The store: submission rules and listings.
 
+
 def test_submit_is_idempotent_and_bounded(tmp_path):
     async def scenario(store):
         accepted = S.JobEvent(accepted=S.Accepted(request=REQUEST))
@@ -274,8 +285,9 @@ def test_submit_is_idempotent_and_bounded(tmp_path):
             await store.submit("j5", REQUEST, max_unfinished=2)
         assert (err.value.depth, err.value.bound) == (2, 2)
         assert await store.get_job("j5") is None and await store.get_job("j3") is None, "a refusal writes nothing"
-        assert (await store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2))[0].job_id == "j1", \
+        assert (await store.submit("j1", REQUEST, "rid", "digest-1", max_unfinished=2))[0].job_id == "j1", (
             "a retried submit is answered even when the queue is full"
+        )
         await store.finish("j4", S.JOB_STATE_SUCCEEDED, DONE)
         assert (await store.submit("j5", REQUEST, max_unfinished=2))[1]
 
@@ -308,9 +320,9 @@ def test_stage_records_are_returned_in_order(tmp_path):
         second = await store.stage_enqueued("j", 1, "dit")
         await store.stage_update(second, started=12.0, replica="h:2", tries=2, error="UNAVAILABLE: gone")
         records = (await store.get_job("j")).stage_records
-        assert [(r.stage, r.started, r.finished, r.replica, r.bytes_in, r.bytes_out, r.tries, r.error)
-                for r in records] == [("encoder", 10.0, 11.0, "h:1", 5, 700, 1, ""),
-                                      ("dit", 12.0, 0.0, "h:2", 0, 0, 2, "UNAVAILABLE: gone")]
+        assert [
+            (r.stage, r.started, r.finished, r.replica, r.bytes_in, r.bytes_out, r.tries, r.error) for r in records
+        ] == [("encoder", 10.0, 11.0, "h:1", 5, 700, 1, ""), ("dit", 12.0, 0.0, "h:2", 0, 0, 2, "UNAVAILABLE: gone")]
         with pytest.raises(ValueError, match="unknown stage record column"):
             await store.stage_update(first, job_id="other")
 
@@ -318,6 +330,7 @@ def test_stage_records_are_returned_in_order(tmp_path):
 
 
 # Artifact retention.
+
 
 def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
     async def scenario(store):
@@ -351,6 +364,7 @@ def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_p
     async def upload(seconds: float) -> str:
         async def chunks():
             yield S.UploadAssetChunk(file_name="a.wav", data=audio(tmp_path / f"{seconds}.wav", seconds).read_bytes())
+
         return (await assets.upload(chunks())).asset_id
 
     async def scenario(store):
@@ -363,8 +377,9 @@ def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_p
         assert await assets.find([named, loose, fresh]) == {a: assets.get(a) for a in (named, fresh)}
         assert not os.path.exists(assets._path("blobs", loose))
         await store.finish("queued-job", S.JOB_STATE_SUCCEEDED, DONE)
-        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [named], \
+        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [named], (
             "once no unfinished job names it, an old upload goes too"
+        )
 
     with_store(tmp_path / "jobs.sqlite", scenario)
 

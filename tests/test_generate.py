@@ -48,9 +48,30 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
     assert (accepted.text_rows, accepted.total_rows) == (int(expected["text_rows"]), int(expected["packed_rows"]))
 
     cli_out = tmp_path / "reference.npz"
-    subprocess.run([sys.executable, "-m", "h3serve.cli", "reference", "--model-dir", str(stack.model_dir),
-                    "--prompt", PROMPT, "--height", "32", "--width", "64", "--steps", "8", "--seed", "1234",
-                    "--raw", str(cli_out)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "reference",
+            "--model-dir",
+            str(stack.model_dir),
+            "--prompt",
+            PROMPT,
+            "--height",
+            "32",
+            "--width",
+            "64",
+            "--steps",
+            "8",
+            "--seed",
+            "1234",
+            "--raw",
+            str(cli_out),
+        ],
+        check=True,
+        capture_output=True,
+    )
     reference = np.load(cli_out)
     assert np.array_equal(reference["frames"], served["frames"])
     assert np.array_equal(reference["audio"], served["audio"])
@@ -79,8 +100,11 @@ def test_events_arrive_in_order_and_the_mp4_downloads(client, tmp_path):
     with av.open(str(path)) as container:
         video, audio = container.streams.video[0], container.streams.audio[0]
         assert (video.codec_context.name, float(video.average_rate), video.frames) == ("h264", 24.0, 124)
-        assert (audio.codec_context.name, audio.codec_context.sample_rate, audio.codec_context.channels) == \
-            ("aac", 32000, 2)
+        assert (audio.codec_context.name, audio.codec_context.sample_rate, audio.codec_context.channels) == (
+            "aac",
+            32000,
+            2,
+        )
     job = client.job(final.job_id)
     assert job.state == gateway_pb2.JOB_STATE_SUCCEEDED
     assert [s.stage for s in job.stages] == ["encode", "denoise", "decode", "mux"]
@@ -166,8 +190,22 @@ def test_unknown_job_and_artifact_are_not_found(client):
 def test_dit_refuses_a_spec_the_model_rejects(stack):
     dit = dit_pb2_grpc.DiTStub(grpc.insecure_channel(stack.address("dit")))
     with pytest.raises(grpc.RpcError) as err:
-        list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=dit_pb2.DenoiseSpec(
-            height=32, width=64, num_frames=124, params=common_pb2.GenerationParams(num_inference_steps=2)))])))
+        list(
+            dit.Denoise(
+                iter(
+                    [
+                        dit_pb2.DenoiseInput(
+                            spec=dit_pb2.DenoiseSpec(
+                                height=32,
+                                width=64,
+                                num_frames=124,
+                                params=common_pb2.GenerationParams(num_inference_steps=2),
+                            )
+                        )
+                    ]
+                )
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_embeds" in err.value.details()
 
@@ -177,12 +215,34 @@ def test_cli_generate_with_a_request_id_runs_the_job_once(stack, client, tmp_pat
     import sys
 
     def generate(out: str) -> bytes:
-        subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--gateway", stack.address("gateway"),
-                        "--prompt", "the same request twice", "--steps", "3", "--seed", "4",
-                        "--request-id", "cli-retry-1", "--out", str(tmp_path / out)], capture_output=True, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "h3serve.cli",
+                "generate",
+                "--gateway",
+                stack.address("gateway"),
+                "--prompt",
+                "the same request twice",
+                "--steps",
+                "3",
+                "--seed",
+                "4",
+                "--request-id",
+                "cli-retry-1",
+                "--out",
+                str(tmp_path / out),
+            ],
+            capture_output=True,
+            check=True,
+        )
         return (tmp_path / out).read_bytes()
 
     assert generate("a.mp4") == generate("b.mp4"), "the second command downloads the first one's video"
-    jobs = [j for j in client.stub.ListJobs(gateway_pb2.ListJobsRequest(page_size=1000)).jobs
-            if j.request_id == "cli-retry-1"]
+    jobs = [
+        j
+        for j in client.stub.ListJobs(gateway_pb2.ListJobsRequest(page_size=1000)).jobs
+        if j.request_id == "cli-retry-1"
+    ]
     assert len(jobs) == 1 and jobs[0].attempts == 1

@@ -23,12 +23,16 @@ ONE_RANK = parallel.Layout(world_size=1, ulysses_degree=1, ring_degree=1, fsdp=F
 
 
 def denoise(transformer: torch.nn.Module, device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
-    parts = {"transformer": transformer, "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": transformer,
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
     runner = DenoiseRunner(parts, served(["t2va"]), device=device)
-    return runner.run(denoise_spec(SIZE, forwards=FORWARDS), embeds, torch.ones(TOKENS, dtype=torch.int64),
-                      lambda step, total: None)
+    return runner.run(
+        denoise_spec(SIZE, forwards=FORWARDS), embeds, torch.ones(TOKENS, dtype=torch.int64), lambda step, total: None
+    )
 
 
 def test_compiled_blocks_run_under_group_offload_hooks_and_give_the_same_latents():
@@ -59,8 +63,11 @@ def host_copies(model: torch.nn.Module) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fast", [FastPath(compile=True, dynamic=True),
-                                  FastPath(compile=True, dynamic=True, fp8=True)], ids=lambda f: f.describe())
+@pytest.mark.parametrize(
+    "fast",
+    [FastPath(compile=True, dynamic=True), FastPath(compile=True, dynamic=True, fp8=True)],
+    ids=lambda f: f.describe(),
+)
 def test_group_offload_on_a_gpu_gives_the_resident_latents_from_one_host_copy(fast):
     gpu = torch.device("cuda", torch.cuda.current_device())
     torch._dynamo.reset()
@@ -97,8 +104,11 @@ def test_weights_pack_into_arenas_with_their_values_shapes_and_strides(monkeypat
 def test_the_runner_puts_the_latents_where_it_computes_not_where_the_weights_are():
     # diffusers infers the execution device from the first model's weights: FSDP2 shards kept in host memory say
     # the CPU while the blocks run on a GPU. The runner's device is the one its pipelines use.
-    parts = {"transformer": build_component("transformer"), "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": build_component("transformer"),
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     elsewhere = torch.device("meta")
     runner = DenoiseRunner(parts, served(["t2va", "fl2va"]), device=elsewhere)
     assert runner.device == elsewhere and [p._execution_device for p in runner.pipes.values()] == [elsewhere] * 2

@@ -53,8 +53,10 @@ def test_a_sync_server_refuses_undecodable_bytes_a_missing_token_and_reports_a_b
     assert _code(lambda: stub.Info(common_pb2.InfoRequest()))[0] == grpc.StatusCode.UNAUTHENTICATED
     assert stub.Info(common_pb2.InfoRequest(), metadata=TOKEN).max_prompt_chars == 7
     code, details = _code(lambda: list(stub.Encode(encoder_pb2.EncodeRequest(prompt="bug"), metadata=TOKEN)))
-    assert (code, details) == (grpc.StatusCode.INTERNAL, "h3serve.v1.Encoder.Encode: internal error: RuntimeError: "
-                                                         "a bug")
+    assert (code, details) == (
+        grpc.StatusCode.INTERNAL,
+        "h3serve.v1.Encoder.Encode: internal error: RuntimeError: a bug",
+    )
     assert list(stub.Encode(encoder_pb2.EncodeRequest(prompt="abc"), metadata=TOKEN))[0].summary.num_tokens == 3
 
 
@@ -74,8 +76,9 @@ async def _gateway_calls(token: str) -> dict[str, grpc.StatusCode]:
     codes = {}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        upload = channel.stream_unary("/h3serve.v1.Gateway/UploadAsset", request_serializer=None,
-                                      response_deserializer=None)
+        upload = channel.stream_unary(
+            "/h3serve.v1.Gateway/UploadAsset", request_serializer=None, response_deserializer=None
+        )
 
         async def chunks(*raw: bytes):
             for data in raw:
@@ -83,8 +86,9 @@ async def _gateway_calls(token: str) -> dict[str, grpc.StatusCode]:
 
         calls = {
             "watch": lambda md: _collect(stub.Watch(gateway_pb2.WatchRequest(job_id="j"), metadata=md)),
-            "upload": lambda md: upload(chunks(gateway_pb2.UploadAssetChunk(data=b"abc").SerializeToString()),
-                                        metadata=md),
+            "upload": lambda md: upload(
+                chunks(gateway_pb2.UploadAssetChunk(data=b"abc").SerializeToString()), metadata=md
+            ),
             "undecodable upload": lambda md: upload(chunks(b"\x12\x01a", b"\xff\xff"), metadata=md),
         }
         for name, call in calls.items():
@@ -105,8 +109,10 @@ async def _collect(call) -> list:
 def test_an_asyncio_server_guards_every_call_shape_behind_its_bearer_token():
     """The bearer refusal of a streamed method is a coroutine that only aborts: the guard awaits it."""
     assert asyncio.run(_gateway_calls("s3cret")) == {
-        "watch with token": grpc.StatusCode.OK, "watch without": grpc.StatusCode.UNAUTHENTICATED,
-        "upload with token": grpc.StatusCode.OK, "upload without": grpc.StatusCode.UNAUTHENTICATED,
+        "watch with token": grpc.StatusCode.OK,
+        "watch without": grpc.StatusCode.UNAUTHENTICATED,
+        "upload with token": grpc.StatusCode.OK,
+        "upload without": grpc.StatusCode.UNAUTHENTICATED,
         "undecodable upload with token": grpc.StatusCode.INVALID_ARGUMENT,
         "undecodable upload without": grpc.StatusCode.UNAUTHENTICATED,
     }

@@ -40,8 +40,14 @@ class _FakeProc:
         self.root = root
         self.meminfo(used_kib=1 << 20)
 
-    def process(self, pid: int, anon_kib: int, file_kib: int = 0, shmem_kib: int = 0,
-                children: dict[int, list[int]] | None = None) -> None:
+    def process(
+        self,
+        pid: int,
+        anon_kib: int,
+        file_kib: int = 0,
+        shmem_kib: int = 0,
+        children: dict[int, list[int]] | None = None,
+    ) -> None:
         """`children` by thread id (default: the main thread, none)."""
         status = f"Pid:\t{pid}\nRssAnon:\t{anon_kib} kB\nRssFile:\t{file_kib} kB\nRssShmem:\t{shmem_kib} kB\n"
         self._write(self.root / str(pid) / "status", status)
@@ -106,14 +112,18 @@ def test_host_peak_keeps_each_peak_of_the_roots_asked_at_every_sample(tmp_path):
 def _mount_type(path: Path) -> str:
     """The filesystem type of the mount that holds `path` (the longest mount point above it)."""
     mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    return max(((point, kind) for point, kind in mounts if str(path.resolve()).startswith(point)),
-               key=lambda mount: len(mount[0]))[1]
+    return max(
+        ((point, kind) for point, kind in mounts if str(path.resolve()).startswith(point)),
+        key=lambda mount: len(mount[0]),
+    )[1]
 
 
 # Each child makes its memory resident, says "ready" and holds it until its stdin closes.
 ANON = "b = bytearray(200 << 20); b[::4096] = b'x' * len(range(0, len(b), 4096))"  # every page written
-MAPPED = ("import mmap, sys; f = open(sys.argv[1], 'rb'); b = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
-          "sum(b[i] for i in range(0, len(b), 4096))")  # every page read: file pages, no anonymous copy
+MAPPED = (
+    "import mmap, sys; f = open(sys.argv[1], 'rb'); b = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+    "sum(b[i] for i in range(0, len(b), 4096))"
+)  # every page read: file pages, no anonymous copy
 HOLD = "; print('ready', flush=True); sys.stdin.read()"
 
 
@@ -126,8 +136,14 @@ def test_host_peak_of_real_processes_counts_anonymous_memory_as_private_and_a_ma
     with common.host_peak(lambda: [child.pid for child in children], every_s=0.05) as peak:
         try:
             for code in (ANON, MAPPED):
-                children.append(subprocess.Popen([sys.executable, "-c", f"import sys; {code}{HOLD}", str(data)],
-                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+                children.append(
+                    subprocess.Popen(
+                        [sys.executable, "-c", f"import sys; {code}{HOLD}", str(data)],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                )
                 assert children[-1].stdout.readline() == "ready\n"
             _wait_for_samples(peak)  # one has read both children holding their memory
         finally:

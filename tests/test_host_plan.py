@@ -79,18 +79,31 @@ def test_a_32_gib_host_is_refused_naming_the_largest_service_and_phase(tmp_path)
 
 
 def test_a_bf16_offloaded_encoder_on_64_gib_is_refused_and_int8_proposed(tmp_path):
-    path = _config(tmp_path, SINGLE.read_text().replace('dir = "/models/MiniMax-H3"', 'dir = "random:full"')
-                   .replace('quantize = "int8"', 'quantize = "none"'))
+    path = _config(
+        tmp_path,
+        SINGLE.read_text()
+        .replace('dir = "/models/MiniMax-H3"', 'dir = "random:full"')
+        .replace('quantize = "int8"', 'quantize = "none"'),
+    )
     out = _plan_cli("--config", str(path), "--host-gib", "64")
     assert out.returncode == 2
-    assert "largest: encoder at start, 55.0 GiB (runtime 5.0 + bf16 load 50.0)" in out.stderr  # 48 arenas + 2 GiB embedding
-    assert '[encoder] quantize = "int8" would fit: 27 GiB of int8 weights pinned instead of 50 of bfloat16' in out.stderr
+    assert (
+        "largest: encoder at start, 55.0 GiB (runtime 5.0 + bf16 load 50.0)" in out.stderr
+    )  # 48 arenas + 2 GiB embedding
+    assert (
+        '[encoder] quantize = "int8" would fit: 27 GiB of int8 weights pinned instead of 50 of bfloat16' in out.stderr
+    )
 
 
 def test_the_old_pinned_dit_path_holds_every_weight_in_host_memory(tmp_path):
     def dit(extra: str) -> memory_plan.HostNeed:
-        config = load_deploy(_config(tmp_path, '[model]\ndir = "random:full"\n[dit]\ndevice = "cuda"\ngpus = "0"\n'
-                                               f'dtype = "bfloat16"\nfp8 = true\nworkflows = ["t2va"]\n{extra}\n'))
+        config = load_deploy(
+            _config(
+                tmp_path,
+                '[model]\ndir = "random:full"\n[dit]\ndevice = "cuda"\ngpus = "0"\n'
+                f'dtype = "bfloat16"\nfp8 = true\nworkflows = ["t2va"]\n{extra}\n',
+            )
+        )
         return memory_plan.dit_host(config.dit)
 
     pinned_path, streamed, resident = dit('offload = "group"'), dit('offload = "group"\nfp8_cache_dir = "c"'), dit("")
@@ -104,10 +117,13 @@ def test_a_service_refuses_its_own_start_on_too_little_available_memory(tmp_path
     config = load_deploy(SINGLE)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       67108864 kB\nMemFree:  1 kB\nMemAvailable:   20971520 kB\n")  # 64 GiB, 20 free
-    with pytest.raises(memory_plan.HostMemoryError, match=r"host memory: encoder needs 32\.5 GiB of private host "
-                                                          r"memory at start \(runtime 5\.0 \+ pinned weights 27\.0 \+ "
-                                                          r"one layer 0\.5\), but the host has 20\.0 GiB available "
-                                                          r"\(MemAvailable\)"):
+    with pytest.raises(
+        memory_plan.HostMemoryError,
+        match=r"host memory: encoder needs 32\.5 GiB of private host "
+        r"memory at start \(runtime 5\.0 \+ pinned weights 27\.0 \+ "
+        r"one layer 0\.5\), but the host has 20\.0 GiB available "
+        r"\(MemAvailable\)",
+    ):
         check_host_memory("encoder", config.encoder, str(meminfo))
     check_host_memory("vae", config.vae, str(meminfo))  # 5 GiB: fits
     check_host_memory("encoder", config.encoder, str(tmp_path / "absent"))  # unreadable: not checked

@@ -106,15 +106,21 @@ def test_the_openai_sdk_creates_polls_downloads_and_lists(stack, sdk):
 
 def test_shifts_and_adapters_reach_the_request(stack, sdk):
     """A multipart form (the SDK's way) with the shifts; an adapter the DiT does not load is refused by name."""
-    video = sdk.videos.create(prompt="a slow pan over a harbour", size="64x32",
-                              extra_body={"steps": 4, "flow_shift": 6, "audio_flow_shift": 2.5})
+    video = sdk.videos.create(
+        prompt="a slow pan over a harbour",
+        size="64x32",
+        extra_body={"steps": 4, "flow_shift": 6, "audio_flow_shift": 2.5},
+    )
     assert (video.h3serve["flow_shift"], video.h3serve["audio_flow_shift"]) == (6, 2.5)
     with pytest.raises(openai.BadRequestError, match="turbo4") as caught:
         sdk.videos.create(prompt="a slow pan", size="64x32", extra_body={"adapters": "turbo4:0.8,style"})
     assert "this DiT loads none" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:  # JSON: objects inside lists
-        sdk.post("/videos", cast_to=openai.types.Video, body={"prompt": "a slow pan",
-                                                               "adapters": [{"name": "a", "strength": 1}]})
+        sdk.post(
+            "/videos",
+            cast_to=openai.types.Video,
+            body={"prompt": "a slow pan", "adapters": [{"name": "a", "strength": 1}]},
+        )
     assert caught.value.body["param"] == "adapters.0.strength"
     assert sdk.videos.poll(video.id, poll_interval_ms=200).status == "completed"
 
@@ -171,8 +177,9 @@ def test_the_same_idempotency_key_is_one_job(stack, sdk):
 
 def test_input_reference_is_the_first_keyframe(stack, sdk):
     image = png()
-    video = sdk.videos.create(prompt="<Picture 1> comes alive", input_reference=("key.png", image, "image/png"),
-                              **SMALL)
+    video = sdk.videos.create(
+        prompt="<Picture 1> comes alive", input_reference=("key.png", image, "image/png"), **SMALL
+    )
     assert video.h3serve["workflow"] == "fl2va"
     assert video.h3serve["first_frame"] == hashlib.sha256(image).hexdigest()
     assert sdk.videos.poll(video.id, poll_interval_ms=200).status == "completed"
@@ -201,14 +208,26 @@ def test_events_resume_after_a_disconnect_without_gap_or_repeat(stack, sdk):
 
 def test_json_requests_name_their_references(stack, sdk):
     """curl's way in: JSON, with an uploaded asset as a ref2va reference."""
-    upload = urllib.request.Request(f"{stack.http}/v1/assets", data=_multipart("file", "ref.png", png(64, 64)),
-                                    headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"})
+    upload = urllib.request.Request(
+        f"{stack.http}/v1/assets",
+        data=_multipart("file", "ref.png", png(64, 64)),
+        headers={"content-type": f"multipart/form-data; boundary={BOUNDARY}"},
+    )
     asset = json.load(urllib.request.urlopen(upload))
     assert (asset["object"], asset["kind"], asset["format"], asset["width"]) == ("asset", "image", "png", 64)
-    body = {"prompt": "<Picture 1> in a meadow", "size": "64x32", "steps": 4,
-            "references": [{"asset_id": asset["id"], "kind": "image"}]}
-    created = json.load(urllib.request.urlopen(urllib.request.Request(
-        f"{stack.http}/v1/videos", data=json.dumps(body).encode(), headers={"content-type": "application/json"})))
+    body = {
+        "prompt": "<Picture 1> in a meadow",
+        "size": "64x32",
+        "steps": 4,
+        "references": [{"asset_id": asset["id"], "kind": "image"}],
+    }
+    created = json.load(
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{stack.http}/v1/videos", data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+            )
+        )
+    )
     assert created["h3serve"]["workflow"] == "ref2va"
     assert created["h3serve"]["references"] == [{"asset_id": asset["id"], "kind": "image", "label": "<Picture 1>"}]
     assert sdk.videos.poll(created["id"], poll_interval_ms=200).status == "completed"
@@ -218,23 +237,32 @@ BOUNDARY = "h3serve-test-boundary"
 
 
 def _multipart(field: str, name: str, data: bytes) -> bytes:
-    return (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"{name}\"\r\n"
-            f"Content-Type: application/octet-stream\r\n\r\n").encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+    return (
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{field}"; filename="{name}"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
 
 
-@pytest.mark.parametrize("kwargs, status, param, reason", [
-    (dict(seconds="4"), 400, None, "seconds: must be between 5 and 14.375"),
-    (dict(size="big"), 400, "size", "size: width x height in pixels"),
-    (dict(size="64x30"), 400, None, "multiple"),
-    (dict(model="sora-2"), 400, "model", "serves 'minimax-h3'"),
-    (dict(extra_body={"colour": "red"}), 400, "colour", "colour: Extra inputs are not permitted"),
-    (dict(extra_body={"steps": 100000}), 400, None, "num_inference_steps"),
-    (dict(extra_body={"workflow": "t2v"}), 400, "workflow", "workflow:"),
-    (dict(input_reference=("notes.txt", b"not an image", "text/plain")), 400, None, "notes.txt"),
-    (dict(extra_body={"adapters": ["turbo4:0.8"]}), 400, None, "turbo4"),
-    (dict(extra_body={"flow_shift": 500}), 400, None, "flow_shift"),
-    (dict(extra_body={"references": "[not json"}), 400, "references", "references:"),
-])
+@pytest.mark.parametrize(
+    "kwargs, status, param, reason",
+    [
+        (dict(seconds="4"), 400, None, "seconds: must be between 5 and 14.375"),
+        (dict(size="big"), 400, "size", "size: width x height in pixels"),
+        (dict(size="64x30"), 400, None, "multiple"),
+        (dict(model="sora-2"), 400, "model", "serves 'minimax-h3'"),
+        (dict(extra_body={"colour": "red"}), 400, "colour", "colour: Extra inputs are not permitted"),
+        (dict(extra_body={"steps": 100000}), 400, None, "num_inference_steps"),
+        (dict(extra_body={"workflow": "t2v"}), 400, "workflow", "workflow:"),
+        (dict(input_reference=("notes.txt", b"not an image", "text/plain")), 400, None, "notes.txt"),
+        (dict(extra_body={"adapters": ["turbo4:0.8"]}), 400, None, "turbo4"),
+        (dict(extra_body={"flow_shift": 500}), 400, None, "flow_shift"),
+        (dict(extra_body={"references": "[not json"}), 400, "references", "references:"),
+    ],
+)
 def test_bad_requests_are_4xx_with_the_reason(stack, sdk, kwargs, status, param, reason):
     with pytest.raises(openai.APIStatusError) as caught:
         sdk.videos.create(prompt="a refused clip", **kwargs)
@@ -253,11 +281,13 @@ def test_unknown_ids_and_unfinished_content_are_404(stack, sdk):
     assert code == 404 and error["code"] == "not_found"
     assert http_error(f"{stack.http}/v1/videos?limit=0")[1]["param"] == "limit"
     assert http_error(f"{stack.http}/v1/videos?order=up")[1]["param"] == "order"
-    code, error = http_error(f"{stack.http}/v1/assets", data=b"{}", method="POST",
-                             headers={"content-type": "application/json"})
+    code, error = http_error(
+        f"{stack.http}/v1/assets", data=b"{}", method="POST", headers={"content-type": "application/json"}
+    )
     assert code == 400 and error["param"] == "file"
-    code, error = http_error(f"{stack.http}/v1/videos", data=b"not json", method="POST",
-                             headers={"content-type": "application/json"})
+    code, error = http_error(
+        f"{stack.http}/v1/videos", data=b"not json", method="POST", headers={"content-type": "application/json"}
+    )
     assert code == 400 and "not JSON" in error["message"]
 
 
@@ -276,8 +306,16 @@ def locked_gateway(tmp_path_factory, tiny_model_dir, certificate):
     root = tmp_path_factory.mktemp("locked")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
     cert, key = certificate
-    path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports, auth_token="s3cret",
-                        tls_cert=str(cert), tls_key=str(key), http_port=ports["http"])
+    path = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        auth_token="s3cret",
+        tls_cert=str(cert),
+        tls_key=str(key),
+        http_port=ports["http"],
+    )
     with ServiceGroup(load_deploy(path), str(path), log_dir=str(root), names=("gateway",), ready=is_answering):
         yield f"https://127.0.0.1:{ports['http']}/v1", cert
 
@@ -286,8 +324,9 @@ def test_the_bearer_token_and_tls_are_the_grpc_doors(locked_gateway):
     url, cert = locked_gateway
 
     def client(token: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=url, api_key=token, max_retries=0,
-                             http_client=openai.DefaultHttpxClient(verify=str(cert)))
+        return openai.OpenAI(
+            base_url=url, api_key=token, max_retries=0, http_client=openai.DefaultHttpxClient(verify=str(cert))
+        )
 
     with pytest.raises(openai.AuthenticationError) as caught:
         client("wrong").videos.list()
@@ -305,14 +344,21 @@ def test_the_bearer_token_and_tls_are_the_grpc_doors(locked_gateway):
 def test_a_gateway_stop_ends_open_event_streams(tmp_path, tiny_model_dir):
     """SIGTERM with a client on a job's event stream: the stream ends, the gateway exits 0 within its grace."""
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
-    path = write_config(tmp_path / "deploy.toml", str(tiny_model_dir), tmp_path / "gateway", ports,
-                        http_port=ports["http"])
+    path = write_config(
+        tmp_path / "deploy.toml", str(tiny_model_dir), tmp_path / "gateway", ports, http_port=ports["http"]
+    )
     group = ServiceGroup(load_deploy(path), str(path), log_dir=str(tmp_path), names=("gateway",), ready=is_answering)
     with group:
         base = f"http://127.0.0.1:{ports['http']}/v1"
-        video = json.load(urllib.request.urlopen(urllib.request.Request(  # queues: its stages are down
-            f"{base}/videos", data=b'{"prompt": "waits for its stages"}',
-            headers={"content-type": "application/json"})))
+        video = json.load(
+            urllib.request.urlopen(
+                urllib.request.Request(  # queues: its stages are down
+                    f"{base}/videos",
+                    data=b'{"prompt": "waits for its stages"}',
+                    headers={"content-type": "application/json"},
+                )
+            )
+        )
         stream = urllib.request.urlopen(f"{base}/videos/{video['id']}/events", timeout=60)
         assert stream.readline().decode().startswith("id: 1")
         gateway = group.running[0].process
@@ -339,12 +385,17 @@ def test_a_body_over_the_upload_limit_is_refused_before_it_is_read(stack):
 # Sizes (issue 29): a request too large is the client's to fix, never a 429 with `x-should-retry: true` (the SDKs
 # retried a 9 MB prompt for ever); only a full queue is worth a retry.
 
+
 @pytest.fixture()
 def counted_sdk(stack):
     """An SDK that would retry three times, and the list of the requests it actually sent."""
     sent = []
-    client = openai.OpenAI(base_url=f"{stack.http}/v1", api_key="unused", max_retries=3,
-                           http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}))
+    client = openai.OpenAI(
+        base_url=f"{stack.http}/v1",
+        api_key="unused",
+        max_retries=3,
+        http_client=openai.DefaultHttpxClient(event_hooks={"request": [sent.append]}),
+    )
     yield client, sent
     client.close()
 
@@ -355,8 +406,12 @@ def test_a_9_mb_prompt_is_a_400_on_the_prompt_and_never_retried(stack, counted_s
     with pytest.raises(openai.BadRequestError) as caught:  # the SDK's multipart form
         sdk.videos.create(prompt=prompt, size="64x32")
     assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
-    assert caught.value.body == {"message": f"prompt: at most 8192 characters, got {len(prompt)}",
-                                 "type": "invalid_request_error", "param": "prompt", "code": "invalid_argument"}
+    assert caught.value.body == {
+        "message": f"prompt: at most 8192 characters, got {len(prompt)}",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "invalid_argument",
+    }
     with pytest.raises(openai.BadRequestError) as caught:  # JSON
         sdk.post("/videos", cast_to=openai.types.Video, body={"prompt": prompt})
     assert caught.value.body["param"] == "prompt" and len(sent) == 2
@@ -374,8 +429,9 @@ def test_a_form_field_over_the_door_limit_is_a_400_and_never_retried(stack, coun
     sdk, sent = counted_sdk
     with pytest.raises(openai.BadRequestError) as caught:
         sdk.videos.create(prompt="x" * (20 << 20), size="64x32")
-    assert caught.value.body["type"] == "invalid_request_error" and "a field takes at most" in \
-        caught.value.body["message"]
+    assert (
+        caught.value.body["type"] == "invalid_request_error" and "a field takes at most" in caught.value.body["message"]
+    )
     assert caught.value.response.headers["x-should-retry"] == "false" and len(sent) == 1
 
 
@@ -386,15 +442,33 @@ def test_a_framework_refusal_is_openais_error_json(stack):
     assert code == 405 and error["message"] == "Method Not Allowed"
 
 
-@pytest.mark.parametrize("code, message, status, kind, retry", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9000044 vs. 4194304)", 413,
-     "invalid_request_error", "false"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (9000044 vs. 4194304)", 413,
-     "invalid_request_error", "false"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "the job queue is full: 8 unfinished jobs, the bound is 8; retry later", 429,
-     "rate_limit_error", "true"),
-    (grpc.StatusCode.UNAVAILABLE, "no replica", 503, "server_error", "true"),
-])
+@pytest.mark.parametrize(
+    "code, message, status, kind, retry",
+    [
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "Received message larger than max (9000044 vs. 4194304)",
+            413,
+            "invalid_request_error",
+            "false",
+        ),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "Sent message larger than max (9000044 vs. 4194304)",
+            413,
+            "invalid_request_error",
+            "false",
+        ),
+        (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "the job queue is full: 8 unfinished jobs, the bound is 8; retry later",
+            429,
+            "rate_limit_error",
+            "true",
+        ),
+        (grpc.StatusCode.UNAVAILABLE, "no replica", 503, "server_error", "true"),
+    ],
+)
 def test_too_large_and_too_many_map_apart(code, message, status, kind, retry):
     from h3serve.gateway.http.errors import error_response
 

@@ -27,8 +27,14 @@ TRUTHFUL_503 = ("no DiT replica is serving now",)
 def door(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("schema")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
-    path = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports, http_port=ports["http"],
-                        max_unfinished_jobs=4)
+    path = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        http_port=ports["http"],
+        max_unfinished_jobs=4,
+    )
     with ServiceGroup(load_deploy(path), str(path), log_dir=str(root), names=("gateway",), ready=is_answering):
         yield f"http://127.0.0.1:{ports['http']}", root
 
@@ -36,8 +42,10 @@ def door(tmp_path_factory, tiny_model_dir):
 def _checked(case, response) -> str:
     """The answer's status, asserted: below 500 (or a truthful 503), a 4xx in OpenAI's error shape."""
     status = response.status_code
-    where = f"{case.method} {case.formatted_path} {case.query or ''} {str(case.body)[:200]} -> {status} " \
-            f"{response.text[:300]}"
+    where = (
+        f"{case.method} {case.formatted_path} {case.query or ''} {str(case.body)[:200]} -> {status} "
+        f"{response.text[:300]}"
+    )
     if status == 503:
         assert case.path == "/healthz" or any(mark in response.text for mark in TRUTHFUL_503), where
     else:
@@ -53,10 +61,16 @@ def test_no_generated_request_gets_a_server_error(door):
     base_url, root = door
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/videos", "/v1/videos/{video_id}", "/v1/assets",
-                                              "/v1/videos/{video_id}/events", "/v1/videos/{video_id}/content"}
+    assert {op.path for op in operations} >= {
+        "/v1/videos",
+        "/v1/videos/{video_id}",
+        "/v1/assets",
+        "/v1/videos/{video_id}/events",
+        "/v1/videos/{video_id}/content",
+    }
     generated, statuses = 0, {}
     for operation in operations:
+
         @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(case=operation.as_strategy())
         def run(case):

@@ -31,8 +31,18 @@ EXTRAS = PROJECT["optional-dependencies"]
 # Imported directly but installed by a declared dependency, which pins it (the check below reads that it does).
 VIA = {"starlette": "fastapi", "tokenizers": "transformers"}
 # What a gateway host never installs.
-NOT_ON_A_GATEWAY = {"torch", "torchvision", "torchaudio", "diffusers", "accelerate", "torchao", "peft", "simpy",
-              "matplotlib", "grpcio-tools"}
+NOT_ON_A_GATEWAY = {
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "diffusers",
+    "accelerate",
+    "torchao",
+    "peft",
+    "simpy",
+    "matplotlib",
+    "grpcio-tools",
+}
 
 
 def names(*groups: str) -> set[str]:
@@ -71,9 +81,13 @@ def local_kernel_modules() -> set[str]:
     """The modules of the optional attention kernels (runtime/kernels/local.py's LocalKernel(module, package, ...)):
     each names its package and is checked when its backend is configured, so no extra installs it."""
     tree = ast.parse((PACKAGE / "runtime" / "kernels" / "local.py").read_text())
-    return {node.args[0].value.split(".")[0] for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LocalKernel"
-            and isinstance(node.args[0], ast.Constant)}
+    return {
+        node.args[0].value.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "LocalKernel"
+        and isinstance(node.args[0], ast.Constant)
+    }
 
 
 DISTRIBUTIONS = importlib.metadata.packages_distributions()
@@ -81,9 +95,11 @@ DISTRIBUTIONS = importlib.metadata.packages_distributions()
 
 def missing(top_names: set[str], allowed: set[str]) -> set[str]:
     """The names no distribution in `allowed` installs (a name not installed here is taken as its own distribution)."""
+
     def provided(name: str) -> bool:
         dists = {canonicalize_name(d) for d in DISTRIBUTIONS.get(name, [name])}
         return bool(dists & allowed) or VIA.get(name) in allowed
+
     return {name for name in top_names if not provided(name)}
 
 
@@ -95,10 +111,12 @@ def imports_of(*packages: str) -> set[str]:
     return set().union(*(set().union(*imports(path)) for path in files(*packages)))
 
 
-def check(paths: list[Path], module_groups: tuple[str, ...], function_groups: tuple[str, ...],
-          extra: set[str] = frozenset()) -> list[str]:
+def check(
+    paths: list[Path], module_groups: tuple[str, ...], function_groups: tuple[str, ...], extra: set[str] = frozenset()
+) -> list[str]:
     """What `paths` import that their groups do not install: at module level `module_groups`, inside functions
     those and `function_groups` ("" = the base); `extra`: names taken as provided."""
+
     def label(groups):
         return " + ".join(g or "base" for g in groups)
 
@@ -132,9 +150,13 @@ def loaded_at_start(path: Path) -> set[Path]:
             continue
         seen.add(current)
         for node in ast.iter_child_nodes(ast.parse(current.read_text())):
-            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module, *(f"{node.module}.{a.name}" for a in node.names)] \
-                if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             for module in modules:
                 if module.split(".")[0] == "h3serve":
                     base = ROOT / module.replace(".", "/")
@@ -167,14 +189,18 @@ def test_the_experiment_tool_needs_the_experiment_extra():
 
 def test_the_checks_see_every_package_and_the_imports_that_matter():
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
-    assert packages == {"v1", "model", "common", "client", "gateway", "cli", "runtime", "services", "experiment"}, \
+    assert packages == {"v1", "model", "common", "client", "gateway", "cli", "runtime", "services", "experiment"}, (
         "a new package needs its place in these checks"
+    )
     gateway = imports_of("gateway")
     assert {"grpc", "fastapi", "PIL", "av", "transformers"} <= gateway, gateway
     assert {"torch", "diffusers"} <= imports_of("services"), "the check sees the services' imports"
     for name, parent in VIA.items():  # the dependency that installs what is imported without being declared
-        requires = {canonicalize_name(Requirement(r).name) for r in importlib.metadata.requires(parent) or ()
-                    if "extra ==" not in r}
+        requires = {
+            canonicalize_name(Requirement(r).name)
+            for r in importlib.metadata.requires(parent) or ()
+            if "extra ==" not in r
+        }
         assert canonicalize_name(name) in requires, f"{parent} no longer requires {name}: declare it"
 
 
@@ -183,8 +209,9 @@ def test_a_gateway_host_installs_no_torch_and_no_build_tool():
     assert not base & NOT_ON_A_GATEWAY, base & NOT_ON_A_GATEWAY
     assert {"torch", "diffusers"} <= names("model") and {"simpy", "matplotlib"} <= names("experiment")
     assert "grpcio-tools" in names("dev"), "make proto runs grpc_tools.protoc"
-    assert "grpc_tools" not in imports_of(*(p.name for p in PACKAGE.iterdir() if p.is_dir())), \
+    assert "grpc_tools" not in imports_of(*(p.name for p in PACKAGE.iterdir() if p.is_dir())), (
         "grpcio-tools generates the stubs; nothing imports it at run time"
+    )
 
 
 def test_make_installs_every_extra_demo_and_test_use():
@@ -205,14 +232,35 @@ def test_a_plain_install_runs_the_gateway_without_torch(tmp_path):
     shutil.copytree(PACKAGE, source / "h3serve", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if not (source / "h3serve" / "v1" / "gateway_pb2.py").exists():  # a clone before `make proto`: as make does
         protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "protos" / "h3serve" / "v1").glob("*.proto"))
-        subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "protos", f"--python_out={source}",
-                        f"--grpc_python_out={source}", *protos], cwd=ROOT, check=True, timeout=120)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "grpc_tools.protoc",
+                "-I",
+                "protos",
+                f"--python_out={source}",
+                f"--grpc_python_out={source}",
+                *protos,
+            ],
+            cwd=ROOT,
+            check=True,
+            timeout=120,
+        )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    python, env = str(venv / "bin" / "python"), {k: v for k, v in os.environ.items()
-                                                   if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    install = subprocess.run([python, "-m", "pip", "install", "-q", str(source)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=420)
+    python, env = (
+        str(venv / "bin" / "python"),
+        {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+    )
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", str(source)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     consistent = subprocess.run([python, "-m", "pip", "check"], env=env, capture_output=True, text=True, timeout=60)
     assert consistent.returncode == 0, consistent.stdout
@@ -233,11 +281,17 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in {"torch", "torchvision
     out = subprocess.run([python, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
-    cli = subprocess.run([str(venv / "bin" / "h3serve"), "capacity", "--config",
-                          str(ROOT / "docs" / "deploy" / "tiny-cpu.toml")], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [str(venv / "bin" / "h3serve"), "capacity", "--config", str(ROOT / "docs" / "deploy" / "tiny-cpu.toml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0 and "packed rows" in cli.stdout, cli.stdout + cli.stderr
     for module in ("torch", "diffusers", "simpy", "matplotlib", "grpc_tools"):
-        absent = subprocess.run([python, "-c", f"import {module}"], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=60)
+        absent = subprocess.run(
+            [python, "-c", f"import {module}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
         assert absent.returncode != 0 and "ModuleNotFoundError" in absent.stderr, (module, absent.stderr)

@@ -32,8 +32,9 @@ def refused(call, request) -> grpc.RpcError:
 
 
 def test_delete_cancels_a_running_job_and_restore_brings_it_back(client):
-    job = client.stub.Submit(S.GenerateRequest(prompt="into the bin", seed=5, height=32, width=64,
-                                               num_inference_steps=40))
+    job = client.stub.Submit(
+        S.GenerateRequest(prompt="into the bin", seed=5, height=32, width=64, num_inference_steps=40)
+    )
     stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
     events = []
     for event in stream:
@@ -69,9 +70,11 @@ def test_a_deleted_finished_job_keeps_its_video(client):
 
 
 def test_delete_and_restore_of_an_unknown_job_are_not_found(client):
-    for call, request in ((client.stub.DeleteJob, S.DeleteJobRequest(job_id="no-such-job")),
-                          (client.stub.RestoreJob, S.RestoreJobRequest(job_id="no-such-job")),
-                          (client.stub.ListJobs, S.ListJobsRequest(after_job_id="no-such-job"))):
+    for call, request in (
+        (client.stub.DeleteJob, S.DeleteJobRequest(job_id="no-such-job")),
+        (client.stub.RestoreJob, S.RestoreJobRequest(job_id="no-such-job")),
+        (client.stub.ListJobs, S.ListJobsRequest(after_job_id="no-such-job")),
+    ):
         err = refused(call, request)
         assert err.code() == grpc.StatusCode.NOT_FOUND and "no-such-job" in err.details(), err.details()
 
@@ -95,7 +98,8 @@ def test_progress_rises_from_zero_to_one_event_by_event(client):
     assert len(set(values)) >= 8, "encoding, each denoising step, decoding and muxing each move the bar"
     assert client.job(job.job_id).progress == 1.0
     assert {j.job_id: j.progress for j in client.stub.ListJobs(S.ListJobsRequest(page_size=1000)).jobs}[
-        job.job_id] == 1.0
+        job.job_id
+    ] == 1.0
 
 
 def pages(client, by_job_id: bool, oldest_first: bool) -> list[list[str]]:

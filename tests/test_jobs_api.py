@@ -76,8 +76,9 @@ def test_submit_is_idempotent_on_the_request_id(stack, client):
 
 
 def test_watch_reattaches_after_the_client_disconnects(client):
-    stream = client.stub.Generate(S.GenerateRequest(prompt="a long night train", seed=8, height=32, width=64,
-                                                    num_inference_steps=30))
+    stream = client.stub.Generate(
+        S.GenerateRequest(prompt="a long night train", seed=8, height=32, width=64, num_inference_steps=30)
+    )
     seen = []
     for event in stream:
         seen.append(event)
@@ -107,8 +108,12 @@ def test_list_jobs_filters_by_state_and_pages(client):
     assert all(job.state == S.JOB_STATE_SUCCEEDED and not job.stage_records for jobs in pages for job in jobs)
     cancelled = client.stub.ListJobs(S.ListJobsRequest(states=[S.JOB_STATE_CANCELLED], page_size=1000))
     assert all(job.state == S.JOB_STATE_CANCELLED for job in cancelled.jobs)
-    for bad, field in ((dict(page_size=1001), "page_size"), (dict(page_size=-1), "page_size"),
-                       (dict(states=[99]), "states"), (dict(page_token="abc"), "page_token")):
+    for bad, field in (
+        (dict(page_size=1001), "page_size"),
+        (dict(page_size=-1), "page_size"),
+        (dict(states=[99]), "states"),
+        (dict(page_token="abc"), "page_token"),
+    ):
         with pytest.raises(grpc.RpcError) as err:
             client.stub.ListJobs(S.ListJobsRequest(**bad))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field)
@@ -121,8 +126,9 @@ def test_admission_refuses_over_capacity_with_the_ceiling(client):
     with pytest.raises(grpc.RpcError) as err:
         client.stub.Submit(S.GenerateRequest(prompt="a", height=512, width=512, num_frames=260))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith("num_frames: 512x512 allows at most 243 frames here: 260 frames need "
-                                          "20,579 packed rows"), err.value.details()
+    assert err.value.details().startswith(
+        "num_frames: 512x512 allows at most 243 frames here: 260 frames need 20,579 packed rows"
+    ), err.value.details()
     assert client.stub.ListJobs(S.ListJobsRequest(page_size=1000)) == before, "nothing was written"
 
 
@@ -145,8 +151,11 @@ def test_info_reports_each_stage(stack, client):
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_metrics_scrape_has_the_named_series(stack, client):
@@ -180,8 +189,9 @@ def test_stages_overlap_across_three_jobs(stack, client):
         dit = [r.pid for r in dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest(), timeout=10).ranks]
     with stopped(vae):
         first = client.stub.Submit(S.GenerateRequest(prompt="overlap one", seed=1, **SMALL))
-        second = client.stub.Submit(S.GenerateRequest(prompt="overlap two", seed=2, height=128, width=224,
-                                                      num_inference_steps=40))
+        second = client.stub.Submit(
+            S.GenerateRequest(prompt="overlap two", seed=2, height=128, width=224, num_inference_steps=40)
+        )
         first_event(client, second.job_id, "denoising")  # job 1 cannot have finished: its decode is held
         with stopped(dit):
             third = client.stub.Submit(S.GenerateRequest(prompt="overlap three", seed=3, **SMALL))

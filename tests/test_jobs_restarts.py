@@ -16,8 +16,13 @@ from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import common_pb2, gateway_pb2
 
 S = gateway_pb2
-REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124,
-                            params=common_pb2.GenerationParams(num_inference_steps=2, seed=1))
+REQUEST = S.ResolvedRequest(
+    prompt="a fox",
+    height=32,
+    width=64,
+    num_frames=124,
+    params=common_pb2.GenerationParams(num_inference_steps=2, seed=1),
+)
 
 
 def test_a_restart_spends_no_attempt_and_the_restart_bound_ends_a_job_caught_in_flight_too_often(tmp_path):
@@ -44,8 +49,13 @@ def test_a_restart_spends_no_attempt_and_the_restart_bound_ends_a_job_caught_in_
                 await store.stage_update(dit, started=3.0)
                 await store.append_event(job_id, S.JobEvent(denoising=S.Denoising(step=1)))
         for _ in range(times_caught):
-            await store.requeue("poison", S.JobEvent(retrying=S.Retrying(attempt=1)), count_attempt=False,
-                                interrupted=INTERRUPTED, count_restart=True)
+            await store.requeue(
+                "poison",
+                S.JobEvent(retrying=S.Retrying(attempt=1)),
+                count_attempt=False,
+                interrupted=INTERRUPTED,
+                count_restart=True,
+            )
             await store.start_attempt("poison")
             record = await store.stage_enqueued("poison", 1, "dit")
             await store.stage_update(record, started=5.0)
@@ -67,16 +77,26 @@ def test_a_restart_spends_no_attempt_and_the_restart_bound_ends_a_job_caught_in_
         for job_id in ("denoising", "encoded", "poison"):
             job = await store.get_job(job_id)
             assert (job.state, job.attempts) == (S.JOB_STATE_QUEUED, 0), job_id
-            assert [r.error for r in job.stage_records if r.finished == 0] == [INTERRUPTED] * \
-                len([r for r in job.stage_records if r.finished == 0]), job_id
+            assert [r.error for r in job.stage_records if r.finished == 0] == [INTERRUPTED] * len(
+                [r for r in job.stage_records if r.finished == 0]
+            ), job_id
         retrying = {job_id: (await store.events(job_id))[-1].retrying for job_id in ("denoising", "encoded", "poison")}
-        assert retrying["denoising"] == S.Retrying(attempt=1, max_attempts=1, reason=(
-            f"the gateway restarted while this job was in the dit stage; re-run 1 of {MAX_RESTART_RERUNS} after a "
-            "restart; attempt not counted"))
-        assert retrying["encoded"].reason == "the gateway restarted while this job waited for the dit stage; " \
-                                            "attempt not counted"
-        assert retrying["poison"].reason.startswith("the gateway restarted while this job was in the dit stage; "
-                                                    f"re-run {MAX_RESTART_RERUNS} of {MAX_RESTART_RERUNS}")
+        assert retrying["denoising"] == S.Retrying(
+            attempt=1,
+            max_attempts=1,
+            reason=(
+                f"the gateway restarted while this job was in the dit stage; re-run 1 of {MAX_RESTART_RERUNS} after a "
+                "restart; attempt not counted"
+            ),
+        )
+        assert (
+            retrying["encoded"].reason == "the gateway restarted while this job waited for the dit stage; "
+            "attempt not counted"
+        )
+        assert retrying["poison"].reason.startswith(
+            "the gateway restarted while this job was in the dit stage; "
+            f"re-run {MAX_RESTART_RERUNS} of {MAX_RESTART_RERUNS}"
+        )
 
         # Each runs again and is caught once more: the poison job is past its bound, the others are not.
         for job_id in ("denoising", "encoded", "poison"):
@@ -90,7 +110,8 @@ def test_a_restart_spends_no_attempt_and_the_restart_bound_ends_a_job_caught_in_
         assert poison.error.message == (
             f"the gateway restarted while this job was in the dit stage: {MAX_RESTART_RERUNS + 1} restarts caught one "
             "of its stages in progress; restarts spend none of its 1 attempts, but after "
-            f"{MAX_RESTART_RERUNS} such re-runs the job ends, in case it is what brings the gateway down")
+            f"{MAX_RESTART_RERUNS} such re-runs the job ends, in case it is what brings the gateway down"
+        )
         assert (await store.get_job("denoising")).attempts == 0
         assert "re-run 2 of" in (await store.events("denoising"))[-1].retrying.reason
         await store.close()
@@ -103,8 +124,10 @@ def test_five_jobs_survive_three_gateway_kills_without_spending_an_attempt(stack
     """The field report: three gateway kills within a minute failed five queued jobs with `ABORTED ... (attempt 3
     of 3)`. Here the first job is mid-denoise at every kill (the others encoded or queued behind it): all complete,
     each on its first attempt."""
-    requests = [S.GenerateRequest(prompt=f"restart-proof clip {i}", height=32, width=64, num_inference_steps=40,
-                                  seed=i) for i in range(5)]
+    requests = [
+        S.GenerateRequest(prompt=f"restart-proof clip {i}", height=32, width=64, num_inference_steps=40, seed=i)
+        for i in range(5)
+    ]
     with GatewayClient(stack.address("gateway")) as client:
         jobs = [client.stub.Submit(request) for request in requests]
     first = jobs[0].job_id
@@ -134,6 +157,8 @@ def test_five_jobs_survive_three_gateway_kills_without_spending_an_attempt(stack
     caught = [r.stage for r in job.stage_records if r.error == INTERRUPTED and r.started > 0]
     first_retries = [e.retrying.reason for e in events if e.HasField("retrying")]
     assert len(caught) == 3 and set(caught) <= {"dit", "vae"}, caught
-    assert first_retries == [f"the gateway restarted while this job was in the {stage} stage; re-run {n} of "
-                             f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"
-                             for n, stage in enumerate(caught, 1)]
+    assert first_retries == [
+        f"the gateway restarted while this job was in the {stage} stage; re-run {n} of "
+        f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"
+        for n, stage in enumerate(caught, 1)
+    ]

@@ -29,8 +29,13 @@ def _h3serve_imports(path: Path) -> set[str]:
     """The h3serve packages a module imports, at any depth of its code (function-level imports included)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         found |= {name.split(".")[1] for name in names if name.startswith("h3serve.") and name.count(".") >= 1}
     return found
 
@@ -44,9 +49,11 @@ def test_every_package_imports_only_the_layers_below_it():
         for imported in _h3serve_imports(path) - ALLOWED[package] - {package}:
             wrong.append(f"{path.relative_to(ROOT.parent)} imports h3serve.{imported}")
     assert not wrong, "\n".join(wrong)
-    assert set(ALLOWED) == {p.name.removesuffix(".py") for p in ROOT.iterdir()
-                            if p.name != "__init__.py" and not p.name.startswith("__pycache__")}, \
-        "a new package needs its place in ALLOWED"
+    assert set(ALLOWED) == {
+        p.name.removesuffix(".py")
+        for p in ROOT.iterdir()
+        if p.name != "__init__.py" and not p.name.startswith("__pycache__")
+    }, "a new package needs its place in ALLOWED"
 
 
 def test_the_gateway_loads_without_torch_in_a_fresh_interpreter():

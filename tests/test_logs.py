@@ -22,14 +22,23 @@ logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass and is 
                                                  "torch.compile", logging.Logger)
 logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").critical("a genuine diffusers record")
 """
-KNOWN_NOTICES = ("Unable to import `torchao` Tensor objects", "KernelPreference", "ScaleCalculationMode",
-                 "weight_norm` is deprecated")
+KNOWN_NOTICES = (
+    "Unable to import `torchao` Tensor objects",
+    "KernelPreference",
+    "ScaleCalculationMode",
+    "weight_norm` is deprecated",
+)
 
 
 def test_a_service_log_has_no_known_notices_and_every_genuine_warning():
-    stderr = subprocess.run([sys.executable, "-c", SERVICE_START], capture_output=True, text=True, check=True,
-                            timeout=240).stderr
+    stderr = subprocess.run(
+        [sys.executable, "-c", SERVICE_START], capture_output=True, text=True, check=True, timeout=240
+    ).stderr
     assert [notice for notice in KNOWN_NOTICES if notice in stderr] == [], stderr
-    for genuine in ("UserWarning: a genuine warning", "FutureWarning: a genuine deprecation",
-                    "<class 'logging.Logger'> is an Enum subclass", "a genuine diffusers record"):
+    for genuine in (
+        "UserWarning: a genuine warning",
+        "FutureWarning: a genuine deprecation",
+        "<class 'logging.Logger'> is an Enum subclass",
+        "a genuine diffusers record",
+    ):
         assert genuine in stderr, f"{genuine!r} missing:\n{stderr}"

@@ -32,8 +32,9 @@ STEPS, SEED = 4, 11
 def media_stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("media-stack")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                          model=GEOMETRY.pipeline_configs(), **LIMITS)
+    config = write_config(
+        root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports, model=GEOMETRY.pipeline_configs(), **LIMITS
+    )
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)):
         yield root, ports
 
@@ -48,9 +49,14 @@ def client(media_stack):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("media")
-    return {"wide": image(d / "wide.png", 48, 32, seed=1), "tall": image(d / "tall.jpg", 30, 40, seed=2, fmt="JPEG"),
-            "video": mp4(d / "clip.mp4", 64, 36, 30, seed=3), "voice": wav(d / "voice.wav", 2.0, seed=4),
-            "long": wav(d / "long.wav", 5.0, seed=5), "short": wav(d / "short.wav", 4.0, seed=6)}
+    return {
+        "wide": image(d / "wide.png", 48, 32, seed=1),
+        "tall": image(d / "tall.jpg", 30, 40, seed=2, fmt="JPEG"),
+        "video": mp4(d / "clip.mp4", 64, 36, 30, seed=3),
+        "voice": wav(d / "voice.wav", 2.0, seed=4),
+        "long": wav(d / "long.wav", 5.0, seed=5),
+        "short": wav(d / "short.wav", 4.0, seed=6),
+    }
 
 
 def generate(client, request: gateway_pb2.GenerateRequest):
@@ -69,8 +75,9 @@ def assert_matches_diffusers(client, tmp_path, final, events, reference: Referen
     assert np.array_equal(served["frames"], expected["frames"])
     assert np.array_equal(served["audio"], expected["audio"])
     accepted = events[0].accepted.request
-    assert accepted.condition_rows == int(expected["condition_rows"].sum()) > 0, \
+    assert accepted.condition_rows == int(expected["condition_rows"].sum()) > 0, (
         "the gateway counted exactly the rows diffusers packed"
+    )
     # The text rows include every vision token of the keyframes / references: the gateway predicted them at submit.
     assert accepted.text_rows == int(expected["text_rows"]) > len(accepted.prompt.encode())
     assert accepted.total_rows == int(expected["packed_rows"])
@@ -80,8 +87,9 @@ def assert_matches_diffusers(client, tmp_path, final, events, reference: Referen
 @pytest.mark.parametrize("frames", [("wide", None), (None, "wide"), ("wide", "tall")], ids=["first", "last", "both"])
 def test_fl2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_model_dir, frames):
     first, last = (files[name] if name else None for name in frames)
-    request = gateway_pb2.GenerateRequest(prompt="<Picture 1> turns into a storm", num_inference_steps=STEPS,
-                                          seed=SEED, include_raw=True)
+    request = gateway_pb2.GenerateRequest(
+        prompt="<Picture 1> turns into a storm", num_inference_steps=STEPS, seed=SEED, include_raw=True
+    )
     if first:
         request.first_frame = client.upload(first).asset_id
     if last:
@@ -91,10 +99,26 @@ def test_fl2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_model
     assert accepted.workflow == common_pb2.WORKFLOW_FL2VA
     # No height/width given: the canvas follows the first keyframe (48x32 and 30x40 at short edge 32).
     assert (accepted.height, accepted.width) == (32, 64)
-    assert [e.conditioning.done for e in events if e.HasField("conditioning")] == list(range(1, 1 + sum(map(bool, frames))))
-    assert_matches_diffusers(client, tmp_path, final, events, ReferenceRequest(
-        request.prompt, None, None, 124, STEPS, SEED, first_frame=first and str(first), last_frame=last and str(last)),
-        tiny_model_dir)
+    assert [e.conditioning.done for e in events if e.HasField("conditioning")] == list(
+        range(1, 1 + sum(map(bool, frames)))
+    )
+    assert_matches_diffusers(
+        client,
+        tmp_path,
+        final,
+        events,
+        ReferenceRequest(
+            request.prompt,
+            None,
+            None,
+            124,
+            STEPS,
+            SEED,
+            first_frame=first and str(first),
+            last_frame=last and str(last),
+        ),
+        tiny_model_dir,
+    )
     job = client.job(final.job_id)
     assert [s.stage for s in job.stages] == ["encode", "condition", "denoise", "decode", "mux"]
     records = {r.stage: r for r in job.stage_records}
@@ -111,21 +135,40 @@ REF2VA_CASES = {
 @pytest.mark.fidelity
 @pytest.mark.parametrize("case", REF2VA_CASES)
 def test_ref2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_model_dir, case):
-    kinds = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO,
-             "audio": media_pb2.ASSET_KIND_AUDIO}
+    kinds = {
+        "image": media_pb2.ASSET_KIND_IMAGE,
+        "video": media_pb2.ASSET_KIND_VIDEO,
+        "audio": media_pb2.ASSET_KIND_AUDIO,
+    }
     refs = REF2VA_CASES[case]
-    request = gateway_pb2.GenerateRequest(prompt="<Picture 1> sings <Audio 1>", height=32, width=64,
-                                          num_inference_steps=STEPS, seed=SEED, include_raw=True)
+    request = gateway_pb2.GenerateRequest(
+        prompt="<Picture 1> sings <Audio 1>",
+        height=32,
+        width=64,
+        num_inference_steps=STEPS,
+        seed=SEED,
+        include_raw=True,
+    )
     for kind, name in refs:
         request.references.add(asset_id=client.upload(files[name]).asset_id, kind=kinds[kind])
     final, events = generate(client, request)
     accepted = events[0].accepted.request
     assert accepted.workflow == common_pb2.WORKFLOW_REF2VA
-    expected_labels = {"image+audio": ["<Picture 1>", "<Audio 1>"],
-                       "video+image+audio": ["<Audio 1> <Video 1>", "<Picture 1>", "<Audio 2>"]}[case]
+    expected_labels = {
+        "image+audio": ["<Picture 1>", "<Audio 1>"],
+        "video+image+audio": ["<Audio 1> <Video 1>", "<Picture 1>", "<Audio 2>"],
+    }[case]
     assert [r.label for r in accepted.references] == expected_labels
-    assert_matches_diffusers(client, tmp_path, final, events, ReferenceRequest(
-        request.prompt, 32, 64, 124, STEPS, SEED, references=tuple((k, str(files[n])) for k, n in refs)), tiny_model_dir)
+    assert_matches_diffusers(
+        client,
+        tmp_path,
+        final,
+        events,
+        ReferenceRequest(
+            request.prompt, 32, 64, 124, STEPS, SEED, references=tuple((k, str(files[n])) for k, n in refs)
+        ),
+        tiny_model_dir,
+    )
 
 
 def test_dit_reports_its_workflows_and_partitions(media_stack):
@@ -144,8 +187,13 @@ def test_same_file_uploaded_twice_is_stored_once(client, media_stack, files):
     assert [b.name for b in blobs].count(first.asset_id) == 1
     assert (media_stack[0] / "gateway" / "assets" / "blobs" / first.asset_id).read_bytes() == files["wide"].read_bytes()
     video = client.upload(files["video"])
-    assert (video.kind, video.num_frames, video.fps, video.has_audio, video.sample_rate) == \
-        (media_pb2.ASSET_KIND_VIDEO, 30, 24.0, True, 32000)
+    assert (video.kind, video.num_frames, video.fps, video.has_audio, video.sample_rate) == (
+        media_pb2.ASSET_KIND_VIDEO,
+        30,
+        24.0,
+        True,
+        32000,
+    )
 
 
 def _refused(client, path: Path):
@@ -169,8 +217,7 @@ def test_invalid_assets_are_refused_with_the_reason(client, files, tmp_path):
 
     err = _refused(client, files["long"])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.details() == ("asset 'long.wav': audio duration past 4.5 s, over the limit of 4.5 s "
-                             "(max_audio_seconds)")
+    assert err.details() == ("asset 'long.wav': audio duration past 4.5 s, over the limit of 4.5 s (max_audio_seconds)")
 
     empty = tmp_path / "empty.wav"
     empty.write_bytes(b"")
@@ -220,9 +267,11 @@ def test_request_over_capacity_is_refused_at_submit_with_the_numbers(client, fil
     # 48x32 image at a 64 short edge -> 96x64 -> 6 rows; 3 x 4 s of audio -> 3 x 2 x 160 rows;
     # generated 37 latent frames x 2 rows + 2 x 207 audio rows; text: the 11-byte prompt, "<Picture 1>: " (13) and
     # a vision block of 6 + 2 rows (96x64 in 32-pixel merged patches), three "<Audio j>: " (11 each).
-    assert err.details() == ("references: 32x64 allows no video here, not even 124 frames: 124 frames need 1,519 "
-                             "packed rows (text 65, audio 414, video 74, conditioning 966), this deployment's "
-                             "max_rows is 1,000")
+    assert err.details() == (
+        "references: 32x64 allows no video here, not even 124 frames: 124 frames need 1,519 "
+        "packed rows (text 65, audio 414, video 74, conditioning 966), this deployment's "
+        "max_rows is 1,000"
+    )
 
 
 def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_model_dir, tmp_path):
@@ -231,19 +280,59 @@ def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_
     import subprocess
     import sys
 
-    media = ["--prompt", "<Picture 2> at dusk", "--first-frame", str(files["wide"]), "--last-frame", str(files["tall"]),
-             "--steps", "3", "--seed", "2"]
-    out = subprocess.run([sys.executable, "-m", "h3serve.cli", "generate", "--gateway",
-                          f"127.0.0.1:{media_stack[1]['gateway']}", *media, "--out", str(tmp_path / "fl.mp4"),
-                          "--raw", str(tmp_path / "served.npz")], capture_output=True, text=True, check=True)
+    media = [
+        "--prompt",
+        "<Picture 2> at dusk",
+        "--first-frame",
+        str(files["wide"]),
+        "--last-frame",
+        str(files["tall"]),
+        "--steps",
+        "3",
+        "--seed",
+        "2",
+    ]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "generate",
+            "--gateway",
+            f"127.0.0.1:{media_stack[1]['gateway']}",
+            *media,
+            "--out",
+            str(tmp_path / "fl.mp4"),
+            "--raw",
+            str(tmp_path / "served.npz"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert (tmp_path / "fl.mp4").stat().st_size > 0
     assert "stages: encode" in out.stdout and "condition" in out.stdout
-    subprocess.run([sys.executable, "-m", "h3serve.cli", "reference", "--model-dir", str(tiny_model_dir),
-                    "--config", str(media_stack[0] / "deploy.toml"), *media, "--raw", str(tmp_path / "ref.npz")],
-                   capture_output=True, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "reference",
+            "--model-dir",
+            str(tiny_model_dir),
+            "--config",
+            str(media_stack[0] / "deploy.toml"),
+            *media,
+            "--raw",
+            str(tmp_path / "ref.npz"),
+        ],
+        capture_output=True,
+        check=True,
+    )
     served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")
     assert served["frames"].shape == (124, 32, 64, 3)
     assert np.array_equal(served["frames"], reference["frames"]) and np.array_equal(served["audio"], reference["audio"])
+
 
 def _stub(media_stack, name: str, module, service: str):
     return getattr(module, f"{service}Stub")(grpc.insecure_channel(f"127.0.0.1:{media_stack[1][name]}"))
@@ -259,15 +348,20 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
 
     def spec(kind: int) -> media_pb2.MediaInput:
         item = media_pb2.MediaItem(asset_id="a", kind=kind, role=media_pb2.MEDIA_ROLE_REFERENCE, bytes=len(data))
-        return media_pb2.MediaInput(spec=media_pb2.MediaSpec(workflow=common_pb2.WORKFLOW_REF2VA, height=32, width=64,
-                                                             num_frames=124, items=[item], prompt="a voice"))
+        return media_pb2.MediaInput(
+            spec=media_pb2.MediaSpec(
+                workflow=common_pb2.WORKFLOW_REF2VA, height=32, width=64, num_frames=124, items=[item], prompt="a voice"
+            )
+        )
 
     cases = [
         ([chunk], "unexpected chunk message: send one spec, then the assets' chunks"),
         ([spec(media_pb2.ASSET_KIND_IMAGE)], f"asset 'a' truncated: 0 of {len(data)} bytes arrived"),
         # The model's rule, checked on the spec before any byte is read: audio needs a picture or a video.
-        ([spec(media_pb2.ASSET_KIND_AUDIO), chunk], "items: audio references need at least one image or video "
-                                                    "reference with them"),
+        (
+            [spec(media_pb2.ASSET_KIND_AUDIO), chunk],
+            "items: audio references need at least one image or video reference with them",
+        ),
         # Complete and well formed, but not what it claims to be: named by the asset and what its bytes are, not a path.
         ([spec(media_pb2.ASSET_KIND_IMAGE), chunk], "asset a: declared an image, but its bytes are audio (wav)"),
     ]
@@ -279,8 +373,14 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
             assert err.value.details().startswith(reason), (rpc, err.value.details())
 
     dit = _stub(media_stack, "dit", dit_pb2_grpc, "DiT")
-    fl2va = dit_pb2.DenoiseSpec(workflow=common_pb2.WORKFLOW_FL2VA, height=32, width=64, num_frames=124,
-                                params=common_pb2.GenerationParams(num_inference_steps=2), keyframe_anchors=["first"])
+    fl2va = dit_pb2.DenoiseSpec(
+        workflow=common_pb2.WORKFLOW_FL2VA,
+        height=32,
+        width=64,
+        num_frames=124,
+        params=common_pb2.GenerationParams(num_inference_steps=2),
+        keyframe_anchors=["first"],
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(dit.Denoise(iter([dit_pb2.DenoiseInput(spec=fl2va)])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -288,8 +388,13 @@ def test_stage_media_rpcs_refuse_malformed_streams_and_media(media_stack, files)
 
 
 def test_a_repeated_conditioned_request_hits_the_encoder_cache(client, files):
-    request = gateway_pb2.GenerateRequest(prompt="<Picture 1> waves, cache probe", height=32, width=64,
-                                          num_inference_steps=2, first_frame=client.upload(files["tall"]).asset_id)
+    request = gateway_pb2.GenerateRequest(
+        prompt="<Picture 1> waves, cache probe",
+        height=32,
+        width=64,
+        num_inference_steps=2,
+        first_frame=client.upload(files["tall"]).asset_id,
+    )
     hits = []
     for seed in (1, 2):
         request.seed = seed

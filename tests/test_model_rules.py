@@ -31,8 +31,11 @@ def _fact(name):
 
 
 CHUNK, KEPT = _fact("vae_frames_per_chunk"), _fact("vae_latents_per_chunk")
-GEOMETRIES = [Geometry(), Geometry(canvas_short_edge=64, canvas_max_pixels=64 * 128, reference_image_short_edge=96),
-              Geometry(canvas_short_edge=480, canvas_max_pixels=480 * 832, reference_image_short_edge=1024)]
+GEOMETRIES = [
+    Geometry(),
+    Geometry(canvas_short_edge=64, canvas_max_pixels=64 * 128, reference_image_short_edge=96),
+    Geometry(canvas_short_edge=480, canvas_max_pixels=480 * 832, reference_image_short_edge=1024),
+]
 
 
 def test_the_constants_are_the_pipelines():
@@ -41,13 +44,19 @@ def test_the_constants_are_the_pipelines():
     assert (rules.SAMPLE_RATE, rules.AUDIO_CHANNELS) == (_fact("audio_sampling_rate"), _fact("audio_channels"))
     spatial, patch = _fact("vae_spatial_compression_ratio"), _fact("patch_size")[2]
     assert (rules.VAE_SPATIAL_RATIO, rules.PATCH, rules.CANVAS_MULTIPLE) == (spatial, patch, spatial * patch)
-    assert (rules.VIDEO_TAG, rules.TEXT_TAG, rules.AUDIO_TAG) == (MINIMAX_H3_VIDEO_TAG, MINIMAX_H3_TEXT_TAG,
-                                                                  MINIMAX_H3_AUDIO_TAG)
+    assert (rules.VIDEO_TAG, rules.TEXT_TAG, rules.AUDIO_TAG) == (
+        MINIMAX_H3_VIDEO_TAG,
+        MINIMAX_H3_TEXT_TAG,
+        MINIMAX_H3_AUDIO_TAG,
+    )
 
 
 def test_valid_frames_are_what_diffusers_generates_unchanged():
-    accepted = {f for f in range(1, 401) if align_num_frames(f, CHUNK, KEPT) == f
-                and _fact("min_duration") <= f / rules.FPS <= _fact("max_duration")}
+    accepted = {
+        f
+        for f in range(1, 401)
+        if align_num_frames(f, CHUNK, KEPT) == f and _fact("min_duration") <= f / rules.FPS <= _fact("max_duration")
+    }
     assert set(VALID_NUM_FRAMES) == accepted and VALID_NUM_FRAMES == tuple(range(124, 346, 17))
 
 
@@ -83,8 +92,10 @@ def test_seconds_outside_the_range(seconds):
     assert rules.frames_for_seconds(seconds) is None
 
 
-ASPECTS = sorted({(w, h) for w, h in itertools.product(range(1, 33), repeat=2) if rules.aspect_ok(w, h)} |
-                 {(1920, 1080), (1080, 1920), (500, 125), (1280, 720), (48, 32), (90, 40), (7, 5)})
+ASPECTS = sorted(
+    {(w, h) for w, h in itertools.product(range(1, 33), repeat=2) if rules.aspect_ok(w, h)}
+    | {(1920, 1080), (1080, 1920), (500, 125), (1280, 720), (48, 32), (90, 40), (7, 5)}
+)
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: str(g.canvas_short_edge))
@@ -109,13 +120,21 @@ def test_a_stage_takes_every_canvas_the_gateway_resolves_and_sizes_its_buffers_f
     step per side; the largest canvas they take is what their input buffers are sized for."""
     resolved = {geometry.canvas_for_aspect(width, height) for width, height in ASPECTS}
     assert max(h * w for h, w in resolved) > geometry.canvas_max_pixels, "the case the rounding step is for"
-    requested = {(h, w) for h, w in itertools.product(range(32, 4097, 32), repeat=2)
-                 if rules.aspect_ok(w, h) and h * w <= geometry.canvas_max_pixels}
+    requested = {
+        (h, w)
+        for h, w in itertools.product(range(32, 4097, 32), repeat=2)
+        if rules.aspect_ok(w, h) and h * w <= geometry.canvas_max_pixels
+    }
     assert all(_stage_takes(h, w, geometry) for h, w in resolved | requested)
     taken = [h * w for h, w in itertools.product(range(32, 8193, 32), repeat=2) if _stage_takes(h, w, geometry)]
     assert rules.largest_resolved_canvas_pixels(geometry) == max(taken) < 1.3 * geometry.canvas_max_pixels
-    for height, width, field in ((0, 64, "height"), (64, -32, "width"), (48, 64, "height"), (32, 640, "width"),
-                                 (2**31 - 32, 2**31 - 32, "height")):
+    for height, width, field in (
+        (0, 64, "height"),
+        (64, -32, "width"),
+        (48, 64, "height"),
+        (32, 640, "width"),
+        (2**31 - 32, 2**31 - 32, "height"),
+    ):
         with pytest.raises(rules.InvalidRequest, match=f"^{field}: "):
             rules.check_resolved_canvas(height, width, geometry)
 
@@ -124,8 +143,10 @@ def test_reference_canvases_stay_within_their_largest_sides():
     for geometry in GEOMETRIES:
         image, video = geometry.largest_reference_sides(True), geometry.largest_reference_sides(False)
         for width, height in ASPECTS:
-            for canvas, (short, long) in ((geometry.image_reference_canvas(width, height), image),
-                                          (geometry.canvas_for_aspect(width, height), video)):
+            for canvas, (short, long) in (
+                (geometry.image_reference_canvas(width, height), image),
+                (geometry.canvas_for_aspect(width, height), video),
+            ):
                 assert min(canvas) <= short and max(canvas) <= long, (width, height, canvas)
 
 
@@ -150,8 +171,13 @@ def test_image_references_are_resized_like_diffusers():
     geometry = Geometry(canvas_short_edge=64, canvas_max_pixels=64 * 128, reference_image_short_edge=96)
     pipe = _setup(geometry)
     for width, height in ((50, 30), (30, 50), (33, 33), (100, 26), (64, 64), (97, 41)):
-        out = pipe(references=[MiniMaxH3ImageReference(image=Image.new("RGB", (width, height)))], height=64,
-                   width=128, num_frames=124, output="normalized_references")
+        out = pipe(
+            references=[MiniMaxH3ImageReference(image=Image.new("RGB", (width, height)))],
+            height=64,
+            width=128,
+            num_frames=124,
+            output="normalized_references",
+        )
         assert out[0].image.size[::-1] == geometry.image_reference_canvas(width, height), (width, height)
 
 
@@ -160,8 +186,14 @@ def test_video_references_are_resampled_and_cut_like_diffusers(fps):
     geometry = Geometry(canvas_short_edge=32, canvas_max_pixels=32 * 64)
     for frames, generated in ((10, 124), (48, 124), (105, 124), (400, 141)):
         normalized = MiniMaxH3Ref2VASetupStep._normalize_video_condition(
-            np.zeros((frames, 9, 16, 3), np.uint8), fps, generated, 32, geometry.canvas_short_edge,
-            geometry.canvas_max_pixels, 24.0)
+            np.zeros((frames, 9, 16, 3), np.uint8),
+            fps,
+            generated,
+            32,
+            geometry.canvas_short_edge,
+            geometry.canvas_max_pixels,
+            24.0,
+        )
         assert len(normalized) == rules.reference_video_frames(frames, fps, generated), (frames, generated)
         assert normalized.shape[1:3] == geometry.canvas_for_aspect(16, 9)
 
@@ -180,7 +212,8 @@ def test_soundtrack_rows_follow_the_stages_normalisation(sample_rate):
         if sample_rate != rules.SAMPLE_RATE:
             waveform = _to_model_rate(waveform, sample_rate)
         waveform = MiniMaxH3Ref2VASetupStep._normalize_audio_condition(
-            waveform, rules.SAMPLE_RATE, rules.SAMPLE_RATE, generated / rules.FPS)
+            waveform, rules.SAMPLE_RATE, rules.SAMPLE_RATE, generated / rules.FPS
+        )
         # The audio VAE hops 800 samples at 32 kHz: one latent row per hop, per channel.
         assert rules.soundtrack_rows(samples, sample_rate, generated) == 2 * -(-waveform.shape[-1] // 800), seconds
         assert rules.soundtrack_rows(samples, sample_rate, generated) <= rules.max_soundtrack_rows(generated)
@@ -196,7 +229,8 @@ def test_generated_rows_are_the_models_layout():
 def _vision(processor) -> rules.VisionGeometry:
     """The geometry from a processor's saved settings, as the gateway reads them (no torch there)."""
     return rules.VisionGeometry.from_processor_config(
-        {"image_processor": processor.image_processor.to_dict(), "video_processor": processor.video_processor.to_dict()})
+        {"image_processor": processor.image_processor.to_dict(), "video_processor": processor.video_processor.to_dict()}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +240,9 @@ def processor():
     return tiny.build_processor(presets.tiny_tokenizer())
 
 
-@pytest.mark.parametrize("height,width", [(32, 64), (16, 16), (64, 96), (100, 30), (200, 300), (720, 1280),
-                                          (2048, 3648)])
+@pytest.mark.parametrize(
+    "height,width", [(32, 64), (16, 16), (64, 96), (100, 30), (200, 300), (720, 1280), (2048, 3648)]
+)
 def test_image_tokens_match_the_image_processor(processor, height, width):
     # (16, 16) is under the tiny processor's min pixels, (200, 300) and up over its max: every smart_resize branch.
     grid = processor.image_processor(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"]
@@ -215,13 +250,15 @@ def test_image_tokens_match_the_image_processor(processor, height, width):
 
 
 @pytest.mark.parametrize("cap", [False, True])
-@pytest.mark.parametrize("frames,height,width", [(2, 32, 64), (3, 64, 32), (11, 32, 64), (12, 768, 1344),
-                                                 (5, 20, 90), (29, 480, 832)])
+@pytest.mark.parametrize(
+    "frames,height,width", [(2, 32, 64), (3, 64, 32), (11, 32, 64), (12, 768, 1344), (5, 20, 90), (29, 480, 832)]
+)
 def test_video_block_tokens_match_the_video_processor(processor, frames, height, width, cap):
     video = processor.video_processor
     video.cap_pixels_per_frame = cap
-    grid = video(videos=[np.zeros((frames, height, width, 3), np.uint8)], do_sample_frames=False,
-                 return_tensors="pt")["video_grid_thw"][0]
+    grid = video(videos=[np.zeros((frames, height, width, 3), np.uint8)], do_sample_frames=False, return_tensors="pt")[
+        "video_grid_thw"
+    ][0]
     assert int(grid[0]) == len(rules.video_block_timestamps(frames, 2))
     assert _vision(processor).video_block_tokens(frames, height, width) == int(grid[1]) * int(grid[2]) // 4
 
@@ -231,9 +268,12 @@ def test_video_sampling_matches_diffusers():
 
     for frames in range(22, 346):
         sampled, stamps = MiniMaxH3Ref2VATextEncoderStep._sample_video_condition_frames(
-            np.zeros((frames, 1, 1, 3), np.uint8), 24.0, 2.0, 2)
-        assert (rules.sampled_frames(frames), rules.video_block_timestamps(rules.sampled_frames(frames), 2)) == \
-            (len(sampled), stamps)
+            np.zeros((frames, 1, 1, 3), np.uint8), 24.0, 2.0, 2
+        )
+        assert (rules.sampled_frames(frames), rules.video_block_timestamps(rules.sampled_frames(frames), 2)) == (
+            len(sampled),
+            stamps,
+        )
 
 
 def test_the_saved_processor_config_gives_the_loaded_processors_geometry(tmp_path):
@@ -246,8 +286,11 @@ def test_the_saved_processor_config_gives_the_loaded_processors_geometry(tmp_pat
     tiny.build_processor(presets.tiny_tokenizer()).save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "processor_config.json").read_text())
     loaded = Qwen3VLProcessor.from_pretrained(tmp_path)
-    assert rules.VisionGeometry.from_processor_config(saved) == _vision(loaded) == \
-        rules.VisionGeometry.from_processor_config(presets.tiny_processor_config())
+    assert (
+        rules.VisionGeometry.from_processor_config(saved)
+        == _vision(loaded)
+        == rules.VisionGeometry.from_processor_config(presets.tiny_processor_config())
+    )
     assert "cap_pixels_per_frame" not in saved["video_processor"]
 
 
@@ -260,8 +303,9 @@ def test_stock_qwen3_vl_limits_give_the_models_vision_token_counts():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    image = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, size={"shortest_edge": 65536,
-                                                                        "longest_edge": 16777216})
+    image = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, size={"shortest_edge": 65536, "longest_edge": 16777216}
+    )
     vision = _vision(SimpleNamespace(image_processor=image, video_processor=Qwen3VLVideoProcessor()))
     for (height, width), tokens in (((768, 1344), 1008), ((2048, 3648), 7296), ((3648, 2048), 7296)):
         grid = image(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"][0]

@@ -16,21 +16,32 @@ from stand_ins import SELF_KILL, SLEEP, StandIns, counted, deployment, meminfo, 
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
-from h3serve.common.processes import (GIB, LARGE_ANON_SHARE, LOW_AVAILABLE_SHARE, HostMemory, MemoryWatch,
-                                      near_memory_limit, process_anon, read_meminfo)
+from h3serve.common.processes import (
+    GIB,
+    LARGE_ANON_SHARE,
+    LOW_AVAILABLE_SHARE,
+    HostMemory,
+    MemoryWatch,
+    near_memory_limit,
+    process_anon,
+    read_meminfo,
+)
 from h3serve.services.dit.supervisor import Group
 
 TOTAL = 16 * GIB
 OOM_SAID = "most likely killed by the kernel's OOM killer: host had 0.50 GiB available of 16.00 GiB, "
 
 
-@pytest.mark.parametrize("available, anon, near", [
-    (LOW_AVAILABLE_SHARE * TOTAL - 1, None, True),          # the host was at its limit
-    (LOW_AVAILABLE_SHARE * TOTAL, None, False),             # just not
-    (TOTAL / 2, LARGE_ANON_SHARE * TOTAL, True),            # the process alone held half the host
-    (TOTAL / 2, LARGE_ANON_SHARE * TOTAL - 1, False),
-    (LOW_AVAILABLE_SHARE * TOTAL - 1, 1 << 20, True),       # a small victim of a full host
-])
+@pytest.mark.parametrize(
+    "available, anon, near",
+    [
+        (LOW_AVAILABLE_SHARE * TOTAL - 1, None, True),  # the host was at its limit
+        (LOW_AVAILABLE_SHARE * TOTAL, None, False),  # just not
+        (TOTAL / 2, LARGE_ANON_SHARE * TOTAL, True),  # the process alone held half the host
+        (TOTAL / 2, LARGE_ANON_SHARE * TOTAL - 1, False),
+        (LOW_AVAILABLE_SHARE * TOTAL - 1, 1 << 20, True),  # a small victim of a full host
+    ],
+)
 def test_near_the_limit_is_a_function_of_the_last_figures(available, anon, near):
     figures = HostMemory(TOTAL, math.ceil(available)), None if anon is None else math.ceil(anon)
     assert near_memory_limit(*figures) is near
@@ -86,8 +97,13 @@ def test_up_reports_a_service_sigkilled_near_the_limit_as_oom_killed(tmp_path, c
 
 def test_the_dit_launcher_reports_a_rank_sigkilled_near_the_limit_as_oom_killed(tmp_path, caplog):
     config = DiTConfig(world_size=2, port=free_port(), max_restarts=5)
-    group = Group(config, [sys.executable, "-c", SELF_KILL], ("127.0.0.1", free_port()), no_signals(),
-                  meminfo=meminfo(tmp_path / "meminfo", 16, 0.5))
+    group = Group(
+        config,
+        [sys.executable, "-c", SELF_KILL],
+        ("127.0.0.1", free_port()),
+        no_signals(),
+        meminfo=meminfo(tmp_path / "meminfo", 16, 0.5),
+    )
     with caplog.at_level(logging.INFO, logger="h3serve.dit.supervisor"):
         assert group.run() == 1
     assert f") was {OOM_SAID}" in group.last_exit, group.last_exit

@@ -36,9 +36,16 @@ def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address_and_the_
     port = free_port()
     server, _ = start_server(lambda s: None, [], f"127.0.0.1:{port}")
     try:
-        second = subprocess.run([sys.executable, "-c", "from h3serve.common.server import start_server; "
-                                 f"start_server(lambda s: None, [], '127.0.0.1:{port}')"],
-                                capture_output=True, text=True, timeout=60)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from h3serve.common.server import start_server; start_server(lambda s: None, [], '127.0.0.1:{port}')",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         server.stop(0)
     assert second.returncode == EXIT_REFUSED, second.stderr
@@ -59,8 +66,9 @@ def test_a_second_gateway_on_a_data_dir_in_use_is_refused_naming_it_and_the_hold
     data_dir = tmp_path / "gateway"
     config = write_config(tmp_path / "deploy.toml", "", data_dir, dict(encoder=1, dit=2, vae=3, gateway=free_port()))
     with lock_directory(str(data_dir)):  # as a first gateway holds it
-        second = subprocess.run([*CLI, "serve", "gateway", "--config", str(config)], capture_output=True, text=True,
-                                timeout=120)
+        second = subprocess.run(
+            [*CLI, "serve", "gateway", "--config", str(config)], capture_output=True, text=True, timeout=120
+        )
     assert second.returncode == EXIT_REFUSED, second.stderr
     assert f"refused: [gateway] data_dir {data_dir} is in use by pid {os.getpid()} (" in second.stderr
 

@@ -27,9 +27,14 @@ def _config(tmp_path: Path, text: str):
 
 
 def _dit_only(tmp_path: Path, dit: str, frames_canvas: str = ""):
-    return load_deploy(_config(tmp_path, f"[model]\ndir = \"/models/MiniMax-H3\"\n{frames_canvas}\n"
-                                         f"[dit]\ndevice = \"cuda\"\ndtype = \"bfloat16\"\nworkflows = [\"t2va\"]\n"
-                                         f"{dit}\n"))
+    return load_deploy(
+        _config(
+            tmp_path,
+            f'[model]\ndir = "/models/MiniMax-H3"\n{frames_canvas}\n'
+            f'[dit]\ndevice = "cuda"\ndtype = "bfloat16"\nworkflows = ["t2va"]\n'
+            f"{dit}\n",
+        )
+    )
 
 
 def _rank0(result) -> memory_plan.Share:
@@ -41,8 +46,13 @@ def test_the_small_gpu_profiles_load_and_fit(profile):
     config = load_deploy(DEPLOY / profile)
     assert all(config.service(name).memory_limit_gib > 0 for name in ("encoder", "dit", "vae"))
     # a host large enough that only the GPUs are under test here (tests/test_host_plan.py plans the host)
-    out = subprocess.run([*CLI, "--config", str(DEPLOY / profile), "--host-gib", "256"], check=False,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*CLI, "--config", str(DEPLOY / profile), "--host-gib", "256"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.rstrip().endswith("fits") and "GPU 0:" in out.stdout
 
@@ -59,10 +69,17 @@ def test_turing_profile_places_what_the_brief_asks():
 
 
 def test_the_whole_bf16_dit_on_one_22_gib_card_is_refused_with_the_numbers(tmp_path):
-    path = _config(tmp_path, '[dit]\ndevice = "cuda"\ngpus = "0"\ndtype = "bfloat16"\nworkflows = ["t2va"]\n'
-                             "memory_limit_gib = 22\n")
-    out = subprocess.run([*CLI, "--config", str(path), "--frames", "124", "--host-gib", "256"], check=False,
-                         capture_output=True, text=True, timeout=120)
+    path = _config(
+        tmp_path,
+        '[dit]\ndevice = "cuda"\ngpus = "0"\ndtype = "bfloat16"\nworkflows = ["t2va"]\nmemory_limit_gib = 22\n',
+    )
+    out = subprocess.run(
+        [*CLI, "--config", str(path), "--frames", "124", "--host-gib", "256"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("h3serve plan: GPU 0: dit rank 0") for line in lines), lines
@@ -76,30 +93,34 @@ def test_a_gpu_of_unknown_size_and_a_limit_above_the_card_are_refused(tmp_path):
     out = subprocess.run([*CLI, "--config", str(path)], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "GPU 1: card size unknown (vae)" in out.stderr
     path = _config(tmp_path, '[vae]\ndevice = "cuda"\ngpus = "1"\nmemory_limit_gib = 48\n')
-    out = subprocess.run([*CLI, "--config", str(path), "--gpu-gib", "22"], check=False, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [*CLI, "--config", str(path), "--gpu-gib", "22"], check=False, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "memory_limit_gib = 48 GiB is above the card's total of 22.00 GiB" in out.stderr
 
 
 def test_fsdp_over_4_ranks_holds_a_quarter_of_one_ranks_weights_and_fp8_is_smaller(tmp_path):
-    whole = _rank0(plan(_dit_only(tmp_path, "gpus = \"0\""), gpu_gib=140))
+    whole = _rank0(plan(_dit_only(tmp_path, 'gpus = "0"'), gpu_gib=140))
     sharded = _rank0(plan(_dit_only(tmp_path, 'gpus = "0,1,2,3"\nworld_size = 4\nfsdp = true'), gpu_gib=140))
     replicated = _rank0(plan(_dit_only(tmp_path, 'gpus = "0,1,2,3"\nworld_size = 4'), gpu_gib=140))
     assert whole.weights == pytest.approx(61.73, abs=0.01)  # 33.12 B parameters in bf16, 17 M of them fp32
     assert sharded.weights == pytest.approx(whole.weights / 4)
     assert replicated.weights == whole.weights
-    assert sharded.transient == pytest.approx(2 * TRANSFORMER.block * 2 / GIB + TRANSFORMER.fsdp_root_bytes(
-        "bfloat16") / GIB)  # two whole bf16 blocks and the root unit, gathered
+    assert sharded.transient == pytest.approx(
+        2 * TRANSFORMER.block * 2 / GIB + TRANSFORMER.fsdp_root_bytes("bfloat16") / GIB
+    )  # two whole bf16 blocks and the root unit, gathered
     assert sharded.activations == replicated.activations < whole.activations  # a quarter of the rows (x 1.3)
     fp8 = _rank0(plan(_dit_only(tmp_path, 'gpus = "0"\nfp8 = true'), gpu_gib=140))
     assert whole.weights - fp8.weights == pytest.approx(TRANSFORMER.fp8_linears / GIB)  # one byte less each
-    offloaded = _rank0(plan(_dit_only(tmp_path, 'gpus = "0,1,2,3"\nworld_size = 4\nfsdp = true\n'
-                                                'fsdp_offload = true'), gpu_gib=140))
+    offloaded = _rank0(
+        plan(_dit_only(tmp_path, 'gpus = "0,1,2,3"\nworld_size = 4\nfsdp = true\nfsdp_offload = true'), gpu_gib=140)
+    )
     assert (offloaded.weights, offloaded.transient, offloaded.host) == (0.0, sharded.transient, sharded.weights)
     group = _rank0(plan(_dit_only(tmp_path, 'gpus = "0"\noffload = "group"'), gpu_gib=140))
     assert group.weights == 0 and group.host == whole.weights
-    assert group.transient == pytest.approx((TRANSFORMER.outside_blocks_bytes("bfloat16") + 2 * TRANSFORMER.block * 2)
-                                            / GIB)  # all but the 50 blocks, and two blocks: 4.0 of 61.7 GiB
+    assert group.transient == pytest.approx(
+        (TRANSFORMER.outside_blocks_bytes("bfloat16") + 2 * TRANSFORMER.block * 2) / GIB
+    )  # all but the 50 blocks, and two blocks: 4.0 of 61.7 GiB
 
 
 def test_the_encoder_placements(tmp_path):
@@ -140,10 +161,12 @@ def test_predictions_cover_our_measured_peaks(tmp_path):
     """BENCHMARKS.md, peak allocated GiB on H200s at 768x1344x124 (t2va): the estimate is at or above each, by
     less than 10 % (fragmentation and context excluded: max_memory_allocated counts neither)."""
     canvas = "canvas_short_edge = 768\n"
-    cases = [('gpus = "0"', 68.3),                                                  # 1 GPU, bf16 eager
-             ('gpus = "0,1"\nworld_size = 2', 66.1),                                # Ulysses 2, replicated
-             ('gpus = "0,1"\nworld_size = 2\nfsdp = true', 37.7),                   # Ulysses 2, FSDP2
-             ('gpus = "0"\nfp8 = true\ncompile = true', 48.1)]                      # fp8 + compile
+    cases = [
+        ('gpus = "0"', 68.3),  # 1 GPU, bf16 eager
+        ('gpus = "0,1"\nworld_size = 2', 66.1),  # Ulysses 2, replicated
+        ('gpus = "0,1"\nworld_size = 2\nfsdp = true', 37.7),  # Ulysses 2, FSDP2
+        ('gpus = "0"\nfp8 = true\ncompile = true', 48.1),
+    ]  # fp8 + compile
     for dit, measured in cases:
         share = _rank0(plan(_dit_only(tmp_path, dit, canvas), gpu_gib=140, frames=124))
         predicted = share.weights + share.transient + share.activations
@@ -175,8 +198,7 @@ def test_parameter_counts_match_the_classes_built_on_the_meta_device():
     assert fp32(transformer) == count.fp32
     assert len(transformer.transformer_blocks) == count.blocks
     assert sum(p.numel() for p in transformer.transformer_blocks[0].parameters()) == count.block
-    assert sum(m.weight.numel() for name, m in transformer.named_modules() if fp8_target(m, name)) == \
-        count.fp8_linears
+    assert sum(m.weight.numel() for name, m in transformer.named_modules() if fp8_target(m, name)) == count.fp8_linears
     units = [m for m in transformer.modules() if type(m).__name__ in transformer._no_split_modules]
     assert count.total - sum(p.numel() for m in units for p in m.parameters()) == count.fsdp_root
     for model, expected in ((vae, memory_plan.VIDEO_VAE), (audio, memory_plan.AUDIO_VAE)):
@@ -196,8 +218,11 @@ def test_parameter_counts_match_the_classes_built_on_the_meta_device():
 def test_the_limit_decision_without_a_gpu(monkeypatch):
     total = 22 * GIB - 300 * (1 << 20)  # what CUDA reports for a "22 GB" card, about
     assert memory_plan.limit_fraction(21.5, total) == pytest.approx(21.5 * GIB / total)
-    with pytest.raises(ValueError, match=r"memory_limit_gib = 22 GiB is above the card's total of 21\.71 GiB "
-                                         r"\(23,307,747,328 bytes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"memory_limit_gib = 22 GiB is above the card's total of 21\.71 GiB "
+        r"\(23,307,747,328 bytes\)",
+    ):
         memory_plan.limit_fraction(22, total)
 
     class Properties:
@@ -211,7 +236,7 @@ def test_the_limit_decision_without_a_gpu(monkeypatch):
     assert applied == [(pytest.approx(21.5 * GIB / total), torch.device("cuda", 0))]
     with pytest.raises(memory.MemoryLimitError, match="cuda:1: memory_limit_gib = 22 GiB is above"):
         memory.cap(config.vae.replace(memory_limit_gib=22.0), "cuda:1")
-    memory.cap(config.vae, "cpu")                                # off CUDA: nothing to cap
+    memory.cap(config.vae, "cpu")  # off CUDA: nothing to cap
     memory.cap(config.vae.replace(memory_limit_gib=0.0), "cuda:0")  # no limit
     assert len(applied) == 1
     memory.release("cpu")  # a no-op off CUDA

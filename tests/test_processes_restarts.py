@@ -11,8 +11,18 @@ import sys
 import pytest
 
 from conftest import free_port
-from stand_ins import (SELF_KILL, SLEEP, StandIns, counted, deployment, health_server, kill_on_serving, meminfo,
-                       no_signals, starts)
+from stand_ins import (
+    SELF_KILL,
+    SLEEP,
+    StandIns,
+    counted,
+    deployment,
+    health_server,
+    kill_on_serving,
+    meminfo,
+    no_signals,
+    starts,
+)
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
@@ -28,8 +38,10 @@ def different_exit(path) -> str:
     return f"import sys; sys.exit(10 + len(open({str(path)!r}).read().splitlines()))"
 
 
-@pytest.mark.parametrize("code, oom, started, start_up_failure", [
-    (-9, True, False, True), (1, False, False, True), (0, False, False, False), (-9, True, True, False)])
+@pytest.mark.parametrize(
+    "code, oom, started, start_up_failure",
+    [(-9, True, False, True), (1, False, False, True), (0, False, False, False), (-9, True, True, False)],
+)
 def test_a_start_up_failure_is_a_non_zero_end_before_ready(code, oom, started, start_up_failure):
     assert Ending(code, oom, started, "").start_up_failure is start_up_failure
 
@@ -67,8 +79,11 @@ def test_up_restarts_a_service_that_fails_differently_within_its_budget(tmp_path
 def test_up_restarts_a_service_killed_after_it_served_within_its_budget(tmp_path):
     """Killed the same way each time (as the OOM killer's), but each after it had reached SERVING."""
     port = free_port()
-    group = StandIns(deployment(tmp_path, port, max_restarts=2),
-                     {"vae": counted(tmp_path / "starts", health_server(port))}, ready=kill_on_serving(is_serving))
+    group = StandIns(
+        deployment(tmp_path, port, max_restarts=2),
+        {"vae": counted(tmp_path / "starts", health_server(port))},
+        ready=kill_on_serving(is_serving),
+    )
     group.start()
     try:
         reason = Watch(group, no_signals(), meminfo(tmp_path / "meminfo", 16, 0.5)).run(lambda: None)
@@ -87,8 +102,9 @@ def group_starts(caplog) -> int:
 def run_group(tmp_path, command, max_restarts=5, world_size=2):
     """The DiT launcher's group of stand-in ranks, memory to spare, rank 0's real probe: (its exit code, the group)."""
     config = DiTConfig(world_size=world_size, port=free_port(), max_restarts=max_restarts)
-    group = Group(config, command, ("127.0.0.1", free_port()), no_signals(),
-                  meminfo=meminfo(tmp_path / "meminfo", 16, 8.0))
+    group = Group(
+        config, command, ("127.0.0.1", free_port()), no_signals(), meminfo=meminfo(tmp_path / "meminfo", 16, 8.0)
+    )
     return group.run(), group
 
 
@@ -102,8 +118,9 @@ def test_the_dit_launcher_stops_at_the_same_start_up_failure_twice(tmp_path, cap
 
 def test_the_dit_launcher_restarts_ranks_that_fail_differently_within_max_restarts(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="h3serve.dit.supervisor"):
-        code, group = run_group(tmp_path, counted(tmp_path / "starts", DIFFERENT_EXIT_DIT), max_restarts=2,
-                                world_size=1)
+        code, group = run_group(
+            tmp_path, counted(tmp_path / "starts", DIFFERENT_EXIT_DIT), max_restarts=2, world_size=1
+        )
     assert code == 1 and group_starts(caplog) == starts(tmp_path / "starts") == 3
     assert group.last_exit.endswith("exited with code 12")
     assert "no restart left (max_restarts = 2)" in caplog.text and "same start-up failure" not in caplog.text
@@ -115,13 +132,16 @@ def test_the_dit_launcher_restarts_a_group_killed_after_it_served_within_max_res
     config = DiTConfig(world_size=2, port=free_port(), max_restarts=2)
     rank0 = health_server(config.port)
     command = [sys.executable, "-c", f"import os; exec({rank0!r} if os.environ['RANK'] == '0' else {SLEEP!r})"]
-    group = Group(config, command, ("127.0.0.1", free_port()), no_signals(),
-                  ready=kill_on_serving(rank0_serving(config)), meminfo=meminfo(tmp_path / "meminfo", 16, 8.0))
+    group = Group(
+        config,
+        command,
+        ("127.0.0.1", free_port()),
+        no_signals(),
+        ready=kill_on_serving(rank0_serving(config)),
+        meminfo=meminfo(tmp_path / "meminfo", 16, 8.0),
+    )
     with caplog.at_level(logging.INFO, logger="h3serve.dit.supervisor"):
         assert group.run() == 1
     assert group_starts(caplog) == 3
     assert "rank 0 (pid" in group.last_exit and "killed by signal SIGKILL" in group.last_exit
     assert "no restart left (max_restarts = 2)" in caplog.text and "same start-up failure" not in caplog.text
-
-
-

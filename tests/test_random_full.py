@@ -122,7 +122,7 @@ def test_a_whole_parameter_equals_the_first_rank_shard_of_the_sharded_loader():
     name, whole = next((n, p) for n, p in model.named_parameters() if p.dim() > 1)
     rows = torch.empty(whole.shape[0] // 2, *whole.shape[1:])
     RandomWeights("transformer").fill(name, LocalRows(rows, 0, whole.shape))
-    assert torch.equal(rows, whole[:rows.shape[0]]), "one rule, seeded by the parameter and its first row"
+    assert torch.equal(rows, whole[: rows.shape[0]]), "one rule, seeded by the parameter and its first row"
 
 
 def test_fp32_modules_stay_fp32_and_the_rest_takes_the_dtype():

@@ -47,6 +47,7 @@ def _diffusers_accepts(num_frames):
 
 # Frames.
 
+
 def test_valid_frames_are_the_14_counts_from_124_to_345():
     assert VALID_NUM_FRAMES == tuple(range(124, 346, 17))
 
@@ -71,6 +72,7 @@ def test_default_frames():
 
 
 # Seconds.
+
 
 @pytest.mark.parametrize("seconds", [5, 5.2, 5.5, 7, 9.99, 12.25, 14, 14.375, 14.39])
 def test_seconds_round_up_like_diffusers(seconds):
@@ -97,6 +99,7 @@ def test_frames_and_seconds_together():
 
 # Canvas.
 
+
 def test_default_canvas_equals_diffusers():
     expected = resolve_canvas_size(16, 9, 32, 768, 1032192)
     assert expected == (768, 1344)
@@ -112,8 +115,7 @@ def test_a_deployment_geometry_sets_the_default_canvas_and_the_area_bound():
         resolve(gateway_pb2.GenerateRequest(prompt="a fox", height=96, width=128), tiny)
 
 
-@pytest.mark.parametrize("height,width", [(768, 1344), (1344, 768), (32, 128), (256, 64), (992, 1024),
-                                          (1024, 992)])
+@pytest.mark.parametrize("height,width", [(768, 1344), (1344, 768), (32, 128), (256, 64), (992, 1024), (1024, 992)])
 def test_canvas_accepted(height, width):
     request = _resolve(height=height, width=width)
     assert (request.height, request.width) == (height, width)
@@ -142,6 +144,7 @@ def test_canvas_area():
 
 # Steps.
 
+
 def test_steps():
     assert _resolve().params.num_inference_steps == 50
     assert _resolve(params=common_pb2.GenerationParams(num_inference_steps=2)).params.num_inference_steps == 2
@@ -161,6 +164,7 @@ def test_limits_from_config():
 
 
 # Prompt, workflow, seed, include_raw.
+
 
 def test_prompt():
     _refused("prompt", prompt="")
@@ -192,18 +196,31 @@ def test_full_resolution():
     # The deprecated top-level copies are kept filled for clients from before params; the shifts are the released
     # model's, as no adapter recommends others.
     params.flow_shift, params.audio_flow_shift = 12.0, 3.0
-    assert request == gateway_pb2.ResolvedRequest(prompt="a fox", height=512, width=896, num_frames=141,
-                                                  params=params, num_inference_steps=8, seed=7, include_raw=True,
-                                                  workflow=common_pb2.WORKFLOW_T2VA)
+    assert request == gateway_pb2.ResolvedRequest(
+        prompt="a fox",
+        height=512,
+        width=896,
+        num_frames=141,
+        params=params,
+        num_inference_steps=8,
+        seed=7,
+        include_raw=True,
+        workflow=common_pb2.WORKFLOW_T2VA,
+    )
 
 
 def test_the_deprecated_top_level_options_fold_into_params():
     legacy = _resolve(num_inference_steps=8, seed=7, include_raw=True)
-    assert legacy.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True,
-                                                        flow_shift=12.0, audio_flow_shift=3.0)
+    assert legacy.params == common_pb2.GenerationParams(
+        num_inference_steps=8, seed=7, include_raw=True, flow_shift=12.0, audio_flow_shift=3.0
+    )
     agreeing = _resolve(num_inference_steps=8, params=common_pb2.GenerationParams(num_inference_steps=8, seed=3))
     assert (agreeing.params.num_inference_steps, agreeing.params.seed) == (8, 3)
-    message = _refused("num_inference_steps", num_inference_steps=8,
-                       params=common_pb2.GenerationParams(num_inference_steps=9))
-    assert message == "num_inference_steps: set at the top level (8) and in params (9); set params.num_inference_steps only"
+    message = _refused(
+        "num_inference_steps", num_inference_steps=8, params=common_pb2.GenerationParams(num_inference_steps=9)
+    )
+    assert (
+        message
+        == "num_inference_steps: set at the top level (8) and in params (9); set params.num_inference_steps only"
+    )
     _refused("seed", seed=1, params=common_pb2.GenerationParams(seed=2))

@@ -27,8 +27,9 @@ STALL_S = 4.0
 
 
 def group(root: Path, name: str, names: tuple[str, ...], model_dir, ports: dict[str, int], **gateway) -> ServiceGroup:
-    config = write_config(root / f"{name}.toml", str(model_dir), root / name, ports, outage_s=QUICK_OUTAGE,
-                          retry_backoff_s=0.1, **gateway)
+    config = write_config(
+        root / f"{name}.toml", str(model_dir), root / name, ports, outage_s=QUICK_OUTAGE, retry_backoff_s=0.1, **gateway
+    )
     return ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=names)
 
 
@@ -78,16 +79,25 @@ class HealthWatch:
 
 def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
-    with group(tmp_path, "stall", ("dit", "gateway"), stack.model_dir, ports, max_attempts=2,
-               max_unfinished_jobs=1, stall_s={"denoise": STALL_S}):
+    with group(
+        tmp_path,
+        "stall",
+        ("dit", "gateway"),
+        stack.model_dir,
+        ports,
+        max_attempts=2,
+        max_unfinished_jobs=1,
+        stall_s={"denoise": STALL_S},
+    ):
         address = f"127.0.0.1:{ports['gateway']}"
         client = GatewayClient(address)
         ranks = dit_ranks(f"127.0.0.1:{ports['dit']}")
         watch = HealthWatch(address)
         try:
             # Long enough (40 steps at 128x224) that the DiT is still denoising when it is stopped.
-            job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224,
-                                                       num_inference_steps=40))
+            job = client.stub.Submit(
+                S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224, num_inference_steps=40)
+            )
             stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
             next(e for e in stream if e.HasField("denoising"))
             stream.cancel()
@@ -145,8 +155,10 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
     ports_a = {**stack.ports, "encoder": free_port()}
     ports_b = {**stack.ports, "encoder": free_port(), "gateway": free_port()}
     replicas = [f"127.0.0.1:{ports_a['encoder']}", f"127.0.0.1:{ports_b['encoder']}"]
-    with group(tmp_path, "a", ("encoder",), stack.model_dir, ports_a) as a, \
-            group(tmp_path, "b", ("encoder", "gateway"), stack.model_dir, ports_b, encoder=replicas):
+    with (
+        group(tmp_path, "a", ("encoder",), stack.model_dir, ports_a) as a,
+        group(tmp_path, "b", ("encoder", "gateway"), stack.model_dir, ports_b, encoder=replicas),
+    ):
         client = GatewayClient(f"127.0.0.1:{ports_b['gateway']}")
         try:
             # The gateway may have probed replica b while it was still loading: wait until Info sees both up.
@@ -154,16 +166,21 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
             while not all(r.healthy for r in client.stub.Info(common_pb2.InfoRequest()).stages[0].replicas):
                 assert time.monotonic() < deadline, "encoder replicas never both healthy"
                 time.sleep(0.2)
-            warm = [client.generate(S.GenerateRequest(prompt=f"warm {i}", seed=i, height=32, width=64,
-                                                      num_inference_steps=4)) for i in range(2)]
+            warm = [
+                client.generate(
+                    S.GenerateRequest(prompt=f"warm {i}", seed=i, height=32, width=64, num_inference_steps=4)
+                )
+                for i in range(2)
+            ]
             used = [client.job(final.job_id).stage_records[0].replica for final in warm]
             assert used == replicas, "least-loaded routing spreads the first two encodes"
             # Replica a stalls, takes the next encode (it looks healthy and ties on load), and dies with the
             # call in flight: the encode moves to replica b and the job does not fail.
             encoder_a = process(a, "encoder")
             os.kill(encoder_a.pid, signal.SIGSTOP)
-            job = client.stub.Submit(S.GenerateRequest(prompt="during the kill", seed=9, height=32, width=64,
-                                                       num_inference_steps=4))
+            job = client.stub.Submit(
+                S.GenerateRequest(prompt="during the kill", seed=9, height=32, width=64, num_inference_steps=4)
+            )
             deadline = time.monotonic() + 60
             while client.stub.Info(common_pb2.InfoRequest()).stages[0].replicas[0].in_flight != 1:
                 assert time.monotonic() < deadline, "the encode never reached replica a"
@@ -175,8 +192,10 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
             record = client.job(final.job_id).stage_records[0]
             assert (record.stage, record.tries, record.replica) == ("encoder", 2, replicas[1])
             info = client.stub.Info(common_pb2.InfoRequest())
-            assert [(r.address, r.healthy) for r in info.stages[0].replicas] == [(replicas[0], False),
-                                                                                (replicas[1], True)]
+            assert [(r.address, r.healthy) for r in info.stages[0].replicas] == [
+                (replicas[0], False),
+                (replicas[1], True),
+            ]
             assert info.serving, "one healthy encoder replica is enough"
         finally:
             client.close()
@@ -185,17 +204,30 @@ def test_encode_moves_to_the_other_replica_when_one_dies(stack, tmp_path):
 def test_tls_on_every_server_and_a_bearer_token(stack, tmp_path, certificate):
     cert, key = certificate
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(tmp_path / "tls.toml", str(stack.model_dir), tmp_path / "tls", ports,
-                          service_keys=dict(tls_cert=str(cert), tls_key=str(key)), auth_token="s3cret",
-                          tls_cert=str(cert), tls_key=str(key), stage_tls_ca=str(cert))
-    with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path)), \
-            grpc.secure_channel(f"127.0.0.1:{ports['gateway']}",
-                                grpc.ssl_channel_credentials(cert.read_bytes())) as channel:
+    config = write_config(
+        tmp_path / "tls.toml",
+        str(stack.model_dir),
+        tmp_path / "tls",
+        ports,
+        service_keys=dict(tls_cert=str(cert), tls_key=str(key)),
+        auth_token="s3cret",
+        tls_cert=str(cert),
+        tls_key=str(key),
+        stage_tls_ca=str(cert),
+    )
+    with (
+        ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path)),
+        grpc.secure_channel(
+            f"127.0.0.1:{ports['gateway']}", grpc.ssl_channel_credentials(cert.read_bytes())
+        ) as channel,
+    ):
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = S.GenerateRequest(prompt="a locked door", seed=1, height=32, width=64, num_inference_steps=4)
         for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
-            for call in (lambda: stub.Submit(request, metadata=metadata),
-                         lambda: list(stub.Watch(S.WatchRequest(job_id="x"), metadata=metadata))):
+            for call in (
+                lambda: stub.Submit(request, metadata=metadata),
+                lambda: list(stub.Watch(S.WatchRequest(job_id="x"), metadata=metadata)),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -34,12 +34,21 @@ SIDECAR = {"steps": 3, "flow_shift": 6.0, "audio_flow_shift": 2.5}
 @pytest.fixture(scope="module")
 def adapter_stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("adapter-stack")
-    loras = {"turbo": str(diffusers_lora(root / "turbo", 1, 4, 8.0, sidecar=SIDECAR)),
-             "style": str(original_lora(root / "style.safetensors", 2, 4, 2.0)),
-             "refstyle": str(diffusers_lora(root / "refstyle", 3, 2, 1.0, partition="transformer_ref"))}
+    loras = {
+        "turbo": str(diffusers_lora(root / "turbo", 1, 4, 8.0, sidecar=SIDECAR)),
+        "style": str(original_lora(root / "style.safetensors", 2, 4, 2.0)),
+        "refstyle": str(diffusers_lora(root / "refstyle", 3, 2, 1.0, partition="transformer_ref")),
+    }
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                          model=GEOMETRY.pipeline_configs(), dit={"adapters": loras}, max_rows=1000)
+    config = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        model=GEOMETRY.pipeline_configs(),
+        dit={"adapters": loras},
+        max_rows=1000,
+    )
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
         yield config, ports, group
 
@@ -69,11 +78,23 @@ def served_and_resolved(client, tmp_path, req) -> tuple[dict, gateway_pb2.Resolv
 
 def reference(adapter_stack, resolved: gateway_pb2.ResolvedRequest, **media) -> dict:
     params = resolved.params
-    return run_reference(ModelSource(str(load_deploy(adapter_stack[0]).dit.model_dir)), ReferenceRequest(
-        resolved.prompt, resolved.height, resolved.width, resolved.num_frames, params.num_inference_steps, params.seed,
-        adapters=tuple((a.name, a.weight) for a in params.adapters), flow_shift=params.flow_shift,
-        audio_flow_shift=params.audio_flow_shift, **media), geometry=GEOMETRY,
-        adapter_sources=load_deploy(adapter_stack[0]).dit.adapters)
+    return run_reference(
+        ModelSource(str(load_deploy(adapter_stack[0]).dit.model_dir)),
+        ReferenceRequest(
+            resolved.prompt,
+            resolved.height,
+            resolved.width,
+            resolved.num_frames,
+            params.num_inference_steps,
+            params.seed,
+            adapters=tuple((a.name, a.weight) for a in params.adapters),
+            flow_shift=params.flow_shift,
+            audio_flow_shift=params.audio_flow_shift,
+            **media,
+        ),
+        geometry=GEOMETRY,
+        adapter_sources=load_deploy(adapter_stack[0]).dit.adapters,
+    )
 
 
 def assert_same(served: dict, expected: dict) -> None:
@@ -86,15 +107,39 @@ def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, cli
     served, resolved = served_and_resolved(client, tmp_path, request(("turbo", 0.7), ("style", 0.0)))
     params = resolved.params
     assert [(a.name, a.weight) for a in params.adapters] == [("turbo", 0.7), ("style", 1.0)]
-    assert (params.num_inference_steps, params.flow_shift, params.audio_flow_shift) == (3, 6.0, 2.5), \
+    assert (params.num_inference_steps, params.flow_shift, params.audio_flow_shift) == (3, 6.0, 2.5), (
         "the first adapter's sidecar recommends what the request left unset"
+    )
     assert_same(served, reference(adapter_stack, resolved))
 
     # and through `h3serve reference`, which reads the same deployment file and resolves as the gateway does
     out = tmp_path / "cli.npz"
-    subprocess.run([sys.executable, "-m", "h3serve.cli", "reference", "--config", str(adapter_stack[0]),
-                    "--prompt", PROMPT, "--height", "32", "--width", "64", "--seed", str(SEED), "--raw", str(out),
-                    "--adapter", "turbo:0.7", "--adapter", "style"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "h3serve.cli",
+            "reference",
+            "--config",
+            str(adapter_stack[0]),
+            "--prompt",
+            PROMPT,
+            "--height",
+            "32",
+            "--width",
+            "64",
+            "--seed",
+            str(SEED),
+            "--raw",
+            str(out),
+            "--adapter",
+            "turbo:0.7",
+            "--adapter",
+            "style",
+        ],
+        check=True,
+        capture_output=True,
+    )
     assert_same(served, np.load(out))
 
     base, resolved = served_and_resolved(client, tmp_path, request(num_inference_steps=3))
@@ -106,8 +151,12 @@ def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, cli
 @pytest.mark.fidelity
 def test_ref2va_with_a_transformer_ref_adapter_is_bit_identical_to_diffusers(adapter_stack, client, tmp_path):
     picture = image(tmp_path / "ref.png", 48, 32, seed=3)
-    req = request(("refstyle", 1.5), prompt="<Picture 1> waves", num_inference_steps=3,
-                  params=common_pb2.GenerationParams(flow_shift=9.0))
+    req = request(
+        ("refstyle", 1.5),
+        prompt="<Picture 1> waves",
+        num_inference_steps=3,
+        params=common_pb2.GenerationParams(flow_shift=9.0),
+    )
     req.references.add(asset_id=client.upload(picture).asset_id, kind=media_pb2.ASSET_KIND_IMAGE)
     served, resolved = served_and_resolved(client, tmp_path, req)
     assert (resolved.params.flow_shift, resolved.params.audio_flow_shift) == (9.0, 3.0)
@@ -119,21 +168,30 @@ def test_the_dit_reports_its_adapters(adapter_stack):
         info = dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest())
     assert (info.adapter_mode, info.max_request_adapters) == ("unfused", 0)
     facts = {a.name: (tuple(a.partitions), a.rank, a.alpha, a.recommended_steps) for a in info.adapters}
-    assert facts == {"refstyle": (("transformer_ref",), 2, 1.0, 0), "style": (("transformer",), 4, 2.0, 0),
-                     "turbo": (("transformer",), 4, 8.0, 3)}
+    assert facts == {
+        "refstyle": (("transformer_ref",), 2, 1.0, 0),
+        "style": (("transformer",), 4, 2.0, 0),
+        "turbo": (("transformer",), 4, 8.0, 3),
+    }
     turbo = next(a for a in info.adapters if a.name == "turbo")
     assert (turbo.recommended_flow_shift, turbo.recommended_audio_flow_shift) == (6.0, 2.5)
 
 
-@pytest.mark.parametrize("named,fields,message", [
-    ([("nope", 1.0)], {}, "adapters: unknown adapter 'nope'; this DiT loads refstyle, style, turbo"),
-    ([("refstyle", 1.0)], {}, "adapters: refstyle targets transformer_ref, not transformer, the partition t2va "
-                              "runs on"),
-    ([("turbo", -11.0)], {}, "adapters: turbo: weight must be within -10..10"),
-    ([("turbo", 1.0), ("turbo", 1.0)], {}, "adapters: turbo is named twice"),
-    ([], {"flow_shift": 0.0}, "flow_shift: must be a number with 0 < shift <= 100"),
-    ([], {"audio_flow_shift": 250.0}, "audio_flow_shift: must be a number with 0 < shift <= 100"),
-])
+@pytest.mark.parametrize(
+    "named,fields,message",
+    [
+        ([("nope", 1.0)], {}, "adapters: unknown adapter 'nope'; this DiT loads refstyle, style, turbo"),
+        (
+            [("refstyle", 1.0)],
+            {},
+            "adapters: refstyle targets transformer_ref, not transformer, the partition t2va runs on",
+        ),
+        ([("turbo", -11.0)], {}, "adapters: turbo: weight must be within -10..10"),
+        ([("turbo", 1.0), ("turbo", 1.0)], {}, "adapters: turbo is named twice"),
+        ([], {"flow_shift": 0.0}, "flow_shift: must be a number with 0 < shift <= 100"),
+        ([], {"audio_flow_shift": 250.0}, "audio_flow_shift: must be a number with 0 < shift <= 100"),
+    ],
+)
 def test_the_gateway_refuses_bad_adapters_and_shifts(client, named, fields, message):
     req = request(*named)
     for key, value in fields.items():
@@ -145,8 +203,9 @@ def test_the_gateway_refuses_bad_adapters_and_shifts(client, named, fields, mess
 
 
 def test_the_dit_refuses_an_unknown_adapter_at_its_boundary(adapter_stack):
-    spec = dit_pb2.DenoiseSpec(height=32, width=64, num_frames=124,
-                               params=common_pb2.GenerationParams(num_inference_steps=2))
+    spec = dit_pb2.DenoiseSpec(
+        height=32, width=64, num_frames=124, params=common_pb2.GenerationParams(num_inference_steps=2)
+    )
     spec.params.adapters.add(name="nope", weight=1.0)
     with grpc.insecure_channel(f"127.0.0.1:{adapter_stack[1]['dit']}") as channel:
         with pytest.raises(grpc.RpcError) as err:
@@ -163,8 +222,11 @@ def test_the_adapters_are_part_of_the_idempotency_key_and_the_job_record(client)
         client.stub.Submit(request(("style", 1.0), request_id="lora-1"))
     assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
     record = client.job(first.job_id).request.params
-    assert ([(a.name, a.weight) for a in record.adapters], record.num_inference_steps, record.flow_shift) == \
-        ([("turbo", 1.0)], 3, 6.0)
+    assert ([(a.name, a.weight) for a in record.adapters], record.num_inference_steps, record.flow_shift) == (
+        [("turbo", 1.0)],
+        3,
+        6.0,
+    )
     client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=first.job_id))
 
 

@@ -26,9 +26,15 @@ NOT_SERVED = "workflow: this deployment serves t2va; its DiT replicas do not loa
 def t2va_stack(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("t2va-only")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(root / "deploy.toml", str(tiny_model_dir), root / "gateway", ports,
-                          model=GEOMETRY.pipeline_configs(), dit={"workflows": ["t2va"]},
-                          outage_s=QUICK_OUTAGE)
+    config = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        model=GEOMETRY.pipeline_configs(),
+        dit={"workflows": ["t2va"]},
+        outage_s=QUICK_OUTAGE,
+    )
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
         yield group, ports
 
@@ -56,8 +62,9 @@ def test_a_workflow_the_dit_does_not_load_is_refused_at_submit(t2va_stack, tmp_p
         assert err.value.details() == NOT_SERVED.format(name)
     assert not client.stub.ListJobs(gateway_pb2.ListJobsRequest()).jobs, "a refused request writes nothing"
 
-    final = client.generate(gateway_pb2.GenerateRequest(prompt="a t2va job", height=32, width=64,
-                                                        num_inference_steps=2))
+    final = client.generate(
+        gateway_pb2.GenerateRequest(prompt="a t2va job", height=32, width=64, num_inference_steps=2)
+    )
     assert final.WhichOneof("kind") == "done", final
 
     # With the DiT down nothing is known about the workflows: the request is accepted and queues, as any other.
@@ -68,5 +75,7 @@ def test_a_workflow_the_dit_does_not_load_is_refused_at_submit(t2va_stack, tmp_p
     job = _submit(ports, ref2va)
     assert job.state == gateway_pb2.JOB_STATE_QUEUED
     assert client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=job.job_id)).state in (
-        gateway_pb2.JOB_STATE_CANCELLED, gateway_pb2.JOB_STATE_FAILED)
+        gateway_pb2.JOB_STATE_CANCELLED,
+        gateway_pb2.JOB_STATE_FAILED,
+    )
     client.close()

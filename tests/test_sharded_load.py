@@ -22,9 +22,21 @@ from h3serve.runtime.tiny import build_component
 TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sums
 MARGIN = 48 << 20  # host bytes a rank may hold during a load besides its shards and one block
 # a transformer large enough that its weights stand out of the interpreter's noise (~280 MB fp32), still fast
-BIG_TRANSFORMER = dict(num_attention_heads=8, attention_head_dim=64, hidden_size=512, num_layers=16,
-                       num_refiner_layers=1, ffn_dim=2048, in_channels=24, audio_in_channels=32, text_dim=32,
-                       freq_dim=16, time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+BIG_TRANSFORMER = dict(
+    num_attention_heads=8,
+    attention_head_dim=64,
+    hidden_size=512,
+    num_layers=16,
+    num_refiner_layers=1,
+    ffn_dim=2048,
+    in_channels=24,
+    audio_in_channels=32,
+    text_dim=32,
+    freq_dim=16,
+    time_embed_hidden_dim=32,
+    time_embed_dim=16,
+    rope_freq_dim=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +46,22 @@ def report(tmp_path_factory, tiny_model_dir) -> dict:
     root = tmp_path_factory.mktemp("sharded-load")
     MiniMaxH3Transformer3DModel(**BIG_TRANSFORMER).save_pretrained(str(root / "big" / "transformer"))
     out = root / "checks.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
-                    str(out), str(tiny_model_dir), str(root / "big")],
-                   check=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            str(out),
+            str(tiny_model_dir),
+            str(root / "big"),
+        ],
+        check=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(out.read_text())
 
 
@@ -76,6 +101,7 @@ def test_group_offload_is_refused_on_a_cpu_rank_with_the_reason():
 
 # ---- rank side (run by torchrun) ----
 
+
 class TinyRandom(RandomWeights):
     """random:full's per-rank values on the tiny preset's modules (the released sizes do not fit a CI machine)."""
 
@@ -99,13 +125,21 @@ def host_peak(big_dir: str) -> dict[str, int]:
 
     Path("/proc/self/clear_refs").write_text("5")  # the high-water mark restarts from the current size
     before = host_rss()["VmRSS"]
-    model = parallel.load_sharded(ModelSource(big_dir).weights("transformer"), parallel.Layout(2, 2, 1, True),
-                                  FastPath("native"), torch.device("cpu"), torch.float32)
+    model = parallel.load_sharded(
+        ModelSource(big_dir).weights("transformer"),
+        parallel.Layout(2, 2, 1, True),
+        FastPath("native"),
+        torch.device("cpu"),
+        torch.float32,
+    )
     peak = host_rss()["VmHWM"]
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    return {"peak_bytes": peak - before, "shard_bytes": sharded_load.shard_bytes(model),
-            "block_bytes": max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks),
-            "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return {
+        "peak_bytes": peak - before,
+        "shard_bytes": sharded_load.shard_bytes(model),
+        "block_bytes": max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks),
+        "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
 
 
 def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
@@ -128,8 +162,9 @@ def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
     message = Message(JOB, JOB_SPEC, inputs(11)) if control.rank == 0 else None
 
     def sharded(weights, offload: bool = False) -> tuple[torch.nn.Module, GroupMember]:
-        transformer = parallel.load_sharded(weights, parallel.Layout(2, 2, 1, True, offload), FastPath("native"),
-                                            torch.device("cpu"), torch.float32)
+        transformer = parallel.load_sharded(
+            weights, parallel.Layout(2, 2, 1, True, offload), FastPath("native"), torch.device("cpu"), torch.float32
+        )
         parts = {"transformer": transformer, **source.load(SCHEDULERS, "cpu", "float32")}
         return transformer, GroupMember(control, DenoiseRunner(parts, [T2VA]), torch.device("cpu"), "native", 4096)
 
@@ -139,8 +174,10 @@ def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
         report["latents"][name] = max_diff(run(member, message).latents, reference)
     transformer.reshard()  # FSDP2 leaves the root's own parameters gathered after a forward
     policy = transformer.transformer_blocks[0]._get_fsdp_state()._fsdp_param_group.offload_policy
-    report["offload"] = {"policy": type(policy).__name__ if isinstance(policy, CPUOffloadPolicy) else "none",
-                         "shards_on_cpu": all(p.to_local().device.type == "cpu" for p in transformer.parameters())}
+    report["offload"] = {
+        "policy": type(policy).__name__ if isinstance(policy, CPUOffloadPolicy) else "none",
+        "shards_on_cpu": all(p.to_local().device.type == "cpu" for p in transformer.parameters()),
+    }
     report["buffers_match"] = torch.equal(transformer.rope.inv_freq, whole["transformer"].rope.inv_freq)
 
     first, member = sharded(TinyRandom("transformer"))
@@ -149,10 +186,12 @@ def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
     first.reshard()
     values = torch.cat([p.to_local().flatten() for p in first.parameters()])
     report["random"] = {
-        "same_twice": all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(first.parameters(),
-                                                                                   again.parameters())),
+        "same_twice": all(
+            torch.equal(a.to_local(), b.to_local()) for a, b in zip(first.parameters(), again.parameters())
+        ),
         "finite": bool(latents.isfinite().all() and latents.std() > 0),
-        "ranks_differ": len({tuple(rank[:64].tolist()) for rank in control.gather(values)}) == 2}
+        "ranks_differ": len({tuple(rank[:64].tolist()) for rank in control.gather(values)}) == 2,
+    }
     if control.rank == 0:
         Path(out_path).write_text(json.dumps(report, indent=1))
     dist.barrier()  # without it gloo teardown sometimes aborts

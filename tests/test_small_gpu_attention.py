@@ -31,11 +31,13 @@ def test_bf16_sdpa_is_refused_on_turing_with_the_reason_and_what_to_use(turing, 
     assert 'attention_backend = "sage"' in message
 
 
-@pytest.mark.parametrize("name,needed", [("flash4", "sm_90"), ("cudnn_fp8", "sm_90"), ("flash", "sm_80"),
-                                         ("_flash_3", "sm_90")])
+@pytest.mark.parametrize(
+    "name,needed", [("flash4", "sm_90"), ("cudnn_fp8", "sm_90"), ("flash", "sm_80"), ("_flash_3", "sm_90")]
+)
 def test_a_kernel_newer_than_the_gpu_is_refused_naming_both_capabilities(turing, name, needed):
-    with pytest.raises(attention.BackendUnusable, match=f"needs compute capability {needed} or newer; "
-                                                        "this GPU is sm_75"):
+    with pytest.raises(
+        attention.BackendUnusable, match=f"needs compute capability {needed} or newer; this GPU is sm_75"
+    ):
         attention.check(name, heads=56, head_dim=128, device=GPU, dtype=torch.bfloat16)
 
 
@@ -49,11 +51,23 @@ def test_sage_passes_the_capability_check_on_turing_and_is_then_checked_for_its_
 
 def test_the_kernels_each_generation_has_for_bf16():
     assert attention.kernels_for(TURING, torch.bfloat16) == ["sage"]
-    assert set(attention.kernels_for(AMPERE, torch.bfloat16)) == {"_native_cudnn", "_native_flash",
-                                                                 "_native_efficient", "sage", "flash"}
-    assert set(attention.kernels_for(HOPPER, torch.bfloat16)) == {"_native_cudnn", "_native_flash",
-                                                                 "_native_efficient", "sage", "flash", "flash4",
-                                                                 "cudnn_fp8", "_flash_3"}
+    assert set(attention.kernels_for(AMPERE, torch.bfloat16)) == {
+        "_native_cudnn",
+        "_native_flash",
+        "_native_efficient",
+        "sage",
+        "flash",
+    }
+    assert set(attention.kernels_for(HOPPER, torch.bfloat16)) == {
+        "_native_cudnn",
+        "_native_flash",
+        "_native_efficient",
+        "sage",
+        "flash",
+        "flash4",
+        "cudnn_fp8",
+        "_flash_3",
+    }
 
 
 def test_float32_sdpa_is_not_refused_for_capability():
@@ -92,13 +106,16 @@ def test_a_float16_dit_is_refused_at_start_with_the_reason(tmp_path):
     assert "[dit] dtype" in str(err.value) and "bfloat16" in str(err.value) and "sage" in str(err.value)
 
 
-@pytest.mark.parametrize("section,table,reason", [
-    ("dit", "fsdp_offload = true", "needs fsdp = true"),
-    ("dit", 'world_size = 2\noffload = "group"', '"group" offload runs one rank'),
-    ("encoder", "spread = true\ncpu_offload = true", "choose one"),
-    ("encoder", 'quantize = "int4"', "quantize"),
-    ("vae", "memory_limit_gib = -1", "memory_limit_gib"),
-])
+@pytest.mark.parametrize(
+    "section,table,reason",
+    [
+        ("dit", "fsdp_offload = true", "needs fsdp = true"),
+        ("dit", 'world_size = 2\noffload = "group"', '"group" offload runs one rank'),
+        ("encoder", "spread = true\ncpu_offload = true", "choose one"),
+        ("encoder", 'quantize = "int4"', "quantize"),
+        ("vae", "memory_limit_gib = -1", "memory_limit_gib"),
+    ],
+)
 def test_every_small_gpu_option_refuses_a_bad_value_naming_the_key(tmp_path, section, table, reason):
     path = tmp_path / "bad.toml"
     path.write_text(f"[{section}]\n{table}\n")
@@ -121,14 +138,19 @@ def test_group_offload_without_a_gpu_is_refused_at_start():
         config_check.check(DiTConfig(offload="group"))
 
 
-@pytest.mark.parametrize("version,capability,refused", [("1.0.6", TURING, True), ("1.0.6", AMPERE, False),
-                                                         ("2.2.0", TURING, False)])
-def test_sageattention_1_is_refused_below_tritons_oldest_target_and_a_2x_build_is_not(monkeypatch, version,
-                                                                                     capability, refused):
+@pytest.mark.parametrize(
+    "version,capability,refused", [("1.0.6", TURING, True), ("1.0.6", AMPERE, False), ("2.2.0", TURING, False)]
+)
+def test_sageattention_1_is_refused_below_tritons_oldest_target_and_a_2x_build_is_not(
+    monkeypatch, version, capability, refused
+):
     monkeypatch.setattr(sage, "installed_version", lambda: version)
     if not refused:
         sage.check_build(capability)
         return
-    with pytest.raises(RuntimeError, match="sageattention 1.0.6 is Triton only.*on sm_75 install a SageAttention 2.x "
-                                           "build for it \\(TORCH_CUDA_ARCH_LIST=7.5"):
+    with pytest.raises(
+        RuntimeError,
+        match="sageattention 1.0.6 is Triton only.*on sm_75 install a SageAttention 2.x "
+        "build for it \\(TORCH_CUDA_ARCH_LIST=7.5",
+    ):
         sage.check_build(capability)

@@ -35,8 +35,13 @@ def test_the_vae_warm_up_leaves_the_next_decode_bit_identical_and_hands_on_no_pi
 
     def decode(decoder: VaeDecoder) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         chunks, tiles = [], []
-        out = decoder.decode(latents, audio, on_video=lambda done, total: tiles.append(done),
-                             on_audio=lambda done, total: None, on_pixels=chunks.append)
+        out = decoder.decode(
+            latents,
+            audio,
+            on_video=lambda done, total: tiles.append(done),
+            on_audio=lambda done, total: None,
+            on_pixels=chunks.append,
+        )
         assert chunks, "the decode streamed its frames"
         return out.frames, out.audio, tiles
 

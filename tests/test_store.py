@@ -20,12 +20,17 @@ from h3serve.gateway.jobs.store import JobStore
 from h3serve.v1 import common_pb2, gateway_pb2
 
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = (
-    gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING, gateway_pb2.JOB_STATE_SUCCEEDED,
-    gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
+    gateway_pb2.JOB_STATE_QUEUED,
+    gateway_pb2.JOB_STATE_RUNNING,
+    gateway_pb2.JOB_STATE_SUCCEEDED,
+    gateway_pb2.JOB_STATE_FAILED,
+    gateway_pb2.JOB_STATE_CANCELLED,
+)
 
 PARAMS = common_pb2.GenerationParams(num_inference_steps=50, seed=2**62 + 5, include_raw=True)
-REQUEST = gateway_pb2.ResolvedRequest(prompt="a fox", height=768, width=1344, num_frames=124, params=PARAMS,
-                                      workflow=common_pb2.WORKFLOW_T2VA)
+REQUEST = gateway_pb2.ResolvedRequest(
+    prompt="a fox", height=768, width=1344, num_frames=124, params=PARAMS, workflow=common_pb2.WORKFLOW_T2VA
+)
 CANCEL = gateway_pb2.JobEvent(cancelled=gateway_pb2.Cancelled(reason="x"))
 
 
@@ -40,8 +45,13 @@ def db_path(tmp_path):
 
 def _artifact(job_id, kind, size=10):
     extension = ".mp4" if kind == "video" else ".npz"
-    return gateway_pb2.Artifact(artifact_id=f"{job_id}-{kind}", file_name=f"h3-{job_id}{extension}", bytes=size,
-                                sha256="ab" * 32, media_type="video/mp4" if kind == "video" else "application/x-npz")
+    return gateway_pb2.Artifact(
+        artifact_id=f"{job_id}-{kind}",
+        file_name=f"h3-{job_id}{extension}",
+        bytes=size,
+        sha256="ab" * 32,
+        media_type="video/mp4" if kind == "video" else "application/x-npz",
+    )
 
 
 def test_the_sqlite_store_implements_every_method_of_the_protocol():
@@ -110,8 +120,9 @@ def test_round_trip_survives_reopen(db_path):
 
 def test_a_request_stored_before_params_reads_with_them(db_path):
     """A job written by a gateway from before GenerationParams still runs: its options come from the old fields."""
-    old = gateway_pb2.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8,
-                                      seed=7, include_raw=True)
+    old = gateway_pb2.ResolvedRequest(
+        prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8, seed=7, include_raw=True
+    )
 
     async def check(store):
         await store.submit("old", old)
@@ -125,8 +136,10 @@ def test_a_request_stored_before_params_reads_with_them(db_path):
 def test_seq_is_one_to_n_and_ordered(db_path):
     async def check(store):
         await store.submit("j", REQUEST)
-        stored = [await store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=5)))
-                  for i in range(1, 6)]
+        stored = [
+            await store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=5)))
+            for i in range(1, 6)
+        ]
         assert [e.seq for e in stored] == [1, 2, 3, 4, 5]
         assert all(e.job_id == "j" and e.time > 0 for e in stored)
         assert [e.time for e in stored] == sorted(e.time for e in stored)
@@ -145,8 +158,12 @@ def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
         tasks, per_task = 8, 25
 
         async def append(t):
-            return [(await store.append_event("j", gateway_pb2.JobEvent(
-                decoding=gateway_pb2.Decoding(chunk=i, total=t)))).seq for i in range(per_task)]
+            return [
+                (
+                    await store.append_event("j", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding(chunk=i, total=t)))
+                ).seq
+                for i in range(per_task)
+            ]
 
         returned = await asyncio.gather(*(append(t) for t in range(tasks)))
         total = tasks * per_task
@@ -196,8 +213,11 @@ def test_long_error_keeps_its_end(db_path):
         message = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "RuntimeError: CUDA out of memory"
         failed = gateway_pb2.Failed(code=grpc.StatusCode.INTERNAL.value[0], code_name="INTERNAL", message=message)
         event = await store.finish("j", FAILED, gateway_pb2.JobEvent(failed=failed))
-        kept_messages = ((await store.get_job("j")).error.message, event.failed.message,
-                         (await store.events("j"))[0].failed.message)
+        kept_messages = (
+            (await store.get_job("j")).error.message,
+            event.failed.message,
+            (await store.events("j"))[0].failed.message,
+        )
         for kept in kept_messages:
             assert kept.endswith("RuntimeError: CUDA out of memory")
             assert len(kept) <= MAX_ERROR_CHARS + len("...\n")
@@ -264,35 +284,49 @@ def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_th
         waited = await store.get_job("waited")
         assert (waited.state, waited.attempts) == (QUEUED, 0), "a re-run from a queue is free, however many"
         assert (await store.events("waited"))[-1].retrying == gateway_pb2.Retrying(
-            attempt=1, max_attempts=2, reason="the gateway restarted while this job waited for the encoder stage; "
-                                              "attempt not counted")
+            attempt=1,
+            max_attempts=2,
+            reason="the gateway restarted while this job waited for the encoder stage; attempt not counted",
+        )
         assert [(r.stage, r.error) for r in waited.stage_records] == [("encoder", INTERRUPTED)] * n
         assert {job.job_id: job.restarts for job in await store.unfinished()}["waited"] == 0
         running, worn = await store.get_job("running"), await store.get_job("worn")
         if n <= MAX_RESTART_RERUNS:
             assert [job_id for job_id, _ in started] == ["queued", "running", "waited", "worn"]
-            reason = (f"the gateway restarted while this job was in the {{}} stage; re-run {n} of "
-                      f"{MAX_RESTART_RERUNS} after a restart; attempt not counted")
+            reason = (
+                f"the gateway restarted while this job was in the {{}} stage; re-run {n} of "
+                f"{MAX_RESTART_RERUNS} after a restart; attempt not counted"
+            )
             assert (running.state, running.attempts) == (QUEUED, 0)
             assert (await store.events("running"))[-1].retrying == gateway_pb2.Retrying(
-                attempt=1, max_attempts=2, reason=reason.format("dit"))
+                attempt=1, max_attempts=2, reason=reason.format("dit")
+            )
             assert [(r.stage, r.error) for r in running.stage_records if not r.finished] == [("dit", INTERRUPTED)] * n
             assert (worn.state, worn.attempts) == (QUEUED, 1), "a restart spends no attempt, even the last"
             assert (await store.events("worn"))[-1].retrying == gateway_pb2.Retrying(
-                attempt=2, max_attempts=2, reason=reason.format("vae"))
+                attempt=2, max_attempts=2, reason=reason.format("vae")
+            )
             assert [(r.stage, r.error) for r in worn.stage_records] == [("vae", INTERRUPTED)] * n
             assert {job.job_id: job.restarts for job in await store.unfinished()} == {
-                "queued": 0, "running": n, "waited": 0, "worn": n}
+                "queued": 0,
+                "running": n,
+                "waited": 0,
+                "worn": n,
+            }
             await run_again(store, {"running": 1, "waited": 1, "worn": 2})
         else:  # caught in a stage by an eleventh restart: the bound ends them, the others run on
             assert [job_id for job_id, _ in started] == ["queued", "waited"]
             for job, where in ((running, "dit"), (worn, "vae")):
                 assert job.state == FAILED and job.error == gateway_pb2.Failed(
-                    code=grpc.StatusCode.ABORTED.value[0], code_name="ABORTED", message=(
+                    code=grpc.StatusCode.ABORTED.value[0],
+                    code_name="ABORTED",
+                    message=(
                         f"the gateway restarted while this job was in the {where} stage: {MAX_RESTART_RERUNS + 1} "
                         "restarts caught one of its stages in progress; restarts spend none of its 2 attempts, but "
                         f"after {MAX_RESTART_RERUNS} such re-runs the job ends, in case it is what brings the gateway "
-                        "down"))
+                        "down"
+                    ),
+                )
                 assert (await store.events(job.job_id))[-1].failed == job.error
                 assert [r.stage for r in job.stage_records if not r.finished] == [where] * n, "one pass a restart"
                 assert await store.start_attempt(job.job_id) == 0
@@ -308,12 +342,18 @@ def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_th
 
 # Artifact files.
 
+
 def test_artifact_save_bytes(tmp_path):
     data = os.urandom(300_000)
     artifact, path = ArtifactStore(str(tmp_path / "artifacts")).save("abc", "video", data)
     assert path == str(tmp_path / "artifacts" / "h3-abc.mp4")
-    assert artifact == gateway_pb2.Artifact(artifact_id="abc-video", file_name="h3-abc.mp4", bytes=len(data),
-                                            sha256=hashlib.sha256(data).hexdigest(), media_type="video/mp4")
+    assert artifact == gateway_pb2.Artifact(
+        artifact_id="abc-video",
+        file_name="h3-abc.mp4",
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        media_type="video/mp4",
+    )
     with open(path, "rb") as f:
         assert f.read() == data
     assert os.listdir(tmp_path / "artifacts") == ["h3-abc.mp4"]
@@ -323,7 +363,10 @@ def test_artifact_save_chunks(tmp_path):
     chunks = [b"one", bytearray(b"two"), memoryview(b"three")]
     artifact, path = ArtifactStore(str(tmp_path)).save("abc", "raw", iter(chunks))
     assert (artifact.file_name, artifact.artifact_id, artifact.media_type) == (
-        "h3-abc.npz", "abc-raw", "application/x-npz")
+        "h3-abc.npz",
+        "abc-raw",
+        "application/x-npz",
+    )
     assert artifact.bytes == 11 and artifact.sha256 == hashlib.sha256(b"onetwothree").hexdigest()
     with open(path, "rb") as f:
         assert f.read() == b"onetwothree"
@@ -355,6 +398,7 @@ def test_artifact_rejects_bad_kind_and_id(tmp_path):
 
 # The bin (soft delete), listing order and cursors.
 
+
 def _finish(store, job_id):
     return store.finish(job_id, SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
 
@@ -382,6 +426,7 @@ def test_the_bin_marks_and_restores_a_job_and_never_touches_its_state(db_path):
 
 def _pages(store, limit, **options):
     """Every page of a listing, by the cursor each page returns."""
+
     async def walk():
         pages, cursor = [], 0
         while True:
@@ -389,6 +434,7 @@ def _pages(store, limit, **options):
             pages.append([job.job_id for job in jobs])
             if not cursor:
                 return pages
+
     return walk()
 
 
@@ -444,6 +490,7 @@ def test_a_listing_carries_each_jobs_artifacts_and_timings_but_not_its_records(d
 
 # Progress.
 
+
 def _event(**kind):
     return gateway_pb2.JobEvent(**kind)
 
@@ -465,8 +512,12 @@ def test_progress_follows_the_documented_formula():
     assert advance(0.5, _event(decoding=gateway_pb2.Decoding(chunk=1, total=4))) == pytest.approx(0.875)
     assert advance(0.9, _event(muxing=gateway_pb2.Muxing(done=3, total=5))) == pytest.approx(0.98)
     assert advance(0.98, _event(done=gateway_pb2.Done())) == 1.0
-    for unchanged in (_event(accepted=gateway_pb2.Accepted()), _event(waiting=gateway_pb2.Waiting()),
-                      _event(failed=gateway_pb2.Failed()), CANCEL):
+    for unchanged in (
+        _event(accepted=gateway_pb2.Accepted()),
+        _event(waiting=gateway_pb2.Waiting()),
+        _event(failed=gateway_pb2.Failed()),
+        CANCEL,
+    ):
         assert advance(0.42, unchanged) == 0.42, unchanged
     assert advance(0.42, _event(retrying=gateway_pb2.Retrying(attempt=2))) == 0.0
     # Encoder and VAE encoder run together: a late conditioning event does not move the bar back.
@@ -518,21 +569,30 @@ CREATE TABLE events (
 
 def test_an_old_database_gains_the_bin_and_progress_in_place(db_path):
     os.makedirs(os.path.dirname(db_path))
-    old_events = {"old": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _denoising(4)],
-                  "older": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _event(done=gateway_pb2.Done())],
-                  "never": []}
+    old_events = {
+        "old": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _denoising(4)],
+        "older": [_event(accepted=gateway_pb2.Accepted()), ENCODING, _event(done=gateway_pb2.Done())],
+        "never": [],
+    }
     with closing(sqlite3.connect(db_path)) as conn, conn:
         conn.executescript(OLD_SCHEMA)
         for job_id, events in old_events.items():
-            conn.execute("INSERT INTO jobs VALUES (?, ?, ?, 1.0, 2.0, NULL, ?)",
-                         (job_id, RUNNING, REQUEST.SerializeToString(), len(events)))
-            conn.executemany("INSERT INTO events VALUES (?, ?, 1.5, ?)",
-                             [(job_id, seq, e.SerializeToString()) for seq, e in enumerate(events, 1)])
+            conn.execute(
+                "INSERT INTO jobs VALUES (?, ?, ?, 1.0, 2.0, NULL, ?)",
+                (job_id, RUNNING, REQUEST.SerializeToString(), len(events)),
+            )
+            conn.executemany(
+                "INSERT INTO events VALUES (?, ?, 1.5, ?)",
+                [(job_id, seq, e.SerializeToString()) for seq, e in enumerate(events, 1)],
+            )
 
     async def check(store):
         jobs = {job.job_id: job for job in (await store.list_jobs([], 10))[0]}
         assert {job_id: (job.progress, job.deleted, job.attempts) for job_id, job in jobs.items()} == {
-            "old": (pytest.approx(0.45), 0.0, 0), "older": (1.0, 0.0, 0), "never": (0.0, 0.0, 0)}
+            "old": (pytest.approx(0.45), 0.0, 0),
+            "older": (1.0, 0.0, 0),
+            "never": (0.0, 0.0, 0),
+        }
         assert (await store.append_event("old", _denoising(8))).seq == 4
         assert (await store.get_job("old")).progress == pytest.approx(0.85)
         assert (await store.set_deleted("older", True)).deleted > 0
@@ -542,7 +602,8 @@ def test_an_old_database_gains_the_bin_and_progress_in_place(db_path):
     with closing(sqlite3.connect(db_path)) as conn:
         columns = {row[1]: row for row in conn.execute("PRAGMA table_info(jobs)")}
         assert columns["deleted"][2:5] == ("REAL", 1, "0") and conn.execute(
-            "SELECT COUNT(*) FROM jobs WHERE progress IS NULL").fetchone() == (0,)
+            "SELECT COUNT(*) FROM jobs WHERE progress IS NULL"
+        ).fetchone() == (0,)
     with_store(db_path, lambda store: _expect_progress(store, "old", 0.85))  # a second open changes nothing
 
 

@@ -28,8 +28,15 @@ def adapter(tmp_path_factory):
 
 
 def start(model_dir, cache_dir, offload="group", **settings):
-    config = DiTConfig(model_dir=str(model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(cache_dir),
-                       workflows=("t2va",), offload=offload, **settings)
+    config = DiTConfig(
+        model_dir=str(model_dir),
+        dtype="bfloat16",
+        fp8=True,
+        fp8_cache_dir=str(cache_dir),
+        workflows=("t2va",),
+        offload=offload,
+        **settings,
+    )
     components, _, held = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
     assert fp8_store.wait_for_saves(timeout_s=120)
     return components["transformer"], held
@@ -53,51 +60,62 @@ def adapted_latents(transformer, held, name="turbo"):
 
 
 def test_the_first_start_quantises_block_by_block_into_the_store_and_streams_what_a_resident_start_serves(
-        fp8_on_cpu, loads, tiny_model_dir, tmp_path, caplog):
+    fp8_on_cpu, loads, tiny_model_dir, tmp_path, caplog
+):
     streamed, _ = start(tiny_model_dir, tmp_path)
     assert loads == [["scheduler", "audio_scheduler"]], "the bf16 transformer is never loaded whole"
     (saved,) = tmp_path.glob("transformer-fp8-*")
     assert (saved / "transformer_blocks.0.pt").is_file() and not list(tmp_path.glob("*.partial-*"))
     weight = streamed.transformer_blocks[0].attn.to_q.weight
-    assert mapped_file(weight.qdata) == str(saved / "transformer_blocks.0.pt"), \
+    assert mapped_file(weight.qdata) == str(saved / "transformer_blocks.0.pt"), (
         "between forwards a block's weights are the mapped file's"
+    )
     resident, _ = start(tiny_model_dir, tmp_path, offload="none")  # the same store, assigned and kept whole
     assert loads[-1] == ["scheduler", "audio_scheduler"]
     with caplog.at_level(logging.WARNING, logger="h3serve.weight_stream"):
         assert_same(latents(streamed), latents(resident))
     assert_same(fp8_state(streamed), fp8_state(resident)), "a forward leaves the weights where they were"
     stream = streamed.weight_stream
-    assert 0 < stream.peak_live <= weight_stream.LIVE_BLOCKS and "given back" not in caplog.text, \
+    assert 0 < stream.peak_live <= weight_stream.LIVE_BLOCKS and "given back" not in caplog.text, (
         "every block's buffer is given back and counted out: the copy thread never waits for a lost one"
+    )
 
 
 def test_adapters_run_over_the_cached_fp8_weights_and_a_warm_start_serves_the_cold_one_s_output(
-        fp8_on_cpu, loads, tiny_model_dir, tmp_path, adapter):
+    fp8_on_cpu, loads, tiny_model_dir, tmp_path, adapter
+):
     cold, cold_held = start(tiny_model_dir, tmp_path, adapters={"turbo": str(adapter)})
     expected = adapted_latents(cold, cold_held)
     store = set(tmp_path.glob("transformer-fp8-*"))
     warm, warm_held = start(tiny_model_dir, tmp_path, adapters={"turbo": str(adapter)})
-    assert set(tmp_path.glob("transformer-fp8-*")) == store and loads[-1] == ["scheduler", "audio_scheduler"], \
+    assert set(tmp_path.glob("transformer-fp8-*")) == store and loads[-1] == ["scheduler", "audio_scheduler"], (
         "the restart with adapters assigns the cached weights"
+    )
     assert_same(adapted_latents(warm, warm_held), expected)
     plain, _ = start(tiny_model_dir, tmp_path)
     assert set(tmp_path.glob("transformer-fp8-*")) == store, "one cache whatever the adapters"
-    assert any(not torch.equal(tensor, expected[name]) for name, tensor in latents(plain).items()), \
+    assert any(not torch.equal(tensor, expected[name]) for name, tensor in latents(plain).items()), (
         "the adapter changes the output"
+    )
 
 
-def test_unfused_adapters_wrap_the_fp8_linears_and_keep_their_factors_in_bf16(fp8_on_cpu, tiny_model_dir, tmp_path,
-                                                                             adapter):
+def test_unfused_adapters_wrap_the_fp8_linears_and_keep_their_factors_in_bf16(
+    fp8_on_cpu, tiny_model_dir, tmp_path, adapter
+):
     transformer, _ = start(tiny_model_dir, tmp_path, adapters={"turbo": str(adapter)})
-    layers = [m for name, m in transformer.named_modules() if name.startswith("transformer_blocks.")
-              and hasattr(m, "base_layer")]
+    layers = [
+        m
+        for name, m in transformer.named_modules()
+        if name.startswith("transformer_blocks.") and hasattr(m, "base_layer")
+    ]
     assert layers and all(type(layer.base_layer.weight).__name__ == "Float8Tensor" for layer in layers)
     factors = [p for layer in layers for n, p in layer.named_parameters() if n.startswith("lora_")]
     assert factors and all(p.dtype == torch.bfloat16 for p in factors)
 
 
-def test_a_stream_copy_that_fails_fails_the_forward_with_the_block_named(fp8_on_cpu, tiny_model_dir, tmp_path,
-                                                                          monkeypatch):
+def test_a_stream_copy_that_fails_fails_the_forward_with_the_block_named(
+    fp8_on_cpu, tiny_model_dir, tmp_path, monkeypatch
+):
     transformer, _ = start(tiny_model_dir, tmp_path)
 
     def broken(self, index, onload, slot):
@@ -118,12 +136,19 @@ def gpu_latents(transformer: torch.nn.Module, device: torch.device) -> dict[str,
     from h3serve.runtime.tiny import build_component
     from h3serve.services.dit.runner import DenoiseRunner, served
 
-    parts = {"transformer": transformer, "scheduler": build_component("scheduler"),
-             "audio_scheduler": build_component("audio_scheduler")}
+    parts = {
+        "transformer": transformer,
+        "scheduler": build_component("scheduler"),
+        "audio_scheduler": build_component("audio_scheduler"),
+    }
     embeds = torch.randn(1, 12, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
     runner = DenoiseRunner(parts, served(["t2va"]), device=device)
-    out = runner.run(denoise_spec(Size.parse("32x64x124"), forwards=3), embeds.to(torch.bfloat16),
-                     torch.ones(12, dtype=torch.int64), lambda step, total: None)
+    out = runner.run(
+        denoise_spec(Size.parse("32x64x124"), forwards=3),
+        embeds.to(torch.bfloat16),
+        torch.ones(12, dtype=torch.int64),
+        lambda step, total: None,
+    )
     return {name: tensor.cpu() for name, tensor in out.items()}
 
 
@@ -135,8 +160,15 @@ def test_on_a_gpu_the_streamed_blocks_give_the_resident_latents_request_after_re
     gpu = torch.device("cuda", torch.cuda.current_device())
 
     def load(offload: str) -> torch.nn.Module:
-        config = DiTConfig(model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path),
-                           workflows=("t2va",), offload=offload, device="cuda")
+        config = DiTConfig(
+            model_dir=str(tiny_model_dir),
+            dtype="bfloat16",
+            fp8=True,
+            fp8_cache_dir=str(tmp_path),
+            workflows=("t2va",),
+            offload=offload,
+            device="cuda",
+        )
         return rank.load_whole(config, ONE_RANK, gpu, ["transformer"])[0]["transformer"]
 
     streamed = load("group")

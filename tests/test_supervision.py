@@ -88,35 +88,46 @@ def sockets(pid: int, state: str) -> list[tuple[tuple[str, int], tuple[str, int]
             inodes |= set(re.findall(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}")))
         except OSError:  # closed meanwhile
             pass
-    rows = [line.split() for table in ("/proc/net/tcp", "/proc/net/tcp6")
-            for line in Path(table).read_text().splitlines()[1:]]
+    rows = [
+        line.split()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6")
+        for line in Path(table).read_text().splitlines()[1:]
+    ]
     return [(endpoint(row[1]), endpoint(row[2])) for row in rows if row[3] == state and row[9] in inodes]
 
 
 def endpoint(text: str) -> tuple[str, int]:
     """A /proc/net address: 4 bytes (IPv4) or 16 (IPv6) in 32-bit words of host (little-endian) order, a hex port."""
     hexed, port = text.split(":")
-    raw = b"".join(bytes.fromhex(hexed[i:i + 8])[::-1] for i in range(0, len(hexed), 8))
+    raw = b"".join(bytes.fromhex(hexed[i : i + 8])[::-1] for i in range(0, len(hexed), 8))
     return str(ipaddress.ip_address(raw)), int(port, 16)
 
 
 class DiT:
     def __init__(self, root: Path) -> None:
         self.port, self.log = free_port(), root / "dit.log"
-        config = write_config(root / "deploy.toml", "", root / "gateway", {"encoder": 1, "dit": self.port, "vae": 2,
-                                                                           "gateway": 3}, dit=DIT2)
+        config = write_config(
+            root / "deploy.toml",
+            "",
+            root / "gateway",
+            {"encoder": 1, "dit": self.port, "vae": 2, "gateway": 3},
+            dit=DIT2,
+        )
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen([*CLI, "serve", "dit", "--config", str(config)], stdout=out,
-                                            stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(
+                [*CLI, "serve", "dit", "--config", str(config)], stdout=out, stderr=subprocess.STDOUT
+            )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.seen: set[Proc] = set()
 
     def ranks(self, count: int = 2) -> dict[int, int]:
         """Rank -> pid of the current start, once all `count` ranks run."""
+
         def started():
             envs = {pid: environment(pid) for pid in children(self.process.pid)}
             found = {int(env["RANK"]): pid for pid, env in envs.items() if "RANK" in env}  # once exec'd
             return found if len(found) == len(envs) == count else None
+
         ranks = wait_until(started, 60, "the ranks started", poll_s=0.02)
         self.seen |= {Proc.of(pid) for pid in ranks.values()} - {None}
         return ranks
@@ -126,6 +137,7 @@ class DiT:
 
     def serving(self, restarts: int | None = None, limit_s: float = 120.0):
         """Info once the group serves (after restart `restarts`, if given)."""
+
         def ready():
             assert self.process.poll() is None, self.log.read_text()
             try:
@@ -133,6 +145,7 @@ class DiT:
             except grpc.RpcError:
                 return None
             return info if info.state == "serving" and restarts in (None, info.restarts) else None
+
         return wait_until(ready, limit_s, f"the group serving (restart {restarts})")
 
     def starting_ranks(self) -> dict[int, int]:
@@ -141,8 +154,12 @@ class DiT:
         with contextlib.suppress(grpc.RpcError):
             if {rank.pid for rank in self.info().ranks} == set(ranks.values()):  # these have joined
                 os.kill(ranks[1], signal.SIGKILL)
-                wait_until(lambda: not set(children(self.process.pid)) & set(ranks.values()), 30, "the old ranks end",
-                           poll_s=0.02)
+                wait_until(
+                    lambda: not set(children(self.process.pid)) & set(ranks.values()),
+                    30,
+                    "the old ranks end",
+                    poll_s=0.02,
+                )
                 ranks = self.ranks()
         return ranks
 
@@ -168,8 +185,12 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(dit, hung):
     os.kill(ranks[hung], signal.SIGSTOP)  # it never joins: the other rank waits in the rendezvous
     waiting = Proc.of(ranks[1 - hung])
     store_port = int(environment(waiting.pid)["MASTER_PORT"])
-    wait_until(lambda: any(remote[1] == store_port for _, remote in sockets(waiting.pid, ESTABLISHED)), 60,
-               "the rank reached the store", poll_s=0.05)
+    wait_until(
+        lambda: any(remote[1] == store_port for _, remote in sockets(waiting.pid, ESTABLISHED)),
+        60,
+        "the rank reached the store",
+        poll_s=0.05,
+    )
     time.sleep(0.5)
     os.kill(waiting.pid, signal.SIGTERM)
     assert eventually(lambda: not waiting.alive(), 3, poll_s=0.02), "the waiting rank outlived SIGTERM by 3 s"
@@ -181,7 +202,7 @@ def test_a_rank_waiting_in_the_rendezvous_stops_at_once_on_sigterm(dit, hung):
 @pytest.mark.distributed
 def test_the_store_listens_on_the_dits_host_only(dit):
     info = dit.serving()
-    ((address, port), _), = sockets(dit.process.pid, LISTEN)  # the store is the launcher's only server
+    (((address, port), _),) = sockets(dit.process.pid, LISTEN)  # the store is the launcher's only server
     assert address == "127.0.0.1"
     for rank in info.ranks:
         env = environment(rank.pid)

@@ -35,10 +35,11 @@ from h3serve.services.vae.validate import InvalidOutput, validate
 from h3serve.v1 import common_pb2, media_pb2, tensor_pb2, vae_pb2, vae_pb2_grpc
 
 LATENTS_SHAPE = (1, 24, 37, 2, 4)  # 5 * 7 + 2 latent frames -> 17 * 7 + 5 = 124 frames of 32x64
-AUDIO_SHAPE = (2, 32, 207)          # 207 latents * 800 hop = 165600 samples at 32 kHz
+AUDIO_SHAPE = (2, 32, 207)  # 207 latents * 800 hop = 165600 samples at 32 kHz
 NUM_FRAMES, HEIGHT, WIDTH, NUM_SAMPLES = 124, 32, 64, 165600
-MODEL = common_pb2.ModelInfo(model_revision=TINY_REVISION, source="tiny", device="cpu", dtype="float32",
-                             components=COMPONENTS)
+MODEL = common_pb2.ModelInfo(
+    model_revision=TINY_REVISION, source="tiny", device="cpu", dtype="float32", components=COMPONENTS
+)
 VIDEO, AUDIO, MUX = vae_pb2.DECODE_PHASE_VIDEO, vae_pb2.DECODE_PHASE_AUDIO, vae_pb2.DECODE_PHASE_MUX
 
 
@@ -48,8 +49,10 @@ def fresh_components() -> tuple:
 
 def make_latents() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"latents": torch.randn(LATENTS_SHAPE, generator=generator),
-            "audio_latents": torch.randn(AUDIO_SHAPE, generator=generator)}
+    return {
+        "latents": torch.randn(LATENTS_SHAPE, generator=generator),
+        "audio_latents": torch.randn(AUDIO_SHAPE, generator=generator),
+    }
 
 
 @contextmanager
@@ -68,13 +71,13 @@ def vae_server(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[str]
 @contextmanager
 def vae_service(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
     """A stub to a `vae_server`."""
-    with vae_server(vae, audio_vae, config) as address, \
-            grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+    with vae_server(vae, audio_vae, config) as address, grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
         yield vae_pb2_grpc.VAEStub(channel)
 
 
-def requests(tensors: dict[str, torch.Tensor], include_raw: bool = False,
-             chunk_bytes: int = wire.CHUNK_BYTES) -> list[vae_pb2.DecodeInput]:
+def requests(
+    tensors: dict[str, torch.Tensor], include_raw: bool = False, chunk_bytes: int = wire.CHUNK_BYTES
+) -> list[vae_pb2.DecodeInput]:
     chunks = [chunk for name, tensor in tensors.items() for chunk in wire.encode(name, tensor, chunk_bytes)]
     spec = vae_pb2.DecodeSpec(job_id="test", params=common_pb2.GenerationParams(include_raw=include_raw))
     return [vae_pb2.DecodeInput(spec=spec), *(vae_pb2.DecodeInput(chunk=chunk) for chunk in chunks)]
@@ -150,8 +153,7 @@ def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
 @pytest.mark.fidelity
 def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process):
     raw = files_of(events)["raw.npz"]
-    assert (events[-1].summary.raw_sha256, events[-1].summary.raw_bytes) == (hashlib.sha256(raw).hexdigest(),
-                                                                              len(raw))
+    assert (events[-1].summary.raw_sha256, events[-1].summary.raw_bytes) == (hashlib.sha256(raw).hexdigest(), len(raw))
     expected = in_process
     archive = np.load(io.BytesIO(raw))
     assert archive["frames"].shape == (NUM_FRAMES, HEIGHT, WIDTH, 3)
@@ -162,11 +164,11 @@ def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process)
 
 
 @pytest.mark.fidelity
-def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents,
-                                                                              in_process):
+def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents, in_process):
     handed: list[np.ndarray] = []
-    checked = decode_checked(VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore,
-                             on_pixels=handed.append)
+    checked = decode_checked(
+        VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore, on_pixels=handed.append
+    )
     frames = in_process["videos"][0]
     assert all(chunk.dtype == np.uint8 and chunk.flags.c_contiguous for chunk in handed)
     assert np.array_equal(np.concatenate(handed), to_uint8(frames))  # the in-process floats, quantized in numpy
@@ -189,8 +191,9 @@ def test_the_x264_preset_is_the_configured_one(components, latents, in_process):
 
 def test_to_uint8_of_a_tensor_view_equals_numpy_rounding_ties_to_even_and_clipping():
     ties = (np.arange(256, dtype=np.float32) + np.float32(0.5)) / np.float32(255)
-    values = np.concatenate([ties, np.nextafter(ties, 0), np.nextafter(ties, 1),
-                             np.float32([-0.25, -0.0, 0.0, 0.5, 1.0, 1.75])])
+    values = np.concatenate(
+        [ties, np.nextafter(ties, 0), np.nextafter(ties, 1), np.float32([-0.25, -0.0, 0.0, 0.5, 1.0, 1.75])]
+    )
     frames = values.reshape(2, 3, 43, 3)
     channels_first = torch.from_numpy(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)))
     quantized = to_uint8(channels_first.permute(0, 2, 3, 1))  # the decoder's channels-last view
@@ -238,11 +241,15 @@ def _nan_audio(vae, audio_vae) -> None:
 FRAME_VALUES = NUM_FRAMES * HEIGHT * WIDTH * 3
 
 
-@pytest.mark.parametrize("break_weights, details", [
-    (_zero_video_output, rf"^video: constant, every pixel of all {NUM_FRAMES} frames is \("),
-    (_nan_video, rf"^video: {FRAME_VALUES} of {FRAME_VALUES} frame values are NaN or infinite$"),
-    (_nan_audio, rf"^audio: {2 * NUM_SAMPLES} of {2 * NUM_SAMPLES} samples are NaN or infinite$"),
-], ids=["constant video", "nan video", "nan audio"])
+@pytest.mark.parametrize(
+    "break_weights, details",
+    [
+        (_zero_video_output, rf"^video: constant, every pixel of all {NUM_FRAMES} frames is \("),
+        (_nan_video, rf"^video: {FRAME_VALUES} of {FRAME_VALUES} frame values are NaN or infinite$"),
+        (_nan_audio, rf"^audio: {2 * NUM_SAMPLES} of {2 * NUM_SAMPLES} samples are NaN or infinite$"),
+    ],
+    ids=["constant video", "nan video", "nan audio"],
+)
 def test_broken_output_fails_precondition(latents, break_weights, details):
     vae, audio_vae = fresh_components()
     with torch.no_grad():
@@ -257,7 +264,7 @@ def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
     inputs = requests(latents, chunk_bytes=4096)
     last_latents_chunk = max(i for i, r in enumerate(inputs) if r.HasField("chunk") and r.chunk.name == "latents")
     assert last_latents_chunk > 2  # several chunks, so dropping one leaves a partial tensor
-    error, events = failure(stub, inputs[:last_latents_chunk] + inputs[last_latents_chunk + 1:])
+    error, events = failure(stub, inputs[:last_latents_chunk] + inputs[last_latents_chunk + 1 :])
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'latents' truncated" in error.details()
     assert events == []
@@ -266,8 +273,12 @@ def test_truncated_tensor_stream_is_invalid_argument(stub, latents):
 def test_a_decode_refused_at_its_spec_is_heard_by_an_async_client_still_sending(components):
     """The gateway's client (grpc.aio) reports a call refused while it still writes as INTERNAL "Internal error from
     Core" unless the service reads the rest of the stream first: each of these refusals must arrive as itself."""
-    chunks = [vae_pb2.DecodeInput(chunk=tensor_pb2.TensorChunk(name="latents", tensor=tensor_pb2.Tensor(
-        data=bytes(wire.CHUNK_BYTES)))) for _ in range(16)]
+    chunks = [
+        vae_pb2.DecodeInput(
+            chunk=tensor_pb2.TensorChunk(name="latents", tensor=tensor_pb2.Tensor(data=bytes(wire.CHUNK_BYTES)))
+        )
+        for _ in range(16)
+    ]
     inputs = [vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec(job_id="not an id!")), *chunks]
 
     async def refusals(address: str) -> list[tuple[grpc.StatusCode, str]]:
@@ -313,8 +324,9 @@ def test_progress_total_counts_spatial_tiles():
     vae.enable_tiling(32, 32, 16, 16)  # 48 px high: 2 tile rows; 80 px wide: 4 tile columns
     latents = torch.randn(1, 24, 7, 3, 5, generator=torch.Generator().manual_seed(1))  # one temporal chunk
     calls = []
-    decoded = VaeDecoder(vae, audio_vae).decode(latents, torch.zeros(2, 32, 4),
-                                                on_video=lambda *p: calls.append(p), on_audio=lambda *p: None)
+    decoded = VaeDecoder(vae, audio_vae).decode(
+        latents, torch.zeros(2, 32, 4), on_video=lambda *p: calls.append(p), on_audio=lambda *p: None
+    )
     assert calls == [(i, 8) for i in range(1, 9)]
     assert decoded.frames.shape[:3] == pixel_geometry(vae, latents.shape) == (22, 48, 80)
 
@@ -340,7 +352,8 @@ def tiled_decode(tile_batch: int, devices: list[str]) -> tuple:
     tiles = TileDecoder(vae, tile_batch, [torch.device(d) for d in devices])
     calls = []
     decoded = VaeDecoder(vae, audio_vae, tiles.decoders).decode(
-        TILED_LATENTS, TILED_AUDIO, on_video=lambda *p: calls.append(p), on_audio=lambda *p: None)
+        TILED_LATENTS, TILED_AUDIO, on_video=lambda *p: calls.append(p), on_audio=lambda *p: None
+    )
     return decoded, calls
 
 
@@ -380,10 +393,13 @@ def test_decode_gpus_beyond_what_the_process_sees_is_refused_at_start():
         decode_devices(torch.device("cuda", 0), wanted)
 
 
-@pytest.mark.parametrize("keys,reason", [
-    ({"decode_gpus": 2}, 'it needs device = "cuda"'),
-    ({"decode_gpus": 3, "device": "cuda", "gpus": "2,3"}, '3 GPUs, but gpus = "2,3" lists 2'),
-])
+@pytest.mark.parametrize(
+    "keys,reason",
+    [
+        ({"decode_gpus": 2}, 'it needs device = "cuda"'),
+        ({"decode_gpus": 3, "device": "cuda", "gpus": "2,3"}, '3 GPUs, but gpus = "2,3" lists 2'),
+    ],
+)
 def test_decode_gpus_the_config_cannot_give_is_refused(keys, reason):
     with pytest.raises(ValueError, match=re.escape(reason)):
         VaeConfig(**keys)
@@ -400,26 +416,40 @@ REFERENCE = media_pb2.MEDIA_ROLE_REFERENCE
 # 32x64; the 40x30 (HxW) image is encoded at 96x64: 5 x 3 small tiles; each soundtrack is one audio-encoder call.
 CONDITION_CASES = {
     "fl2va": (common_pb2.WORKFLOW_FL2VA, [("wide", IMAGE, FIRST), ("tall", IMAGE, LAST)], 2, 6),
-    "ref2va": (common_pb2.WORKFLOW_REF2VA, [("clip", VIDEO_ASSET, REFERENCE), ("tall", IMAGE, REFERENCE),
-                                            ("voice", AUDIO_ASSET, REFERENCE)], 5, 2 * 3 + 1 + 15 + 1),
+    "ref2va": (
+        common_pb2.WORKFLOW_REF2VA,
+        [("clip", VIDEO_ASSET, REFERENCE), ("tall", IMAGE, REFERENCE), ("voice", AUDIO_ASSET, REFERENCE)],
+        5,
+        2 * 3 + 1 + 15 + 1,
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> dict[str, bytes]:
     d = tmp_path_factory.mktemp("media")
-    files = {"wide": image(d / "wide.png", 48, 32, seed=1), "tall": image(d / "tall.jpg", 30, 40, seed=2, fmt="JPEG"),
-             "clip": mp4(d / "clip.mp4", 64, 36, 35, seed=3), "voice": wav(d / "voice.wav", 2.0, seed=4)}
+    files = {
+        "wide": image(d / "wide.png", 48, 32, seed=1),
+        "tall": image(d / "tall.jpg", 30, 40, seed=2, fmt="JPEG"),
+        "clip": mp4(d / "clip.mp4", 64, 36, 35, seed=3),
+        "voice": wav(d / "voice.wav", 2.0, seed=4),
+    }
     return {name: path.read_bytes() for name, path in files.items()}
 
 
 def media_inputs(media: dict[str, bytes], case: str) -> list[media_pb2.MediaInput]:
     workflow, assets = CONDITION_CASES[case][:2]
-    items = [media_pb2.MediaItem(asset_id=name, kind=kind, role=role, bytes=len(media[name]))
-             for name, kind, role in assets]
+    items = [
+        media_pb2.MediaItem(asset_id=name, kind=kind, role=role, bytes=len(media[name])) for name, kind, role in assets
+    ]
     spec = media_pb2.MediaSpec(job_id="test", workflow=workflow, height=32, width=64, num_frames=124, items=items)
-    return [media_pb2.MediaInput(spec=spec), *(media_pb2.MediaInput(chunk=media_pb2.MediaChunk(
-        asset_id=item.asset_id, data=media[item.asset_id])) for item in items)]
+    return [
+        media_pb2.MediaInput(spec=spec),
+        *(
+            media_pb2.MediaInput(chunk=media_pb2.MediaChunk(asset_id=item.asset_id, data=media[item.asset_id]))
+            for item in items
+        ),
+    ]
 
 
 def condition_components(small_tiles: bool) -> tuple:
@@ -459,16 +489,18 @@ def test_encode_conditions_streams_progress_then_the_latents_of_the_in_process_b
     with vae_service(vae, audio_vae, VaeConfig(geometry=GEOMETRY)) as stub:
         events = list(stub.EncodeConditions(iter(inputs)))
     total = CONDITION_CASES[case][3]
-    assert [(e.progress.done, e.progress.total) for e in events if e.HasField("progress")] == \
-        [(done, total) for done in range(1, total + 1)]
+    assert [(e.progress.done, e.progress.total) for e in events if e.HasField("progress")] == [
+        (done, total) for done in range(1, total + 1)
+    ]
     kinds = [e.WhichOneof("kind") for e in events]
     assert kinds == ["progress"] * total + ["chunk"] * (len(kinds) - total - 1) + ["summary"]
     served = wire.decode(e.chunk for e in events if e.HasField("chunk"))
     # diffusers' block over every asset at once, on the media the service prepared
     prepared = MediaPreparer(GEOMETRY).prepare(*read_media_stream(inputs))
     pipe = workflows.by_value(CONDITION_CASES[case][0]).vae_encoder_block().init_pipeline()
-    pipe.update_components(**{name: c for name, c in (("vae", vae), ("audio_vae", audio_vae))
-                              if name in pipe.component_names})
+    pipe.update_components(
+        **{name: c for name, c in (("vae", vae), ("audio_vae", audio_vae)) if name in pipe.component_names}
+    )
     expected = pipe(**prepared.inputs, output=["condition_latents", "audio_condition_latents"])
     expected = {f"{name}.{i}": t for name, tensors in expected.items() for i, t in enumerate(tensors or [])}
     assert sorted(served) == sorted(expected) and len(expected) == {"fl2va": 2, "ref2va": 4}[case]
@@ -487,6 +519,7 @@ def test_cancelled_encode_stops_and_frees_the_service(media):
 
 
 # validate.py
+
 
 def _frames() -> torch.Tensor:
     """(3, 4, 5, 3) frames laid out as the decoder leaves them: a channels-last view of (F, C, H, W)."""

@@ -36,7 +36,7 @@ def test_chunks_concatenate_to_what_diffusers_decodes(token_drop, latent_frames)
     assert len(chunks) > 1
     joined = torch.cat(chunks, dim=2)
     assert joined.shape[2] >= expected.shape[2]  # the end padding's frames are still there
-    assert torch.equal(joined[:, :, :expected.shape[2]], expected)
+    assert torch.equal(joined[:, :, : expected.shape[2]], expected)
 
 
 def test_streamed_decode_hands_every_frame_on_once_and_returns_the_same_tensor():
@@ -65,11 +65,23 @@ def test_pixels_arrive_while_the_decoder_still_runs_and_equal_the_blocks_levels(
         log.append(("pixels", len(levels)))
         pixels.append(levels)
 
-    decoded = VaeDecoder(vae, audio_vae).decode(z, audio, on_video=lambda done, total: log.append(("video", done)),
-                                                on_audio=lambda *_: None, on_pixels=on_pixels)
+    decoded = VaeDecoder(vae, audio_vae).decode(
+        z,
+        audio,
+        on_video=lambda done, total: log.append(("video", done)),
+        on_audio=lambda *_: None,
+        on_pixels=on_pixels,
+    )
     # Each clip's frames are handed on before the next clip is decoded; the last clip also frees the tail.
-    assert log == [("video", 1), ("pixels", 17), ("video", 2), ("pixels", 17), ("video", 3), ("pixels", 17),
-                   ("pixels", 5)]
+    assert log == [
+        ("video", 1),
+        ("pixels", 17),
+        ("video", 2),
+        ("pixels", 17),
+        ("video", 3),
+        ("pixels", 17),
+        ("pixels", 5),
+    ]
     assert all(chunk.dtype == np.uint8 for chunk in pixels)
     assert np.array_equal(np.concatenate(pixels), to_uint8(decoded.frames))
 

@@ -30,7 +30,7 @@ class Warm:
     client: GatewayClient
     group: ServiceGroup
     seen: list[tuple[str, int]]  # (Info.state, health) as the start went
-    cache: Path                  # [dit] compile_cache_dir
+    cache: Path  # [dit] compile_cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,14 @@ def warm(stack, tmp_path_factory):
     """A warming DiT (compile, a compile cache of its own) and its gateway."""
     root = tmp_path_factory.mktemp("warm")
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
-    config = write_config(root / "deploy.toml", str(stack.model_dir), root / "gateway", ports,
-                          dit={**WARM, "compile_cache_dir": str(root / "compile-cache")}, outage_s=QUICK_OUTAGE)
+    config = write_config(
+        root / "deploy.toml",
+        str(stack.model_dir),
+        root / "gateway",
+        ports,
+        dit={**WARM, "compile_cache_dir": str(root / "compile-cache")},
+        outage_s=QUICK_OUTAGE,
+    )
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("dit", "gateway"))
     channel = grpc.insecure_channel(f"127.0.0.1:{ports['dit']}")
     dit = dit_pb2_grpc.DiTStub(channel)
@@ -89,17 +95,24 @@ def test_the_dit_is_not_serving_until_its_warmup_shapes_have_run(warm):
     assert (started.requests_served, started.steps_served) == (0, 0), "warm-ups are not requests"
 
 
-@pytest.mark.parametrize("prompt,height,width,steps", [
-    ("a fox", 32, 64, 5),                                   # the warm shape, another prompt length and step count
-    ("two otters float on a slow green river", 64, 32, 4),  # another canvas
-])
-def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(warm, tmp_path, prompt, height,
-                                                                              width, steps):
+@pytest.mark.parametrize(
+    "prompt,height,width,steps",
+    [
+        ("a fox", 32, 64, 5),  # the warm shape, another prompt length and step count
+        ("two otters float on a slow green river", 64, 32, 4),  # another canvas
+    ],
+)
+def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(
+    warm, tmp_path, prompt, height, width, steps
+):
     dit, client = warm.dit, warm.client
     graphs, events = info(dit).compiled_graphs, []
-    final = client.generate(gateway_pb2.GenerateRequest(prompt=prompt, height=height, width=width,
-                                                         num_inference_steps=steps, seed=3, include_raw=True),
-                            events.append)
+    final = client.generate(
+        gateway_pb2.GenerateRequest(
+            prompt=prompt, height=height, width=width, num_inference_steps=steps, seed=3, include_raw=True
+        ),
+        events.append,
+    )
     assert final.WhichOneof("kind") == "done", final
     assert info(dit).compiled_graphs == graphs, "the request compiled new graphs after the warm-up"
     assert [e.denoising.compiled_graphs for e in events if e.HasField("denoising")] == [0] * (steps - 1)
@@ -116,12 +129,15 @@ def test_a_restart_loads_the_compiled_graphs_from_the_compile_cache(warm):
     assert restarted.compile_cache_hits == restarted.compiled_graphs > 0, "every graph came from the cache"
 
 
-@pytest.mark.parametrize("table,reason", [
-    ('warmup = ["480x832"]', 'a shape is "HEIGHTxWIDTHxFRAMES"'),
-    ('warmup = ["480x832x125"]', "must be 17n\\+5"),
-    ('warmup = ["480x830x124"]', "width: must be a positive multiple of 32"),
-    ('workflows = ["ref2va"]\nwarmup = ["480x832x124"]', "add t2va to workflows"),
-])
+@pytest.mark.parametrize(
+    "table,reason",
+    [
+        ('warmup = ["480x832"]', 'a shape is "HEIGHTxWIDTHxFRAMES"'),
+        ('warmup = ["480x832x125"]', "must be 17n\\+5"),
+        ('warmup = ["480x830x124"]', "width: must be a positive multiple of 32"),
+        ('workflows = ["ref2va"]\nwarmup = ["480x832x124"]', "add t2va to workflows"),
+    ],
+)
 def test_a_bad_warmup_is_refused_naming_the_key(tmp_path, table, reason):
     path = tmp_path / "bad.toml"
     path.write_text(f"[dit]\n{table}\n")
@@ -144,13 +160,21 @@ def test_a_start_slower_than_start_timeout_s_stops_the_group_and_names_the_setti
 
 def test_steps_that_compile_say_so_and_the_eta_leaves_them_out(stack, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
-    config = write_config(tmp_path / "deploy.toml", str(stack.model_dir), tmp_path / "gateway", ports,
-                          dit={"compile": True, "workflows": ["t2va"]}, outage_s=QUICK_OUTAGE)  # no warm-up
+    config = write_config(
+        tmp_path / "deploy.toml",
+        str(stack.model_dir),
+        tmp_path / "gateway",
+        ports,
+        dit={"compile": True, "workflows": ["t2va"]},
+        outage_s=QUICK_OUTAGE,
+    )  # no warm-up
     events = []
     with ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("dit", "gateway")):
         with GatewayClient(f"127.0.0.1:{ports['gateway']}") as client:
-            final = client.generate(gateway_pb2.GenerateRequest(prompt="a fox", height=32, width=64,
-                                                                 num_inference_steps=6, seed=3), events.append)
+            final = client.generate(
+                gateway_pb2.GenerateRequest(prompt="a fox", height=32, width=64, num_inference_steps=6, seed=3),
+                events.append,
+            )
         with grpc.insecure_channel(f"127.0.0.1:{ports['dit']}") as channel:
             graphs = info(dit_pb2_grpc.DiTStub(channel)).compiled_graphs
     assert final.WhichOneof("kind") == "done", final

@@ -11,8 +11,16 @@ import torch
 from h3serve.runtime import wire
 from h3serve.v1 import tensor_pb2
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
-          torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -22,8 +30,10 @@ def test_round_trip_is_exact(dtype):
     assert len(chunks) > 1
     out = wire.decode(chunks, "x")["x"]
     assert out.dtype == dtype and out.shape == source.shape
-    assert torch.equal(out.view(torch.uint8) if dtype == torch.bool else out, source.view(torch.uint8)
-                       if dtype == torch.bool else source)
+    assert torch.equal(
+        out.view(torch.uint8) if dtype == torch.bool else out,
+        source.view(torch.uint8) if dtype == torch.bool else source,
+    )
 
 
 def test_special_values_and_shapes_survive():
@@ -36,13 +46,20 @@ def test_special_values_and_shapes_survive():
 
 def _echo_server():
     """A real loopback gRPC server with default message limits that streams back what it gets."""
+
     def echo(requests, context):
         yield from requests
 
-    handler = grpc.method_handlers_generic_handler("test.Echo", {
-        "Echo": grpc.stream_stream_rpc_method_handler(
-            echo, request_deserializer=tensor_pb2.TensorChunk.FromString,
-            response_serializer=tensor_pb2.TensorChunk.SerializeToString)})
+    handler = grpc.method_handlers_generic_handler(
+        "test.Echo",
+        {
+            "Echo": grpc.stream_stream_rpc_method_handler(
+                echo,
+                request_deserializer=tensor_pb2.TensorChunk.FromString,
+                response_serializer=tensor_pb2.TensorChunk.SerializeToString,
+            )
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -55,8 +72,11 @@ def test_tensor_over_grpc_default_limit_crosses_real_grpc():
     server, port = _echo_server()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            echo = channel.stream_stream("/test.Echo/Echo", request_serializer=tensor_pb2.TensorChunk.SerializeToString,
-                                         response_deserializer=tensor_pb2.TensorChunk.FromString)
+            echo = channel.stream_stream(
+                "/test.Echo/Echo",
+                request_serializer=tensor_pb2.TensorChunk.SerializeToString,
+                response_deserializer=tensor_pb2.TensorChunk.FromString,
+            )
             out = wire.decode(echo(iter(wire.encode("big", source))), "big")["big"]
     finally:
         server.stop(None)
@@ -103,12 +123,15 @@ def _header(name: str, dtype: int, shape: list[int], nbytes: int) -> tensor_pb2.
 F32 = tensor_pb2.DTYPE_FLOAT32
 
 
-@pytest.mark.parametrize("shape,nbytes,message", [
-    ([-1, -1], 4, r"shape \[-1, -1\]; at most 8 dimensions, none negative"),
-    ([1] * 9, 4, "at most 8 dimensions"),
-    ([2**62, 2], 2**63, r"needs 36893488147419103232 bytes, header says 9223372036854775808"),  # no wrap-around
-    ([2**30], 4, "needs 4294967296 bytes, header says 4"),
-])
+@pytest.mark.parametrize(
+    "shape,nbytes,message",
+    [
+        ([-1, -1], 4, r"shape \[-1, -1\]; at most 8 dimensions, none negative"),
+        ([1] * 9, 4, "at most 8 dimensions"),
+        ([2**62, 2], 2**63, r"needs 36893488147419103232 bytes, header says 9223372036854775808"),  # no wrap-around
+        ([2**30], 4, "needs 4294967296 bytes, header says 4"),
+    ],
+)
 def test_a_header_that_cannot_describe_its_bytes_is_refused_before_allocating(shape, nbytes, message):
     with pytest.raises(wire.WireError, match=message):
         wire.TensorAssembler().add(_header("x", F32, shape, nbytes))
@@ -121,8 +144,11 @@ def test_an_unknown_dtype_is_refused():
 
 def test_a_receiver_takes_only_the_tensors_it_expects_within_its_budget():
     expected = wire.Expected(("a", "b"), max_bytes=1000)
-    with pytest.raises(wire.WireError, match=r"tensor 'a': 2147483648 bytes, over the 1000 bytes a request may "
-                                             r"carry here \(0 already announced\)"):
+    with pytest.raises(
+        wire.WireError,
+        match=r"tensor 'a': 2147483648 bytes, over the 1000 bytes a request may "
+        r"carry here \(0 already announced\)",
+    ):
         wire.TensorAssembler(expected).add(_header("a", F32, [2**29], 2**31))  # 2 GiB announced in 20 bytes
     assembler = wire.TensorAssembler(expected)
     for chunk in wire.encode("a", torch.zeros(200)):  # 800 bytes
@@ -145,6 +171,7 @@ def test_a_spec_stream_is_checked_when_the_spec_arrives():
     with pytest.raises(ValueError, match="refused before any chunk"):
         wire.read_spec_stream(messages, refuse)
     assert len(read) == 1, "no chunk was read"
-    spec, tensors = wire.read_spec_stream(iter([vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec()), *chunks]),
-                                          lambda spec: wire.Expected(("latents",), 12))
+    spec, tensors = wire.read_spec_stream(
+        iter([vae_pb2.DecodeInput(spec=vae_pb2.DecodeSpec()), *chunks]), lambda spec: wire.Expected(("latents",), 12)
+    )
     assert torch.equal(tensors["latents"], torch.zeros(3))

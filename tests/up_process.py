@@ -62,7 +62,7 @@ def kill_tree(process: subprocess.Popen, seen) -> None:
 @dataclass(frozen=True)
 class Ended:
     code: int
-    survivors: list[int]   # pids of up's tree still alive
+    survivors: list[int]  # pids of up's tree still alive
     log_errors: list[str]  # "<log>: <first ERROR or Traceback line>"
 
 
@@ -74,14 +74,18 @@ class Up:
 
     def __init__(self, root: Path, model_dir: Path, dit: dict, supervisor: str = "") -> None:
         self.ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-        self.config = write_config(root / "deploy.toml", str(model_dir), root / "gateway", self.ports,
-                                   service_keys={"threads": 1}, dit=dit)
+        self.config = write_config(
+            root / "deploy.toml", str(model_dir), root / "gateway", self.ports, service_keys={"threads": 1}, dit=dit
+        )
         self.config.write_text(self.config.read_text() + "\n" + supervisor)
         self.log_dir, self.output = root / "logs", root / "up.out"
         with open(self.output, "wb") as out:
-            self.process = subprocess.Popen([*CLI, "up", "--config", str(self.config), "--log-dir",
-                                             str(self.log_dir)], stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+            self.process = subprocess.Popen(
+                [*CLI, "up", "--config", str(self.config), "--log-dir", str(self.log_dir)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.seen: set[Proc] = set()
 
     def collect(self) -> set[Proc]:
@@ -103,6 +107,7 @@ class Up:
         def serving():
             assert self.process.poll() is None, self.output.read_text()
             return all(is_serving(f"127.0.0.1:{port}") for port in self.ports.values())
+
         wait_until(serving, limit_s, "every service SERVING", poll_s=0.5)
         self.collect()
 
@@ -126,5 +131,3 @@ class Up:
 
     def close(self) -> None:
         kill_tree(self.process, self.seen)
-
-

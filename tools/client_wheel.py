@@ -77,8 +77,11 @@ def build(dist: Path) -> Path:
     isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
     with tempfile.TemporaryDirectory(prefix="h3serve-client-") as staging:
         stage(Path(staging))
-        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(dist),
-                              staging], capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(dist), staging],
+            capture_output=True,
+            text=True,
+        )
     if out.returncode:
         raise SystemExit(f"pip wheel failed:\n{out.stdout}{out.stderr}")
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

@@ -33,12 +33,22 @@ def _replica_groups(entry, deploy: DeployConfig, folder: Path) -> list:
                 continue
             host, _, port = address.rpartition(":")
             replica = deploy.replace(**{service: section.replace(host=host, port=int(port), gpus=gpus)})
-            groups.append(ServiceGroup(replica, entry.deploy, str(logs / f"{service}-{port}"), names=(service,),
-                                       flags={service: ["--host", host, "--port", port]}))
+            groups.append(
+                ServiceGroup(
+                    replica,
+                    entry.deploy,
+                    str(logs / f"{service}-{port}"),
+                    names=(service,),
+                    flags={service: ["--host", host, "--port", port]},
+                )
+            )
     main = deploy.replace(**own)
     names = tuple(name for name in START_ORDER if name == "gateway" or name in own)
-    groups.append(ServiceGroup(main, entry.deploy, str(logs), names=names,
-                               flags={"gateway": ["--data-dir", str(folder / "gateway-data")]}))
+    groups.append(
+        ServiceGroup(
+            main, entry.deploy, str(logs), names=names, flags={"gateway": ["--data-dir", str(folder / "gateway-data")]}
+        )
+    )
     return groups
 
 
@@ -95,18 +105,22 @@ def _report(args) -> None:
 def _describe_prediction(prediction, replicas: dict[str, int], load: str) -> str:
     latency = "  ".join(f"{k} {v:.2f} s" for k, v in prediction.latency_s.items())
     busy = "  ".join(f"{stage} {value:.2f}" for stage, value in prediction.utilisation.items())
-    lines = [f"predicted at {', '.join(f'{k}={v}' for k, v in replicas.items())}, {load}:",
-             f"  latency      {latency}", f"  utilisation  {busy}",
-             f"  throughput   {prediction.throughput_per_s:.3f} jobs/s",
-             f"  largest sustainable rate {prediction.max_rate:.3f} jobs/s ({prediction.bottleneck} reaches "
-             f"utilisation 1)"]
+    lines = [
+        f"predicted at {', '.join(f'{k}={v}' for k, v in replicas.items())}, {load}:",
+        f"  latency      {latency}",
+        f"  utilisation  {busy}",
+        f"  throughput   {prediction.throughput_per_s:.3f} jobs/s",
+        f"  largest sustainable rate {prediction.max_rate:.3f} jobs/s ({prediction.bottleneck} reaches utilisation 1)",
+    ]
     return "\n".join(lines + [f"  not measured: {note}" for note in prediction.unmeasured])
 
 
 def _overload(rate: float | None, prediction) -> str:
     if rate and rate >= prediction.max_rate:
-        return (f"  overloaded: {rate:g} jobs/s is at or above the largest sustainable rate; the queue grows for as "
-                f"long as the arrivals go on, so the latency printed is that of a run of --jobs jobs only\n")
+        return (
+            f"  overloaded: {rate:g} jobs/s is at or above the largest sustainable rate; the queue grows for as "
+            f"long as the arrivals go on, so the latency printed is that of a run of --jobs jobs only\n"
+        )
     return ""
 
 
@@ -123,19 +137,35 @@ def _model(args) -> None:
     prediction = simulate(profile, replicas, load, args.jobs, args.runs, args.seed)
     errors = check(prediction, _readable(args.check, "model")) if args.check else None
     if args.json:
-        print(json.dumps({"replicas": replicas, "load": load.describe(profile), **asdict(prediction),
-                          "speeds": profile.speeds, "error": errors}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "replicas": replicas,
+                    "load": load.describe(profile),
+                    **asdict(prediction),
+                    "speeds": profile.speeds,
+                    "error": errors,
+                },
+                indent=1,
+            )
+        )
         return
-    print(f"measured: {profile.label} ({', '.join(f'{k}={v}' for k, v in profile.replicas.items())}, "
-          f"{len(profile.sequence)} jobs); speed per calls at once: "
-          + "; ".join(f"{stage} {', '.join(f'{s:.2f}' for s in speeds)}" for stage, speeds in profile.speeds.items()))
+    print(
+        f"measured: {profile.label} ({', '.join(f'{k}={v}' for k, v in profile.replicas.items())}, "
+        f"{len(profile.sequence)} jobs); speed per calls at once: "
+        + "; ".join(f"{stage} {', '.join(f'{s:.2f}' for s in speeds)}" for stage, speeds in profile.speeds.items())
+    )
     print(_describe_prediction(prediction, replicas, f"{load.describe(profile)}, {args.runs} simulated runs"))
     print(_overload(args.rate, prediction), end="")
-    print("  p95 by Poisson rate: " + "  ".join(f"{rate:.3g}/s {p.latency_s['p95']:.2f} s"
-                                              for rate, p in by_rate(profile, replicas, args.seed)))
+    print(
+        "  p95 by Poisson rate: "
+        + "  ".join(f"{rate:.3g}/s {p.latency_s['p95']:.2f} s" for rate, p in by_rate(profile, replicas, args.seed))
+    )
     if errors:
-        print(f"against {args.check}: " + "  ".join(f"{k} measured {m:.3f} s, predicted {p:.3f} s ({e:+.1%})"
-                                                     for k, (m, p, e) in errors.items()))
+        print(
+            f"against {args.check}: "
+            + "  ".join(f"{k} measured {m:.3f} s, predicted {p:.3f} s ({e:+.1%})" for k, (m, p, e) in errors.items())
+        )
 
 
 def add_parser(subparsers) -> None:
@@ -146,14 +176,20 @@ def add_parser(subparsers) -> None:
     r = sub.add_parser("run", help="drive a running deployment with a load (or a sweep of deployments); report")
     r.add_argument("--config", help="deployment TOML: its [gateway] gives the address, metrics port, TLS, token")
     r.add_argument("--load", help="load TOML: arrivals, bounds, the mix (docs/experiments.md)")
-    r.add_argument("--sweep", help="sweep TOML: several deployments (started here or running) under one load, "
-                                   "overlaid in one report; instead of --config and --load")
+    r.add_argument(
+        "--sweep",
+        help="sweep TOML: several deployments (started here or running) under one load, "
+        "overlaid in one report; instead of --config and --load",
+    )
     r.add_argument("--out", required=True, help="directory for the raw data and the report (created)")
     r.add_argument("--quiet", action="store_true", help="no live progress line")
     r.set_defaults(run=_run)
 
-    m = sub.add_parser("model", help="predict latency, utilisation and the largest sustainable rate at other "
-                                     "replica counts and rates, from a measured run (a simpy simulation)")
+    m = sub.add_parser(
+        "model",
+        help="predict latency, utilisation and the largest sustainable rate at other "
+        "replica counts and rates, from a measured run (a simpy simulation)",
+    )
     m.add_argument("--from", dest="source", required=True, metavar="DIR", help="a measured run's directory")
     m.add_argument("--replicas", default="", help="e.g. encoder=1,dit=2,vae=1 (default: the measured ones)")
     arrivals = m.add_mutually_exclusive_group()
@@ -162,12 +198,14 @@ def add_parser(subparsers) -> None:
     m.add_argument("--jobs", type=int, help="jobs per simulated run (default: as many as measured)")
     m.add_argument("--runs", type=int, default=200, help="simulated runs pooled into the prediction")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--check", metavar="DIR", help="a measured run of the predicted configuration: print the "
-                                                  "prediction's error against it")
+    m.add_argument(
+        "--check",
+        metavar="DIR",
+        help="a measured run of the predicted configuration: print the prediction's error against it",
+    )
     m.add_argument("--json", action="store_true", help="print the prediction as JSON")
     m.set_defaults(run=_model)
 
     p = sub.add_parser("report", help="render a run's report again from its raw data")
     p.add_argument("folder", metavar="DIR")
     p.set_defaults(run=_report)
-

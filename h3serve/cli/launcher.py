@@ -36,9 +36,15 @@ class Running:
 
 
 class ServiceGroup:
-    def __init__(self, config: DeployConfig, config_path: str | None, log_dir: str | None = None,
-                 names: tuple[str, ...] = START_ORDER, ready=is_serving,
-                 flags: dict[str, list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        config: DeployConfig,
+        config_path: str | None,
+        log_dir: str | None = None,
+        names: tuple[str, ...] = START_ORDER,
+        ready=is_serving,
+        flags: dict[str, list[str]] | None = None,
+    ) -> None:
         self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
         self.config = config
         self.names = names
@@ -70,8 +76,13 @@ class ServiceGroup:
         section = self.config.service(name) if name != "gateway" else self.config.gateway
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else contextlib.nullcontext()
         with log as output:  # the child has its own copy
-            process = processes.spawn(self._command(name), env=self._env(name), stdout=output,
-                                      stderr=subprocess.STDOUT if output else None, start_new_session=True)
+            process = processes.spawn(
+                self._command(name),
+                env=self._env(name),
+                stdout=output,
+                stderr=subprocess.STDOUT if output else None,
+                start_new_session=True,
+            )
         return Running(name, f"{section.host}:{section.port}", process)
 
     def respawn(self, name: str) -> None:
@@ -96,8 +107,7 @@ class ServiceGroup:
     def wait_healthy(self) -> None:
         timeout = self.config.supervisor.start_timeout_s
         deadline = time.monotonic() + timeout
-        pending = [item for item in self.running
-                   if not self.ready(item.address, root_pem=self.root_pem(item.name))]
+        pending = [item for item in self.running if not self.ready(item.address, root_pem=self.root_pem(item.name))]
         while pending:
             for item in list(pending):
                 if item.process.poll() is not None:
@@ -105,8 +115,10 @@ class ServiceGroup:
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not healthy after {timeout:.0f} s ([supervisor] start_timeout_s): "
-                                   f"{', '.join(i.name for i in pending)}")
+                raise TimeoutError(
+                    f"not healthy after {timeout:.0f} s ([supervisor] start_timeout_s): "
+                    f"{', '.join(i.name for i in pending)}"
+                )
             time.sleep(0.2)
 
     def _stop_targets(self, item: Running) -> list[int]:

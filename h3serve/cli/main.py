@@ -22,11 +22,18 @@ def _serve(args) -> None:
     if args.service == "gateway":
         from h3serve.gateway.server import serve
 
-        serve(override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir,
-                       model_dir=args.model_dir))
+        serve(
+            override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir, model_dir=args.model_dir)
+        )
         return
-    flags = dict(host=args.host, port=args.port, model_dir=args.model_dir, device=args.device, dtype=args.dtype,
-                 attention_backend=args.attention_backend)
+    flags = dict(
+        host=args.host,
+        port=args.port,
+        model_dir=args.model_dir,
+        device=args.device,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+    )
     if args.world_size is not None:
         if args.service != "dit":
             raise SystemExit("--world-size applies to the dit service only")
@@ -47,10 +54,17 @@ def _up(args) -> None:
     group = ServiceGroup(config, args.config, args.log_dir)
     try:
         group.start()
-        reason = Watch(group, stop).run(lambda: print(f"h3serve up: gateway on {config.gateway.host}:"
-                                                      f"{config.gateway.port}; Ctrl-C stops everything", flush=True))
-        print(f"h3serve up: {reason}; stopping everything" if reason else "stopping", flush=True,
-              file=sys.stderr if reason else sys.stdout)
+        reason = Watch(group, stop).run(
+            lambda: print(
+                f"h3serve up: gateway on {config.gateway.host}:{config.gateway.port}; Ctrl-C stops everything",
+                flush=True,
+            )
+        )
+        print(
+            f"h3serve up: {reason}; stopping everything" if reason else "stopping",
+            flush=True,
+            file=sys.stderr if reason else sys.stdout,
+        )
     finally:
         group.stop()
     if reason:
@@ -63,14 +77,24 @@ def _request(args):
     def given(name):
         return getattr(args, name, None)
 
-    params = common_pb2.GenerationParams(num_inference_steps=args.steps or 0, include_raw=bool(given("raw")),
-                                         adapters=args.adapter,
-                                         flow_shift=args.flow_shift, audio_flow_shift=args.audio_flow_shift)
+    params = common_pb2.GenerationParams(
+        num_inference_steps=args.steps or 0,
+        include_raw=bool(given("raw")),
+        adapters=args.adapter,
+        flow_shift=args.flow_shift,
+        audio_flow_shift=args.audio_flow_shift,
+    )
     if given("seed") is not None:
         params.seed = args.seed
     return gateway_pb2.GenerateRequest(
-        prompt=args.prompt, height=args.height or 0, width=args.width or 0, num_frames=given("num_frames") or 0,
-        seconds=given("seconds") or 0.0, params=params, request_id=given("request_id") or "")
+        prompt=args.prompt,
+        height=args.height or 0,
+        width=args.width or 0,
+        num_frames=given("num_frames") or 0,
+        seconds=given("seconds") or 0.0,
+        params=params,
+        request_id=given("request_id") or "",
+    )
 
 
 class Progress:
@@ -94,8 +118,17 @@ class Progress:
             print(file=self.stream)  # keeps the last line
 
 
-def generate(address: str, request, out: str | None, raw: str | None, stream=sys.stderr, media=None,
-             root_pem: bytes | None = None, token: str | None = None, connect_timeout_s: float = CONNECT_TIMEOUT_S):
+def generate(
+    address: str,
+    request,
+    out: str | None,
+    raw: str | None,
+    stream=sys.stderr,
+    media=None,
+    root_pem: bytes | None = None,
+    token: str | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+):
     """Run one generation through the gateway, its progress on `stream`; returns (job, mp4 path).
 
     `media` (keyframe / reference files, see `_media`) are uploaded first and the request refers to them by id.
@@ -129,8 +162,11 @@ class _OrderedMedia(argparse.Action):
 def _attach_media(client, request, media) -> None:
     from h3serve.v1 import media_pb2
 
-    kinds = {"ref_image": media_pb2.ASSET_KIND_IMAGE, "ref_video": media_pb2.ASSET_KIND_VIDEO,
-             "ref_audio": media_pb2.ASSET_KIND_AUDIO}
+    kinds = {
+        "ref_image": media_pb2.ASSET_KIND_IMAGE,
+        "ref_video": media_pb2.ASSET_KIND_VIDEO,
+        "ref_audio": media_pb2.ASSET_KIND_AUDIO,
+    }
     for flag, path in media or []:
         asset = client.upload(path)
         if flag in kinds:
@@ -161,8 +197,16 @@ def _generate(args) -> None:
 
     root_pem = Path(args.ca).read_bytes() if args.ca else None
     try:
-        job, path = generate(_gateway_address(args), _request(args), args.out, args.raw, media=args.media,
-                             root_pem=root_pem, token=args.token, connect_timeout_s=args.connect_timeout)
+        job, path = generate(
+            _gateway_address(args),
+            _request(args),
+            args.out,
+            args.raw,
+            media=args.media,
+            root_pem=root_pem,
+            token=args.token,
+            connect_timeout_s=args.connect_timeout,
+        )
     except GatewayUnreachable as exc:
         tls = "; or not one with a certificate from --ca" if args.ca else ""
         raise SystemExit(f"h3serve generate: {exc} ({GATEWAY_ENV} / --gateway{tls})") from None
@@ -191,11 +235,26 @@ def _reference(args) -> None:
     except ValueError as exc:
         raise SystemExit(f"h3serve reference: {exc}") from None
     source = ModelSource(args.model_dir or config.dit.model_dir or None, config.dit.transformer_file)  # the DiT's file
-    result = run_reference(source, ReferenceRequest(
-        args.prompt, args.height, args.width, args.num_frames, params.num_inference_steps, args.seed,
-        references=references, adapters=tuple((a.name, a.weight) for a in params.adapters),
-        flow_shift=params.flow_shift, audio_flow_shift=params.audio_flow_shift, **frames),
-        args.device, args.dtype, config.gateway.geometry, config.dit.adapters)
+    result = run_reference(
+        source,
+        ReferenceRequest(
+            args.prompt,
+            args.height,
+            args.width,
+            args.num_frames,
+            params.num_inference_steps,
+            args.seed,
+            references=references,
+            adapters=tuple((a.name, a.weight) for a in params.adapters),
+            flow_shift=params.flow_shift,
+            audio_flow_shift=params.audio_flow_shift,
+            **frames,
+        ),
+        args.device,
+        args.dtype,
+        config.gateway.geometry,
+        config.dit.adapters,
+    )
     np.savez(args.raw, **result)
     print(f"reference: {Path(args.raw).resolve()}")
 
@@ -220,8 +279,11 @@ def _demo(args) -> None:
     config = load_deploy(args.config)
     started = time.perf_counter()
     with ServiceGroup(config, args.config, str(log_dir), flags={"gateway": ["--data-dir", str(data_dir)]}):
-        print(f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir}, "
-              f"jobs in {data_dir}: a fresh data directory for this demo)", flush=True)
+        print(
+            f"services healthy in {time.perf_counter() - started:.1f} s (logs in {log_dir}, "
+            f"jobs in {data_dir}: a fresh data directory for this demo)",
+            flush=True,
+        )
         out = Path(args.out or "out")
         out.mkdir(parents=True, exist_ok=True)
         job, path = generate(f"127.0.0.1:{config.gateway.port}", _request(args), out, None)
@@ -246,8 +308,10 @@ def _capacity(args) -> None:
     height, width = gateway.geometry.default_canvas
     frames = table.max_frames(gateway.max_rows, height, width, args.text_rows)
     fit = f"at most {frames} frames" if frames else f"no clip, not even {rules.VALID_NUM_FRAMES[0]} frames"
-    print(f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
-          f"{height}x{width}: {fit} ({assumed})")
+    print(
+        f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
+        f"{height}x{width}: {fit} ({assumed})"
+    )
 
 
 def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
@@ -255,12 +319,20 @@ def _add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None
     p.add_argument("--height", type=int, default=height, help=generate_help.canvas(height, width))
     p.add_argument("--width", type=int, default=width, help="see --height")
     p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
-    p.add_argument("--adapter", action="append", type=_adapter, default=[], metavar="NAME[:WEIGHT]",
-                   help="a LoRA adapter of the DiT's [dit] adapters, weight 1 by default (repeatable, in order)")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        type=_adapter,
+        default=[],
+        metavar="NAME[:WEIGHT]",
+        help="a LoRA adapter of the DiT's [dit] adapters, weight 1 by default (repeatable, in order)",
+    )
     p.add_argument("--flow-shift", type=float, help="the video schedule's shift (default: an adapter's, else 12)")
     p.add_argument("--audio-flow-shift", type=float, help="the audio schedule's shift (default: an adapter's, else 3)")
-    p.add_argument("--out", help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory;"
-                                 " the demo uses out/)")
+    p.add_argument(
+        "--out",
+        help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory; the demo uses out/)",
+    )
 
 
 def _adapter(text: str):
@@ -273,11 +345,13 @@ def _adapter(text: str):
 
 
 def _add_media_args(p: argparse.ArgumentParser) -> None:
-    for flag, what in (("first-frame", "fl2va: image the video starts from"),
-                       ("last-frame", "fl2va: image the video ends on"),
-                       ("ref-image", "ref2va: an image reference, <Picture i> in the prompt (repeatable)"),
-                       ("ref-video", "ref2va: a video reference (its sound too), <Video k> (repeatable)"),
-                       ("ref-audio", "ref2va: an audio reference, <Audio j> (repeatable)")):
+    for flag, what in (
+        ("first-frame", "fl2va: image the video starts from"),
+        ("last-frame", "fl2va: image the video ends on"),
+        ("ref-image", "ref2va: an image reference, <Picture i> in the prompt (repeatable)"),
+        ("ref-video", "ref2va: a video reference (its sound too), <Video k> (repeatable)"),
+        ("ref-audio", "ref2va: an audio reference, <Audio j> (repeatable)"),
+    ):
         p.add_argument(f"--{flag}", action=_OrderedMedia, metavar="FILE", help=what)
     p.set_defaults(media=[])
 
@@ -303,35 +377,54 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_up)
 
     p = sub.add_parser("generate", help="generate one video through the gateway")
-    p.add_argument("--gateway", metavar="HOST:PORT", help=f"default: with --config, that deployment's gateway on this "
-                                                          f"host; else ${GATEWAY_ENV}, else {LOCAL_GATEWAY}")
-    p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT_S, metavar="SECONDS",
-                   help="give up when the gateway does not answer within this time (default %(default)g)")
+    p.add_argument(
+        "--gateway",
+        metavar="HOST:PORT",
+        help=f"default: with --config, that deployment's gateway on this "
+        f"host; else ${GATEWAY_ENV}, else {LOCAL_GATEWAY}",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT_S,
+        metavar="SECONDS",
+        help="give up when the gateway does not answer within this time (default %(default)g)",
+    )
     p.add_argument("--config")
     _add_request_args(p, steps=None)
     p.add_argument("--num-frames", type=int, help=generate_help.num_frames())
     p.add_argument("--seconds", type=float, help=generate_help.seconds())
     p.add_argument("--seed", type=int)
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
-    p.add_argument("--request-id", help="idempotency key: running the command again with it re-attaches to the "
-                                        "same job instead of starting another")
+    p.add_argument(
+        "--request-id",
+        help="idempotency key: running the command again with it re-attaches to the "
+        "same job instead of starting another",
+    )
     p.add_argument("--ca", metavar="FILE", help="PEM root certificate of a gateway that serves TLS")
-    p.add_argument("--token", default=os.environ.get("H3SERVE_TOKEN"),
-                   help="bearer token the gateway requires (default: $H3SERVE_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("H3SERVE_TOKEN"),
+        help="bearer token the gateway requires (default: $H3SERVE_TOKEN)",
+    )
     _add_media_args(p)
     p.set_defaults(run=_generate)
 
     p = sub.add_parser("reference", help="run diffusers' in-process pipeline; writes the same .npz as --raw")
-    p.add_argument("--model-dir", help="diffusers model directory (default: --config's [model] dir, else the tiny "
-                                       "preset)")
+    p.add_argument(
+        "--model-dir", help="diffusers model directory (default: --config's [model] dir, else the tiny preset)"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     _add_request_args(p, steps=None)  # unset: an adapter's recommendation, else the deployment's default_steps
     p.add_argument("--num-frames", type=int, default=rules.DEFAULT_NUM_FRAMES, help=generate_help.num_frames())
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
-    p.add_argument("--config", help="deployment TOML: its [model] dir and pipeline configs (geometry), and the "
-                                    "model services' threads, so the bytes match the served ones")
+    p.add_argument(
+        "--config",
+        help="deployment TOML: its [model] dir and pipeline configs (geometry), and the "
+        "model services' threads, so the bytes match the served ones",
+    )
     _add_media_args(p)
     p.set_defaults(run=_reference)
 

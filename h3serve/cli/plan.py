@@ -38,8 +38,15 @@ def _run(args) -> None:
 
     config = load_deploy(args.config)
     host_gib, source = host_size(args.host_gib, config.supervisor.host_memory_gib)
-    result = memory_plan.plan(config, gpu_gib=args.gpu_gib, canvas=args.canvas, frames=args.frames,
-                              text_rows=args.text_rows, host_gib=host_gib, host_source=source)
+    result = memory_plan.plan(
+        config,
+        gpu_gib=args.gpu_gib,
+        canvas=args.canvas,
+        frames=args.frames,
+        text_rows=args.text_rows,
+        host_gib=host_gib,
+        host_source=source,
+    )
     print(f"plan for {args.config}")
     print("\n".join(result.lines()), flush=True)
     if result.problems:
@@ -50,12 +57,20 @@ def _run(args) -> None:
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="predict each GPU's memory for a deployment; exit 2 if it cannot fit")
     p.add_argument("--config", required=True, help="deployment TOML file")
-    p.add_argument("--gpu-gib", type=float, help="every GPU's size in GiB (default: the memory_limit_gib of the "
-                                                  "services on it)")
-    p.add_argument("--canvas", type=_canvas, metavar="HxW",
-                   help="plan for this canvas (default: the deployment's default canvas, the largest it serves)")
+    p.add_argument(
+        "--gpu-gib", type=float, help="every GPU's size in GiB (default: the memory_limit_gib of the services on it)"
+    )
+    p.add_argument(
+        "--canvas",
+        type=_canvas,
+        metavar="HxW",
+        help="plan for this canvas (default: the deployment's default canvas, the largest it serves)",
+    )
     p.add_argument("--frames", type=int, help="plan for this many frames (default: the most admission lets through)")
-    p.add_argument("--host-gib", type=float, help="the host's memory in GiB (default: [supervisor] host_memory_gib, "
-                                                   "else this machine's MemTotal)")
+    p.add_argument(
+        "--host-gib",
+        type=float,
+        help="the host's memory in GiB (default: [supervisor] host_memory_gib, else this machine's MemTotal)",
+    )
     p.add_argument("--text-rows", type=int, default=256, help="prompt rows assumed in the packed sequence")
     p.set_defaults(run=_run)

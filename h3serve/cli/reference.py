@@ -22,8 +22,16 @@ from h3serve.runtime.media import decode_reference
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, media_pb2
 
-T2VA_COMPONENTS = ["text_encoder", "tokenizer", "processor", "transformer", "scheduler", "audio_scheduler",
-                   "vae", "audio_vae"]
+T2VA_COMPONENTS = [
+    "text_encoder",
+    "tokenizer",
+    "processor",
+    "transformer",
+    "scheduler",
+    "audio_scheduler",
+    "vae",
+    "audio_vae",
+]
 ROWS = ("num_condition_video_rows", "num_condition_audio_rows")  # packed rows of keyframes / references
 KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
 
@@ -36,33 +44,44 @@ class ReferenceRequest:
     num_frames: int
     num_inference_steps: int
     seed: int
-    first_frame: str | None = None                 # fl2va keyframe files
+    first_frame: str | None = None  # fl2va keyframe files
     last_frame: str | None = None
-    references: tuple[tuple[str, str], ...] = ()   # ref2va: ("image" | "video" | "audio", path), request order
-    adapters: tuple[tuple[str, float], ...] = ()   # (name, weight) in request order, from `run_reference`'s sources
+    references: tuple[tuple[str, str], ...] = ()  # ref2va: ("image" | "video" | "audio", path), request order
+    adapters: tuple[tuple[str, float], ...] = ()  # (name, weight) in request order, from `run_reference`'s sources
     flow_shift: float = DEFAULT_SHIFTS["flow_shift"]
     audio_flow_shift: float = DEFAULT_SHIFTS["audio_flow_shift"]
 
     def media_inputs(self) -> dict:
         """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files (per GenerateRequest field)."""
-        files = {"first_frame": [("image", self.first_frame)] if self.first_frame else [],
-                 "last_frame": [("image", self.last_frame)] if self.last_frame else [],
-                 "references": list(self.references)}
-        decoded = {field: [decode_reference(KINDS[kind], path) for kind, path in items]
-                   for field, items in files.items() if items}
+        files = {
+            "first_frame": [("image", self.first_frame)] if self.first_frame else [],
+            "last_frame": [("image", self.last_frame)] if self.last_frame else [],
+            "references": list(self.references),
+        }
+        decoded = {
+            field: [decode_reference(KINDS[kind], path) for kind, path in items]
+            for field, items in files.items()
+            if items
+        }
         return workflows.of_fields(decoded).pipeline_inputs(decoded)
 
 
-def resolved_params(sources: dict[str, AdapterSource], params: common_pb2.GenerationParams,
-                    default_steps: int) -> common_pb2.GenerationParams:
+def resolved_params(
+    sources: dict[str, AdapterSource], params: common_pb2.GenerationParams, default_steps: int
+) -> common_pb2.GenerationParams:
     """`params` resolved as the gateway resolves them (h3serve/model/adapters.py), the deployment file's adapters
     and their sidecars standing in for the DiT's Info; ValueError names an adapter the file does not hold."""
     unknown = [a.name for a in params.adapters if a.name not in sources]
     if unknown:
-        raise ValueError(f"adapter {unknown[0]!r} is not in the deployment's [dit] adapters "
-                         f"({', '.join(sorted(sources)) or 'none'})")
-    catalog = AdapterCatalog({name: AdapterFacts(name, (), recommended=adapters.read_sidecar(source.path))
-                              for name, source in sources.items()})
+        raise ValueError(
+            f"adapter {unknown[0]!r} is not in the deployment's [dit] adapters ({', '.join(sorted(sources)) or 'none'})"
+        )
+    catalog = AdapterCatalog(
+        {
+            name: AdapterFacts(name, (), recommended=adapters.read_sidecar(source.path))
+            for name, source in sources.items()
+        }
+    )
     resolved = common_pb2.GenerationParams()
     resolved.CopyFrom(params)
     adapters.resolve(resolved, catalog, default_steps)
@@ -81,12 +100,19 @@ def service_threads(config: DeployConfig) -> tuple[int, str]:
     chosen = threads["dit"]
     listed = ", ".join(f"{name} {count or 'default'}" for name, count in threads.items())
     others = ", ".join(name for name, count in threads.items() if count != chosen)
-    return chosen, (f"the services' threads differ ({listed}): using the DiT's ({chosen or 'default'}); "
-                    f"the {others} stage may differ from the served bytes in the last bits")
+    return chosen, (
+        f"the services' threads differ ({listed}): using the DiT's ({chosen or 'default'}); "
+        f"the {others} stage may differ from the served bytes in the last bits"
+    )
 
 
-def reference_pipeline(source: ModelSource, with_references: bool = False, device: str = "cpu",
-                       dtype: str = "float32", geometry: Geometry = Geometry()):
+def reference_pipeline(
+    source: ModelSource,
+    with_references: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+    geometry: Geometry = Geometry(),
+):
     """diffusers' MiniMaxH3Blocks on `source`'s components (`transformer_ref` too for ref2va), reusable."""
     from diffusers.modular_pipelines import MiniMaxH3Blocks
 
@@ -112,20 +138,35 @@ def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
         pipe.set_adapters([name for name, _ in request.adapters], [weight for _, weight in request.adapters])
     pipe.scheduler.set_shift(request.flow_shift)
     pipe.audio_scheduler.set_shift(request.audio_flow_shift)
-    out = pipe(prompt=request.prompt, height=request.height, width=request.width, num_frames=request.num_frames,
-               num_inference_steps=request.num_inference_steps,
-               generator=torch.Generator().manual_seed(request.seed), output_type="np",
-               output=["videos", "audio", "sampling_rate", *ROWS, "text_token_tags", "token_tags"],
-               **request.media_inputs())
-    return {"frames": out["videos"][0], "audio": out["audio"][0].cpu().numpy(),
-            "sample_rate": np.asarray(out["sampling_rate"]),
-            "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS]),
-            "text_rows": np.asarray(len(out["text_token_tags"])), "packed_rows": np.asarray(len(out["token_tags"]))}
+    out = pipe(
+        prompt=request.prompt,
+        height=request.height,
+        width=request.width,
+        num_frames=request.num_frames,
+        num_inference_steps=request.num_inference_steps,
+        generator=torch.Generator().manual_seed(request.seed),
+        output_type="np",
+        output=["videos", "audio", "sampling_rate", *ROWS, "text_token_tags", "token_tags"],
+        **request.media_inputs(),
+    )
+    return {
+        "frames": out["videos"][0],
+        "audio": out["audio"][0].cpu().numpy(),
+        "sample_rate": np.asarray(out["sampling_rate"]),
+        "condition_rows": np.asarray([int(out[name] or 0) for name in ROWS]),
+        "text_rows": np.asarray(len(out["text_token_tags"])),
+        "packed_rows": np.asarray(len(out["token_tags"])),
+    }
 
 
-def run_reference(source: ModelSource, request: ReferenceRequest, device: str = "cpu", dtype: str = "float32",
-                  geometry: Geometry = Geometry(), adapter_sources: dict[str, AdapterSource] | None = None,
-                  ) -> dict[str, np.ndarray]:
+def run_reference(
+    source: ModelSource,
+    request: ReferenceRequest,
+    device: str = "cpu",
+    dtype: str = "float32",
+    geometry: Geometry = Geometry(),
+    adapter_sources: dict[str, AdapterSource] | None = None,
+) -> dict[str, np.ndarray]:
     """One request on a fresh pipeline; `adapter_sources` (the [dit] adapters) holds the adapters it names."""
     pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
     load_adapters(pipe, {name: (adapter_sources or {})[name] for name, _ in request.adapters})

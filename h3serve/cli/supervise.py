@@ -19,8 +19,16 @@ import time
 from collections.abc import Callable
 
 from h3serve.cli.launcher import Running, ServiceGroup
-from h3serve.common.processes import (EXIT_REFUSED, MEMINFO, MemoryWatch, RepeatedFailure, RestartBudget, StopSignals,
-                                      Tree, end_trees)
+from h3serve.common.processes import (
+    EXIT_REFUSED,
+    MEMINFO,
+    MemoryWatch,
+    RepeatedFailure,
+    RestartBudget,
+    StopSignals,
+    Tree,
+    end_trees,
+)
 
 POLL_S = 0.5
 
@@ -33,8 +41,10 @@ class Watch:
     def __init__(self, group: ServiceGroup, stop: StopSignals, meminfo: str = MEMINFO) -> None:
         policy = group.config.supervisor
         self.group, self.stop, self.policy = group, stop, policy
-        self.budgets = {name: RestartBudget(policy.max_restarts, policy.window_s, policy.backoff_s,
-                                            policy.max_backoff_s) for name in group.names}
+        self.budgets = {
+            name: RestartBudget(policy.max_restarts, policy.window_s, policy.backoff_s, policy.max_backoff_s)
+            for name in group.names
+        }
         self.failures = {name: RepeatedFailure() for name in group.names}
         self.memory = MemoryWatch(meminfo)
         self.memory.sample_host()  # the services have just started
@@ -85,10 +95,14 @@ class Watch:
             return f"stopped restarting: the same start-up failure twice: {ended}"
         delay = self.budgets[item.name].take()
         if delay is None:
-            return (f"{ended}, past its restart budget ({self.policy.max_restarts} restarts within "
-                    f"{self.policy.window_s:.0f} s)")
-        _say(f"{ended}; restarting it in {delay:.1f} s (restart {self.budgets[item.name].used()} of at most "
-             f"{self.policy.max_restarts} within {self.policy.window_s:.0f} s)")
+            return (
+                f"{ended}, past its restart budget ({self.policy.max_restarts} restarts within "
+                f"{self.policy.window_s:.0f} s)"
+            )
+        _say(
+            f"{ended}; restarting it in {delay:.1f} s (restart {self.budgets[item.name].used()} of at most "
+            f"{self.policy.max_restarts} within {self.policy.window_s:.0f} s)"
+        )
         self.due[item.name] = time.monotonic() + delay
         return None
 

@@ -10,5 +10,14 @@ from h3serve.client.events import TERMINAL, describe_event, is_terminal
 from h3serve.client.gateway import GatewayClient, GatewayUnreachable
 from h3serve.client.retry import RetryPolicy
 
-__all__ = ["GATEWAY_ENV", "BearerToken", "GatewayClient", "GatewayUnreachable", "RetryPolicy", "TERMINAL",
-           "default_address", "describe_event", "is_terminal"]
+__all__ = [
+    "GATEWAY_ENV",
+    "BearerToken",
+    "GatewayClient",
+    "GatewayUnreachable",
+    "RetryPolicy",
+    "TERMINAL",
+    "default_address",
+    "describe_event",
+    "is_terminal",
+]

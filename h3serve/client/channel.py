@@ -15,17 +15,25 @@ LOCAL_GATEWAY = "127.0.0.1:50050"
 # Unlimited message sizes, as h3serve's servers set them (h3serve.common.server, which the client does not import);
 # a lost gateway is dialled again at least every second (gRPC's default waits up to 2 minutes), so a retried call
 # finds a restarted one at once.
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
-class _CallDetails(namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
-                   grpc.ClientCallDetails):
+class _CallDetails(
+    namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"), grpc.ClientCallDetails
+):
     pass
 
 
-class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds `authorization: Bearer <token>` to every call (metadata, so it also works without TLS)."""
 
     def __init__(self, token: str) -> None:
@@ -33,8 +41,17 @@ class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
     def _call(self, continuation, details, request):
         metadata = [*(details.metadata or ()), self.header]
-        return continuation(_CallDetails(details.method, details.timeout, metadata, details.credentials,
-                                         details.wait_for_ready, details.compression), request)
+        return continuation(
+            _CallDetails(
+                details.method,
+                details.timeout,
+                metadata,
+                details.credentials,
+                details.wait_for_ready,
+                details.compression,
+            ),
+            request,
+        )
 
     intercept_unary_unary = intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = _call
 

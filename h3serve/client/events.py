@@ -14,23 +14,29 @@ def is_terminal(event: gateway_pb2.JobEvent) -> bool:
 
 def _accepted(event: gateway_pb2.JobEvent) -> str:
     r = event.accepted.request
-    return (f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
-            f"{r.params.num_inference_steps} steps, seed {r.params.seed}")
+    return (
+        f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
+        f"{r.params.num_inference_steps} steps, seed {r.params.seed}"
+    )
 
 
 def _denoising(event: gateway_pb2.JobEvent) -> str:
     d = event.denoising
     compiled = f"  (compiled {d.compiled_graphs} graphs: a shape not warmed)" if d.compiled_graphs else ""
-    return (f"denoising step {d.step}/{d.total}  {d.step_seconds:.2f} s/step  "
-            f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s{compiled}")
+    return (
+        f"denoising step {d.step}/{d.total}  {d.step_seconds:.2f} s/step  "
+        f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s{compiled}"
+    )
 
 
 _LINES = {
     "accepted": _accepted,
-    "conditioning": lambda e: f"encoding keyframes / references: encoder call {e.conditioning.done}/"
-                              f"{e.conditioning.total}",
-    "encoding": lambda e: f"encoded ({'cache hit' if e.encoding.cache_hit else 'cache miss'}) in "
-                          f"{e.encoding.seconds:.2f} s",
+    "conditioning": lambda e: (
+        f"encoding keyframes / references: encoder call {e.conditioning.done}/{e.conditioning.total}"
+    ),
+    "encoding": lambda e: (
+        f"encoded ({'cache hit' if e.encoding.cache_hit else 'cache miss'}) in {e.encoding.seconds:.2f} s"
+    ),
     "denoising": _denoising,
     "decoding": lambda e: f"decoding {e.decoding.chunk}/{e.decoding.total}",
     "muxing": lambda e: f"muxing {e.muxing.done}/{e.muxing.total} s",

@@ -54,8 +54,13 @@ class GatewayClient:
     idempotent writes, and Submit with a request_id. `stub` is the generated stub on the same channel (TLS and token
     included), for the RPCs themselves. A context manager; or call `close()`."""
 
-    def __init__(self, address: str | None = None, root_pem: bytes | None = None, token: str | None = None,
-                 retry: RetryPolicy = RetryPolicy()) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        root_pem: bytes | None = None,
+        token: str | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+    ) -> None:
         self.address = address or default_address()
         self.retry = retry
         self.channel = open_channel(self.address, root_pem, token)
@@ -108,8 +113,9 @@ class GatewayClient:
             finally:
                 stream.cancel()  # a caller that stops early ends the call
 
-    def generate(self, request: gateway_pb2.GenerateRequest,
-                 on_event: EventCallback | None = None) -> gateway_pb2.JobEvent:
+    def generate(
+        self, request: gateway_pb2.GenerateRequest, on_event: EventCallback | None = None
+    ) -> gateway_pb2.JobEvent:
         """Submit one generation and follow it to its end; returns its terminal event (done, failed or cancelled).
         `on_event` sees every event once, in order, also across a gateway restart."""
         for event in self.events(self.submit(request).job_id):
@@ -124,13 +130,20 @@ class GatewayClient:
     def job(self, job_id: str) -> gateway_pb2.Job:
         return self._call(self.stub.GetJob, gateway_pb2.GetJobRequest(job_id=job_id))
 
-    def jobs(self, states: Iterable[gateway_pb2.JobState] = (), page_size: int = 100, deleted: bool = False,
-             oldest_first: bool = False, after_job_id: str = "") -> Iterator[gateway_pb2.Job]:
+    def jobs(
+        self,
+        states: Iterable[gateway_pb2.JobState] = (),
+        page_size: int = 100,
+        deleted: bool = False,
+        oldest_first: bool = False,
+        after_job_id: str = "",
+    ) -> Iterator[gateway_pb2.Job]:
         """Every job, newest first (or `oldest_first`), optionally only those in `states`; those outside the bin, or
         (`deleted`) those in it; from the job after `after_job_id` (empty: from the first). All pages, `page_size`
         jobs per call."""
-        request = gateway_pb2.ListJobsRequest(states=states, page_size=page_size, deleted=deleted,
-                                              oldest_first=oldest_first, after_job_id=after_job_id)
+        request = gateway_pb2.ListJobsRequest(
+            states=states, page_size=page_size, deleted=deleted, oldest_first=oldest_first, after_job_id=after_job_id
+        )
         while True:
             page = self._call(self.stub.ListJobs, request)
             yield from page.jobs

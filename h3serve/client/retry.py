@@ -33,7 +33,7 @@ class RetryPolicy:
 
     def delays(self) -> Iterator[float]:
         """The waits between the tries of one call."""
-        return (min(self.initial_s * self.multiplier ** i, self.max_s) for i in range(self.attempts - 1))
+        return (min(self.initial_s * self.multiplier**i, self.max_s) for i in range(self.attempts - 1))
 
     def backoff(self, error: grpc.RpcError, delays: Iterator[float]) -> None:
         """Wait before the next try, or raise `error` when its code is not retried or no try is left."""

@@ -16,8 +16,9 @@ SHOWN_CHARS = 200
 def check_id(field: str, value: str) -> str:
     """`value` when it is a usable id; InvalidRequest naming `field` otherwise (without echoing it)."""
     if len(value) > MAX_ID_CHARS or not all(" " < c <= "~" for c in value):
-        raise InvalidRequest(field, f"at most {MAX_ID_CHARS} printable ASCII characters without spaces, "
-                                    f"got {len(value)} characters")
+        raise InvalidRequest(
+            field, f"at most {MAX_ID_CHARS} printable ASCII characters without spaces, got {len(value)} characters"
+        )
     return value
 
 

@@ -46,9 +46,11 @@ STALL_DEFAULTS = {"encode": 300.0, "denoise": 900.0, "decode": 600.0, "mux": 300
 OUTAGE_DEFAULTS = {"encoder": 300.0, "vae-encode": 300.0, "dit": 900.0, "vae": 300.0}
 DAY_S = 24 * 3600.0
 
-FLOAT16_REFUSED = ("float16 is refused for the MiniMax-H3 DiT: its activations pass float16's largest value (65504) "
-                   "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
-                   'inside attention_backend = "sage")')
+FLOAT16_REFUSED = (
+    "float16 is refused for the MiniMax-H3 DiT: its activations pass float16's largest value (65504) "
+    "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
+    'inside attention_backend = "sage")'
+)
 
 # Limits both the gateway and a service hold to: one definition, the default of both sections; a deployment whose
 # gateway admits more than its service takes is refused (`_gateway_within_services`)
@@ -69,7 +71,7 @@ SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
 
 
 def parse_shape(shape: str) -> tuple[int, int, int]:
-    """"HxWxF" as (height, width, frames); ValueError otherwise."""
+    """ "HxWxF" as (height, width, frames); ValueError otherwise."""
     match = SHAPE.fullmatch(shape)
     if not match:
         raise ValueError(f'a shape is "HEIGHTxWIDTHxFRAMES", e.g. "480x832x124", got {shape!r}')
@@ -118,7 +120,7 @@ class Section(BaseModel):
 class ModelSection(Section):
     """[model]: the model directory and the pipeline geometry (Geometry's keys) that every section shares."""
 
-    dir: str = ""                  # empty: the built-in tiny preset
+    dir: str = ""  # empty: the built-in tiny preset
     canvas_short_edge: PositiveInt = Geometry.canvas_short_edge
     canvas_max_pixels: PositiveInt = Geometry.canvas_max_pixels
     reference_image_short_edge: PositiveInt = Geometry.reference_image_short_edge
@@ -134,7 +136,7 @@ class AdapterSource(Section):
 
     path: str
     transformer_ref: bool = False  # diffusers' load_into_transformer_ref: a `transformer.`-prefixed (or original)
-                                   # file goes into the ref2va partition instead of the t2va/fl2va one
+    # file goes into the ref2va partition instead of the t2va/fl2va one
 
 
 def _adapter_source(value):
@@ -166,19 +168,19 @@ class ModelServiceConfig(Section):
 
     host: str = "127.0.0.1"
     port: Port = 0
-    model_dir: str = ""            # empty: tiny preset
-    device: str = "cpu"            # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
-    gpus: str = ""                 # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
+    model_dir: str = ""  # empty: tiny preset
+    device: str = "cpu"  # torch device inside the process, e.g. "cuda" (it sees only `gpus`)
+    gpus: str = ""  # CUDA_VISIBLE_DEVICES for the process, e.g. "1,2"; empty: inherit
     dtype: DType = "float32"
-    max_input_bytes: PositiveInt = 2 << 30    # tensor or media bytes one request may carry (the DiT and the VAE's
-                                              # Decode also hold to what the model's geometry allows)
-    auth_token: str = ""           # the gateway's stage_token, required on every RPC but health and reflection
-    threads: NonNegativeInt = 0    # torch intra-op threads; 0: torch's default
-    tls_cert: str = ""             # PEM certificate chain + key: serve TLS instead of plaintext
+    max_input_bytes: PositiveInt = 2 << 30  # tensor or media bytes one request may carry (the DiT and the VAE's
+    # Decode also hold to what the model's geometry allows)
+    auth_token: str = ""  # the gateway's stage_token, required on every RPC but health and reflection
+    threads: NonNegativeInt = 0  # torch intra-op threads; 0: torch's default
+    tls_cert: str = ""  # PEM certificate chain + key: serve TLS instead of plaintext
     tls_key: str = ""
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     memory_limit_gib: NonNegativeFloat = 0.0  # cap on this process's CUDA allocator (each DiT rank's), e.g. 22 to
-                                              # emulate a 22 GB card on a bigger one; 0: the whole device
+    # emulate a 22 GB card on a bigger one; 0: the whole device
 
     @property
     def address(self) -> str:
@@ -194,15 +196,15 @@ class CompiledServiceConfig(ModelServiceConfig):
     """A service whose model runs diffusers' blocks with the fast path (h3serve/runtime/fastpath.py): DiT and VAE."""
 
     attention_backend: str = "native"  # a diffusers attention backend, "flash4" (FlashAttention 4)
-                                       # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
-    compile: bool = False          # torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
+    # or "cudnn_fp8" (dit, opt-in: FP8 attention, changes the numbers)
+    compile: bool = False  # torch.compile the repeated blocks (h3serve/runtime/fastpath.py)
     compile_dynamic: bool = False  # with compile: symbolic sizes from the first call, one graph per forward
-                                   # variant for every shape (false: torch's default, a static graph first)
-                                   # (the DiT's default is true: see DiTConfig)
-    compile_tuning: bool = False   # with compile: Inductor's coordinate-descent tuning of each kernel (minutes of a
-                                   # cold compile: 125 of 153 s at 480x832x124 with fp8 on one H200)
-    compile_cache_dir: str = ""    # with compile: Inductor's and Triton's caches here, so a restart loads
-                                   # the compiled graphs (empty: torch's default, under /tmp)
+    # variant for every shape (false: torch's default, a static graph first)
+    # (the DiT's default is true: see DiTConfig)
+    compile_tuning: bool = False  # with compile: Inductor's coordinate-descent tuning of each kernel (minutes of a
+    # cold compile: 125 of 153 s at 480x832x124 with fp8 on one H200)
+    compile_cache_dir: str = ""  # with compile: Inductor's and Triton's caches here, so a restart loads
+    # the compiled graphs (empty: torch's default, under /tmp)
 
     @property
     def compile_cache(self) -> str:
@@ -213,10 +215,11 @@ class VaeConfig(CompiledServiceConfig):
     """The VAE service: video + audio decode, output checks, the MP4 mux, and condition encoding."""
 
     max_raw_bytes: NonNegativeInt = 512 << 20  # largest raw.npz payload include_raw may produce
-    tile_batch: PositiveInt = 1    # spatial tiles per decoder call; 1 is diffusers' own loop (exact)
-    decode_gpus: PositiveInt = 1   # GPUs one decode spreads its tiles over (decoder replicas on the next ones)
-    x264_preset: Literal["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower",
-                         "veryslow"] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
+    tile_batch: PositiveInt = 1  # spatial tiles per decoder call; 1 is diffusers' own loop (exact)
+    decode_gpus: PositiveInt = 1  # GPUs one decode spreads its tiles over (decoder replicas on the next ones)
+    x264_preset: Literal[
+        "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"
+    ] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
 
     @field_validator("decode_gpus")
     @classmethod
@@ -224,10 +227,10 @@ class VaeConfig(CompiledServiceConfig):
         if count == 1:
             return count
         if not info.data.get("device", "").startswith("cuda"):
-            raise ValueError(f"{count} spreads a decode's tiles over GPUs: it needs device = \"cuda\"")
+            raise ValueError(f'{count} spreads a decode\'s tiles over GPUs: it needs device = "cuda"')
         pinned = [g for g in info.data.get("gpus", "").split(",") if g.strip()]
         if pinned and len(pinned) < count:
-            raise ValueError(f"{count} GPUs, but gpus = \"{info.data['gpus']}\" lists {len(pinned)}")
+            raise ValueError(f'{count} GPUs, but gpus = "{info.data["gpus"]}" lists {len(pinned)}')
         return count
 
 
@@ -235,14 +238,14 @@ class EncoderConfig(ModelServiceConfig):
     """The text encoder service. Qwen3-VL-32B is ~62 GiB in bf16: on small cards it is spread over the
     process's `gpus`, quantized, or offloaded (README "Small GPUs")."""
 
-    cache_bytes: NonNegativeInt = 256 << 20   # embedding cache bound
+    cache_bytes: NonNegativeInt = 256 << 20  # embedding cache bound
     max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # longest prompt accepted
-    max_prompt_tokens: PositiveInt = 2048     # longest prompt accepted, in the tokenizer's tokens
+    max_prompt_tokens: PositiveInt = 2048  # longest prompt accepted, in the tokenizer's tokens
 
     quantize: Literal["none", "int8", "nf4"] = "none"  # weight-only: int8 (torchao), nf4 (bitsandbytes, sm_75 too);
-                                                       # changes the embeddings (the cache key says which)
-    spread: bool = False             # the decoder layers spread over every visible GPU (accelerate's device map)
-    cpu_offload: bool = False        # weights in pinned host memory, each layer streamed to the device as it runs
+    # changes the embeddings (the cache key says which)
+    spread: bool = False  # the decoder layers spread over every visible GPU (accelerate's device map)
+    cpu_offload: bool = False  # weights in pinned host memory, each layer streamed to the device as it runs
 
     @field_validator("cpu_offload")
     @classmethod
@@ -260,14 +263,14 @@ class DiTConfig(CompiledServiceConfig):
     """
 
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
-    fp8: bool = False                # fp8 W8A8 block linears (torchao, Hopper); changes the numbers
-    world_size: PositiveInt = 1      # ranks in the group (all nodes together); 1 runs the same code path
-    nnodes: PositiveInt = 1          # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
-    rdzv_endpoint: str = ""          # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
-    rdzv_id: str = "h3serve-dit"     # multi-node: job id shared by the nodes' launchers
-    fsdp: bool = False               # shard the weights with FSDP2 (memory) instead of replicating them (speed)
+    fp8: bool = False  # fp8 W8A8 block linears (torchao, Hopper); changes the numbers
+    world_size: PositiveInt = 1  # ranks in the group (all nodes together); 1 runs the same code path
+    nnodes: PositiveInt = 1  # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
+    rdzv_endpoint: str = ""  # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
+    rdzv_id: str = "h3serve-dit"  # multi-node: job id shared by the nodes' launchers
+    fsdp: bool = False  # shard the weights with FSDP2 (memory) instead of replicating them (speed)
     ulysses_degree: NonNegativeInt = 0  # sequence split over heads (all-to-all); 0: world_size when ring_degree is 1
-    ring_degree: PositiveInt = 1     # sequence split over keys/values (ring); ulysses x ring = world_size
+    ring_degree: PositiveInt = 1  # sequence split over keys/values (ring); ulysses x ring = world_size
     max_restarts: NonNegativeInt = 3  # group restarts after a rank dies, then the service exits
     # Prompt lengths vary, so a static first graph serves almost no request, yet costs a compile at start (one
     # H200, 480x832x124, fp8: 183 s static, 208 s dynamic, 1.16 vs 1.19 s/step; BENCHMARKS.md dit_first_call)
@@ -276,14 +279,14 @@ class DiTConfig(CompiledServiceConfig):
     collective_timeout_s: PositiveFloat = 600.0  # a collective that takes longer fails the group (it restarts)
     heartbeat_s: PositiveFloat = 5.0  # idle ranks hear from rank 0 this often; a dead rank shows within this
     max_math_tokens: NonNegativeInt = 4096  # GPU: above this packed length attention never runs on the MATH kernel
-    max_steps: Steps = MAX_STEPS     # num_inference_steps accepted (at least the gateway's max_steps)
+    max_steps: Steps = MAX_STEPS  # num_inference_steps accepted (at least the gateway's max_steps)
     max_rows: PositiveInt = MAX_ROWS  # packed rows of one request (at least the gateway's max_rows)
     # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
     # (GenerationParams.adapters). See README "Adapters (LoRA) and few-step clips per request".
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
-    adapter_slots: PositiveInt = 1   # compile = true: adapters one request may name (slots switched in place)
-    fsdp_offload: bool = False       # fsdp = true: parameters live in host memory, each block's gathered to the GPU
+    adapter_slots: PositiveInt = 1  # compile = true: adapters one request may name (slots switched in place)
+    fsdp_offload: bool = False  # fsdp = true: parameters live in host memory, each block's gathered to the GPU
     # fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
     # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
@@ -291,7 +294,7 @@ class DiTConfig(CompiledServiceConfig):
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See README "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
-    warmup_steps: Steps = 3          # num_inference_steps of each warm-up run: 3 runs both forward variants
+    warmup_steps: Steps = 3  # num_inference_steps of each warm-up run: 3 runs both forward variants
     # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
     # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
     offload: Literal["none", "group"] = "none"
@@ -341,9 +344,11 @@ class DiTConfig(CompiledServiceConfig):
         if directory and not info.data.get("fp8"):
             raise ValueError("fp8_cache_dir keeps the fp8-quantised weights: it needs fp8 = true")
         if directory and info.data.get("adapters") and info.data.get("adapter_mode") == "fused":
-            raise ValueError("fp8_cache_dir holds the transformer quantised without adapters, and a fused adapter is "
-                             "merged into the weights before quantisation: use adapter_mode = \"unfused\" (adapters "
-                             "over the cached fp8 weights) or fp8_cache_dir = \"\"")
+            raise ValueError(
+                "fp8_cache_dir holds the transformer quantised without adapters, and a fused adapter is "
+                'merged into the weights before quantisation: use adapter_mode = "unfused" (adapters '
+                'over the cached fp8 weights) or fp8_cache_dir = ""'
+            )
         return directory
 
     @field_validator("offload")
@@ -357,21 +362,22 @@ class DiTConfig(CompiledServiceConfig):
     @classmethod
     def _fused_needs_one(cls, mode: str, info: ValidationInfo) -> str:
         if mode == "fused" and "adapters" in info.data and len(info.data["adapters"]) != 1:
-            raise ValueError(f'"fused" merges exactly one adapter into the weights; adapters has '
-                             f"{len(info.data['adapters'])}")
+            raise ValueError(
+                f'"fused" merges exactly one adapter into the weights; adapters has {len(info.data["adapters"])}'
+            )
         return mode
 
 
 class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
-    data_dir: str = "var/gateway"     # SQLite database and artifacts
+    data_dir: str = "var/gateway"  # SQLite database and artifacts
     encoder: Addresses = "127.0.0.1:50051"  # stage addresses
     dit: Addresses = "127.0.0.1:50052"
     vae: Addresses = "127.0.0.1:50053"
     max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # at most the encoder's
     max_prompt_tokens: PositiveInt = 2048  # the prompt in the tokenizer's tokens (a character is up to 4)
-    max_steps: Steps = MAX_STEPS      # at most the DiT's
+    max_steps: Steps = MAX_STEPS  # at most the DiT's
     default_steps: Steps = DEFAULT_STEPS  # at most max_steps
     encode_deadline_s: PositiveFloat = 600.0  # per stage call
     denoise_deadline_s: PositiveFloat = 3600.0
@@ -389,35 +395,35 @@ class GatewayConfig(Section):
     max_video_seconds: PositiveFloat = 60.0
     max_audio_seconds: PositiveFloat = 60.0
     max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
-                                      # conditioning, generated)
+    # conditioning, generated)
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
-    model_dir: str = ""               # from [model] dir: admission counts text rows with its tokenizer and processor
+    model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is
-                                              # RESOURCE_EXHAUSTED (0: no bound)
-    max_attempts: PositiveInt = 3     # runs of one job: re-runs after a stalled stage; a gateway restart spends none
-                                      # (its own bound: runner.MAX_RESTART_RERUNS re-runs of a job caught in a stage)
+    # RESOURCE_EXHAUSTED (0: no bound)
+    max_attempts: PositiveInt = 3  # runs of one job: re-runs after a stalled stage; a gateway restart spends none
+    # (its own bound: runner.MAX_RESTART_RERUNS re-runs of a job caught in a stage)
     # Per-phase stall limits in seconds, measured from the phase's last progress event.
     stall_s: dict[Phase, PositiveFloat] = Field(default_factory=lambda: dict(STALL_DEFAULTS))
     # Admission capacity: {workflow: {"HxW" or "*": max packed-sequence rows}}; a canvas not listed
     # (and no "*") is not limited. See docs/capacity.md for measuring it.
     capacity: dict[str, dict[str, PositiveInt]] = Field(default_factory=dict)
-    metrics_port: Port = 0            # Prometheus /metrics on this HTTP port (0: off)
+    metrics_port: Port = 0  # Prometheus /metrics on this HTTP port (0: off)
     metrics_host: str = "127.0.0.1"
-    http_port: Port = 0               # the HTTP door: OpenAI's /v1/videos, SSE events, the web console (0: off)
-    http_host: str = "127.0.0.1"      # served with tls_cert / tls_key and auth_token as the gRPC door
-    auth_token: str = ""              # bearer token the public API requires (empty: no check)
-    tls_cert: str = ""                # PEM files: serve the public API over TLS
+    http_port: Port = 0  # the HTTP door: OpenAI's /v1/videos, SSE events, the web console (0: off)
+    http_host: str = "127.0.0.1"  # served with tls_cert / tls_key and auth_token as the gRPC door
+    auth_token: str = ""  # bearer token the public API requires (empty: no check)
+    tls_cert: str = ""  # PEM files: serve the public API over TLS
     tls_key: str = ""
-    stage_tls_ca: str = ""            # PEM root for TLS stage services (empty: plaintext to the stages)
-    stage_token: str = ""             # sent to every stage service as `authorization: Bearer <token>` (their
-                                      # auth_token; empty: none)
+    stage_tls_ca: str = ""  # PEM root for TLS stage services (empty: plaintext to the stages)
+    stage_token: str = ""  # sent to every stage service as `authorization: Bearer <token>` (their
+    # auth_token; empty: none)
     max_request_bytes: PositiveInt = 4 << 20  # largest request message the public API accepts (uploads come in chunks)
     # Retention, enforced after every job and every minute (0: keep for ever / no cap).
     artifact_max_age_s: NonNegativeFloat = 7 * DAY_S  # artifacts older than this are deleted
-    artifact_max_bytes: NonNegativeInt = 50 << 30     # beyond this many artifact bytes the oldest go first
-    asset_max_age_s: NonNegativeFloat = 7 * DAY_S     # uploads older than this go unless a queued or running job
-                                                      # names them
+    artifact_max_bytes: NonNegativeInt = 50 << 30  # beyond this many artifact bytes the oldest go first
+    asset_max_age_s: NonNegativeFloat = 7 * DAY_S  # uploads older than this go unless a queued or running job
+    # names them
 
     @field_validator("default_steps")
     @classmethod
@@ -465,8 +471,14 @@ class DeployConfig(Section):
 
 SERVICES = ("encoder", "dit", "vae")
 SECTIONS = ("model", *SERVICES, "gateway", "supervisor")
-SECTION_MODELS: dict[str, type[Section]] = {"model": ModelSection, "encoder": EncoderConfig, "dit": DiTConfig,
-                                            "vae": VaeConfig, "gateway": GatewayConfig, "supervisor": SupervisorConfig}
+SECTION_MODELS: dict[str, type[Section]] = {
+    "model": ModelSection,
+    "encoder": EncoderConfig,
+    "dit": DiTConfig,
+    "vae": VaeConfig,
+    "gateway": GatewayConfig,
+    "supervisor": SupervisorConfig,
+}
 
 
 def load_deploy(path: str | Path | None) -> DeployConfig:
@@ -477,8 +489,9 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
         return config
     tables = _tables(path)
     shared = _checked(ModelSection(), tables["model"], f"{path} [model]").shared()
-    services = {name: _checked(config.service(name), {**shared, **tables[name]}, f"{path} [{name}]")
-                for name in SERVICES}
+    services = {
+        name: _checked(config.service(name), {**shared, **tables[name]}, f"{path} [{name}]") for name in SERVICES
+    }
     stages = {name: service.address for name, service in services.items()}
     gateway = _checked(config.gateway, {**shared, **stages, **tables["gateway"]}, f"{path} [gateway]")
     supervisor = _checked(config.supervisor, tables["supervisor"], f"{path} [supervisor]")
@@ -490,16 +503,22 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
 
 
 # (gateway key, service, service key): the gateway admits what the service then checks again
-SHARED_LIMITS = (("max_prompt_chars", "encoder", "max_prompt_chars"), ("max_steps", "dit", "max_steps"),
-                 ("max_rows", "dit", "max_rows"))
+SHARED_LIMITS = (
+    ("max_prompt_chars", "encoder", "max_prompt_chars"),
+    ("max_steps", "dit", "max_steps"),
+    ("max_rows", "dit", "max_rows"),
+)
 
 
 def _gateway_within_services(deploy: DeployConfig) -> list[str]:
     """A gateway limit above its service's would accept requests the service refuses after they waited in a queue."""
-    return [f"[gateway] {key} = {getattr(deploy.gateway, key):,} is above [{service}] {own} = "
-            f"{getattr(deploy.service(service), own):,}: requests it admits would be refused by the {service}; lower "
-            f"the gateway's or raise the {service}'s" for key, service, own in SHARED_LIMITS
-            if getattr(deploy.gateway, key) > getattr(deploy.service(service), own)]
+    return [
+        f"[gateway] {key} = {getattr(deploy.gateway, key):,} is above [{service}] {own} = "
+        f"{getattr(deploy.service(service), own):,}: requests it admits would be refused by the {service}; lower "
+        f"the gateway's or raise the {service}'s"
+        for key, service, own in SHARED_LIMITS
+        if getattr(deploy.gateway, key) > getattr(deploy.service(service), own)
+    ]
 
 
 def override(section, **flags):
@@ -513,8 +532,9 @@ def _tables(path: str | Path) -> dict[str, dict]:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    problems = [f"{path} [{name}]: unknown section; known: {', '.join(SECTIONS)}"
-                for name in data if name not in SECTIONS]
+    problems = [
+        f"{path} [{name}]: unknown section; known: {', '.join(SECTIONS)}" for name in data if name not in SECTIONS
+    ]
     problems += [f"{path} [{name}]: should be a table" for name in SECTIONS if not isinstance(data.get(name, {}), dict)]
     if problems:
         raise ConfigError("\n".join(problems))
@@ -525,16 +545,20 @@ def _checked(section: Section, changes: dict, where: str) -> Section:
     try:
         return section.replace(**changes)
     except ValidationError as error:
-        raise ConfigError("\n".join(f"{where} {_describe(problem, type(section))}"
-                                    for problem in error.errors())) from None
+        raise ConfigError(
+            "\n".join(f"{where} {_describe(problem, type(section))}" for problem in error.errors())
+        ) from None
 
 
 def _describe(problem: dict, model: type[Section]) -> str:
     """`key: what is wrong`, the key dotted into tables and lists ("capacity.t2va.768x1344", "workflows.0")."""
     key = ".".join(str(part) for part in problem["loc"] if part != "[key]")
     if problem["type"] == "extra_forbidden":
-        owners = [f"[{name}]" for name, section in SECTION_MODELS.items()
-                  if section is not model and str(problem["loc"][-1]) in section.model_fields]
+        owners = [
+            f"[{name}]"
+            for name, section in SECTION_MODELS.items()
+            if section is not model and str(problem["loc"][-1]) in section.model_fields
+        ]
         if owners and len(problem["loc"]) == 1:
             return f"{key}: not a key of this section; it belongs in {' or '.join(owners)}"
         close = difflib.get_close_matches(str(problem["loc"][-1]), model.model_fields, n=1)

@@ -13,7 +13,7 @@ def tail(text: str, limit: int = MAX_ERROR_CHARS) -> str:
         return text
     cut = text[-limit:]
     newline = cut.find("\n")
-    return "...\n" + (cut[newline + 1:] if 0 <= newline < limit // 2 else cut)
+    return "...\n" + (cut[newline + 1 :] if 0 <= newline < limit // 2 else cut)
 
 
 def describe(exc: BaseException, lines: int = 6) -> str:

@@ -23,8 +23,12 @@ import grpc
 from h3serve.common.bounds import brief
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-_KINDS = {(False, False): "unary_unary", (False, True): "unary_stream", (True, False): "stream_unary",
-          (True, True): "stream_stream"}
+_KINDS = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
 
 log = logging.getLogger("h3serve.guard")
 
@@ -42,6 +46,7 @@ def _tolerant(deserializer):
             return deserializer(data) if deserializer else data
         except Exception as exc:
             return Undecodable(brief(exc))
+
     return deserialize
 
 
@@ -52,19 +57,24 @@ def _kind(handler: grpc.RpcMethodHandler) -> str:
 def _rebuilt(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
     """`handler` with `behavior` in place of its own and a deserializer that never raises."""
     factory = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
-    return factory(behavior, request_deserializer=_tolerant(handler.request_deserializer),
-                   response_serializer=handler.response_serializer)
+    return factory(
+        behavior,
+        request_deserializer=_tolerant(handler.request_deserializer),
+        response_serializer=handler.response_serializer,
+    )
 
 
 def _rpc(method: str) -> str:
-    """"/h3serve.v1.DiT/Denoise" as "h3serve.v1.DiT.Denoise"."""
+    """ "/h3serve.v1.DiT/Denoise" as "h3serve.v1.DiT.Denoise"."""
     return method.strip("/").replace("/", ".")
 
 
 def _undecodable(method: str, context, request: Undecodable) -> tuple[grpc.StatusCode, str]:
     log.warning("%s from %s: undecodable request: %s", _rpc(method), context.peer(), request.reason)
-    return grpc.StatusCode.INVALID_ARGUMENT, f"request: the bytes sent to {_rpc(method)} do not decode " \
-                                             f"({request.reason})"
+    return (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"request: the bytes sent to {_rpc(method)} do not decode ({request.reason})",
+    )
 
 
 def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -72,8 +82,10 @@ def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}"
 
 
-UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED,
-                   "authorization: this service needs the metadata 'authorization: Bearer <token>'")
+UNAUTHENTICATED = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    "authorization: this service needs the metadata 'authorization: Bearer <token>'",
+)
 
 
 def allowed(token: str, details) -> bool:
@@ -85,6 +97,7 @@ def allowed(token: str, details) -> bool:
 
 
 # Sync servers (the model services).
+
 
 def _checked(method: str, context, request):
     if isinstance(request, Undecodable):
@@ -115,13 +128,16 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str, authorized: bool) -> g
         return _checked(method, context, request)
 
     if handler.response_streaming:
+
         def behavior(request, context):
             with _bugs_are_internal(method, context):
                 yield from inner(requests(request, context), context)
     else:
+
         def behavior(request, context):
             with _bugs_are_internal(method, context):
                 return inner(requests(request, context), context)
+
     return _rebuilt(handler, behavior)
 
 
@@ -137,6 +153,7 @@ class Guard(grpc.ServerInterceptor):
 
 
 # Asyncio servers (the gateway).
+
 
 async def _checked_async(method: str, context, request):
     if isinstance(request, Undecodable):
@@ -172,6 +189,7 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool
         return await _checked_async(method, context, request)
 
     if handler.response_streaming:
+
         async def behavior(request, context):
             async with _bugs_are_internal_async(method, context):
                 responses = inner(await requests(request, context), context)
@@ -181,9 +199,11 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool
                 async for response in responses:
                     yield response
     else:
+
         async def behavior(request, context):
             async with _bugs_are_internal_async(method, context):
                 return await inner(await requests(request, context), context)
+
     return _rebuilt(handler, behavior)
 
 

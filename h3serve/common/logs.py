@@ -30,8 +30,11 @@ class KnownNotice(logging.Filter):
 KNOWN_NOTICES = (
     # torchao registers its Enum types (KernelPreference, ScaleCalculationMode) as pytree constants when imported,
     # which torch 2.14 calls deprecated: torchao's call, at import, not h3serve's; only torchao's enums are dropped.
-    KnownNotice("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile",
-                arg_module="torchao"),
+    KnownNotice(
+        "torch.utils._pytree",
+        "%s is an Enum subclass and is now natively supported by torch.compile",
+        arg_module="torchao",
+    ),
     # diffusers adds torchao's uintx / NF4 tensor classes to torch.load's allow-list and says so when this torchao no
     # longer has them; h3serve saves and loads torchao's fp8 tensors only (h3serve/runtime/fp8_store.py).
     KnownNotice("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
@@ -42,8 +45,12 @@ def _drop_known_notices() -> None:
     for notice in KNOWN_NOTICES:
         logging.getLogger(notice.logger).addFilter(notice)
     # diffusers' audio VAE builds its layers with torch's old weight_norm, which torch deprecates: the model's code.
-    warnings.filterwarnings("ignore", message=r"`torch\.nn\.utils\.weight_norm` is deprecated",
-                            category=FutureWarning, module=r"torch\.nn\.utils\.weight_norm")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`torch\.nn\.utils\.weight_norm` is deprecated",
+        category=FutureWarning,
+        module=r"torch\.nn\.utils\.weight_norm",
+    )
 
 
 # At import, not in setup(): a service module imports torchao (through diffusers) before its serve() calls setup(),

@@ -42,6 +42,7 @@ def _dies_with(parent: int, signum: int):
         prctl(PR_SET_PDEATHSIG, signum)
         if os.getppid() != parent:  # the parent died before prctl: the signal will never come
             os._exit(1)
+
     return preexec
 
 
@@ -206,7 +207,7 @@ class RestartBudget:
         if recent >= self.max_restarts:
             return None
         self.restarts.append(time.monotonic())
-        return min(self.max_backoff_s, self.backoff_s * 2 ** recent)
+        return min(self.max_backoff_s, self.backoff_s * 2**recent)
 
     def used(self) -> int:
         return self._recent()
@@ -233,12 +234,12 @@ class RepeatedFailure:
 MEMINFO = "/proc/meminfo"
 GIB = 1 << 30
 LOW_AVAILABLE_SHARE = 0.05  # near the host's limit: MemAvailable under this share of MemTotal at the last sample,
-LARGE_ANON_SHARE = 0.5      # or the process alone holding this share of MemTotal (the OOM killer picks the largest)
+LARGE_ANON_SHARE = 0.5  # or the process alone holding this share of MemTotal (the OOM killer picks the largest)
 
 
 @dataclass(frozen=True)
 class HostMemory:
-    total: int      # bytes: MemTotal
+    total: int  # bytes: MemTotal
     available: int  # bytes: MemAvailable
 
 
@@ -270,8 +271,11 @@ def near_memory_limit(host: HostMemory, anon: int | None) -> bool:
 
 
 def describe_memory(host: HostMemory, anon: int | None) -> str:
-    held = (f"the process held {anon / GIB:.2f} GiB (anon) at its last sample" if anon is not None
-            else "the process itself was not sampled")
+    held = (
+        f"the process held {anon / GIB:.2f} GiB (anon) at its last sample"
+        if anon is not None
+        else "the process itself was not sampled"
+    )
     return f"host had {host.available / GIB:.2f} GiB available of {host.total / GIB:.2f} GiB, {held}"
 
 
@@ -279,10 +283,10 @@ def describe_memory(host: HostMemory, anon: int | None) -> str:
 class Ending:
     """How a supervised process ended."""
 
-    code: int      # Popen's returncode
-    oom: bool      # a SIGKILL with the host near its memory limit at the last sample
+    code: int  # Popen's returncode
+    oom: bool  # a SIGKILL with the host near its memory limit at the last sample
     started: bool  # it had reached ready (SERVING) before it ended
-    text: str      # how it reads in a log, after the process's name
+    text: str  # how it reads in a log, after the process's name
 
     @property
     def kind(self) -> tuple[int, bool]:
@@ -317,8 +321,12 @@ class MemoryWatch:
         anon = self.anon.pop(pid, None)
         if code != -signal.SIGKILL or self.host is None or not near_memory_limit(self.host, anon):
             return Ending(code, False, started, describe_exit(code))
-        return Ending(code, True, started, "was most likely killed by the kernel's OOM killer: "
-                                           + describe_memory(self.host, anon))
+        return Ending(
+            code,
+            True,
+            started,
+            "was most likely killed by the kernel's OOM killer: " + describe_memory(self.host, anon),
+        )
 
 
 # One owner per port and per directory: a second `h3serve up` on the same configuration is refused at start.
@@ -358,7 +366,7 @@ def command_line(pid: int, limit: int = 160) -> str:
             command = file.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return "?"
-    return command if len(command) <= limit else command[:limit - 3] + "..."
+    return command if len(command) <= limit else command[: limit - 3] + "..."
 
 
 LOCK_FILE = ".h3serve.lock"

@@ -76,8 +76,10 @@ def refuse_port_in_use(address: str) -> None:
     port = address.rsplit(":", 1)[-1]
     holders = port_holders(int(port)) if port.isdigit() else None
     if holders is not None:
-        refuse(f"cannot listen on {address}: port {port} is in use by "
-               f"{', '.join(holders) or 'a process of another user'} (another `h3serve up` on this configuration?)")
+        refuse(
+            f"cannot listen on {address}: port {port} is in use by "
+            f"{', '.join(holders) or 'a process of another user'} (another `h3serve up` on this configuration?)"
+        )
 
 
 def _channel(address: str, root_pem: bytes | None) -> grpc.Channel:
@@ -105,13 +107,21 @@ def is_answering(address: str, timeout: float = 1.0, root_pem: bytes | None = No
         return False
 
 
-def start_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-                 tls: tuple[str, str] = ("", ""), serving: bool = True, auth_token: str = ""):
+def start_server(
+    register,
+    service_full_names: list[str],
+    address: str,
+    max_workers: int = 16,
+    tls: tuple[str, str] = ("", ""),
+    serving: bool = True,
+    auth_token: str = "",
+):
     """Start serving in the background; returns (server, health servicer). `register(server)` adds the
     servicers; `tls` is (cert, key) PEM paths; `auth_token` (empty: none) is required on every call but
     health and reflection."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS,
-                         interceptors=[Guard(auth_token)])
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS, interceptors=[Guard(auth_token)]
+    )
     register(server)
     health_servicer = add_health_and_reflection(server, service_full_names, serving)
     bind(server, address, *tls)
@@ -120,11 +130,18 @@ def start_server(register, service_full_names: list[str], address: str, max_work
     return server, health_servicer
 
 
-def run_server(register, service_full_names: list[str], address: str, max_workers: int = 16,
-               tls: tuple[str, str] = ("", ""), auth_token: str = "") -> None:
+def run_server(
+    register,
+    service_full_names: list[str],
+    address: str,
+    max_workers: int = 16,
+    tls: tuple[str, str] = ("", ""),
+    auth_token: str = "",
+) -> None:
     """Serve until SIGTERM/SIGINT; the arguments are start_server's."""
-    server, health_servicer = start_server(register, service_full_names, address, max_workers, tls,
-                                           auth_token=auth_token)
+    server, health_servicer = start_server(
+        register, service_full_names, address, max_workers, tls, auth_token=auth_token
+    )
     stopped = threading.Event()
 
     def stop(signum, _frame):

@@ -16,7 +16,7 @@ import numpy as np
 
 from h3serve.experiment.records import METRICS_JSON, RUN_JSON, Records, StageRow
 
-STAGES = ("encoder", "vae-encode", "dit", "vae")   # in plan order
+STAGES = ("encoder", "vae-encode", "dit", "vae")  # in plan order
 SERVICE_OF = {"encoder": "encoder", "vae-encode": "vae", "dit": "dit", "vae": "vae"}  # the service a stage calls
 QUANTILES = (50, 95, 99)
 
@@ -26,8 +26,12 @@ def stats(values) -> dict[str, float]:
     values = np.asarray(values, dtype=float)
     if not values.size:
         return {"n": 0}
-    return {"n": int(values.size), "mean": float(values.mean()),
-            **{f"p{q}": float(np.percentile(values, q)) for q in QUANTILES}, "max": float(values.max())}
+    return {
+        "n": int(values.size),
+        "mean": float(values.mean()),
+        **{f"p{q}": float(np.percentile(values, q)) for q in QUANTILES},
+        "max": float(values.max()),
+    }
 
 
 def occupancy(intervals: list[tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
@@ -76,13 +80,17 @@ class Run:
 
     folder: Path
     records: Records
-    meta: dict      # run.json
-    metrics: dict   # metrics.json
+    meta: dict  # run.json
+    metrics: dict  # metrics.json
 
     @classmethod
     def read(cls, folder: Path) -> Run:
-        return cls(folder, Records.read(folder), json.loads((folder / RUN_JSON).read_text()),
-                   json.loads((folder / METRICS_JSON).read_text()))
+        return cls(
+            folder,
+            Records.read(folder),
+            json.loads((folder / RUN_JSON).read_text()),
+            json.loads((folder / METRICS_JSON).read_text()),
+        )
 
     @property
     def label(self) -> str:
@@ -131,14 +139,20 @@ def _stage_summary(run: Run, stage: str) -> dict:
     passes = run.passes(stage)
     done = [r for r in passes if r.finished]
     queue_times, queue_depth = occupancy(run.queued(stage))
-    return {"replicas": run.replicas(stage), "passes": len(passes), "failed_passes": len(passes) - len(done),
-            "service_s": stats([r.finished - r.started for r in done]),
-            "queue_s": stats([r.started - r.enqueued for r in passes if r.started]),
-            "utilisation": time_average(*occupancy(run.busy(stage)), t0, t1) / run.replicas(stage),
-            "replica_utilisation": {replica: time_average(*occupancy(run.busy(stage, replica)), t0, t1)
-                                    for replica in sorted({r.replica for r in run.on_replica(stage)})},
-            "mean_queue_depth": time_average(queue_times, queue_depth, t0, t1),
-            "max_queue_depth": int(queue_depth.max()) if queue_depth.size else 0}
+    return {
+        "replicas": run.replicas(stage),
+        "passes": len(passes),
+        "failed_passes": len(passes) - len(done),
+        "service_s": stats([r.finished - r.started for r in done]),
+        "queue_s": stats([r.started - r.enqueued for r in passes if r.started]),
+        "utilisation": time_average(*occupancy(run.busy(stage)), t0, t1) / run.replicas(stage),
+        "replica_utilisation": {
+            replica: time_average(*occupancy(run.busy(stage, replica)), t0, t1)
+            for replica in sorted({r.replica for r in run.on_replica(stage)})
+        },
+        "mean_queue_depth": time_average(queue_times, queue_depth, t0, t1),
+        "max_queue_depth": int(queue_depth.max()) if queue_depth.size else 0,
+    }
 
 
 def summarise(run: Run) -> dict:
@@ -153,14 +167,18 @@ def summarise(run: Run) -> dict:
         states[job.state] += 1
     arrivals = [job.arrival_s for job in jobs]
     return {
-        "label": run.label, "replicas": {stage: run.replicas(stage) for stage in run.stages()},
+        "label": run.label,
+        "replicas": {stage: run.replicas(stage) for stage in run.stages()},
         "jobs": {"submitted": len(jobs), **states, "rejected": len(run.meta["rejected"])},
         "span_s": t1 - t0,
-        "offered_rate_per_s": (len(jobs) - 1) / (max(arrivals) - min(arrivals)) if len(jobs) > 1 and
-        max(arrivals) > min(arrivals) else 0.0,
+        "offered_rate_per_s": (len(jobs) - 1) / (max(arrivals) - min(arrivals))
+        if len(jobs) > 1 and max(arrivals) > min(arrivals)
+        else 0.0,
         "throughput_per_s": len(done) / (t1 - t0) if t1 > t0 else 0.0,
-        "latency_s": {"all": stats([job.latency_s for job in done]),
-                      **{workflow: stats(values) for workflow, values in sorted(by_workflow.items())}},
+        "latency_s": {
+            "all": stats([job.latency_s for job in done]),
+            **{workflow: stats(values) for workflow, values in sorted(by_workflow.items())},
+        },
         "stages": {stage: _stage_summary(run, stage) for stage in run.stages()},
         "dit_steps_s": stats([step.step_seconds for step in run.records.steps]),
     }

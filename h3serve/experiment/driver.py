@@ -34,25 +34,25 @@ class Tracked:
     """One submitted job, as the client saw it."""
 
     index: int
-    arrival_s: float          # scheduled offset from the start (closed loop: when it was submitted)
-    submitted: float          # unix seconds, before Submit
+    arrival_s: float  # scheduled offset from the start (closed loop: when it was submitted)
+    submitted: float  # unix seconds, before Submit
     job_id: str = ""
-    created: float = 0.0      # the gateway's acceptance time (Submit's reply)
+    created: float = 0.0  # the gateway's acceptance time (Submit's reply)
     steps: list[StepRow] = field(default_factory=list)
-    outcome: str = ""         # the terminal event's kind: done, failed, cancelled
+    outcome: str = ""  # the terminal event's kind: done, failed, cancelled
     ended: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
 class Rejection:
     index: int
-    at_s: float               # offset from the start
+    at_s: float  # offset from the start
     reason: str
 
 
 @dataclass
 class Drive:
-    started: float            # unix seconds
+    started: float  # unix seconds
     ended: float
     jobs: list[Tracked]
     rejected: list[Rejection]
@@ -70,8 +70,9 @@ def warm_up(client: GatewayClient, kinds: list[JobKind], count: int, run_id: str
 
 
 class Driver:
-    def __init__(self, client: GatewayClient, kinds: list[JobKind], mix: Mix, spec: LoadSpec, progress: Progress,
-                 run_id: str) -> None:
+    def __init__(
+        self, client: GatewayClient, kinds: list[JobKind], mix: Mix, spec: LoadSpec, progress: Progress, run_id: str
+    ) -> None:
         self.client, self.kinds, self.mix, self.spec, self.progress = client, kinds, mix, spec, progress
         self.run_id = run_id
         self.jobs: list[Tracked] = []
@@ -94,8 +95,11 @@ class Driver:
 
     def _within_bounds(self, index: int, offset_s: float) -> bool:
         bounds = self.spec.bounds
-        return (bounds.max_jobs is None or index < bounds.max_jobs) and \
-            (bounds.max_seconds is None or offset_s <= bounds.max_seconds) and not self.errors
+        return (
+            (bounds.max_jobs is None or index < bounds.max_jobs)
+            and (bounds.max_seconds is None or offset_s <= bounds.max_seconds)
+            and not self.errors
+        )
 
     def _open_loop(self, times: Iterator[float]) -> list[threading.Thread]:
         watchers = []
@@ -110,8 +114,9 @@ class Driver:
         return watchers
 
     def _closed_loop(self) -> list[threading.Thread]:
-        clients = [threading.Thread(target=self._client_loop, daemon=True)
-                   for _ in range(self.spec.arrivals.concurrency)]
+        clients = [
+            threading.Thread(target=self._client_loop, daemon=True) for _ in range(self.spec.arrivals.concurrency)
+        ]
         for thread in clients:
             thread.start()
         return clients
@@ -140,8 +145,7 @@ class Driver:
                     self.rejected.append(Rejection(index, self._elapsed(), error.details()))
                     self.progress.counts.rejected += 1
                 return None
-            self.errors.append(ExperimentError(f"job {index}: Submit refused: {error.code().name}: "
-                                               f"{error.details()}"))
+            self.errors.append(ExperimentError(f"job {index}: Submit refused: {error.code().name}: {error.details()}"))
             return None
         job.job_id, job.created = reply.job_id, reply.created
         with self.progress.lock:

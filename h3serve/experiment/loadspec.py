@@ -69,8 +69,7 @@ def read_trace(path: str) -> tuple[float, ...]:
         except ValueError:
             raise ValueError(f"{path} line {number}: not a number: {text!r}") from None
         if not 0 <= time < float("inf") or (times and time < times[-1]):
-            raise ValueError(f"{path} line {number}: arrival times must be finite, >= 0 and non-decreasing, "
-                             f"got {text}")
+            raise ValueError(f"{path} line {number}: arrival times must be finite, >= 0 and non-decreasing, got {text}")
         times.append(time)
     if not times:
         raise ValueError(f"{path}: no arrival times")
@@ -79,8 +78,8 @@ def read_trace(path: str) -> tuple[float, ...]:
 
 class Arrivals(Spec):
     process: Literal["poisson", "trace", "closed"]
-    rate: PositiveFloat | None = None       # poisson: jobs per second (exponential gaps)
-    trace: str = ""                         # trace: a file of arrival times (read_trace)
+    rate: PositiveFloat | None = None  # poisson: jobs per second (exponential gaps)
+    trace: str = ""  # trace: a file of arrival times (read_trace)
     concurrency: PositiveInt | None = None  # closed: jobs in flight at all times (a new one when one ends)
 
     _trace_exists = field_validator("trace")(existing)
@@ -99,9 +98,9 @@ class Arrivals(Spec):
 
 
 class Bounds(Spec):
-    max_jobs: PositiveInt | None = None       # jobs submitted at most
+    max_jobs: PositiveInt | None = None  # jobs submitted at most
     max_seconds: PositiveFloat | None = None  # no job is submitted after this many seconds
-    drain_s: PositiveFloat = 600.0            # then jobs still running get this long to end; the rest are cancelled
+    drain_s: PositiveFloat = 600.0  # then jobs still running get this long to end; the rest are cancelled
 
     @model_validator(mode="after")
     def _bounded(self) -> Bounds:
@@ -113,13 +112,13 @@ class Bounds(Spec):
 class MixEntry(Spec):
     workflow: Literal[tuple(names())]
     weight: PositiveFloat = 1.0
-    height: NonNegativeInt = 0     # 0 with width 0: the deployment's default canvas
+    height: NonNegativeInt = 0  # 0 with width 0: the deployment's default canvas
     width: NonNegativeInt = 0
     num_frames: NonNegativeInt = 0  # 0: the default (124)
-    steps: NonNegativeInt = 0      # num_inference_steps; 0: the deployment's default_steps
+    steps: NonNegativeInt = 0  # num_inference_steps; 0: the deployment's default_steps
     prompt: str = Field("an experiment clip, take {index}", min_length=1)  # {index}: the job's number (a fixed
-                                                                            # prompt hits the encoder's cache)
-    first_frame: str = ""          # fl2va: image files; neither: a PNG of the canvas is made
+    # prompt hits the encoder's cache)
+    first_frame: str = ""  # fl2va: image files; neither: a PNG of the canvas is made
     last_frame: str = ""
     references: tuple[str, ...] = Field((), strict=False)  # ref2va: files, in order; none: a PNG and a WAV are made
     adapters: tuple[str, ...] = Field((), strict=False)  # LoRA adapters of the DiT, "name[:weight]", in order
@@ -177,7 +176,7 @@ class Metrics(Spec):
 class LoadSpec(Spec):
     seed: NonNegativeInt = 0
     warmup: NonNegativeInt = 0  # jobs of each mix entry run one at a time before the load, not recorded: the first
-                                # call of each shape pays one-time costs (allocations, kernel choices)
+    # call of each shape pays one-time costs (allocations, kernel choices)
     arrivals: Arrivals
     bounds: Bounds
     mix: tuple[MixEntry, ...] = Field(strict=False)

@@ -34,22 +34,24 @@ from h3serve.model.workflows import by_name
 
 SERVICES = ("encoder", "dit", "vae")
 MIN_SHARED_PASSES = 5  # passes that spent a quarter of their time with k calls at once, to estimate the speed at k
-DONE_S = 1e-9       # work left below this is finished (float rounding of work x speed)
+DONE_S = 1e-9  # work left below this is finished (float rounding of work x speed)
 
 
 @dataclass(frozen=True)
 class JobClass:
-    name: str                                 # records.JobRow.job_class
-    plan: tuple[tuple[str, ...], ...]         # the workflow's stages, step by step
-    work_s: dict[str, tuple[float, ...]]      # per stage: each measured pass's work (seconds at speed 1)
-    overhead_s: tuple[float, ...]             # per job: latency less the time in the plan's steps
+    name: str  # records.JobRow.job_class
+    plan: tuple[tuple[str, ...], ...]  # the workflow's stages, step by step
+    work_s: dict[str, tuple[float, ...]]  # per stage: each measured pass's work (seconds at speed 1)
+    overhead_s: tuple[float, ...]  # per job: latency less the time in the plan's steps
 
 
 def _overhead(run: Run, job, plan) -> float:
     """The job's latency less, step by step, the time from the step's enqueue to its last stage's finish."""
     rows = [r for r in run.records.stages if r.job_id == job.job_id and r.attempt == job.attempts]
-    in_steps = sum(max(r.finished for r in rows if r.stage in step) - min(r.enqueued for r in rows if r.stage in step)
-                   for step in plan)
+    in_steps = sum(
+        max(r.finished for r in rows if r.stage in step) - min(r.enqueued for r in rows if r.stage in step)
+        for step in plan
+    )
     return job.latency_s - in_steps
 
 
@@ -57,8 +59,11 @@ def _shared_times(run: Run, stage: str) -> dict[tuple[str, int], np.ndarray]:
     """Per finished pass (job id, attempt): the seconds it ran with 1, 2, ... replicas of the stage busy."""
     times, counts = occupancy(run.busy(stage))
     top = run.replicas(stage)
-    return {(r.job_id, r.attempt): time_at_levels(times, counts, r.started, r.finished, top)
-            for r in run.on_replica(stage) if r.finished}
+    return {
+        (r.job_id, r.attempt): time_at_levels(times, counts, r.started, r.finished, top)
+        for r in run.on_replica(stage)
+        if r.finished
+    }
 
 
 def speeds(shared: list[np.ndarray], classes: list[str]) -> tuple[float, ...]:
@@ -86,7 +91,7 @@ def speeds(shared: list[np.ndarray], classes: list[str]) -> tuple[float, ...]:
         return out
 
     f, tau = centred(fractions[:, levels]), centred(times)
-    system = f.T @ tau[:, levels]                   # sum_j speed_j cov(tau_j, f_k) = -cov(tau_1, f_k)
+    system = f.T @ tau[:, levels]  # sum_j speed_j cov(tau_j, f_k) = -cov(tau_1, f_k)
     solved = np.linalg.solve(system, -(f.T @ tau[:, 0]))
     return (1.0, *(float(np.clip(speed, 1 / (column + 1), 1.0)) for speed, column in zip(solved, levels)))
 
@@ -98,9 +103,9 @@ class Profile:
     label: str
     classes: dict[str, JobClass]
     sequence: tuple[tuple[float, str], ...]  # the run's jobs in arrival order: (arrival s, class name)
-    replicas: dict[str, int]                 # per service: encoder, dit, vae
-    concurrency: int | None                  # a closed-loop run's clients; None: open loop
-    speeds: dict[str, tuple[float, ...]]     # per stage: speed of a call with k calls at once, k = 1, 2, ...
+    replicas: dict[str, int]  # per service: encoder, dit, vae
+    concurrency: int | None  # a closed-loop run's clients; None: open loop
+    speeds: dict[str, tuple[float, ...]]  # per stage: speed of a call with k calls at once, k = 1, 2, ...
 
     @classmethod
     def measure(cls, run: Run) -> Profile:
@@ -109,8 +114,10 @@ class Profile:
             raise ValueError(f"{run.folder}: no job succeeded: nothing to model")
         class_of = {job.job_id: job.job_class for job in run.records.jobs}
         shared = {stage: _shared_times(run, stage) for stage in run.stages()}
-        stage_speeds = {stage: speeds(list(passes.values()), [class_of[job_id] for job_id, _ in passes])
-                        for stage, passes in shared.items()}
+        stage_speeds = {
+            stage: speeds(list(passes.values()), [class_of[job_id] for job_id, _ in passes])
+            for stage, passes in shared.items()
+        }
 
         def work(stage: str, job) -> float:
             at_levels = shared[stage][job.job_id, job.attempts]
@@ -121,14 +128,21 @@ class Profile:
         for name in sorted({job.job_class for job in done}):
             jobs = [job for job in done if job.job_class == name]
             plan = by_name(jobs[0].workflow).plan
-            classes[name] = JobClass(name, plan, {stage: tuple(work(stage, job) for job in jobs)
-                                                  for step in plan for stage in step},
-                                     tuple(_overhead(run, job, plan) for job in jobs))
+            classes[name] = JobClass(
+                name,
+                plan,
+                {stage: tuple(work(stage, job) for job in jobs) for step in plan for stage in step},
+                tuple(_overhead(run, job, plan) for job in jobs),
+            )
         arrivals = run.meta["load"]["arrivals"]
-        return cls(run.label, classes,
-                   tuple((job.arrival_s, job.job_class) for job in sorted(done, key=lambda j: j.arrival_s)),
-                   {service: run.replicas(service) for service in SERVICES},
-                   arrivals["concurrency"] if arrivals["process"] == "closed" else None, stage_speeds)
+        return cls(
+            run.label,
+            classes,
+            tuple((job.arrival_s, job.job_class) for job in sorted(done, key=lambda j: j.arrival_s)),
+            {service: run.replicas(service) for service in SERVICES},
+            arrivals["concurrency"] if arrivals["process"] == "closed" else None,
+            stage_speeds,
+        )
 
     def speed(self, stage: str, running: int) -> float:
         measured = self.speeds.get(stage, (1.0,))
@@ -136,9 +150,12 @@ class Profile:
 
     def unmeasured(self, replicas: dict[str, int]) -> list[str]:
         """The stages that may run more calls at once at `replicas` than the run measured a speed for."""
-        return [f"{stage}: speed with up to {replicas[SERVICE_OF[stage]]} calls at once taken as with "
-                f"{len(measured)} (measured up to {len(measured)})"
-                for stage, measured in self.speeds.items() if replicas[SERVICE_OF[stage]] > len(measured)]
+        return [
+            f"{stage}: speed with up to {replicas[SERVICE_OF[stage]]} calls at once taken as with "
+            f"{len(measured)} (measured up to {len(measured)})"
+            for stage, measured in self.speeds.items()
+            if replicas[SERVICE_OF[stage]] > len(measured)
+        ]
 
     def shares(self) -> dict[str, float]:
         counts = defaultdict(int)
@@ -148,14 +165,19 @@ class Profile:
 
     def demand(self, stage: str) -> float:
         """Mean work (seconds at speed 1) one job of the mix asks of `stage`."""
-        return sum(share * float(np.mean(self.classes[name].work_s.get(stage) or [0.0]))
-                   for name, share in self.shares().items())
+        return sum(
+            share * float(np.mean(self.classes[name].work_s.get(stage) or [0.0]))
+            for name, share in self.shares().items()
+        )
 
     def max_rate(self, replicas: dict[str, int]) -> tuple[float, str]:
         """The largest sustainable arrival rate, jobs/s: where the busiest stage's utilisation reaches 1, every
         replica working at the speed of all of them busy; and that stage."""
-        rates = {stage: replicas[SERVICE_OF[stage]] * self.speed(stage, replicas[SERVICE_OF[stage]])
-                 / self.demand(stage) for stage in STAGES if self.demand(stage)}
+        rates = {
+            stage: replicas[SERVICE_OF[stage]] * self.speed(stage, replicas[SERVICE_OF[stage]]) / self.demand(stage)
+            for stage in STAGES
+            if self.demand(stage)
+        }
         stage = min(rates, key=rates.get)
         return rates[stage], stage
 
@@ -212,9 +234,12 @@ class _Replication:
     def __init__(self, profile: Profile, replicas: dict[str, int], rng: random.Random) -> None:
         self.profile, self.rng = profile, rng
         self.env = simpy.Environment()
-        self.stations = {stage: _Station(self.env, replicas[SERVICE_OF[stage]],
-                                         lambda running, stage=stage: profile.speed(stage, running))
-                         for stage in STAGES}
+        self.stations = {
+            stage: _Station(
+                self.env, replicas[SERVICE_OF[stage]], lambda running, stage=stage: profile.speed(stage, running)
+            )
+            for stage in STAGES
+        }
         self.busy: dict[str, float] = defaultdict(float)
         self.latencies: list[float] = []
         self.start = 0.0
@@ -235,6 +260,7 @@ class _Replication:
             for at, name in arrivals:
                 yield self.env.timeout(at - self.env.now)
                 self.env.process(self._job(name))
+
         self.env.process(source())
         self.start = arrivals[0][0]
 
@@ -244,6 +270,7 @@ class _Replication:
         def client():
             while (name := next(queue, None)) is not None:
                 yield self.env.process(self._job(name))
+
         for _ in range(clients):
             self.env.process(client())
 
@@ -272,12 +299,12 @@ class Load:
 
 @dataclass(frozen=True)
 class Prediction:
-    latency_s: dict[str, float]        # p50, p95, p99, mean: pooled over the replications
-    utilisation: dict[str, float]      # per stage, busy / (replicas x span), mean over the replications
-    throughput_per_s: float            # jobs / span, mean over the replications
-    max_rate: float                    # jobs/s where the bottleneck stage's utilisation reaches 1
+    latency_s: dict[str, float]  # p50, p95, p99, mean: pooled over the replications
+    utilisation: dict[str, float]  # per stage, busy / (replicas x span), mean over the replications
+    throughput_per_s: float  # jobs / span, mean over the replications
+    max_rate: float  # jobs/s where the bottleneck stage's utilisation reaches 1
     bottleneck: str
-    unmeasured: list[str]              # where the prediction goes beyond what the run measured
+    unmeasured: list[str]  # where the prediction goes beyond what the run measured
 
 
 def _jobs(profile: Profile, load: Load, jobs: int, rng: random.Random) -> tuple[list[float] | None, list[str]]:
@@ -292,8 +319,14 @@ def _jobs(profile: Profile, load: Load, jobs: int, rng: random.Random) -> tuple[
     return np.cumsum([rng.expovariate(load.rate) for _ in range(jobs)]).tolist(), drawn
 
 
-def simulate(profile: Profile, replicas: dict[str, int], load: Load = Load(), jobs: int | None = None,
-             runs: int = 200, seed: int = 0) -> Prediction:
+def simulate(
+    profile: Profile,
+    replicas: dict[str, int],
+    load: Load = Load(),
+    jobs: int | None = None,
+    runs: int = 200,
+    seed: int = 0,
+) -> Prediction:
     """Predict latency, utilisation and throughput at `replicas` (per service) under `load`, from `runs` simulated
     runs of `jobs` jobs each (default, and always when replaying the measured run: as many as it had)."""
     rng = random.Random(seed)
@@ -311,13 +344,19 @@ def simulate(profile: Profile, replicas: dict[str, int], load: Load = Load(), jo
         for stage, seconds in replication.busy.items():
             busy[stage] += seconds / (replicas[SERVICE_OF[stage]] * span) / runs
     max_rate, bottleneck = profile.max_rate(replicas)
-    return Prediction({**{f"p{q}": float(np.percentile(latencies, q)) for q in QUANTILES},
-                       "mean": float(np.mean(latencies))}, dict(busy), float(np.mean(throughputs)), max_rate,
-                      bottleneck, profile.unmeasured(replicas))
+    return Prediction(
+        {**{f"p{q}": float(np.percentile(latencies, q)) for q in QUANTILES}, "mean": float(np.mean(latencies))},
+        dict(busy),
+        float(np.mean(throughputs)),
+        max_rate,
+        bottleneck,
+        profile.unmeasured(replicas),
+    )
 
 
-def by_rate(profile: Profile, replicas: dict[str, int], seed: int = 0, fractions=(0.25, 0.5, 0.75, 0.9),
-            runs: int = 50) -> list[tuple[float, Prediction]]:
+def by_rate(
+    profile: Profile, replicas: dict[str, int], seed: int = 0, fractions=(0.25, 0.5, 0.75, 0.9), runs: int = 50
+) -> list[tuple[float, Prediction]]:
     """Predictions under Poisson arrivals at fractions of the largest sustainable rate: where latency turns up."""
     top, _ = profile.max_rate(replicas)
     jobs = max(len(profile.sequence), 100)
@@ -327,17 +366,20 @@ def by_rate(profile: Profile, replicas: dict[str, int], seed: int = 0, fractions
 def check(prediction: Prediction, folder: Path) -> dict[str, tuple[float, float, float]]:
     """Against a measured run of the predicted configuration: per quantile (measured, predicted, relative error)."""
     measured = summarise(Run.read(folder))["latency_s"]["all"]
-    return {q: (measured[q], prediction.latency_s[q], prediction.latency_s[q] / measured[q] - 1)
-            for q in ("p50", "p95", "p99")}
+    return {
+        q: (measured[q], prediction.latency_s[q], prediction.latency_s[q] / measured[q] - 1)
+        for q in ("p50", "p95", "p99")
+    }
 
 
 def parse_replicas(text: str, base: dict[str, int]) -> dict[str, int]:
-    """"encoder=1,dit=2,vae=1" over `base` (a service not named keeps its count)."""
+    """ "encoder=1,dit=2,vae=1" over `base` (a service not named keeps its count)."""
     replicas = dict(base)
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, count = item.partition("=")
         if name not in SERVICES or not count.isdigit() or int(count) < 1:
-            raise ValueError(f"--replicas: {item!r}: expected SERVICE=N with SERVICE one of {', '.join(SERVICES)} "
-                             f"and N >= 1")
+            raise ValueError(
+                f"--replicas: {item!r}: expected SERVICE=N with SERVICE one of {', '.join(SERVICES)} and N >= 1"
+            )
         replicas[name] = int(count)
     return replicas

@@ -34,8 +34,9 @@ def utilisation(run: Run) -> Figure:
     """Busy replicas / replicas per stage over time (mean per bin): 1 is a stage with every replica working."""
     stages = run.stages()
     figure = Figure(figsize=(8, 1.6 * len(stages) + 0.6))
-    for number, (axes, stage) in enumerate(zip(figure.subplots(len(stages), 1, sharex=True, squeeze=False)[:, 0],
-                                               stages)):
+    for number, (axes, stage) in enumerate(
+        zip(figure.subplots(len(stages), 1, sharex=True, squeeze=False)[:, 0], stages)
+    ):
         _binned(axes, run.busy(stage), run, run.replicas(stage), color=COLOURS[number])
         axes.set_ylim(-0.05, 1.05)
         axes.set_ylabel("busy", fontsize=8)
@@ -89,8 +90,10 @@ def throughput(run: Run) -> Figure:
     figure = Figure(figsize=(6, 3.5))
     axes = figure.subplots()
     t0 = run.span[0]
-    for label, times in (("accepted", [j.created for j in run.records.jobs]),
-                         ("done", [j.updated for j in run.records.jobs if j.done])):
+    for label, times in (
+        ("accepted", [j.created for j in run.records.jobs]),
+        ("done", [j.updated for j in run.records.jobs if j.done]),
+    ):
         times = np.sort(np.asarray(times)) - t0
         axes.step(np.append(0.0, times), np.arange(times.size + 1), where="post", label=label)
     axes.set_xlabel("seconds")
@@ -103,15 +106,22 @@ def throughput(run: Run) -> Figure:
 def timeline(run: Run) -> Figure:
     """A Gantt chart: one lane per replica of each stage, one bar per stage pass (started to finished), coloured
     by job, so a job can be followed from lane to lane."""
-    lanes = [(stage, replica) for stage in run.stages() for replica in sorted({r.replica for r in run.on_replica(stage)})]
+    lanes = [
+        (stage, replica) for stage in run.stages() for replica in sorted({r.replica for r in run.on_replica(stage)})
+    ]
     colour = {job.job_id: COLOURS[job.index % len(COLOURS)] for job in run.records.jobs}
     figure = Figure(figsize=(9, 0.45 * len(lanes) + 1.2))
     axes = figure.subplots()
     t0 = run.span[0]
     for lane, (stage, replica) in enumerate(lanes):
         rows = run.on_replica(stage, replica)
-        axes.broken_barh([(r.started - t0, run.end(r) - r.started) for r in rows], (lane - 0.4, 0.8),
-                         facecolors=[colour[r.job_id] for r in rows], edgecolor="black", linewidth=0.3)
+        axes.broken_barh(
+            [(r.started - t0, run.end(r) - r.started) for r in rows],
+            (lane - 0.4, 0.8),
+            facecolors=[colour[r.job_id] for r in rows],
+            edgecolor="black",
+            linewidth=0.3,
+        )
     axes.set_yticks(range(len(lanes)), [f"{stage} @ {replica}" for stage, replica in lanes], fontsize=7)
     axes.invert_yaxis()
     axes.set_xlabel("seconds")
@@ -130,8 +140,14 @@ def dit_steps(run: Run) -> Figure:
     return figure
 
 
-FIGURES = {"utilisation": utilisation, "queue_depth": queue_depth, "latency_cdf": latency_cdf,
-           "throughput": throughput, "timeline": timeline, "dit_steps": dit_steps}
+FIGURES = {
+    "utilisation": utilisation,
+    "queue_depth": queue_depth,
+    "latency_cdf": latency_cdf,
+    "throughput": throughput,
+    "timeline": timeline,
+    "dit_steps": dit_steps,
+}
 
 
 def overlay(runs: list[Run], throughputs: list[float]) -> Figure:
@@ -144,7 +160,7 @@ def overlay(runs: list[Run], throughputs: list[float]) -> Figure:
     cdf_axes.set_ylabel("fraction of jobs")
     cdf_axes.legend(fontsize=8)
     cdf_axes.set_title("latency CDF")
-    bar_axes.bar([run.label for run in runs], throughputs, color=COLOURS[:len(runs)])
+    bar_axes.bar([run.label for run in runs], throughputs, color=COLOURS[: len(runs)])
     bar_axes.set_ylabel("jobs done per second")
     bar_axes.set_title("throughput")
     bar_axes.tick_params(axis="x", labelsize=8, labelrotation=20)

@@ -11,19 +11,21 @@ from typing import TextIO
 
 @dataclass
 class Counts:
-    planned: int | None          # the job bound, if any
+    planned: int | None  # the job bound, if any
     submitted: int = 0
     done: int = 0
-    failed: int = 0              # failed or cancelled
-    rejected: int = 0            # Submit refused: the gateway's queue was full
+    failed: int = 0  # failed or cancelled
+    rejected: int = 0  # Submit refused: the gateway's queue was full
     latencies: list[float] = field(default_factory=list)
 
     def line(self, elapsed_s: float) -> str:
         running = self.submitted - self.done - self.failed
         of = f"/{self.planned}" if self.planned else ""
         p50 = f"  p50 {statistics.median(self.latencies):.2f} s" if self.latencies else ""
-        return (f"{elapsed_s:6.1f} s  submitted {self.submitted}{of}  running {running}  done {self.done}  "
-                f"failed {self.failed}  rejected {self.rejected}{p50}")
+        return (
+            f"{elapsed_s:6.1f} s  submitted {self.submitted}{of}  running {running}  done {self.done}  "
+            f"failed {self.failed}  rejected {self.rejected}{p50}"
+        )
 
 
 class Progress:

@@ -15,25 +15,25 @@ from h3serve.model.workflows import by_value
 from h3serve.v1 import gateway_pb2
 
 JOBS_CSV, STAGES_CSV, STEPS_CSV = "jobs.csv", "stage_records.csv", "steps.csv"
-RUN_JSON = "run.json"          # the run itself: gateway, replicas per stage, start and end, the load, rejections
+RUN_JSON = "run.json"  # the run itself: gateway, replicas per stage, start and end, the load, rejections
 METRICS_JSON = "metrics.json"  # the gateway's Prometheus series, scraped (scrape.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobRow:
     job_id: str
-    index: int             # the job's number in the run (also its seed)
+    index: int  # the job's number in the run (also its seed)
     workflow: str
     height: int
     width: int
     num_frames: int
-    steps: int             # num_inference_steps, resolved
-    state: str             # succeeded, failed, cancelled (or queued / running if it never ended)
+    steps: int  # num_inference_steps, resolved
+    state: str  # succeeded, failed, cancelled (or queued / running if it never ended)
     attempts: int
-    created: float         # unix seconds, the gateway's clock: the job was accepted ...
-    updated: float         # ... and ended (its last event)
-    arrival_s: float       # when the load asked for it, seconds from the run's start (closed loop: when submitted)
-    submitted: float       # unix seconds, the client's clock, before Submit
+    created: float  # unix seconds, the gateway's clock: the job was accepted ...
+    updated: float  # ... and ended (its last event)
+    arrival_s: float  # when the load asked for it, seconds from the run's start (closed loop: when submitted)
+    submitted: float  # unix seconds, the client's clock, before Submit
 
     @property
     def latency_s(self) -> float:
@@ -53,11 +53,11 @@ class JobRow:
 @dataclasses.dataclass(frozen=True)
 class StageRow:
     job_id: str
-    stage: str             # encoder, vae-encode, dit, vae
+    stage: str  # encoder, vae-encode, dit, vae
     attempt: int
-    enqueued: float        # unix seconds (gateway): joined the stage's queue
-    started: float         # a worker and replica took it (0: never)
-    finished: float        # the call returned (0: never, or failed)
+    enqueued: float  # unix seconds (gateway): joined the stage's queue
+    started: float  # a worker and replica took it (0: never)
+    finished: float  # the call returned (0: never, or failed)
     replica: str
     tries: int
     bytes_in: int
@@ -69,22 +69,48 @@ class StageRow:
 class StepRow:
     job_id: str
     attempt: int
-    step: int              # 1-based
+    step: int  # 1-based
     total: int
-    step_seconds: float    # the DiT's wall time of this step
-    time: float            # unix seconds of the event (gateway)
+    step_seconds: float  # the DiT's wall time of this step
+    time: float  # unix seconds of the event (gateway)
 
 
 def job_row(job: gateway_pb2.Job, index: int, arrival_s: float, submitted: float) -> JobRow:
     r = job.request
-    return JobRow(job.job_id, index, by_value(r.workflow).name, r.height, r.width, r.num_frames,
-                  r.params.num_inference_steps, gateway_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower(),
-                  job.attempts, job.created, job.updated, arrival_s, submitted)
+    return JobRow(
+        job.job_id,
+        index,
+        by_value(r.workflow).name,
+        r.height,
+        r.width,
+        r.num_frames,
+        r.params.num_inference_steps,
+        gateway_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower(),
+        job.attempts,
+        job.created,
+        job.updated,
+        arrival_s,
+        submitted,
+    )
 
 
 def stage_rows(job: gateway_pb2.Job) -> list[StageRow]:
-    return [StageRow(job.job_id, s.stage, s.attempt, s.enqueued, s.started, s.finished, s.replica, s.tries,
-                     s.bytes_in, s.bytes_out, s.error) for s in job.stage_records]
+    return [
+        StageRow(
+            job.job_id,
+            s.stage,
+            s.attempt,
+            s.enqueued,
+            s.started,
+            s.finished,
+            s.replica,
+            s.tries,
+            s.bytes_in,
+            s.bytes_out,
+            s.error,
+        )
+        for s in job.stage_records
+    ]
 
 
 def step_row(event: gateway_pb2.JobEvent, attempt: int) -> StepRow:
@@ -123,5 +149,8 @@ class Records:
 
     @classmethod
     def read(cls, folder: Path) -> Records:
-        return cls(read_rows(folder / JOBS_CSV, JobRow), read_rows(folder / STAGES_CSV, StageRow),
-                   read_rows(folder / STEPS_CSV, StepRow))
+        return cls(
+            read_rows(folder / JOBS_CSV, JobRow),
+            read_rows(folder / STAGES_CSV, StageRow),
+            read_rows(folder / STEPS_CSV, StepRow),
+        )

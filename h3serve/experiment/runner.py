@@ -37,14 +37,15 @@ class Target:
     """The deployment's public API and metrics endpoint, from its [gateway] section."""
 
     address: str
-    metrics_url: str        # empty: the deployment serves no metrics (metrics_port = 0)
-    tls_root: str = ""      # the gateway's certificate (PEM), when it serves TLS
+    metrics_url: str  # empty: the deployment serves no metrics (metrics_port = 0)
+    tls_root: str = ""  # the gateway's certificate (PEM), when it serves TLS
     token: str = ""
 
     @classmethod
     def of(cls, gateway: GatewayConfig) -> Target:
-        metrics = f"http://{_reachable(gateway.metrics_host)}:{gateway.metrics_port}/metrics" \
-            if gateway.metrics_port else ""
+        metrics = (
+            f"http://{_reachable(gateway.metrics_host)}:{gateway.metrics_port}/metrics" if gateway.metrics_port else ""
+        )
         return cls(f"{_reachable(gateway.host)}:{gateway.port}", metrics, gateway.tls_cert, gateway.auth_token)
 
     def client(self) -> GatewayClient:
@@ -81,9 +82,16 @@ def run_experiment(target: Target, spec: LoadSpec, out: Path, stream: TextIO | N
         with scraper or contextlib.nullcontext(), Progress(spec.bounds.max_jobs, stream) as progress:
             drive = Driver(client, kinds, Mix(spec), spec, progress, run_id).run()
         _records(client, drive).write(out)
-    run = {"label": label or out.name, "gateway": target.address, "metrics_url": target.metrics_url,
-           "replicas": replicas, "started": drive.started, "ended": drive.ended,
-           "load": spec.model_dump(mode="json"), "rejected": [asdict(r) for r in drive.rejected]}
+    run = {
+        "label": label or out.name,
+        "gateway": target.address,
+        "metrics_url": target.metrics_url,
+        "replicas": replicas,
+        "started": drive.started,
+        "ended": drive.ended,
+        "load": spec.model_dump(mode="json"),
+        "rejected": [asdict(r) for r in drive.rejected],
+    }
     (out / RUN_JSON).write_text(json.dumps(run, indent=1))
     (out / METRICS_JSON).write_text(json.dumps((scraper.data if scraper else Scrapes("")).as_json()))
     return render(out)

@@ -24,9 +24,12 @@ def series_key(name: str, labels: dict[str, str]) -> str:
 
 
 def parse(text: str) -> dict[str, float]:
-    return {series_key(sample.name, sample.labels): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name.startswith(PREFIX)}
+    return {
+        series_key(sample.name, sample.labels): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith(PREFIX)
+    }
 
 
 @dataclass

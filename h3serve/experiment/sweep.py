@@ -32,8 +32,9 @@ class Configuration(Spec):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
     deploy: str
     start: bool = True
-    gpus: dict[Literal["encoder", "dit", "vae"], Annotated[tuple[str, ...], Field(strict=False)]] = \
-        Field(default_factory=dict)
+    gpus: dict[Literal["encoder", "dit", "vae"], Annotated[tuple[str, ...], Field(strict=False)]] = Field(
+        default_factory=dict
+    )
     load: str = ""
 
     _files_exist = field_validator("deploy", "load")(existing)
@@ -68,8 +69,10 @@ def check_sweep(path: str | Path) -> Sweep:
         load_spec(entry.load or sweep.load)
         for service, gpus in entry.gpus.items():
             if len(gpus) != len(deploy.gateway.replicas(service)):
-                raise ConfigError(f"{path} config {entry.name} gpus.{service}: {len(gpus)} entries for "
-                                 f"{len(deploy.gateway.replicas(service))} replicas")
+                raise ConfigError(
+                    f"{path} config {entry.name} gpus.{service}: {len(gpus)} entries for "
+                    f"{len(deploy.gateway.replicas(service))} replicas"
+                )
     return sweep
 
 

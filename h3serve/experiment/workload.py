@@ -25,26 +25,40 @@ class JobKind:
     def request(self, index: int, request_id: str) -> gateway_pb2.GenerateRequest:
         """Job `index`'s request; its seed is the index, so a configuration's jobs match another's one for one."""
         e = self.entry
-        params = common_pb2.GenerationParams(num_inference_steps=e.steps, seed=index,
-                                             adapters=[adapters.parse(text) for text in e.adapters])
+        params = common_pb2.GenerationParams(
+            num_inference_steps=e.steps, seed=index, adapters=[adapters.parse(text) for text in e.adapters]
+        )
         return gateway_pb2.GenerateRequest(
-            prompt=e.prompt.replace("{index}", str(index)), height=e.height, width=e.width, num_frames=e.num_frames,
-            params=params, workflow=common_pb2.Workflow.Value(f"WORKFLOW_{e.workflow.upper()}"),
-            first_frame=self.first_frame, last_frame=self.last_frame, request_id=request_id,
-            references=[gateway_pb2.ReferenceInput(asset_id=asset) for asset in self.references])
+            prompt=e.prompt.replace("{index}", str(index)),
+            height=e.height,
+            width=e.width,
+            num_frames=e.num_frames,
+            params=params,
+            workflow=common_pb2.Workflow.Value(f"WORKFLOW_{e.workflow.upper()}"),
+            first_frame=self.first_frame,
+            last_frame=self.last_frame,
+            request_id=request_id,
+            references=[gateway_pb2.ReferenceInput(asset_id=asset) for asset in self.references],
+        )
 
 
 def prepare(spec: LoadSpec, upload: Uploads, media_dir: Path) -> list[JobKind]:
     """Upload each entry's media (the files it names, or small ones made for it)."""
     kinds = []
     for number, entry in enumerate(spec.mix):
-        files = {"first_frame": [entry.first_frame] if entry.first_frame else [],
-                 "last_frame": [entry.last_frame] if entry.last_frame else [], "references": list(entry.references)}
+        files = {
+            "first_frame": [entry.first_frame] if entry.first_frame else [],
+            "last_frame": [entry.last_frame] if entry.last_frame else [],
+            "references": list(entry.references),
+        }
         if not any(files.values()):
             files.update(made_media(entry.workflow, entry.width, entry.height, media_dir, spec.seed + number))
         ids = {field: [upload(path) for path in paths] for field, paths in files.items()}
-        kinds.append(JobKind(entry, *(ids[f][0] if ids[f] else "" for f in ("first_frame", "last_frame")),
-                             tuple(ids["references"])))
+        kinds.append(
+            JobKind(
+                entry, *(ids[f][0] if ids[f] else "" for f in ("first_frame", "last_frame")), tuple(ids["references"])
+            )
+        )
     return kinds
 
 

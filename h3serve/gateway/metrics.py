@@ -29,8 +29,7 @@ class _Snapshot:
             if value:
                 jobs.add_metric([name.removeprefix("JOB_STATE_").lower()], counts.get(value, 0))
         yield jobs
-        depth = GaugeMetricFamily("h3serve_stage_queue_depth", "Jobs waiting for a worker of a stage",
-                                  labels=["stage"])
+        depth = GaugeMetricFamily("h3serve_stage_queue_depth", "Jobs waiting for a worker of a stage", labels=["stage"])
         for stage, value in self.queue_depths().items():
             depth.add_metric([stage], value)
         yield depth
@@ -41,23 +40,47 @@ class GatewayMetrics:
         """`stages`: the stage names, whose series are created at zero so a scrape shows them from the start."""
         self.registry = CollectorRegistry()
         r = self.registry
-        self.stage_seconds = Histogram("h3serve_stage_seconds", "Wall time of a successful stage pass, queue excluded",
-                                       ["stage"], buckets=_SECONDS_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("h3serve_stage_queue_seconds", "Time a job waited for a stage worker",
-                                       ["stage"], buckets=_SECONDS_BUCKETS, registry=r)
-        self.step_seconds = Histogram("h3serve_denoise_step_seconds", "Wall time of one denoise step in the DiT",
-                                      buckets=_SECONDS_BUCKETS, registry=r)
-        self.cache = Counter("h3serve_embedding_cache", "Encoder calls by embedding cache result", ["result"],
-                             registry=r)
-        self.tensor_bytes = Counter("h3serve_tensor_bytes", "Tensor and file bytes moved between gateway and stages",
-                                    ["stage", "direction"], registry=r)
-        self.stage_retries = Counter("h3serve_stage_retries", "Stage calls tried again after a transient failure",
-                                     ["stage"], registry=r)
-        self.job_retries = Counter("h3serve_job_retries", "Jobs run again (gateway restart or stalled stage)",
-                                   ["reason"], registry=r)
+        self.stage_seconds = Histogram(
+            "h3serve_stage_seconds",
+            "Wall time of a successful stage pass, queue excluded",
+            ["stage"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "h3serve_stage_queue_seconds",
+            "Time a job waited for a stage worker",
+            ["stage"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "h3serve_denoise_step_seconds",
+            "Wall time of one denoise step in the DiT",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.cache = Counter(
+            "h3serve_embedding_cache", "Encoder calls by embedding cache result", ["result"], registry=r
+        )
+        self.tensor_bytes = Counter(
+            "h3serve_tensor_bytes",
+            "Tensor and file bytes moved between gateway and stages",
+            ["stage", "direction"],
+            registry=r,
+        )
+        self.stage_retries = Counter(
+            "h3serve_stage_retries", "Stage calls tried again after a transient failure", ["stage"], registry=r
+        )
+        self.job_retries = Counter(
+            "h3serve_job_retries", "Jobs run again (gateway restart or stalled stage)", ["reason"], registry=r
+        )
         self.stalls = Counter("h3serve_stalls", "Stage calls cancelled by the watchdog", ["phase"], registry=r)
-        self.compiled_graphs = Counter("h3serve_dit_compiled_graphs", "Graphs the DiT compiled inside requests "
-                                       "(shapes not warmed; those steps were slower)", registry=r)
+        self.compiled_graphs = Counter(
+            "h3serve_dit_compiled_graphs",
+            "Graphs the DiT compiled inside requests (shapes not warmed; those steps were slower)",
+            registry=r,
+        )
         for stage in stages:
             self.stage_retries.labels(stage)
             for direction in ("in", "out"):

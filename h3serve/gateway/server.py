@@ -50,8 +50,10 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
     try:
         return TextRows.load(config.model_dir, config.geometry)
     except Exception as exc:
-        raise RuntimeError(f"[gateway] model_dir {config.model_dir or '(tiny preset)'!r}: admission counts text rows "
-                           f"with the model's tokenizer and processor, which did not load: {exc}") from exc
+        raise RuntimeError(
+            f"[gateway] model_dir {config.model_dir or '(tiny preset)'!r}: admission counts text rows "
+            f"with the model's tokenizer and processor, which did not load: {exc}"
+        ) from exc
 
 
 def _http_door(config: GatewayConfig, server: grpc.aio.Server):
@@ -73,14 +75,22 @@ async def serve_async(config: GatewayConfig) -> None:
     text_rows = await asyncio.to_thread(_load_text_rows, config)
     loop = asyncio.get_running_loop()
     # The scrape runs on the metrics server's thread: it asks the store through the event loop.
-    metrics.watch(lambda: asyncio.run_coroutine_threadsafe(store.count_by_state(), loop).result(timeout=10),
-                  lambda: {name: queue.depth for name, queue in runner.queues.items()})
+    metrics.watch(
+        lambda: asyncio.run_coroutine_threadsafe(store.count_by_state(), loop).result(timeout=10),
+        lambda: {name: queue.depth for name, queue in runner.queues.items()},
+    )
     health = StageHealth(caller, [SERVICE_NAME])
-    server = grpc.aio.server(interceptors=[AsyncGuard(config.auth_token)], options=[
-        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", config.max_request_bytes),
-        EXCLUSIVE_PORT])
+    server = grpc.aio.server(
+        interceptors=[AsyncGuard(config.auth_token)],
+        options=[
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_receive_message_length", config.max_request_bytes),
+            EXCLUSIVE_PORT,
+        ],
+    )
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, store, hub, runner, health, assets, text_rows), server)
+        GatewayServicer(config, store, hub, runner, health, assets, text_rows), server
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [SERVICE_NAME])
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
@@ -92,9 +102,13 @@ async def serve_async(config: GatewayConfig) -> None:
     await server.start()
     await runner.resume()
     retention = loop.create_task(_retention_loop(runner))
-    log.info("gateway on %s:%d (%s); metrics on %s", config.host, config.port,
-             "; ".join(f"{service} {', '.join(config.replicas(service))}" for service in caller.replicas),
-             f"{config.metrics_host}:{config.metrics_port}" if config.metrics_port else "off")
+    log.info(
+        "gateway on %s:%d (%s); metrics on %s",
+        config.host,
+        config.port,
+        "; ".join(f"{service} {', '.join(config.replicas(service))}" for service in caller.replicas),
+        f"{config.metrics_host}:{config.metrics_port}" if config.metrics_port else "off",
+    )
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)

@@ -42,8 +42,12 @@ def parse(text: str) -> common_pb2.Adapter:
 
 def shift_problem(value: float) -> str:
     """Why `value` is not a usable shift ("" when it is)."""
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and 0 < value <= MAX_SHIFT):
+    if not (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value <= MAX_SHIFT
+    ):
         return f"must be a number with 0 < shift <= {MAX_SHIFT:g}, got {value!r}"
     return ""
 
@@ -52,7 +56,7 @@ def shift_problem(value: float) -> str:
 class Recommendation:
     """What an adapter's sidecar recommends for the request options a request leaves unset."""
 
-    steps: int = 0                        # num_inference_steps; 0: none
+    steps: int = 0  # num_inference_steps; 0: none
     flow_shift: float | None = None
     audio_flow_shift: float | None = None
 
@@ -78,8 +82,10 @@ def read_sidecar(adapter_path: str | Path) -> Recommendation:
         raise ValueError(f"sidecar {path}: unknown key {unknown[0]!r}; known: {', '.join(SIDECAR_KEYS)}")
     steps = data.get("steps", 0)
     if "steps" in data and not (type(steps) is int and steps >= MIN_STEPS):
-        raise ValueError(f"sidecar {path}: steps must be an integer >= {MIN_STEPS} (num_inference_steps: N gives "
-                         f"N-1 forwards), got {steps!r}")
+        raise ValueError(
+            f"sidecar {path}: steps must be an integer >= {MIN_STEPS} (num_inference_steps: N gives "
+            f"N-1 forwards), got {steps!r}"
+        )
     for key in DEFAULT_SHIFTS:
         if key in data and shift_problem(data[key]):
             raise ValueError(f"sidecar {path}: {key} {shift_problem(data[key])}")
@@ -93,20 +99,34 @@ class AdapterFacts:
     name: str
     partitions: tuple[str, ...]
     rank: int = 0
-    alpha: float = 0.0                    # the training alpha the file records; 0: none (scale 1.0)
+    alpha: float = 0.0  # the training alpha the file records; 0: none (scale 1.0)
     recommended: Recommendation = Recommendation()
     fused: bool = False
 
     @classmethod
     def from_info(cls, info: dit_pb2.AdapterInfo) -> AdapterFacts:
-        shifts = [getattr(info, f"recommended_{key}") if info.HasField(f"recommended_{key}") else None
-                  for key in DEFAULT_SHIFTS]
-        return cls(info.name, tuple(info.partitions), info.rank, info.alpha,
-                   Recommendation(info.recommended_steps, *shifts), info.fused)
+        shifts = [
+            getattr(info, f"recommended_{key}") if info.HasField(f"recommended_{key}") else None
+            for key in DEFAULT_SHIFTS
+        ]
+        return cls(
+            info.name,
+            tuple(info.partitions),
+            info.rank,
+            info.alpha,
+            Recommendation(info.recommended_steps, *shifts),
+            info.fused,
+        )
 
     def to_info(self) -> dit_pb2.AdapterInfo:
-        info = dit_pb2.AdapterInfo(name=self.name, partitions=self.partitions, rank=self.rank, alpha=self.alpha,
-                                   recommended_steps=self.recommended.steps, fused=self.fused)
+        info = dit_pb2.AdapterInfo(
+            name=self.name,
+            partitions=self.partitions,
+            rank=self.rank,
+            alpha=self.alpha,
+            recommended_steps=self.recommended.steps,
+            fused=self.fused,
+        )
         for key in DEFAULT_SHIFTS:
             if getattr(self.recommended, key) is not None:
                 setattr(info, f"recommended_{key}", getattr(self.recommended, key))
@@ -145,8 +165,11 @@ def check(params: common_pb2.GenerationParams, workflow: Workflow, catalog: Adap
             raise InvalidRequest(key, shift_problem(getattr(params, key)))
     names = [adapter.name for adapter in params.adapters]
     if catalog.max_per_request and len(names) > catalog.max_per_request:
-        raise InvalidRequest("adapters", f"at most {catalog.max_per_request} per request on this DiT (its adapter "
-                                         f"slots: a compiled transformer switches adapters in place), got {len(names)}")
+        raise InvalidRequest(
+            "adapters",
+            f"at most {catalog.max_per_request} per request on this DiT (its adapter "
+            f"slots: a compiled transformer switches adapters in place), got {len(names)}",
+        )
     for adapter in params.adapters:
         _check_one(adapter, workflow, catalog)
     repeated = sorted({name for name in names if names.count(name) > 1})
@@ -156,21 +179,32 @@ def check(params: common_pb2.GenerationParams, workflow: Workflow, catalog: Adap
 
 def _check_one(adapter: common_pb2.Adapter, workflow: Workflow, catalog: AdapterCatalog) -> None:
     if not NAME.fullmatch(adapter.name):
-        raise InvalidRequest("adapters", f"a name is {NAME_RULE}; got {len(adapter.name)} characters that are not "
-                                         f"one (loaded: {catalog.loaded()})")
+        raise InvalidRequest(
+            "adapters",
+            f"a name is {NAME_RULE}; got {len(adapter.name)} characters that are not one (loaded: {catalog.loaded()})",
+        )
     facts = catalog.adapters.get(adapter.name)
     if facts is None:
         raise InvalidRequest("adapters", f"unknown adapter {adapter.name!r}; this DiT loads {catalog.loaded()}")
     if not (math.isfinite(adapter.weight) and abs(adapter.weight) <= MAX_WEIGHT):
-        raise InvalidRequest("adapters", f"{adapter.name}: weight must be within -{MAX_WEIGHT:g}..{MAX_WEIGHT:g} "
-                                         f"(0 means 1.0), got {adapter.weight!r}")
+        raise InvalidRequest(
+            "adapters",
+            f"{adapter.name}: weight must be within -{MAX_WEIGHT:g}..{MAX_WEIGHT:g} "
+            f"(0 means 1.0), got {adapter.weight!r}",
+        )
     fused = catalog.fused
     if fused is not None and (adapter.name != fused.name or adapter.weight not in (0.0, 1.0)):
-        raise InvalidRequest("adapters", f"this DiT runs {fused.name} fused into its weights at weight 1.0 "
-                                         f"(adapter_mode \"fused\"); a request may name only that, at weight 1.0")
+        raise InvalidRequest(
+            "adapters",
+            f"this DiT runs {fused.name} fused into its weights at weight 1.0 "
+            f'(adapter_mode "fused"); a request may name only that, at weight 1.0',
+        )
     if workflow.partition not in facts.partitions:
-        raise InvalidRequest("adapters", f"{adapter.name} targets {' and '.join(facts.partitions)}, not "
-                                         f"{workflow.partition}, the partition {workflow.name} runs on")
+        raise InvalidRequest(
+            "adapters",
+            f"{adapter.name} targets {' and '.join(facts.partitions)}, not "
+            f"{workflow.partition}, the partition {workflow.name} runs on",
+        )
 
 
 def resolve(params: common_pb2.GenerationParams, catalog: AdapterCatalog, default_steps: int) -> None:
@@ -186,5 +220,4 @@ def resolve(params: common_pb2.GenerationParams, catalog: AdapterCatalog, defaul
         params.num_inference_steps = next((r.steps for r in recommended if r.steps), default_steps)
     for key, default in DEFAULT_SHIFTS.items():
         if not params.HasField(key):
-            setattr(params, key, next((getattr(r, key) for r in recommended if getattr(r, key) is not None),
-                                      default))
+            setattr(params, key, next((getattr(r, key) for r in recommended if getattr(r, key) is not None), default))

@@ -118,15 +118,15 @@ CONTEXT_GIB = 0.5
 NCCL_GIB = 0.25
 FRAGMENTATION = 0.05
 DEFAULT_TEXT_ROWS = 256
-PROCESS_BASE_GIB = 5.0         # a model process on CUDA: calibrated (module docstring)
-CPU_PROCESS_BASE_GIB = 0.6     # a model process on the CPU: measured, the tiny stack
+PROCESS_BASE_GIB = 5.0  # a model process on CUDA: calibrated (module docstring)
+CPU_PROCESS_BASE_GIB = 0.6  # a model process on the CPU: measured, the tiny stack
 GATEWAY_GIB = 0.3
 LAUNCHER_GIB = 0.05
-HOST_RESERVE_GIB = 4.0         # left to the OS, page tables and whatever else the host runs
-ARENA_GIB = 1                  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py checks they agree)
-STAGING_SLOTS = 2              # h3serve/runtime/weight_stream.py's (the same check)
-SMALL_MODEL_GIB = 1.0          # a model directory with fewer GiB of weights is not the released model
-FP8_BUILD_BLOCKS = 2           # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
+HOST_RESERVE_GIB = 4.0  # left to the OS, page tables and whatever else the host runs
+ARENA_GIB = 1  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py checks they agree)
+STAGING_SLOTS = 2  # h3serve/runtime/weight_stream.py's (the same check)
+SMALL_MODEL_GIB = 1.0  # a model directory with fewer GiB of weights is not the released model
+FP8_BUILD_BLOCKS = 2  # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
 
 
 @dataclass(frozen=True)
@@ -134,11 +134,11 @@ class TransformerCounts:
     """MiniMaxH3Transformer3DModel() (the released config): one partition."""
 
     total: int = 33_122_992_896
-    fp32: int = 17_222_144             # _keep_in_fp32_modules: proj_in, time_embedder, proj_out, ...
+    fp32: int = 17_222_144  # _keep_in_fp32_modules: proj_in, time_embedder, proj_out, ...
     blocks: int = 50
-    block: int = 645_571_840           # one of transformer_blocks
+    block: int = 645_571_840  # one of transformer_blocks
     fp8_linears: int = 19_267_584_000  # fastpath.fp8_target's linears, all blocks (adaln_proj stays bf16)
-    fsdp_root: int = 44_758_016        # what no FSDP unit (a block, a refiner block, norm_out) holds
+    fsdp_root: int = 44_758_016  # what no FSDP unit (a block, a refiner block, norm_out) holds
 
     def bytes(self, dtype: str, fp8: bool) -> float:
         quantised = self.fp8_linears if fp8 else 0
@@ -173,8 +173,8 @@ class TextEncoderCounts:
     total: int = 26_240_699_376
     layers: int = 51
     layer: int = 487_598_336
-    layer_linears: int = 24_866_979_840   # every decoder layer's linears: what int8 / nf4 quantise
-    embedding: int = 777_912_320          # embed_tokens (not quantised)
+    layer_linears: int = 24_866_979_840  # every decoder layer's linears: what int8 / nf4 quantise
+    embedding: int = 777_912_320  # embed_tokens (not quantised)
 
     @property
     def quantisable(self) -> int:
@@ -209,8 +209,10 @@ def limit_fraction(limit_gib: float, total_bytes: int) -> float:
         raise ValueError(f"memory_limit_gib must be positive to cap the allocator, got {limit_gib:g}")
     limit = limit_gib * GIB
     if limit > total_bytes:
-        raise ValueError(f"memory_limit_gib = {limit_gib:g} GiB is above the card's total of "
-                         f"{total_bytes / GIB:.2f} GiB ({total_bytes:,} bytes); lower it, or 0 for the whole card")
+        raise ValueError(
+            f"memory_limit_gib = {limit_gib:g} GiB is above the card's total of "
+            f"{total_bytes / GIB:.2f} GiB ({total_bytes:,} bytes); lower it, or 0 for the whole card"
+        )
     return limit / total_bytes
 
 
@@ -221,8 +223,8 @@ class Workload:
     height: int
     width: int
     frames: int
-    rows: int          # packed DiT rows: text + conditioning + generated video and audio
-    bound: str         # where `rows` comes from
+    rows: int  # packed DiT rows: text + conditioning + generated video and audio
+    bound: str  # where `rows` comes from
 
     @property
     def pixels_frames(self) -> int:
@@ -234,12 +236,12 @@ class Share:
     """One process's part of one GPU, in GiB."""
 
     gpu: str
-    process: str          # "dit rank 0", "encoder", "vae"
-    weights: float        # resident weights (a shard under FSDP; a part under spread)
-    transient: float      # gathered FSDP units, onloaded blocks or layers
+    process: str  # "dit rank 0", "encoder", "vae"
+    weights: float  # resident weights (a shard under FSDP; a part under spread)
+    transient: float  # gathered FSDP units, onloaded blocks or layers
     activations: float
-    limit: float          # the process's memory_limit_gib (0: none)
-    host: float = 0.0     # weights this process keeps in host memory (offload)
+    limit: float  # the process's memory_limit_gib (0: none)
+    host: float = 0.0  # weights this process keeps in host memory (offload)
     nccl: float = 0.0
 
     @property
@@ -255,8 +257,10 @@ class Share:
         parts = [f"weights {self.weights:.1f}"]
         if self.transient:
             parts.append(f"onloaded {self.transient:.1f}")
-        parts += [f"activations {self.activations:.1f}",
-                  f"overhead {self.total - self.weights - self.transient - self.activations:.1f}"]
+        parts += [
+            f"activations {self.activations:.1f}",
+            f"overhead {self.total - self.weights - self.transient - self.activations:.1f}",
+        ]
         return ", ".join(parts)
 
     def describe(self) -> str:
@@ -268,7 +272,7 @@ class Share:
 @dataclass(frozen=True)
 class GpuPlan:
     gpu: str
-    card: float | None   # GiB; None: unknown
+    card: float | None  # GiB; None: unknown
     card_source: str
     shares: tuple[Share, ...]
 
@@ -319,11 +323,12 @@ def _device_gpus(service, count: int, notes: list[str], name: str) -> list[str]:
         notes.append(f"[{name}] gpus is empty (inherits CUDA_VISIBLE_DEVICES): planned as GPU(s) {','.join(listed)}")
     _, _, index = service.device.partition(":")
     start = int(index) if index.isdigit() else 0
-    return listed[start:start + count]
+    return listed[start : start + count]
 
 
-def workload(config: Any, canvas: tuple[int, int] | None = None, frames: int | None = None,
-             text_rows: int = DEFAULT_TEXT_ROWS) -> Workload:
+def workload(
+    config: Any, canvas: tuple[int, int] | None = None, frames: int | None = None, text_rows: int = DEFAULT_TEXT_ROWS
+) -> Workload:
     """The request to plan for (module docstring): by default the largest canvas at the longest clip, bounded by
     admission."""
     height, width = canvas or config.gateway.geometry.default_canvas
@@ -331,8 +336,10 @@ def workload(config: Any, canvas: tuple[int, int] | None = None, frames: int | N
     served = [workflows.by_name(name) for name in config.dit.workflows]
     condition = 2 * rules.rows_per_latent_frame(height, width) if any(f.name == "fl2va" for f in served) else 0
     generated = rules.generated_rows(height, width, longest)
-    rows, bound = text_rows + condition + generated.total, (
-        f"{text_rows} text + {condition} keyframe + {generated.video:,} video + {generated.audio} audio rows")
+    rows, bound = (
+        text_rows + condition + generated.total,
+        (f"{text_rows} text + {condition} keyframe + {generated.video:,} video + {generated.audio} audio rows"),
+    )
     limits = {"[gateway] max_rows": config.gateway.max_rows, "[dit] max_rows": config.dit.max_rows}
     tables = [config.gateway.capacity.get(f.name, {}) for f in served]
     per_flow = [table.get(f"{height}x{width}", table.get("*")) for table in tables]
@@ -341,8 +348,11 @@ def workload(config: Any, canvas: tuple[int, int] | None = None, frames: int | N
     source = min(limits, key=limits.get)
     if frames is None and limits[source] < rows:
         rows = limits[source]
-        fitting = [f for f in rules.VALID_NUM_FRAMES
-                   if text_rows + condition + rules.generated_rows(height, width, f).total <= rows]
+        fitting = [
+            f
+            for f in rules.VALID_NUM_FRAMES
+            if text_rows + condition + rules.generated_rows(height, width, f).total <= rows
+        ]
         longest = fitting[-1] if fitting else 0
         bound = f"bounded by {source}; {longest} frames fit it"
     return Workload(height, width, longest, rows, bound)
@@ -360,7 +370,7 @@ def _dit_shares(dit, work: Workload, notes: list[str]) -> list[Share]:
         # one partition runs at a time: its outside-the-blocks group and two blocks are on the GPU
         weights, transient, host = 0.0, _gib(TRANSFORMER.outside_blocks_bytes(dit.dtype)) + 2 * block, total
     elif fsdp:
-        transient = (_gib(TRANSFORMER.fsdp_root_bytes(dit.dtype)) + 2 * block)
+        transient = _gib(TRANSFORMER.fsdp_root_bytes(dit.dtype)) + 2 * block
         weights, host = (0.0, total / world) if dit.fsdp_offload else (total / world, 0.0)
     else:
         weights, transient, host = total, 0.0, 0.0
@@ -376,8 +386,10 @@ def _dit_shares(dit, work: Workload, notes: list[str]) -> list[Share]:
     if _on_gpu(dit) and len(gpus) < per_node:
         notes.append(f"[dit] {per_node} ranks per node but gpus = {dit.gpus!r} names {len(gpus)}")
     nccl = NCCL_GIB if world > 1 else 0.0
-    return [Share(gpu, f"dit rank {rank}", weights, transient, activations, dit.memory_limit_gib, host, nccl)
-            for rank, gpu in enumerate(gpus)]
+    return [
+        Share(gpu, f"dit rank {rank}", weights, transient, activations, dit.memory_limit_gib, host, nccl)
+        for rank, gpu in enumerate(gpus)
+    ]
 
 
 def _file_gib(path: str) -> float:
@@ -398,8 +410,10 @@ def _encoder_shares(encoder, notes: list[str]) -> list[Share]:
         weights, transient, host = 0.0, _gib(TEXT_ENCODER.offloaded_bytes(encoder.dtype, encoder.quantize)), full
     else:
         weights, transient, host = full / len(gpus), 0.0, 0.0
-    return [Share(gpu, "encoder", weights, transient, activations, encoder.memory_limit_gib, host if i == 0 else 0.0)
-            for i, gpu in enumerate(gpus)]
+    return [
+        Share(gpu, "encoder", weights, transient, activations, encoder.memory_limit_gib, host if i == 0 else 0.0)
+        for i, gpu in enumerate(gpus)
+    ]
 
 
 def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
@@ -414,11 +428,19 @@ def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
     # A decode replica holds the video VAE without its encoder; planned as the whole video VAE (a little more).
     return [Share(gpus[0], "vae", weights, 0.0, tiles + frames, vae.memory_limit_gib)] + [
         Share(gpu, "vae decode replica", _gib(VIDEO_VAE.bytes(vae.dtype)), 0.0, tiles, vae.memory_limit_gib)
-        for gpu in gpus[1:]]
+        for gpu in gpus[1:]
+    ]
 
 
-def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | None = None, frames: int | None = None,
-         text_rows: int = DEFAULT_TEXT_ROWS, host_gib: float | None = None, host_source: str = "--host-gib") -> Plan:
+def plan(
+    config: Any,
+    gpu_gib: float | None = None,
+    canvas: tuple[int, int] | None = None,
+    frames: int | None = None,
+    text_rows: int = DEFAULT_TEXT_ROWS,
+    host_gib: float | None = None,
+    host_source: str = "--host-gib",
+) -> Plan:
     """Every GPU's predicted memory for a deployment (h3serve.common.config.DeployConfig), its host memory, and what
     does not fit.
 
@@ -427,8 +449,11 @@ def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | No
     CLI reads the machine's MemTotal)."""
     notes: list[str] = []
     work = workload(config, canvas, frames, text_rows)
-    shares = [*_dit_shares(config.dit, work, notes), *_encoder_shares(config.encoder, notes),
-              *_vae_shares(config.vae, work, notes)]
+    shares = [
+        *_dit_shares(config.dit, work, notes),
+        *_encoder_shares(config.encoder, notes),
+        *_vae_shares(config.vae, work, notes),
+    ]
     problems: list[str] = []
     gpus = []
     for gpu in sorted(dict.fromkeys(share.gpu for share in shares), key=lambda g: (not g.isdigit(), g.zfill(8))):
@@ -440,15 +465,19 @@ def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | No
             card, source = (max(limits), "memory_limit_gib") if limits else (None, "")
         gpus.append(GpuPlan(gpu, card, source, here))
         if card is None:
-            problems.append(f"GPU {gpu}: card size unknown ({', '.join(s.process for s in here)}): "
-                            "give --gpu-gib or memory_limit_gib")
+            problems.append(
+                f"GPU {gpu}: card size unknown ({', '.join(s.process for s in here)}): "
+                "give --gpu-gib or memory_limit_gib"
+            )
             continue
         for share in here:
             if share.limit and share.allocator > share.limit:
-                problems.append(f"GPU {gpu}: {share.process} needs {share.allocator:.1f} GiB of allocator (weights "
-                                f"{share.weights:.1f} + onloaded {share.transient:.1f} + activations "
-                                f"{share.activations:.1f}, +{FRAGMENTATION:.0%} fragmentation), over its "
-                                f"memory_limit_gib {share.limit:g}")
+                problems.append(
+                    f"GPU {gpu}: {share.process} needs {share.allocator:.1f} GiB of allocator (weights "
+                    f"{share.weights:.1f} + onloaded {share.transient:.1f} + activations "
+                    f"{share.activations:.1f}, +{FRAGMENTATION:.0%} fragmentation), over its "
+                    f"memory_limit_gib {share.limit:g}"
+                )
             if gpu_gib and share.limit:
                 try:
                     limit_fraction(share.limit, int(gpu_gib * GIB))
@@ -459,7 +488,7 @@ def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | No
             parts = " + ".join(f"{share.process} {share.total:.1f}" for share in here)
             problems.append(f"GPU {gpu}: {parts} = {used:.1f} GiB predicted, over the card's {card:g} GiB ({source})")
     if not shares:
-        notes.append("no model service is on a GPU (device = \"cpu\"): nothing to place")
+        notes.append('no model service is on a GPU (device = "cpu"): nothing to place')
     if host_gib is None and config.supervisor.host_memory_gib:
         host_gib, host_source = config.supervisor.host_memory_gib, "[supervisor] host_memory_gib"
     host = host_plan(config, host_gib or None, host_source)
@@ -468,6 +497,7 @@ def plan(config: Any, gpu_gib: float | None = None, canvas: tuple[int, int] | No
 
 
 # Host memory (module docstring): each process's private peak at start and while serving.
+
 
 class HostMemoryError(ValueError):
     """A service whose start needs more host memory than the host has available."""
@@ -566,7 +596,9 @@ def encoder_host(encoder, quantize: str | None = None) -> HostNeed:
     bf16 = _gib(TEXT_ENCODER.bytes(encoder.dtype, "none"))
     weights = TEXT_ENCODER.bytes(encoder.dtype, quantize)
     if not _on_gpu(encoder):  # loaded whole, then quantised in place
-        return HostNeed("encoder", {**runtime, "weights": max(bf16, _gib(weights))}, {**runtime, "weights": _gib(weights)})
+        return HostNeed(
+            "encoder", {**runtime, "weights": max(bf16, _gib(weights))}, {**runtime, "weights": _gib(weights)}
+        )
     if encoder.cpu_offload:
         embedding = TEXT_ENCODER.embedding * DTYPE_BYTES[encoder.dtype]
         pinned = {"pinned weights": pinned_gib(weights, (embedding,) if embedding > ARENA_GIB * GIB else ())}
@@ -592,8 +624,8 @@ SERVICE_HOST = {"encoder": encoder_host, "dit": dit_host, "vae": vae_host}
 
 @dataclass(frozen=True)
 class HostPlan:
-    needs: tuple[HostNeed, ...]   # every process of the deployment, the gateway last
-    size: float | None            # GiB; None: unknown
+    needs: tuple[HostNeed, ...]  # every process of the deployment, the gateway last
+    size: float | None  # GiB; None: unknown
     source: str
 
     def total(self, phase: str) -> float:
@@ -604,13 +636,18 @@ class HostPlan:
         return None if self.size is None else self.size - HOST_RESERVE_GIB
 
     def lines(self) -> list[str]:
-        size = (f"host {self.size:.1f} GiB ({self.source}), {self.usable:.1f} usable after {HOST_RESERVE_GIB:g} for "
-                "the OS" if self.size is not None else "host size unknown")
+        size = (
+            f"host {self.size:.1f} GiB ({self.source}), {self.usable:.1f} usable after {HOST_RESERVE_GIB:g} for the OS"
+            if self.size is not None
+            else "host size unknown"
+        )
         files = sum(need.file_pages for need in self.needs)
         out = [f"host memory, private (file pages: page cache, reclaimable): {size}"]
         out += [f"  {need.describe()}" for need in self.needs]
-        out.append(f"  {'total':<12} start {self.total('start'):5.1f} GiB, serving {self.total('serving'):5.1f} GiB"
-                   + (f" (+{files:.1f} GiB file pages)" if files else ""))
+        out.append(
+            f"  {'total':<12} start {self.total('start'):5.1f} GiB, serving {self.total('serving'):5.1f} GiB"
+            + (f" (+{files:.1f} GiB file pages)" if files else "")
+        )
         return out
 
     def problems(self, config: Any) -> list[str]:
@@ -621,10 +658,12 @@ class HostPlan:
             if self.total(phase) > self.usable:
                 largest = max(self.needs, key=lambda need: need.phase(phase))
                 parts = " + ".join(f"{need.service} {need.phase(phase):.1f}" for need in self.needs)
-                problems.append(f"host: {phase}: {parts} = {self.total(phase):.1f} GiB of private host memory, over "
-                                f"the host's {self.size:.1f} GiB ({self.source}) less {HOST_RESERVE_GIB:g} for the "
-                                f"OS; largest: {largest.service} at {phase}, {largest.phase(phase):.1f} GiB "
-                                f"({largest.parts(phase)})")
+                problems.append(
+                    f"host: {phase}: {parts} = {self.total(phase):.1f} GiB of private host memory, over "
+                    f"the host's {self.size:.1f} GiB ({self.source}) less {HOST_RESERVE_GIB:g} for the "
+                    f"OS; largest: {largest.service} at {phase}, {largest.phase(phase):.1f} GiB "
+                    f"({largest.parts(phase)})"
+                )
         if problems:
             problems += _int8_proposal(config, self)
         return problems
@@ -639,10 +678,12 @@ def _int8_proposal(config: Any, host: HostPlan) -> list[str]:
     others = [need for need in host.needs if need is not current]
     if any(sum(need.phase(phase) for need in others) + int8.phase(phase) > host.usable for phase in PHASES):
         return []
-    return [f"host: [encoder] quantize = \"int8\" would fit: {int8.serving_parts['pinned weights']:.0f} GiB of "
-            f"int8 weights pinned instead of {current.serving_parts['pinned weights']:.0f} of "
-            f"{encoder.dtype} (start {int8.start:.1f} GiB, serving {int8.serving:.1f}; it changes the embeddings "
-            "within the documented bound, h3serve/services/encoder/placement.py)"]
+    return [
+        f'host: [encoder] quantize = "int8" would fit: {int8.serving_parts["pinned weights"]:.0f} GiB of '
+        f"int8 weights pinned instead of {current.serving_parts['pinned weights']:.0f} of "
+        f"{encoder.dtype} (start {int8.start:.1f} GiB, serving {int8.serving:.1f}; it changes the embeddings "
+        "within the documented bound, h3serve/services/encoder/placement.py)"
+    ]
 
 
 def host_plan(config: Any, size: float | None, source: str) -> HostPlan:
@@ -660,5 +701,6 @@ def check_host(service: str, section: Any, available_gib: float) -> HostNeed:
         raise HostMemoryError(
             f"host memory: {service} needs {need.start:.1f} GiB of private host memory at start "
             f"({need.parts('start')}), but the host has {available_gib:.1f} GiB available (MemAvailable); "
-            f"`h3serve plan` shows every service's part (README \"Host memory\")")
+            f'`h3serve plan` shows every service\'s part (README "Host memory")'
+        )
     return need

@@ -11,26 +11,27 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FPS = 24                       # MiniMax-H3 generates and conditions at 24 fps
+FPS = 24  # MiniMax-H3 generates and conditions at 24 fps
 MIN_SECONDS, MAX_SECONDS = 5, 15
-FRAMES_PER_CHUNK = 17          # the video VAE encodes clips of 17 frames ...
-LATENTS_PER_CHUNK = 5          # ... keeping 5 latent frames each: frame counts are 17n+5, latent frames 5n+2
-VAE_SPATIAL_RATIO = 16         # pixels per latent, each axis
-PATCH = 2                      # latents per transformer patch, each axis
+FRAMES_PER_CHUNK = 17  # the video VAE encodes clips of 17 frames ...
+LATENTS_PER_CHUNK = 5  # ... keeping 5 latent frames each: frame counts are 17n+5, latent frames 5n+2
+VAE_SPATIAL_RATIO = 16  # pixels per latent, each axis
+PATCH = 2  # latents per transformer patch, each axis
 CANVAS_MULTIPLE = VAE_SPATIAL_RATIO * PATCH
-MAX_ASPECT = 4                 # width / height within 1/4 .. 4
-SAMPLE_RATE = 32000            # the audio VAE's rate
-AUDIO_HOP = 800                # samples per audio latent: 40 latents per second
-AUDIO_CHANNELS = 2             # stereo, packed channel-major as two blocks of audio rows
-VIDEO_SAMPLE_FPS = 2.0         # the rate the text encoder reads a reference video at
-VISION_MARKERS = 2             # <|vision_start|> and <|vision_end|> around every vision block
+MAX_ASPECT = 4  # width / height within 1/4 .. 4
+SAMPLE_RATE = 32000  # the audio VAE's rate
+AUDIO_HOP = 800  # samples per audio latent: 40 latents per second
+AUDIO_CHANNELS = 2  # stereo, packed channel-major as two blocks of audio rows
+VIDEO_SAMPLE_FPS = 2.0  # the rate the text encoder reads a reference video at
+VISION_MARKERS = 2  # <|vision_start|> and <|vision_end|> around every vision block
 
-VALID_NUM_FRAMES = tuple(f for f in range(MIN_SECONDS * FPS, MAX_SECONDS * FPS + 1)
-                         if f % FRAMES_PER_CHUNK == LATENTS_PER_CHUNK)
-DEFAULT_NUM_FRAMES = VALID_NUM_FRAMES[0]            # 124: 5.17 s
-MAX_SECONDS_EXACT = VALID_NUM_FRAMES[-1] / FPS      # 345 frames = 14.375 s: the next 17n+5 (362) is past 15 s
+VALID_NUM_FRAMES = tuple(
+    f for f in range(MIN_SECONDS * FPS, MAX_SECONDS * FPS + 1) if f % FRAMES_PER_CHUNK == LATENTS_PER_CHUNK
+)
+DEFAULT_NUM_FRAMES = VALID_NUM_FRAMES[0]  # 124: 5.17 s
+MAX_SECONDS_EXACT = VALID_NUM_FRAMES[-1] / FPS  # 345 frames = 14.375 s: the next 17n+5 (362) is past 15 s
 MIN_REFERENCE_FRAMES = FRAMES_PER_CHUNK + LATENTS_PER_CHUNK  # 22: the shortest clip the video VAE encodes
-MIN_STEPS = 2                  # sigma grid points: N gives N-1 denoise steps, so 1 would denoise nothing
+MIN_STEPS = 2  # sigma grid points: N gives N-1 denoise steps, so 1 would denoise nothing
 # The modality tag of a packed row (diffusers' MINIMAX_H3_*_TAG). The text encoder tags its rows text, or video for
 # the rows of a vision block; the DiT tags the generated and conditioning rows.
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
@@ -47,6 +48,7 @@ class InvalidRequest(ValueError):
 
 
 # Frames, seconds, latents.
+
 
 def align_num_frames(frames: int) -> int:
     """The next 17n+5 at or above `frames` (diffusers' align_num_frames)."""
@@ -91,17 +93,21 @@ def audio_latents(num_frames: int) -> int:
 def check_num_frames(num_frames: int) -> None:
     """A resolved frame count, as a stage receives it: InvalidRequest unless one of VALID_NUM_FRAMES."""
     if num_frames not in VALID_NUM_FRAMES:
-        raise InvalidRequest("num_frames", f"must be 17n+5 between {VALID_NUM_FRAMES[0]} and {VALID_NUM_FRAMES[-1]}, "
-                                           f"got {num_frames}")
+        raise InvalidRequest(
+            "num_frames", f"must be 17n+5 between {VALID_NUM_FRAMES[0]} and {VALID_NUM_FRAMES[-1]}, got {num_frames}"
+        )
 
 
 def check_steps(steps: int, max_steps: int) -> None:
     if not MIN_STEPS <= steps <= max_steps:
-        raise InvalidRequest("num_inference_steps", f"must be between {MIN_STEPS} and {max_steps} (sigma grid "
-                                                    f"points: N gives N-1 denoise steps), got {steps}")
+        raise InvalidRequest(
+            "num_inference_steps",
+            f"must be between {MIN_STEPS} and {max_steps} (sigma grid points: N gives N-1 denoise steps), got {steps}",
+        )
 
 
 # Canvases.
+
 
 def aspect_ok(width: float, height: float) -> bool:
     return 0 < height <= MAX_ASPECT * width and width <= MAX_ASPECT * height
@@ -117,12 +123,17 @@ def check_resolved_canvas(height: int, width: int, geometry: Geometry) -> None:
             raise InvalidRequest(field, f"must be a positive multiple of {CANVAS_MULTIPLE}, got {value}")
     step = CANVAS_MULTIPLE // 2
     if width - step > MAX_ASPECT * (height + step) or height - step > MAX_ASPECT * (width + step):
-        raise InvalidRequest("width" if width > height else "height",
-                             f"aspect ratio width/height must be within 1:{MAX_ASPECT} and {MAX_ASPECT}:1, "
-                             f"got height {height}, width {width}")
+        raise InvalidRequest(
+            "width" if width > height else "height",
+            f"aspect ratio width/height must be within 1:{MAX_ASPECT} and {MAX_ASPECT}:1, "
+            f"got height {height}, width {width}",
+        )
     if (height - step) * (width - step) > geometry.canvas_max_pixels:
-        raise InvalidRequest("height", f"height*width must be at most about {geometry.canvas_max_pixels:,} pixels "
-                                       f"(canvas_max_pixels), got {height}*{width} = {height * width:,}")
+        raise InvalidRequest(
+            "height",
+            f"height*width must be at most about {geometry.canvas_max_pixels:,} pixels "
+            f"(canvas_max_pixels), got {height}*{width} = {height * width:,}",
+        )
 
 
 def largest_resolved_canvas_pixels(geometry: Geometry) -> int:
@@ -155,16 +166,20 @@ class Geometry:
     reference_image_short_edge: int = 2048
 
     def pipeline_configs(self) -> dict[str, int]:
-        return {"canvas_short_edge": self.canvas_short_edge, "canvas_max_pixels": self.canvas_max_pixels,
-                "reference_image_short_edge": self.reference_image_short_edge}
+        return {
+            "canvas_short_edge": self.canvas_short_edge,
+            "canvas_max_pixels": self.canvas_max_pixels,
+            "reference_image_short_edge": self.reference_image_short_edge,
+        }
 
     def canvas_for_aspect(self, aspect_width: float, aspect_height: float) -> tuple[int, int]:
         """(height, width) for an aspect ratio: short edge at `canvas_short_edge`, area capped at `canvas_max_pixels`,
         both axes rounded half to even to a multiple of 32 (diffusers' resolve_canvas_size, in its order of operations,
         so float rounding cannot tip a side to another multiple)."""
         if not aspect_ok(aspect_width, aspect_height):
-            raise ValueError(f"aspect ratio must be within 1:{MAX_ASPECT} and {MAX_ASPECT}:1, "
-                             f"got {aspect_width}:{aspect_height}")
+            raise ValueError(
+                f"aspect ratio must be within 1:{MAX_ASPECT} and {MAX_ASPECT}:1, got {aspect_width}:{aspect_height}"
+            )
         ratio = aspect_width / aspect_height
         short = self.canvas_short_edge
         width, height = (short * ratio, float(short)) if ratio >= 1 else (float(short), short / ratio)
@@ -199,6 +214,7 @@ def _round_to_canvas(side: float) -> int:
 
 # References.
 
+
 def reference_video_frames(num_frames: int, fps: float, generated_frames: int) -> int:
     """Frames of a video reference after the resample to 24 fps and the cut to the generated length."""
     frames = num_frames if fps == FPS else math.floor(num_frames * FPS / fps + 0.5)
@@ -222,15 +238,16 @@ def max_soundtrack_rows(generated_frames: int) -> int:
 
 # The packed sequence.
 
+
 @dataclass(frozen=True)
 class Rows:
     """Rows of one request's packed DiT sequence, by kind."""
 
-    text: int = 0             # the text encoder's output: prompt, labels, vision tokens
+    text: int = 0  # the text encoder's output: prompt, labels, vision tokens
     condition_video: int = 0  # keyframe / reference latents
     condition_audio: int = 0  # reference soundtracks
-    video: int = 0            # the generated video
-    audio: int = 0            # the generated stereo audio
+    video: int = 0  # the generated video
+    audio: int = 0  # the generated stereo audio
 
     @property
     def condition(self) -> int:
@@ -243,11 +260,14 @@ class Rows:
 
 def generated_rows(height: int, width: int, num_frames: int) -> Rows:
     """The rows of the generated video and audio: latent frames x rows per frame, and 2 x audio latents."""
-    return Rows(video=latent_frames(num_frames) * rows_per_latent_frame(height, width),
-                audio=AUDIO_CHANNELS * audio_latents(num_frames))
+    return Rows(
+        video=latent_frames(num_frames) * rows_per_latent_frame(height, width),
+        audio=AUDIO_CHANNELS * audio_latents(num_frames),
+    )
 
 
 # Vision tokens of keyframes and references (Qwen3-VL's processors).
+
 
 @dataclass(frozen=True)
 class VisionGeometry:
@@ -270,9 +290,17 @@ class VisionGeometry:
         image, video = config["image_processor"], config["video_processor"]
         if not (image.get("do_resize", True) and video.get("do_resize", True)):
             raise ValueError("text rows: processors with do_resize = False are not supported")
-        return cls(image["patch_size"], image["merge_size"], video["temporal_patch_size"], image["size"]["shortest_edge"],
-                   image["size"]["longest_edge"], video["size"]["shortest_edge"], video["size"]["longest_edge"],
-                   bool(video.get("cap_pixels_per_frame", False)), video.get("max_video_tokens", 768))
+        return cls(
+            image["patch_size"],
+            image["merge_size"],
+            video["temporal_patch_size"],
+            image["size"]["shortest_edge"],
+            image["size"]["longest_edge"],
+            video["size"]["shortest_edge"],
+            video["size"]["longest_edge"],
+            bool(video.get("cap_pixels_per_frame", False)),
+            video.get("max_video_tokens", 768),
+        )
 
     @property
     def factor(self) -> int:
@@ -295,8 +323,9 @@ class VisionGeometry:
         f, t = self.factor, self.temporal_patch_size
         max_pixels = self.video_max_pixels
         if self.cap_pixels_per_frame:
-            per_frame = max(min(self.max_video_tokens * f * f, self.video_max_pixels // frames),
-                            int(self.video_min_pixels * 1.05))
+            per_frame = max(
+                min(self.max_video_tokens * f * f, self.video_max_pixels // frames), int(self.video_min_pixels * 1.05)
+            )
             max_pixels = per_frame * frames
         if height < f or width < f:
             scale = max(f / height, f / width)
@@ -311,7 +340,7 @@ class VisionGeometry:
         return self._tokens(h_bar, w_bar)
 
     def _tokens(self, h_bar: int, w_bar: int) -> int:
-        return (h_bar // self.patch_size) * (w_bar // self.patch_size) // self.merge_size ** 2
+        return (h_bar // self.patch_size) * (w_bar // self.patch_size) // self.merge_size**2
 
 
 def sampled_frames(frames: int) -> int:
@@ -333,6 +362,7 @@ def video_block_timestamps(sampled: int, temporal_patch: int) -> list[float]:
 
 
 # The prompt.
+
 
 def prompt_problem(prompt: str, max_chars: int) -> str | None:
     """Why a prompt cannot be encoded, or None. Used verbatim: no template, no truncation (the model's contract)."""

@@ -67,8 +67,10 @@ def header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
         from gguf import GGUFReader
 
         tensors = GGUFReader(path).tensors
-        return ({t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in tensors},  # ggml lists dims
-                {t.name: t.tensor_type.name for t in tensors})                              # innermost first
+        return (
+            {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in tensors},  # ggml lists dims
+            {t.name: t.tensor_type.name for t in tensors},
+        )  # innermost first
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as f:
@@ -93,14 +95,21 @@ def check(path: str | Path, model_dir: str) -> None:
     found = _converted_shapes(path, shapes, model_dir, expected)
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())
-    wrong = [f"{name} {list(found[name])} (the transformer's: {list(shape)})" for name, shape in expected.items()
-             if name in found and found[name] != shape]
-    for problems, what in ((missing, "lacks"), (unexpected, "has tensors the transformer does not:"),
-                           (wrong, "has wrong shapes:")):
+    wrong = [
+        f"{name} {list(found[name])} (the transformer's: {list(shape)})"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]
+    for problems, what in (
+        (missing, "lacks"),
+        (unexpected, "has tensors the transformer does not:"),
+        (wrong, "has wrong shapes:"),
+    ):
         if problems:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-            raise CheckpointRefused(path, f"does not fit {config_folder(model_dir)}/config.json: it {what} "
-                                          f"{', '.join(problems[:3])}{more}")
+            raise CheckpointRefused(
+                path, f"does not fit {config_folder(model_dir)}/config.json: it {what} {', '.join(problems[:3])}{more}"
+            )
 
 
 def _check_types(path: Path, types: dict[str, str]) -> None:
@@ -111,19 +120,26 @@ def _check_types(path: Path, types: dict[str, str]) -> None:
     supported = {t.name for t in SUPPORTED_GGUF_QUANT_TYPES} | {"F32", "F16"}
     unsupported = sorted({kind for kind in types.values() if kind not in supported})
     if unsupported:
-        raise CheckpointRefused(path, f"GGUF type(s) {', '.join(unsupported)} are not among those diffusers "
-                                      f"dequantises ({', '.join(sorted(supported))})")
+        raise CheckpointRefused(
+            path,
+            f"GGUF type(s) {', '.join(unsupported)} are not among those diffusers "
+            f"dequantises ({', '.join(sorted(supported))})",
+        )
 
 
-def _converted_shapes(path: Path, shapes: dict[str, tuple[int, ...]], model_dir: str,
-                      expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def _converted_shapes(
+    path: Path, shapes: dict[str, tuple[int, ...]], model_dir: str, expected: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[int, ...]]:
     """The file's tensors as diffusers' converter names and shapes them (run on meta tensors: its refusals, the
     pruned checkpoint's among them, are its own words). A file already in diffusers' names is loaded as it is."""
     if shapes.keys() == expected.keys():
         return shapes
     if DETECTION_KEY not in shapes and "adaln_t_table" not in shapes:
-        raise CheckpointRefused(path, f"unknown layout: neither MiniMax-H3's published single-file layout (it has no "
-                                      f"{DETECTION_KEY}) nor diffusers' own")
+        raise CheckpointRefused(
+            path,
+            f"unknown layout: neither MiniMax-H3's published single-file layout (it has no "
+            f"{DETECTION_KEY}) nor diffusers' own",
+        )
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
     from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers as convert
 
@@ -142,12 +158,19 @@ def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
 
     if is_gguf(path):  # the quantiser keeps `_keep_in_fp32_modules` in float32 itself
-        return Transformer.from_single_file(str(path), config=str(model_dir), subfolder=PARTITION, torch_dtype=dtype,
-                                            local_files_only=True, qkv_layout=QKV_LAYOUT,
-                                            quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))
+        return Transformer.from_single_file(
+            str(path),
+            config=str(model_dir),
+            subfolder=PARTITION,
+            torch_dtype=dtype,
+            local_files_only=True,
+            qkv_layout=QKV_LAYOUT,
+            quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
+        )
     state = converted(path, model_dir)
-    model = Transformer.from_single_file(state, config=str(model_dir), subfolder=PARTITION, torch_dtype=dtype,
-                                         local_files_only=True)
+    model = Transformer.from_single_file(
+        state, config=str(model_dir), subfolder=PARTITION, torch_dtype=dtype, local_files_only=True
+    )
     keep_fp32_modules(model, state)
     return model
 

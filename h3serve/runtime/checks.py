@@ -39,8 +39,10 @@ def check_media_spec(spec: media_pb2.MediaSpec, geometry: Geometry, max_input_by
         check_id(f"items[{index}].asset_id", item.asset_id)
     total = sum(item.bytes for item in spec.items)
     if total > max_input_bytes:
-        raise InvalidRequest("items", f"{total} bytes of assets, over the {max_input_bytes} bytes a request may "
-                                      f"carry here (max_input_bytes)")
+        raise InvalidRequest(
+            "items",
+            f"{total} bytes of assets, over the {max_input_bytes} bytes a request may carry here (max_input_bytes)",
+        )
 
 
 def check_dtype(name: str, tensor: torch.Tensor, *dtypes: torch.dtype) -> None:

@@ -47,6 +47,8 @@ def time_report(least_s: float = 0.5) -> str:
     names, values = compile_times(repr="csv", aggregate=True)
     timers = sorted(((float(value), name) for name, value in zip(names, values)), reverse=True)
     spent = ", ".join(f"{name} {seconds:.1f} s" for seconds, name in timers if seconds >= least_s) or "none"
-    caches = "; ".join(f"{kind} " + ", ".join(f"{key} {count}" for key, count in sorted(counters[kind].items())
-                                               if "cache" in key) for kind in ("aot_autograd", "inductor"))
+    caches = "; ".join(
+        f"{kind} " + ", ".join(f"{key} {count}" for key, count in sorted(counters[kind].items()) if "cache" in key)
+        for kind in ("aot_autograd", "inductor")
+    )
     return f"compile time: {spent}; caches: {caches}"

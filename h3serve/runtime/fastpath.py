@@ -55,9 +55,14 @@ class FastPath:
         `compile`, `compile_dynamic`, `fp8`); fp8 quantises bf16 weights, so it needs `dtype = "bfloat16"`."""
         fp8 = getattr(config, "fp8", False)  # a key of [dit] only
         if fp8 and config.dtype != "bfloat16":
-            raise ValueError(f"fp8 needs dtype = \"bfloat16\" (the weights it quantises), got {config.dtype!r}")
-        return cls(attention=config.attention_backend, compile=config.compile,
-                   dynamic=config.compile and config.compile_dynamic, tune=config.compile_tuning, fp8=fp8)
+            raise ValueError(f'fp8 needs dtype = "bfloat16" (the weights it quantises), got {config.dtype!r}')
+        return cls(
+            attention=config.attention_backend,
+            compile=config.compile,
+            dynamic=config.compile and config.compile_dynamic,
+            tune=config.compile_tuning,
+            fp8=fp8,
+        )
 
     def describe(self) -> str:
         return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
@@ -100,8 +105,9 @@ def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool 
             eager = vars(block).setdefault(EAGER_FORWARD, block.forward)  # a recompile starts from it again
             parameters = list(inspect.signature(eager).parameters)
             if first and NOISE_LEVEL_ROWS in parameters:
-                block.register_forward_pre_hook(functools.partial(_rows_unbacked, parameters.index(NOISE_LEVEL_ROWS)),
-                                                with_kwargs=True)
+                block.register_forward_pre_hook(
+                    functools.partial(_rows_unbacked, parameters.index(NOISE_LEVEL_ROWS)), with_kwargs=True
+                )
             # The block's own forward, not the whole call `block.compile()` would compile: the hooks diffusers wraps
             # around a block then run eagerly outside its graph (group offload's copies, which compile refuses to
             # trace, and the sequence split's, whose shared wrapper made every block one code object to recompile).
@@ -142,5 +148,10 @@ def fp8_target(module: torch.nn.Module, name: str) -> bool:
     their dtype: they are small, and adapters switch by writing them; the layer they adapt (`<layer>.base_layer`)
     is quantised as any other. A linear already fp8 (assigned from the fp8 store, h3serve/runtime/fp8_store.py) is
     left as it is."""
-    return (isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks.")
-            and ".adaln_proj." not in name and ".lora_" not in name and not pinned.parts(module.weight))
+    return (
+        isinstance(module, torch.nn.Linear)
+        and name.startswith("transformer_blocks.")
+        and ".adaln_proj." not in name
+        and ".lora_" not in name
+        and not pinned.parts(module.weight)
+    )

@@ -48,7 +48,7 @@ log = logging.getLogger("h3serve.fp8_store")
 # assigns weights quantised or stored otherwise
 RECIPE = "torchao Float8DynamicActivationFloat8WeightConfig PerRow on fastpath.fp8_target, a file per block, v2"
 BLOCKS = "transformer_blocks"  # the module list whose blocks get a file each (and stream one by one)
-REST = "rest"                  # the file of everything else
+REST = "rest"  # the file of everything else
 
 
 def group_of(name: str) -> str:
@@ -84,16 +84,25 @@ class Fp8Store:
             model = random_full.skeleton(factory, self.dtype).requires_grad_(False)
             model.load_state_dict(state, strict=True, assign=True)
         except Exception as exc:  # noqa: BLE001 - whatever is wrong with the files, quantising again is the way on
-            log.warning("%s: %s does not load (%s): deleted, quantising again", partition, path,
-                        describe(exc, lines=1))
+            log.warning("%s: %s does not load (%s): deleted, quantising again", partition, path, describe(exc, lines=1))
             shutil.rmtree(path, ignore_errors=True)
             return None
-        log.info("%s: fp8 weights assigned from %s (%.1f GiB) in %.1f s", partition, path, _size_gib(path),
-                 time.perf_counter() - started)
+        log.info(
+            "%s: fp8 weights assigned from %s (%.1f GiB) in %.1f s",
+            partition,
+            path,
+            _size_gib(path),
+            time.perf_counter() - started,
+        )
         return model
 
-    def build(self, partition: str, weights: sharded_load.Weights, device: torch.device,
-              quantize: Callable[[torch.nn.Module, str], None]) -> None:
+    def build(
+        self,
+        partition: str,
+        weights: sharded_load.Weights,
+        device: torch.device,
+        quantize: Callable[[torch.nn.Module, str], None],
+    ) -> None:
         """Quantise the partition block by block from `weights` into its files: each block is filled on `device`
         (a GPU: fast, and no host memory), quantised there by `quantize(module, name prefix)`, and written by a
         writer thread while the next block is filled. Host memory holds at most two blocks' fp8 tensors."""
@@ -151,11 +160,21 @@ class Fp8Store:
             os.replace(partial, path)
         except OSError as exc:
             shutil.rmtree(partial, ignore_errors=True)
-            log.warning("%s: fp8 weights not saved to %s (%s): the next start quantises again", partition, path,
-                        describe(exc, lines=1))
+            log.warning(
+                "%s: fp8 weights not saved to %s (%s): the next start quantises again",
+                partition,
+                path,
+                describe(exc, lines=1),
+            )
             return
-        log.info("%s: fp8 weights saved to %s (%.1f GiB) in %.1f s%s", partition, path, _size_gib(path),
-                 time.perf_counter() - started, f" {how}" if how else "")
+        log.info(
+            "%s: fp8 weights saved to %s (%.1f GiB) in %.1f s%s",
+            partition,
+            path,
+            _size_gib(path),
+            time.perf_counter() - started,
+            f" {how}" if how else "",
+        )
 
 
 def _groups(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -166,8 +185,12 @@ def _groups(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, dict[str, tor
     yield from grouped.items()
 
 
-def _quantised_groups(model: torch.nn.Module, weights: sharded_load.Weights, device: torch.device,
-                      quantize: Callable[[torch.nn.Module, str], None]) -> Iterator[tuple[str, dict]]:
+def _quantised_groups(
+    model: torch.nn.Module,
+    weights: sharded_load.Weights,
+    device: torch.device,
+    quantize: Callable[[torch.nn.Module, str], None],
+) -> Iterator[tuple[str, dict]]:
     """The skeleton's block groups, each filled on `device`, quantised there and handed over on the CPU, then the rest
     (filled on the CPU: nothing in it is quantised)."""
     blocks = getattr(model, BLOCKS)

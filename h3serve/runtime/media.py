@@ -53,8 +53,9 @@ def read_media_stream(messages: Iterable[media_pb2.MediaInput]) -> tuple[media_p
             if current == len(spec.items) or chunk.asset_id != spec.items[current].asset_id:
                 raise MediaError(f"chunk of asset {chunk.asset_id!r} out of order: send the items' bytes in order")
             if chunk.offset != len(buffers[current]):
-                raise MediaError(f"asset {chunk.asset_id!r}: chunk at offset {chunk.offset}, "
-                                 f"expected {len(buffers[current])}")
+                raise MediaError(
+                    f"asset {chunk.asset_id!r}: chunk at offset {chunk.offset}, expected {len(buffers[current])}"
+                )
             buffers[current].extend(chunk.data)
             if len(buffers[current]) > spec.items[current].bytes:
                 raise MediaError(f"asset {chunk.asset_id!r}: more than the {spec.items[current].bytes} bytes announced")
@@ -74,8 +75,9 @@ def _to_model_rate(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
     import av
 
     layout = "mono" if audio.shape[0] == 1 else "stereo"
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(audio.numpy(), dtype=np.float32), format="fltp",
-                                       layout=layout)
+    frame = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(audio.numpy(), dtype=np.float32), format="fltp", layout=layout
+    )
     frame.sample_rate = sample_rate
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=rules.SAMPLE_RATE)
     out = [f.to_ndarray() for f in (*resampler.resample(frame), *resampler.resample(None))]
@@ -92,16 +94,22 @@ def decode_reference(kind: int, path: str):
 
     if kind == media_pb2.ASSET_KIND_IMAGE:
         return MiniMaxH3ImageReference.from_file(path)
-    reference = (MiniMaxH3VideoReference if kind == media_pb2.ASSET_KIND_VIDEO else MiniMaxH3AudioReference) \
-        .from_file(path)
+    reference = (MiniMaxH3VideoReference if kind == media_pb2.ASSET_KIND_VIDEO else MiniMaxH3AudioReference).from_file(
+        path
+    )
     if reference.audio is not None and reference.sample_rate != rules.SAMPLE_RATE:
-        reference.audio, reference.sample_rate = _to_model_rate(reference.audio, reference.sample_rate), \
-            rules.SAMPLE_RATE
+        reference.audio, reference.sample_rate = (
+            _to_model_rate(reference.audio, reference.sample_rate),
+            rules.SAMPLE_RATE,
+        )
     return reference
 
 
-KIND_NAMES = {media_pb2.ASSET_KIND_IMAGE: "an image", media_pb2.ASSET_KIND_VIDEO: "a video",
-              media_pb2.ASSET_KIND_AUDIO: "audio"}
+KIND_NAMES = {
+    media_pb2.ASSET_KIND_IMAGE: "an image",
+    media_pb2.ASSET_KIND_VIDEO: "a video",
+    media_pb2.ASSET_KIND_AUDIO: "audio",
+}
 
 
 def content_kind(data: bytes) -> tuple[int | None, str]:
@@ -169,15 +177,17 @@ class MediaPreparer:
         for workflow in workflows.WORKFLOWS:
             if workflow.media_fields:
                 pipe = workflow.setup_block().init_pipeline()
-                pipe.update_components(**{name: value for name, value in geometry.pipeline_configs().items()
-                                          if name in pipe.config})
+                pipe.update_components(
+                    **{name: value for name, value in geometry.pipeline_configs().items() if name in pipe.config}
+                )
                 self.pipes[workflow.value] = pipe
 
     def prepare(self, spec: media_pb2.MediaSpec, assets: list[MediaAsset]) -> PreparedMedia:
         decoded = [decode_asset(asset) for asset in assets]
         try:
-            prepared = workflows.by_value(spec.workflow).prepare_media(self.pipes[spec.workflow], spec,
-                                                                        [asset.item for asset in assets], decoded)
+            prepared = workflows.by_value(spec.workflow).prepare_media(
+                self.pipes[spec.workflow], spec, [asset.item for asset in assets], decoded
+            )
         except MediaError:
             raise
         except ValueError as exc:  # the model's own checks of the media
@@ -191,6 +201,8 @@ def _check_lengths(assets: list[MediaAsset], prepared: PreparedMedia) -> None:
     VAE's first chunk), refused by name as admission refuses its asset; they would raise a bare ValueError."""
     for asset, item in zip(assets, prepared.items):
         if getattr(item, "kind", None) == "video" and item.frames.shape[0] < rules.MIN_REFERENCE_FRAMES:
-            raise MediaError(f"asset {clip(asset.item.asset_id)}: a video reference needs at least "
-                             f"{rules.MIN_REFERENCE_FRAMES} frames at {rules.FPS} fps (17n+5, n >= 1), got "
-                             f"{item.frames.shape[0]}")
+            raise MediaError(
+                f"asset {clip(asset.item.asset_id)}: a video reference needs at least "
+                f"{rules.MIN_REFERENCE_FRAMES} frames at {rules.FPS} fps (17n+5, n >= 1), got "
+                f"{item.frames.shape[0]}"
+            )

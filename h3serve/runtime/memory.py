@@ -39,8 +39,9 @@ def fractions(config, device) -> list[tuple[torch.device, float]]:
     found = []
     for cuda in capped_devices(config, device):
         try:
-            found.append((cuda, limit_fraction(config.memory_limit_gib,
-                                               torch.cuda.get_device_properties(cuda).total_memory)))
+            found.append(
+                (cuda, limit_fraction(config.memory_limit_gib, torch.cuda.get_device_properties(cuda).total_memory))
+            )
         except ValueError as exc:
             raise MemoryLimitError(f"{cuda}: {exc}") from None
     return found
@@ -50,8 +51,13 @@ def cap(config, device) -> None:
     """Cap this process's CUDA allocator at `memory_limit_gib` on its device(s), before any weights load."""
     for cuda, fraction in fractions(config, device):
         torch.cuda.set_per_process_memory_fraction(fraction, cuda)
-        log.info("memory_limit_gib %g: allocator capped on %s at %.1f%% of its %.2f GiB", config.memory_limit_gib,
-                 cuda, 100 * fraction, torch.cuda.get_device_properties(cuda).total_memory / GIB)
+        log.info(
+            "memory_limit_gib %g: allocator capped on %s at %.1f%% of its %.2f GiB",
+            config.memory_limit_gib,
+            cuda,
+            100 * fraction,
+            torch.cuda.get_device_properties(cuda).total_memory / GIB,
+        )
 
 
 def release(device) -> None:

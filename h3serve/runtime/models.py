@@ -27,7 +27,7 @@ class ModelSource:
 
     model_dir: str | None = None
     transformer_file: str = ""  # `[dit] transformer_file`: the `transformer` partition from this file instead
-                                # (h3serve/runtime/checkpoints.py); the other components from model_dir
+    # (h3serve/runtime/checkpoints.py); the other components from model_dir
 
     @property
     def label(self) -> str:
@@ -77,8 +77,10 @@ class ModelSource:
         if self.model_dir == presets.RANDOM_FULL:
             return sharded_load.RandomWeights(name)
         if self.from_file(name):
-            raise ValueError(f"{name} comes from transformer_file {self.transformer_file!r}, which is loaded whole: "
-                             "a rank's shards and the fp8 store's blocks are read from the released layout's files")
+            raise ValueError(
+                f"{name} comes from transformer_file {self.transformer_file!r}, which is loaded whole: "
+                "a rank's shards and the fp8 store's blocks are read from the released layout's files"
+            )
         return sharded_load.Checkpoint.open(Path(self.model_dir) / name)
 
     def _load_dir(self, names: list[str], dtype: torch.dtype) -> dict[str, Any]:
@@ -90,8 +92,12 @@ class ModelSource:
         released = [name for name in names if not self.from_file(name)]
         if released:
             pipe.load_components(names=released, dtype=dtype)
-        return {name: checkpoints.load(self.transformer_file, self.model_dir, dtype) if self.from_file(name)
-                else getattr(pipe, name) for name in names}
+        return {
+            name: checkpoints.load(self.transformer_file, self.model_dir, dtype)
+            if self.from_file(name)
+            else getattr(pipe, name)
+            for name in names
+        }
 
     def from_file(self, name: str) -> bool:
         return bool(self.transformer_file) and name == checkpoints.PARTITION
@@ -108,7 +114,7 @@ def drop_unread_parts(components: dict[str, Any]) -> dict[str, Any]:
         return components
     layers = text_encoder.model.language_model.layers
     if len(layers) > presets.TEXT_ENCODER_LAYERS:
-        text_encoder.model.language_model.layers = layers[:presets.TEXT_ENCODER_LAYERS]
+        text_encoder.model.language_model.layers = layers[: presets.TEXT_ENCODER_LAYERS]
         text_encoder.config.text_config.num_hidden_layers = presets.TEXT_ENCODER_LAYERS
     text_encoder.lm_head = torch.nn.Identity()
     return components

@@ -16,8 +16,13 @@ import torch
 from h3serve.runtime import pinned
 
 
-def stream_from_host(module: torch.nn.Module, device: torch.device, block_modules: list[str] | None = None,
-                     use_stream: bool = True, arenas: pinned.Arenas | None = None) -> pinned.Arenas:
+def stream_from_host(
+    module: torch.nn.Module,
+    device: torch.device,
+    block_modules: list[str] | None = None,
+    use_stream: bool = True,
+    arenas: pinned.Arenas | None = None,
+) -> pinned.Arenas:
     """Keep `module`'s weights (on the CPU) in pinned host memory (`arenas`, or new ones), each block streamed to
     `device` as it runs. `use_stream=False` (ordinary host memory, no prefetch) runs the same hooks with the CPU as
     `device`, for tests. Returns the arenas that hold the weights."""
@@ -26,9 +31,15 @@ def stream_from_host(module: torch.nn.Module, device: torch.device, block_module
     # group offload with a stream pins a copy of every weight that is not pinned, keeping both until the first
     # forward (43.8 GiB twice in fp8): pinned in place, the weights are in host memory once
     arenas = pinned.pin_in_place(module, arenas or pinned.Arenas(pin=use_stream))
-    apply_group_offloading(module, onload_device=device, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
-                           block_modules=block_modules)
+    apply_group_offloading(
+        module,
+        onload_device=device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=use_stream,
+        block_modules=block_modules,
+    )
     _own_host_copies(module)
     return arenas
 

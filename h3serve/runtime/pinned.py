@@ -42,7 +42,7 @@ class Arenas:
             self.arenas.append(torch.empty(ARENA_BYTES, dtype=torch.uint8, pin_memory=self.pin))
             self.used.append(0)
         start = self.used[index]
-        view = self.arenas[index][start:start + span].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+        view = self.arenas[index][start : start + span].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
         view.copy_(tensor)
         self.used[index] = start + -(-span // ALIGN) * ALIGN
         return view
@@ -66,8 +66,9 @@ def parts(tensor: torch.Tensor) -> list[str]:
 def alias(tensor: torch.Tensor) -> torch.Tensor:
     """A second torchao tensor object over `tensor`'s own parts (no copy)."""
     names, attributes = tensor.__tensor_flatten__()
-    return type(tensor).__tensor_unflatten__({name: getattr(tensor, name) for name in names}, attributes,
-                                            tensor.size(), tensor.stride())
+    return type(tensor).__tensor_unflatten__(
+        {name: getattr(tensor, name) for name in names}, attributes, tensor.size(), tensor.stride()
+    )
 
 
 def pin_in_place(model: torch.nn.Module, arenas: Arenas | None = None) -> Arenas:

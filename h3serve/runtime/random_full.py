@@ -65,14 +65,17 @@ def fill(tensor: torch.Tensor, component: str, name: str, start: int = 0, shape:
         tensor.fill_(1.0)
     else:
         generator = torch.Generator(tensor.device).manual_seed(zlib.crc32(f"{component}.{name}@{start}".encode()))
-        tensor.uniform_(-shape[1:].numel() ** -0.5, shape[1:].numel() ** -0.5, generator=generator)
+        tensor.uniform_(-(shape[1:].numel() ** -0.5), shape[1:].numel() ** -0.5, generator=generator)
 
 
 def materialise(model: torch.nn.Module, component: str, device: str) -> torch.nn.Module:
     """Fill the skeleton's parameters (drawn on a GPU when there is one, the values depend only on that) and move
     them and the buffers to `device`, one tensor at a time."""
-    source = torch.device(device) if torch.device(device).type == "cuda" else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    source = (
+        torch.device(device)
+        if torch.device(device).type == "cuda"
+        else (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    )
     with torch.no_grad():
         for owner, module in model.named_modules():
             for attribute, param in list(module.named_parameters(recurse=False)):
@@ -87,8 +90,9 @@ def materialise(model: torch.nn.Module, component: str, device: str) -> torch.nn
 def text_encoder_factory(tokenizer, layers: int = presets.TEXT_ENCODER_LAYERS) -> Callable[[], torch.nn.Module]:
     from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny.qwen3_vl_config(tokenizer, {**presets.QWEN3_VL_32B_TEXT, "num_hidden_layers": layers},
-                                presets.QWEN3_VL_32B_VISION)
+    config = tiny.qwen3_vl_config(
+        tokenizer, {**presets.QWEN3_VL_32B_TEXT, "num_hidden_layers": layers}, presets.QWEN3_VL_32B_VISION
+    )
     return lambda: Qwen3VLForConditionalGeneration(config)
 
 

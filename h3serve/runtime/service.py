@@ -37,8 +37,9 @@ def check_host_memory(service: str, config: ModelServiceConfig, meminfo: str = M
         log.warning("%s: %s unreadable: host memory not checked", service, meminfo)
         return
     need = memory_plan.check_host(service, config, found.available / GIB)
-    log.info("%s: host memory: %.1f GiB at start predicted, %.1f GiB available", service, need.start,
-             found.available / GIB)
+    log.info(
+        "%s: host memory: %.1f GiB at start predicted, %.1f GiB available", service, need.start, found.available / GIB
+    )
 
 
 def load_model_service(service: str, names: list[str], config: ModelServiceConfig):
@@ -59,8 +60,21 @@ def load_model_service(service: str, names: list[str], config: ModelServiceConfi
     source = ModelSource(config.model_dir or None)
     started = time.perf_counter()
     components = source.load(names, config.device, config.dtype)
-    model = common_pb2.ModelInfo(model_revision=source.revision(), source=source.label, device=config.device,
-                                 dtype=config.dtype, components=names)
-    log.info("%s: loaded %s from %s (%s) on %s/%s in %.1f s", service, ", ".join(names), source.label,
-             model.model_revision, config.device, config.dtype, time.perf_counter() - started)
+    model = common_pb2.ModelInfo(
+        model_revision=source.revision(),
+        source=source.label,
+        device=config.device,
+        dtype=config.dtype,
+        components=names,
+    )
+    log.info(
+        "%s: loaded %s from %s (%s) on %s/%s in %.1f s",
+        service,
+        ", ".join(names),
+        source.label,
+        model.model_revision,
+        config.device,
+        config.dtype,
+        time.perf_counter() - started,
+    )
     return components, model

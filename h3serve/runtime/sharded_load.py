@@ -32,8 +32,8 @@ class LocalRows:
     [r * ceil(n / world), ...), fewer on the last ranks."""
 
     tensor: torch.Tensor  # the local shard: writing it writes what FSDP2 gathers
-    start: int            # its first row in the whole parameter
-    shape: torch.Size     # the whole parameter's
+    start: int  # its first row in the whole parameter
+    shape: torch.Size  # the whole parameter's
 
     @classmethod
     def of(cls, param: DTensor) -> LocalRows:
@@ -105,7 +105,7 @@ class Checkpoint:
         if name not in self.files:
             raise KeyError(f"{self.folder}: the checkpoint has no tensor {name!r}")
         with safe_open(self.files[name], framework="pt") as f:  # closed per tensor: its mapped pages go with it
-            rows.tensor.copy_(f.get_slice(name)[rows.start:rows.start + rows.tensor.shape[0]])
+            rows.tensor.copy_(f.get_slice(name)[rows.start : rows.start + rows.tensor.shape[0]])
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,17 @@ import torch
 
 from h3serve.model import presets
 
-ALL_COMPONENTS = ("transformer", "transformer_ref", "vae", "audio_vae", "text_encoder", "tokenizer",
-                  "processor", "scheduler", "audio_scheduler")
+ALL_COMPONENTS = (
+    "transformer",
+    "transformer_ref",
+    "vae",
+    "audio_vae",
+    "text_encoder",
+    "tokenizer",
+    "processor",
+    "scheduler",
+    "audio_scheduler",
+)
 
 
 def seeded(name: str):
@@ -28,8 +37,11 @@ def build_processor(tokenizer):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(**presets.TINY_IMAGE_PROCESSOR),
-                            tokenizer=tokenizer, video_processor=Qwen3VLVideoProcessor(**presets.TINY_VIDEO_PROCESSOR))
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(**presets.TINY_IMAGE_PROCESSOR),
+        tokenizer=tokenizer,
+        video_processor=Qwen3VLVideoProcessor(**presets.TINY_VIDEO_PROCESSOR),
+    )
 
 
 def qwen3_vl_config(tokenizer, text: dict, vision: dict):
@@ -38,17 +50,21 @@ def qwen3_vl_config(tokenizer, text: dict, vision: dict):
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in presets.SPECIAL_TOKENS}
     return Qwen3VLConfig(
-        text_config=text, vision_config=vision,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
     )
 
 
 def build_text_encoder(tokenizer):
     from transformers import Qwen3VLForConditionalGeneration
 
-    config = qwen3_vl_config(tokenizer, {"vocab_size": len(tokenizer), **presets.TINY_TEXT_ENCODER_TEXT},
-                             presets.TINY_TEXT_ENCODER_VISION)
+    config = qwen3_vl_config(
+        tokenizer, {"vocab_size": len(tokenizer), **presets.TINY_TEXT_ENCODER_TEXT}, presets.TINY_TEXT_ENCODER_VISION
+    )
     seeded("text_encoder")
     return Qwen3VLForConditionalGeneration(config).eval()
 
@@ -58,10 +74,12 @@ def build_component(name: str):
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
     from diffusers.schedulers import MiniMaxH3Scheduler
 
-    models = {"transformer": (MiniMaxH3Transformer3DModel, presets.TINY_TRANSFORMER),
-              "transformer_ref": (MiniMaxH3Transformer3DModel, presets.TINY_TRANSFORMER),
-              "vae": (AutoencoderKLMiniMaxH3, presets.TINY_VAE),
-              "audio_vae": (AutoencoderKLMiniMaxH3Audio, presets.TINY_AUDIO_VAE)}
+    models = {
+        "transformer": (MiniMaxH3Transformer3DModel, presets.TINY_TRANSFORMER),
+        "transformer_ref": (MiniMaxH3Transformer3DModel, presets.TINY_TRANSFORMER),
+        "vae": (AutoencoderKLMiniMaxH3, presets.TINY_VAE),
+        "audio_vae": (AutoencoderKLMiniMaxH3Audio, presets.TINY_AUDIO_VAE),
+    }
     if name in models:
         cls, config = models[name]
         seeded(name)

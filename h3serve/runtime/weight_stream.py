@@ -37,11 +37,11 @@ import torch
 from h3serve.runtime import pinned
 
 log = logging.getLogger("h3serve.weight_stream")
-PREFETCH = 2          # blocks copied ahead of the one running: the copy thread never waits for the GPU to ask
+PREFETCH = 2  # blocks copied ahead of the one running: the copy thread never waits for the GPU to ask
 LIVE_BLOCKS = PREFETCH + 2  # block buffers on the GPU at most: the one running, the one finishing, those ahead
 RELEASE_WAIT_S = 5.0  # a buffer a failed forward never gave back is not waited for longer than this
-STAGING_SLOTS = 2     # pinned buffers of one block each: one being filled while the other's copy to the GPU runs
-COPY_THREADS = 8      # threads copying from the page cache into a slot (one memcpy runs at a few GB/s)
+STAGING_SLOTS = 2  # pinned buffers of one block each: one being filled while the other's copy to the GPU runs
+COPY_THREADS = 8  # threads copying from the page cache into a slot (one memcpy runs at a few GB/s)
 CHUNK_BYTES = 64 << 20
 
 
@@ -52,7 +52,7 @@ class Part:
     owner: torch.Tensor
     attribute: str | None
     source: torch.Tensor  # in host memory, memory-mapped
-    offset: int           # in the block's buffer
+    offset: int  # in the block's buffer
 
     def point_at(self, tensor: torch.Tensor) -> None:
         if self.attribute is None:
@@ -62,7 +62,7 @@ class Part:
 
     def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
         span = pinned.span_bytes(self.source)
-        view = buffer[self.offset:self.offset + span].view(self.source.dtype)
+        view = buffer[self.offset : self.offset + span].view(self.source.dtype)
         return view.as_strided(self.source.shape, self.source.stride())
 
 
@@ -96,21 +96,27 @@ class BlockStream:
             block.register_forward_hook(lambda module, args, output, i=index: self._after(i))
         staged = {id(part.owner) for parts in self.parts for part in parts}
         _move_others(model, staged, device)
-        self.block_bytes = [max((p.offset + pinned.span_bytes(p.source) for p in parts), default=0)
-                            for parts in self.parts]
+        self.block_bytes = [
+            max((p.offset + pinned.span_bytes(p.source) for p in parts), default=0) for parts in self.parts
+        ]
         largest = max(self.block_bytes, default=0)
-        self.slots = [Slot(torch.empty(largest, dtype=torch.uint8, pin_memory=self.cuda))
-                      for _ in range(STAGING_SLOTS)]
+        self.slots = [Slot(torch.empty(largest, dtype=torch.uint8, pin_memory=self.cuda)) for _ in range(STAGING_SLOTS)]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.onloads: dict[int, Onload] = {}
         self.requests: queue.Queue[tuple[int, Onload]] = queue.Queue()
         self.released: queue.Queue[torch.cuda.Event | None] = queue.Queue()  # one per block buffer given back
-        self.live = 0      # block buffers allocated and not yet known to be finished with
+        self.live = 0  # block buffers allocated and not yet known to be finished with
         self.peak_live = 0
         self.copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="stream-copy")
         threading.Thread(target=self._copy_loop, name="weight-stream", daemon=True).start()
-        log.info("%d blocks (%.1f GiB) streamed to %s from memory-mapped files through %d pinned slots of %d MiB",
-                 len(self.parts), sum(self.block_bytes) / 2**30, device, STAGING_SLOTS, largest >> 20)
+        log.info(
+            "%d blocks (%.1f GiB) streamed to %s from memory-mapped files through %d pinned slots of %d MiB",
+            len(self.parts),
+            sum(self.block_bytes) / 2**30,
+            device,
+            STAGING_SLOTS,
+            largest >> 20,
+        )
 
     def _request(self, index: int) -> Onload:
         if index not in self.onloads:
@@ -157,10 +163,16 @@ class BlockStream:
         if slot.event is not None:
             slot.event.synchronize()  # its last copy to the GPU has read it
         size = self.block_bytes[index]
-        chunks = [(slot.buffer.data_ptr() + part.offset + start, part.source.data_ptr() + start,
-                   min(CHUNK_BYTES, span - start))
-                  for part in self.parts[index] for span in [pinned.span_bytes(part.source)]
-                  for start in range(0, span, CHUNK_BYTES)]
+        chunks = [
+            (
+                slot.buffer.data_ptr() + part.offset + start,
+                part.source.data_ptr() + start,
+                min(CHUNK_BYTES, span - start),
+            )
+            for part in self.parts[index]
+            for span in [pinned.span_bytes(part.source)]
+            for start in range(0, span, CHUNK_BYTES)
+        ]
         list(self.copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
         self._wait_for_room()  # after the memcpy: the host's copy overlaps the wait for the GPU
         if not self.cuda:
@@ -214,4 +226,3 @@ def _move_others(model: torch.nn.Module, staged: set[int], device: torch.device)
             continue
         for attribute, piece in _pieces(tensor):
             Part(tensor, attribute, piece, 0).point_at(piece.to(device))
-

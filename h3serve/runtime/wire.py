@@ -72,11 +72,12 @@ def encode(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> l
         raise WireError(f"tensor {name!r}: dtype {tensor.dtype} has no wire form")
     dtype = _TO_WIRE[tensor.dtype]
     data = _as_bytes(tensor)
-    head = tensor_pb2.Tensor(dtype=dtype, shape=list(tensor.shape), nbytes=data.nbytes,
-                             key=content_key(dtype, tensor.shape, data))
+    head = tensor_pb2.Tensor(
+        dtype=dtype, shape=list(tensor.shape), nbytes=data.nbytes, key=content_key(dtype, tensor.shape, data)
+    )
     chunks = []
     for offset in range(0, max(data.nbytes, 1), chunk_bytes):
-        piece = tensor_pb2.Tensor(data=bytes(data[offset:offset + chunk_bytes]))
+        piece = tensor_pb2.Tensor(data=bytes(data[offset : offset + chunk_bytes]))
         if offset == 0:
             piece.MergeFrom(head)
         chunks.append(tensor_pb2.TensorChunk(name=name, tensor=piece, offset=offset))
@@ -101,14 +102,15 @@ class TensorAssembler:
             self._finish_current()
             self._start(chunk)
         elif chunk.name != self._name:
-            raise WireError(f"chunk of tensor {shown(chunk.name)} at offset {chunk.offset} arrived without its "
-                            f"first chunk")
+            raise WireError(
+                f"chunk of tensor {shown(chunk.name)} at offset {chunk.offset} arrived without its first chunk"
+            )
         elif chunk.offset != self._filled:
             raise WireError(f"tensor {shown(chunk.name)}: chunk at offset {chunk.offset}, expected {self._filled}")
         data = chunk.tensor.data
         if self._filled + len(data) > len(self._buf):
             raise WireError(f"tensor {shown(chunk.name)}: more bytes than the {len(self._buf)} announced")
-        self._buf[self._filled:self._filled + len(data)] = data
+        self._buf[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
 
     def _start(self, chunk: tensor_pb2.TensorChunk) -> None:
@@ -128,16 +130,19 @@ class TensorAssembler:
             raise WireError(f"tensor {shown_name}: unknown dtype {head.dtype}")
         shape = list(head.shape)
         if len(shape) > MAX_DIMS or any(dim < 0 for dim in shape):
-            raise WireError(f"tensor {shown_name}: shape {shape[:MAX_DIMS + 1]}; at most {MAX_DIMS} dimensions, "
-                            f"none negative")
+            raise WireError(
+                f"tensor {shown_name}: shape {shape[: MAX_DIMS + 1]}; at most {MAX_DIMS} dimensions, none negative"
+            )
         needed = torch.empty(0, dtype=_FROM_WIRE[head.dtype]).element_size()
         for dim in shape:
             needed *= dim  # Python integers: no overflow to a small product
         if needed != head.nbytes:
             raise WireError(f"tensor {shown_name}: shape {shape} needs {needed} bytes, header says {head.nbytes}")
         if self._expected is not None and head.nbytes > self._expected.max_bytes - self._allocated:
-            raise WireError(f"tensor {shown_name}: {head.nbytes} bytes, over the {self._expected.max_bytes} bytes a "
-                            f"request may carry here ({self._allocated} already announced)")
+            raise WireError(
+                f"tensor {shown_name}: {head.nbytes} bytes, over the {self._expected.max_bytes} bytes a "
+                f"request may carry here ({self._allocated} already announced)"
+            )
 
     def _finish_current(self) -> None:
         if self._name is None:
@@ -185,8 +190,9 @@ def refusal_heard(messages: Iterable) -> Iterator[None]:
         raise
 
 
-def read_spec_stream(messages: Iterable, expect: Callable[[object], Expected]
-                     ) -> tuple[object, dict[str, torch.Tensor]]:
+def read_spec_stream(
+    messages: Iterable, expect: Callable[[object], Expected]
+) -> tuple[object, dict[str, torch.Tensor]]:
     """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
 
     `expect(spec)` runs as soon as the spec arrives, before any chunk is read: it checks the spec (raising to

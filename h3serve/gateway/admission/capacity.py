@@ -50,7 +50,7 @@ class CapacityTable:
             for canvas, limit in canvases.items():
                 sides = canvas.split("x")
                 if canvas != ANY_CANVAS and not (len(sides) == 2 and all(side.isdigit() for side in sides)):
-                    raise ValueError(f"capacity.{workflow}: canvas keys are \"HxW\" or \"*\", got {canvas!r}")
+                    raise ValueError(f'capacity.{workflow}: canvas keys are "HxW" or "*", got {canvas!r}')
                 if not isinstance(limit, int) or limit <= 0:
                     raise ValueError(f"capacity.{workflow}.{canvas}: rows must be a positive integer, got {limit!r}")
 
@@ -60,19 +60,23 @@ class CapacityTable:
 
     def max_frames(self, limit: int, height: int, width: int, text_rows: int, condition_rows: int = 0) -> int | None:
         """The longest valid frame count whose rows fit `limit`; None when even the shortest does not."""
-        fitting = [f for f in VALID_NUM_FRAMES
-                   if packed_rows(height, width, f, text_rows, condition_rows).total <= limit]
+        fitting = [
+            f for f in VALID_NUM_FRAMES if packed_rows(height, width, f, text_rows, condition_rows).total <= limit
+        ]
         return fitting[-1] if fitting else None
 
     def admit(self, request: gateway_pb2.ResolvedRequest) -> Rows:
         """The request's rows (its `text_rows` and `condition_rows` counted); OverCapacity naming the frame ceiling
         when they exceed max_rows or the table's limit for its workflow and canvas."""
-        rows = packed_rows(request.height, request.width, request.num_frames, request.text_rows,
-                           request.condition_rows)
+        rows = packed_rows(request.height, request.width, request.num_frames, request.text_rows, request.condition_rows)
         canvas = canvas_key(request.height, request.width)
-        limits = [(self.max_rows, "max_rows"),
-                  (self.limit(request.workflow, request.height, request.width),
-                   f"{workflows.by_value(request.workflow).name} capacity at {canvas}")]
+        limits = [
+            (self.max_rows, "max_rows"),
+            (
+                self.limit(request.workflow, request.height, request.width),
+                f"{workflows.by_value(request.workflow).name} capacity at {canvas}",
+            ),
+        ]
         for limit, name in limits:
             if limit is not None and rows.total > limit:
                 raise self._refusal(request, rows, limit, name)
@@ -86,9 +90,12 @@ class CapacityTable:
         else:
             field = "references" if request.references else "height"
             allowed = f"{canvas} allows no video here, not even {VALID_NUM_FRAMES[0]} frames"
-        return OverCapacity(field, f"{allowed}: {request.num_frames} frames need {rows.total:,} packed rows "
-                                   f"(text {rows.text}, audio {rows.audio}, video {rows.video}, conditioning "
-                                   f"{rows.condition}), this deployment's {name} is {limit:,}")
+        return OverCapacity(
+            field,
+            f"{allowed}: {request.num_frames} frames need {rows.total:,} packed rows "
+            f"(text {rows.text}, audio {rows.audio}, video {rows.video}, conditioning "
+            f"{rows.condition}), this deployment's {name} is {limit:,}",
+        )
 
     def table(self, text_rows: int) -> list[tuple[str, str, int, int | None]]:
         """(workflow, canvas, max rows, max frames for a prompt of `text_rows` rows) for every configured entry, its

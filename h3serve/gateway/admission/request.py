@@ -45,8 +45,12 @@ def _no_assets(asset_id: str) -> None:
     return None
 
 
-def resolve(req: gateway_pb2.GenerateRequest, limits: RequestLimits, assets: AssetLookup = _no_assets,
-            catalog: AdapterCatalog = AdapterCatalog()) -> gateway_pb2.ResolvedRequest:
+def resolve(
+    req: gateway_pb2.GenerateRequest,
+    limits: RequestLimits,
+    assets: AssetLookup = _no_assets,
+    catalog: AdapterCatalog = AdapterCatalog(),
+) -> gateway_pb2.ResolvedRequest:
     """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one.
     `catalog`: the adapters the DiT loaded (its Info), which the request's adapters must name."""
     problem = rules.prompt_problem(req.prompt, limits.max_prompt_chars)
@@ -56,9 +60,16 @@ def resolve(req: gateway_pb2.GenerateRequest, limits: RequestLimits, assets: Ass
     height, width = _canvas(req.height, req.width, limits.geometry)
     params = _params(req, limits, workflow, catalog)
     resolved = gateway_pb2.ResolvedRequest(
-        prompt=req.prompt, height=height, width=width, num_frames=_num_frames(req.num_frames, req.seconds),
-        workflow=workflow.value, params=params, num_inference_steps=params.num_inference_steps, seed=params.seed,
-        include_raw=params.include_raw)
+        prompt=req.prompt,
+        height=height,
+        width=width,
+        num_frames=_num_frames(req.num_frames, req.seconds),
+        workflow=workflow.value,
+        params=params,
+        num_inference_steps=params.num_inference_steps,
+        seed=params.seed,
+        include_raw=params.include_raw,
+    )
     workflow.resolve_media(req, resolved, assets, limits.geometry)
     _check_labels(resolved.prompt, workflow.label_counts(resolved))
     resolved.condition_rows = workflow.condition_rows(resolved, assets, limits.geometry).condition
@@ -71,17 +82,26 @@ def _canvas(height: int, width: int, geometry: Geometry) -> tuple[int, int]:
     default = "x".join(map(str, geometry.default_canvas))
     for field, value, other in (("height", height, "width"), ("width", width, "height")):
         if not value:
-            raise InvalidRequest(field, f"required when {other} is set: height and width go together "
-                                        f"(or leave both 0 for the default {default})")
+            raise InvalidRequest(
+                field,
+                f"required when {other} is set: height and width go together "
+                f"(or leave both 0 for the default {default})",
+            )
         if value <= 0 or value % rules.CANVAS_MULTIPLE:
             raise InvalidRequest(field, f"must be a positive multiple of {rules.CANVAS_MULTIPLE}, got {value}")
     if not rules.aspect_ok(width, height):
         longer = "width" if width > height else "height"
-        raise InvalidRequest(longer, f"aspect ratio width/height must be within 1:{rules.MAX_ASPECT} and "
-                                     f"{rules.MAX_ASPECT}:1, got height {height}, width {width} ({width / height:g})")
+        raise InvalidRequest(
+            longer,
+            f"aspect ratio width/height must be within 1:{rules.MAX_ASPECT} and "
+            f"{rules.MAX_ASPECT}:1, got height {height}, width {width} ({width / height:g})",
+        )
     if height * width > geometry.canvas_max_pixels:
-        raise InvalidRequest("height", f"height*width must be at most {geometry.canvas_max_pixels:,} pixels (the "
-                                       f"model's canvas budget), got {height}*{width} = {height * width:,}")
+        raise InvalidRequest(
+            "height",
+            f"height*width must be at most {geometry.canvas_max_pixels:,} pixels (the "
+            f"model's canvas budget), got {height}*{width} = {height * width:,}",
+        )
     return height, width
 
 
@@ -91,24 +111,31 @@ def _num_frames(num_frames: int, seconds: float) -> int:
     if seconds:
         frames = rules.frames_for_seconds(seconds)
         if frames is None:
-            raise InvalidRequest("seconds", f"must be between {rules.MIN_SECONDS} and {rules.MAX_SECONDS_EXACT:g} "
-                                            f"({VALID_NUM_FRAMES[-1]} frames, the longest 17n+5 within "
-                                            f"{rules.MIN_SECONDS}-{rules.MAX_SECONDS} s at {rules.FPS} fps), "
-                                            f"got {seconds:g}")
+            raise InvalidRequest(
+                "seconds",
+                f"must be between {rules.MIN_SECONDS} and {rules.MAX_SECONDS_EXACT:g} "
+                f"({VALID_NUM_FRAMES[-1]} frames, the longest 17n+5 within "
+                f"{rules.MIN_SECONDS}-{rules.MAX_SECONDS} s at {rules.FPS} fps), "
+                f"got {seconds:g}",
+            )
         return frames
     if not num_frames:
         return rules.DEFAULT_NUM_FRAMES
     if num_frames not in VALID_NUM_FRAMES:
         above = [f for f in VALID_NUM_FRAMES if f >= num_frames]
         hint = f"{num_frames} rounds up to {above[0]}" if above else f"{num_frames} is above {VALID_NUM_FRAMES[-1]}"
-        raise InvalidRequest("num_frames", f"must be 17n+5 between {VALID_NUM_FRAMES[0]} and {VALID_NUM_FRAMES[-1]} "
-                                           f"({rules.MIN_SECONDS}-{rules.MAX_SECONDS} s at {rules.FPS} fps): "
-                                           f"{', '.join(map(str, VALID_NUM_FRAMES))}; {hint}")
+        raise InvalidRequest(
+            "num_frames",
+            f"must be 17n+5 between {VALID_NUM_FRAMES[0]} and {VALID_NUM_FRAMES[-1]} "
+            f"({rules.MIN_SECONDS}-{rules.MAX_SECONDS} s at {rules.FPS} fps): "
+            f"{', '.join(map(str, VALID_NUM_FRAMES))}; {hint}",
+        )
     return num_frames
 
 
-def _params(req: gateway_pb2.GenerateRequest, limits: RequestLimits, workflow: Workflow,
-            catalog: AdapterCatalog) -> common_pb2.GenerationParams:
+def _params(
+    req: gateway_pb2.GenerateRequest, limits: RequestLimits, workflow: Workflow, catalog: AdapterCatalog
+) -> common_pb2.GenerationParams:
     """The request's options with the deprecated top-level fields folded in, every default applied: the adapters'
     weights, and the steps and shifts their sidecars recommend when the request leaves them unset."""
     params = common_pb2.GenerationParams()
@@ -117,16 +144,22 @@ def _params(req: gateway_pb2.GenerateRequest, limits: RequestLimits, workflow: W
         if not _is_set(req, name):
             continue
         if _is_set(params, name) and getattr(params, name) != getattr(req, name):
-            raise InvalidRequest(name, f"set at the top level ({getattr(req, name)}) and in params "
-                                       f"({getattr(params, name)}); set params.{name} only")
+            raise InvalidRequest(
+                name,
+                f"set at the top level ({getattr(req, name)}) and in params "
+                f"({getattr(params, name)}); set params.{name} only",
+            )
         setattr(params, name, getattr(req, name))
     adapters.check(params, workflow, catalog)
     adapters.resolve(params, catalog, limits.default_steps)
     steps = params.num_inference_steps
     if not 2 <= steps <= limits.max_steps:
-        raise InvalidRequest("num_inference_steps", f"must be between 2 and {limits.max_steps} (sigma grid points: "
-                                                    f"N gives N-1 denoise steps, so 1 would denoise nothing), "
-                                                    f"got {steps}")
+        raise InvalidRequest(
+            "num_inference_steps",
+            f"must be between 2 and {limits.max_steps} (sigma grid points: "
+            f"N gives N-1 denoise steps, so 1 would denoise nothing), "
+            f"got {steps}",
+        )
     params.num_inference_steps = steps
     if not params.HasField("seed"):
         params.seed = secrets.randbits(63)
@@ -145,5 +178,8 @@ def _check_labels(prompt: str, available: dict[str, int]) -> None:
     for kind, number in _LABEL.findall(prompt):
         count = available.get(kind, 0)
         if not 1 <= int(number) <= count:
-            raise InvalidRequest("prompt", f"names <{kind} {number}>, but the request has {count} {kind.lower()}(s) "
-                                           f"to refer to (numbered per kind from 1, in request order)")
+            raise InvalidRequest(
+                "prompt",
+                f"names <{kind} {number}>, but the request has {count} {kind.lower()}(s) "
+                f"to refer to (numbered per kind from 1, in request order)",
+            )

@@ -85,5 +85,7 @@ class ServedWorkflows:
     def check(workflow: int, offer: DiTOffer | None) -> None:
         if offer is not None and workflow not in offer.workflows:
             names = ", ".join(registry.by_value(w).name for w in sorted(offer.workflows))
-            raise WorkflowNotServed(f"workflow: this deployment serves {names}; its DiT replicas do not load "
-                                    f"{registry.by_value(workflow).name} (the [dit] workflows setting)")
+            raise WorkflowNotServed(
+                f"workflow: this deployment serves {names}; its DiT replicas do not load "
+                f"{registry.by_value(workflow).name} (the [dit] workflows setting)"
+            )

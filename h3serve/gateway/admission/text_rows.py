@@ -42,8 +42,10 @@ class TextCounter:
             config = json.loads((Path(model_dir) / "processor" / "processor_config.json").read_text())
         else:
             tokenizer, config = presets.tiny_tokenizer(), presets.tiny_processor_config()
-        return cls(lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
-                   VisionGeometry.from_processor_config(config))
+        return cls(
+            lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
+            VisionGeometry.from_processor_config(config),
+        )
 
     def tokens(self, text: str) -> int:
         return self.count_tokens(text)
@@ -56,8 +58,9 @@ class TextCounter:
         """The label "<Video k>: " and one timestamped vision block per temporal patch of `frames` sampled frames."""
         stamps = rules.video_block_timestamps(frames, self.vision.temporal_patch_size)
         per_block = VISION_MARKERS + self.vision.video_block_tokens(frames, height, width)
-        return self.tokens(f"<Video {index}>: ") + sum(self.tokens(f"<{stamp:.1f} seconds>") + per_block
-                                                       for stamp in stamps)
+        return self.tokens(f"<Video {index}>: ") + sum(
+            self.tokens(f"<{stamp:.1f} seconds>") + per_block for stamp in stamps
+        )
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,16 @@ def _digest(request: gateway_pb2.GenerateRequest) -> str:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, runner: JobRunner,
-                 health: StageHealth, assets: AssetStore, text_rows: TextRows) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        store: JobStore,
+        hub: EventHub,
+        runner: JobRunner,
+        health: StageHealth,
+        assets: AssetStore,
+        text_rows: TextRows,
+    ) -> None:
         self.config, self.limits = config, RequestLimits.from_config(config)
         self.capacity = CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
@@ -69,17 +77,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             offer = await self.served.offer()
             catalog = offer.adapters if offer else None
             if catalog is None and request.params.adapters:
-                raise AdaptersUnknown("adapters: no DiT replica is serving now (down or still loading), so the "
-                                      "adapters cannot be checked nor their recommended steps and shifts applied; "
-                                      "try again")
+                raise AdaptersUnknown(
+                    "adapters: no DiT replica is serving now (down or still loading), so the "
+                    "adapters cannot be checked nor their recommended steps and shifts applied; "
+                    "try again"
+                )
             resolved = resolve(request, self.limits, assets.get, AdapterCatalog() if catalog is None else catalog)
             self._check_prompt_tokens(resolved.prompt)
             self.served.check(resolved.workflow, offer)
             resolved.text_rows = self.text_rows(resolved, assets.get)
             resolved.total_rows = self.capacity.admit(resolved).total
             job, created = await self.store.submit(
-                uuid.uuid4().hex[:16], resolved, request_id, _digest(request), self.config.max_unfinished_jobs,
-                first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)))
+                uuid.uuid4().hex[:16],
+                resolved,
+                request_id,
+                _digest(request),
+                self.config.max_unfinished_jobs,
+                first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)),
+            )
         except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except WorkflowNotServed as exc:
@@ -92,8 +107,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         if created:
             self.runner.start(job.job_id, resolved)
-            log.info("job %s accepted: %dx%d, %d frames, %d steps, seed %d", job.job_id, resolved.height,
-                     resolved.width, resolved.num_frames, resolved.params.num_inference_steps, resolved.params.seed)
+            log.info(
+                "job %s accepted: %dx%d, %d frames, %d steps, seed %d",
+                job.job_id,
+                resolved.height,
+                resolved.width,
+                resolved.num_frames,
+                resolved.params.num_inference_steps,
+                resolved.params.seed,
+            )
         return job
 
     def _check_prompt_tokens(self, prompt: str) -> None:
@@ -122,23 +144,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def ListJobs(self, request, context):
         page_size = request.page_size or DEFAULT_PAGE_SIZE
         if not 1 <= page_size <= MAX_PAGE_SIZE:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"page_size: must be within 1..{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), "
-                                f"got {request.page_size}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"page_size: must be within 1..{MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE}), got {request.page_size}",
+            )
         unknown = [s for s in request.states if s not in gateway_pb2.JobState.values() or s == 0]
         if unknown:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"states: unknown job state(s) {unknown[:8]}; "
-                                                                  f"known: 1..{max(gateway_pb2.JobState.values())}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"states: unknown job state(s) {unknown[:8]}; known: 1..{max(gateway_pb2.JobState.values())}",
+            )
         cursor = await self._list_cursor(request, context)
-        jobs, next_rowid = await self.store.list_jobs(list(request.states), page_size, cursor,
-                                                      deleted=request.deleted, oldest_first=request.oldest_first)
+        jobs, next_rowid = await self.store.list_jobs(
+            list(request.states), page_size, cursor, deleted=request.deleted, oldest_first=request.oldest_first
+        )
         return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
 
     async def _list_cursor(self, request: gateway_pb2.ListJobsRequest, context) -> int:
         """Where a listing continues: after the page_token's row, or after the job named by after_job_id."""
         if request.after_job_id and request.page_token:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "after_job_id: give either after_job_id or page_token, not both")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "after_job_id: give either after_job_id or page_token, not both"
+            )
         if job_id := request.after_job_id:
             position = await self.store.position(job_id) if len(job_id) <= MAX_ID_CHARS else 0
             if not position:
@@ -146,8 +173,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return position
         cursor = _page_token(request.page_token)
         if cursor is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "page_token: pass the next_page_token of the previous page unchanged")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "page_token: pass the next_page_token of the previous page unchanged"
+            )
         return cursor
 
     async def CancelJob(self, request, context):
@@ -173,9 +201,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def DownloadArtifact(self, request, context):
         found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None
         if found is None or not await asyncio.to_thread(os.path.isfile, found[1]):
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
-                                f"removed by the retention policy)")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
+                f"removed by the retention policy)",
+            )
         artifact, path = found
         file = await asyncio.to_thread(open, path, "rb")
         try:
@@ -191,14 +221,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Info(self, request, context):
         caller = self.runner.caller
         counts = await self.store.count_by_state()
-        info = gateway_pb2.GatewayInfo(unfinished_jobs=sum(counts.get(state, 0) for state in UNFINISHED_STATES),
-                                       max_unfinished_jobs=self.config.max_unfinished_jobs,
-                                       serving=await self.health.serving())
+        info = gateway_pb2.GatewayInfo(
+            unfinished_jobs=sum(counts.get(state, 0) for state in UNFINISHED_STATES),
+            max_unfinished_jobs=self.config.max_unfinished_jobs,
+            serving=await self.health.serving(),
+        )
         for name, stage in caller.stages.items():
             queue = self.runner.queues[name]
-            info.stages.add(stage=name, queue_depth=queue.depth, busy_workers=queue.busy, workers=queue.workers,
-                            cache_hit_rate=stage.cache_hit_rate(),
-                            replicas=[r.info(name) for r in caller.replicas[stage.service].replicas])
+            info.stages.add(
+                stage=name,
+                queue_depth=queue.depth,
+                busy_workers=queue.busy,
+                workers=queue.workers,
+                cache_hit_rate=stage.cache_hit_rate(),
+                replicas=[r.info(name) for r in caller.replicas[stage.service].replicas],
+            )
         return info
 
     async def UploadAsset(self, request_iterator, context):
@@ -206,8 +243,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             asset = await self.assets.upload(request_iterator)
         except AssetRefused as exc:
             await context.abort(exc.code, exc.message)
-        log.info("asset %s (%s, %s, %d bytes)%s", asset.asset_id[:16], media_pb2.AssetKind.Name(asset.kind),
-                 asset.format, asset.bytes, " already stored" if asset.deduplicated else "")
+        log.info(
+            "asset %s (%s, %s, %d bytes)%s",
+            asset.asset_id[:16],
+            media_pb2.AssetKind.Name(asset.kind),
+            asset.format,
+            asset.bytes,
+            " already stored" if asset.deduplicated else "",
+        )
         return asset
 
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
@@ -215,4 +258,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {shown(job_id, MAX_ID_CHARS)}")
         return job
-

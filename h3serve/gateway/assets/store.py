@@ -102,7 +102,7 @@ class AssetStore:
         async for chunk in chunks:
             name = name or chunk.file_name
             if fmt is None:
-                head += chunk.data[:SNIFF_BYTES - len(head)]
+                head += chunk.data[: SNIFF_BYTES - len(head)]
                 if len(head) >= SNIFF_BYTES:
                     fmt, limit = self._format(name or "upload", head)
             size += len(chunk.data)
@@ -120,9 +120,12 @@ class AssetStore:
     def _format(self, name: str, head: bytes):
         fmt = sniff(head)
         if fmt is None:
-            raise invalid(name, "not a supported image (PNG, JPEG, WebP), video (MP4, MOV, WebM) or audio "
-                                 "(WAV, FLAC, MP3, AAC/M4A, OGG) file: its content starts with "
-                                 f"{head[:8]!r}")
+            raise invalid(
+                name,
+                "not a supported image (PNG, JPEG, WebP), video (MP4, MOV, WebM) or audio "
+                "(WAV, FLAC, MP3, AAC/M4A, OGG) file: its content starts with "
+                f"{head[:8]!r}",
+            )
         return fmt, self.limits.max_bytes(candidate_kinds(fmt))
 
     def _write_meta(self, asset: gateway_pb2.Asset) -> None:
@@ -130,7 +133,6 @@ class AssetStore:
         with os.fdopen(fd, "wb") as file:
             file.write(asset.SerializeToString())
         os.replace(tmp, self._path("meta", asset.asset_id))
-
 
 
 def _remove_if_present(path: str) -> None:

@@ -20,8 +20,7 @@ KIND_NAMES = {IMAGE: "image", VIDEO: "video", AUDIO: "audio"}
 SNIFF_BYTES = 16
 
 # Container formats whose kind is decided by the streams inside (a video stream makes it a video).
-_CONTAINER_KINDS = {"mp4": (VIDEO, AUDIO), "mov": (VIDEO,), "webm": (VIDEO, AUDIO), "ogg": (AUDIO,),
-                    "m4a": (AUDIO,)}
+_CONTAINER_KINDS = {"mp4": (VIDEO, AUDIO), "mov": (VIDEO,), "webm": (VIDEO, AUDIO), "ogg": (AUDIO,), "m4a": (AUDIO,)}
 _IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}  # our name -> Pillow's
 _AUDIO_FORMATS = ("wav", "flac", "mp3", "aac")
 
@@ -39,8 +38,9 @@ def invalid(name: str, reason: str) -> AssetRefused:
 def over_limit(name: str, what: str, value, limit, setting: str) -> AssetRefused:
     """INVALID_ARGUMENT like every over-limit refusal: the same file is refused again (RESOURCE_EXHAUSTED is only
     the retryable full queue)."""
-    return AssetRefused(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"asset {shown(name)}: {what} {value}, over the limit of {limit} ({setting})")
+    return AssetRefused(
+        grpc.StatusCode.INVALID_ARGUMENT, f"asset {shown(name)}: {what} {value}, over the limit of {limit} ({setting})"
+    )
 
 
 def undecodable(path: str, name: str, what: str, exc: Exception) -> AssetRefused:
@@ -60,8 +60,15 @@ class AssetLimits:
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> AssetLimits:
-        return cls(cfg.max_image_bytes, cfg.max_video_bytes, cfg.max_audio_bytes, cfg.max_image_pixels,
-                   cfg.max_video_pixels, cfg.max_video_seconds, cfg.max_audio_seconds)
+        return cls(
+            cfg.max_image_bytes,
+            cfg.max_video_bytes,
+            cfg.max_audio_bytes,
+            cfg.max_image_pixels,
+            cfg.max_video_pixels,
+            cfg.max_video_seconds,
+            cfg.max_audio_seconds,
+        )
 
     def max_bytes(self, kinds) -> tuple[int, str]:
         """The byte limit for content that may be any of `kinds`, and its setting's name."""
@@ -117,8 +124,13 @@ def _inspect_image(path: str, name: str, fmt: str, limits: AssetLimits) -> gatew
                 raise invalid(name, f"starts like {fmt} but Pillow reads it as {image.format}")
             width, height = image.size
             if width * height > limits.max_image_pixels:
-                raise over_limit(name, "image of", f"{width}x{height} = {width * height} pixels", limits.max_image_pixels,
-                            "max_image_pixels")
+                raise over_limit(
+                    name,
+                    "image of",
+                    f"{width}x{height} = {width * height} pixels",
+                    limits.max_image_pixels,
+                    "max_image_pixels",
+                )
             image.load()  # the full decode: a truncated or corrupt file fails here
     except AssetRefused:
         raise
@@ -142,8 +154,13 @@ def _inspect_av(path: str, name: str, fmt: str, limits: AssetLimits) -> gateway_
             if container.streams.audio:
                 container.seek(0)
                 seconds_limit = limits.max_video_seconds if asset.kind == VIDEO else limits.max_audio_seconds
-                _measure_audio(container, asset, name, seconds_limit,
-                               "max_video_seconds" if asset.kind == VIDEO else "max_audio_seconds")
+                _measure_audio(
+                    container,
+                    asset,
+                    name,
+                    seconds_limit,
+                    "max_video_seconds" if asset.kind == VIDEO else "max_audio_seconds",
+                )
     except AssetRefused:
         raise
     except Exception as exc:
@@ -155,8 +172,13 @@ def _measure_video(container, name: str, limits: AssetLimits) -> gateway_pb2.Ass
     stream = container.streams.video[0]
     width, height = stream.codec_context.width, stream.codec_context.height
     if width * height > limits.max_video_pixels:
-        raise over_limit(name, "video of", f"{width}x{height} = {width * height} pixels per frame",
-                    limits.max_video_pixels, "max_video_pixels")
+        raise over_limit(
+            name,
+            "video of",
+            f"{width}x{height} = {width * height} pixels per frame",
+            limits.max_video_pixels,
+            "max_video_pixels",
+        )
     fps = float(stream.average_rate or stream.guessed_rate or 0)
     if fps <= 0:
         raise invalid(name, "video stream without a frame rate")
@@ -164,12 +186,18 @@ def _measure_video(container, name: str, limits: AssetLimits) -> gateway_pb2.Ass
     for _ in container.decode(stream):
         frames += 1
         if frames / fps > limits.max_video_seconds:
-            raise over_limit(name, "video duration", f"past {limits.max_video_seconds:g} s",
-                        f"{limits.max_video_seconds:g} s", "max_video_seconds")
+            raise over_limit(
+                name,
+                "video duration",
+                f"past {limits.max_video_seconds:g} s",
+                f"{limits.max_video_seconds:g} s",
+                "max_video_seconds",
+            )
     if not frames:
         raise invalid(name, "video stream without decodable frames")
-    return gateway_pb2.Asset(kind=VIDEO, width=width, height=height, num_frames=frames, fps=fps,
-                             duration_s=frames / fps)
+    return gateway_pb2.Asset(
+        kind=VIDEO, width=width, height=height, num_frames=frames, fps=fps, duration_s=frames / fps
+    )
 
 
 def _measure_audio(container, asset: gateway_pb2.Asset, name: str, max_seconds: float, setting: str) -> None:

@@ -64,8 +64,9 @@ def _limit(value: str | None) -> int:
 def _last_event_id(request: Request) -> int:
     value = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     if not value.isascii() or not value.isdigit():
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"Last-Event-ID: a seq (digits), got {value!r}",
-                       "Last-Event-ID")
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"Last-Event-ID: a seq (digits), got {value!r}", "Last-Event-ID"
+        )
     return int(value)
 
 
@@ -80,8 +81,12 @@ def _check_length(request: Request, limit: int) -> None:
     """Refuse a body over `limit` before reading it (the gateway's upload limits apply again as it streams)."""
     length = request.headers.get("content-length", "")
     if length.isascii() and length.isdigit() and int(length) > limit:
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is {int(length):,} bytes; this server takes at "
-                       f"most {limit:,} (its largest upload limit plus the form)", status=413)
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the body is {int(length):,} bytes; this server takes at "
+            f"most {limit:,} (its largest upload limit plus the form)",
+            status=413,
+        )
 
 
 def _check_request_size(request: gateway_pb2.GenerateRequest, config: GatewayConfig) -> None:
@@ -104,9 +109,13 @@ def _check_request_size(request: gateway_pb2.GenerateRequest, config: GatewayCon
     largest = max(names, key=alone)
     problem = rules.prompt_problem(request.prompt, config.max_prompt_chars) if largest == "prompt" else None
     param = "adapters" if largest == "params" else largest
-    raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{param}: {problem}" if problem else
-                   f"{param}: {alone(largest):,} bytes; a request takes at most {limit:,} bytes in all "
-                   "(max_request_bytes)", param)
+    raise ApiError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{param}: {problem}"
+        if problem
+        else f"{param}: {alone(largest):,} bytes; a request takes at most {limit:,} bytes in all (max_request_bytes)",
+        param,
+    )
 
 
 def max_body_bytes(config: GatewayConfig) -> int:
@@ -130,10 +139,26 @@ def _inlined(schema: dict) -> dict:
 
 # The bodies the routes read themselves (JSON or a form), declared so the OpenAPI schema documents them (and a
 # schema-driven client or fuzzer sends them).
-CREATE_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _inlined(videos.VideoCreate.model_json_schema())}}}}
-ASSET_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file"], "properties": {"file": {"type": "string", "format": "binary"}}}}}}}
+CREATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": _inlined(videos.VideoCreate.model_json_schema())}},
+    }
+}
+ASSET_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                }
+            }
+        },
+    }
+}
 
 
 def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: GatewayConfig) -> FastAPI:
@@ -142,8 +167,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     max_body, keep_s = max_body_bytes(config), config.artifact_max_age_s
     gateway = gateway_pb2_grpc.GatewayStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
-    app = FastAPI(title="h3serve", summary="MiniMax-H3 through OpenAI's /v1/videos", docs_url="/docs",
-                  redoc_url=None)
+    app = FastAPI(title="h3serve", summary="MiniMax-H3 through OpenAI's /v1/videos", docs_url="/docs", redoc_url=None)
     app.add_exception_handler(grpc.aio.AioRpcError, lambda request, error: from_rpc_error(error))
     app.add_exception_handler(ApiError, lambda request, error: from_api_error(error))
     app.add_exception_handler(HTTPException, lambda request, error: from_http_error(error.status_code, error.detail))
@@ -166,25 +190,40 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
         if isinstance(reference, UploadFile):  # OpenAI's image-to-video: the upload is the first keyframe
             body.first_frame = (await upload(reference, request)).asset_id
         elif reference is not None:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "input_reference: upload the image as a file; "
-                           "this server never fetches a URL (or pass an uploaded asset id as first_frame)",
-                           "input_reference")
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "input_reference: upload the image as a file; "
+                "this server never fetches a URL (or pass an uploaded asset id as first_frame)",
+                "input_reference",
+            )
         generate = videos.generate_request(body, request.headers.get("idempotency-key", ""))
         _check_request_size(generate, config)
         submitted = await gateway.Submit(generate, metadata=_metadata(request))
         return as_video(submitted)
 
     @app.get("/v1/videos")
-    async def listing(request: Request, after: str = "", order: str = "desc", deleted: str | None = None,
-                      limit: str | None = None):
+    async def listing(
+        request: Request, after: str = "", order: str = "desc", deleted: str | None = None, limit: str | None = None
+    ):
         if order not in ("asc", "desc"):
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"order: asc or desc, got {order!r}", "order")
-        page = await gateway.ListJobs(gateway_pb2.ListJobsRequest(
-            page_size=_limit(limit), after_job_id=after, oldest_first=order == "asc",
-            deleted=_flag(deleted, "deleted")), metadata=_metadata(request))
+        page = await gateway.ListJobs(
+            gateway_pb2.ListJobsRequest(
+                page_size=_limit(limit),
+                after_job_id=after,
+                oldest_first=order == "asc",
+                deleted=_flag(deleted, "deleted"),
+            ),
+            metadata=_metadata(request),
+        )
         data = [as_video(item) for item in page.jobs]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": bool(page.next_page_token)}
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": bool(page.next_page_token),
+        }
 
     @app.get("/v1/videos/{video_id}")
     async def retrieve(video_id: str, request: Request):
@@ -197,26 +236,32 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
 
     @app.post("/v1/videos/{video_id}/cancel")
     async def cancel(video_id: str, request: Request):
-        return as_video(await gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=video_id),
-                                                metadata=_metadata(request)))
+        return as_video(
+            await gateway.CancelJob(gateway_pb2.CancelJobRequest(job_id=video_id), metadata=_metadata(request))
+        )
 
     @app.post("/v1/videos/{video_id}/restore")
     async def restore(video_id: str, request: Request):
-        return as_video(await gateway.RestoreJob(gateway_pb2.RestoreJobRequest(job_id=video_id),
-                                                 metadata=_metadata(request)))
+        return as_video(
+            await gateway.RestoreJob(gateway_pb2.RestoreJobRequest(job_id=video_id), metadata=_metadata(request))
+        )
 
     @app.get("/v1/videos/{video_id}/content")
     async def content(video_id: str, request: Request, variant: str = "video"):
         if variant != "video":
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"variant: only 'video' is made here, got {variant!r}",
-                           "variant")
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"variant: only 'video' is made here, got {variant!r}", "variant"
+            )
         found = await job(video_id, request)
         mp4 = next((a for a in found.artifacts if a.media_type == "video/mp4"), None)
         if mp4 is None:
-            raise ApiError(grpc.StatusCode.NOT_FOUND, f"video {video_id} is {videos.STATUS[found.state]}: its "
-                           "content exists once it is completed")
-        chunks = gateway.DownloadArtifact(gateway_pb2.DownloadArtifactRequest(artifact_id=mp4.artifact_id),
-                                          metadata=_metadata(request))
+            raise ApiError(
+                grpc.StatusCode.NOT_FOUND,
+                f"video {video_id} is {videos.STATUS[found.state]}: its content exists once it is completed",
+            )
+        chunks = gateway.DownloadArtifact(
+            gateway_pb2.DownloadArtifactRequest(artifact_id=mp4.artifact_id), metadata=_metadata(request)
+        )
         received = aiter(chunks)
         first = await anext(received)  # before the 200: a file removed by retention is still a 404
 
@@ -225,17 +270,24 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
             async for chunk in received:
                 yield chunk.data
 
-        return StreamingResponse(stream(), media_type="video/mp4", headers={
-            "content-length": str(first.total_bytes),
-            "content-disposition": f'attachment; filename="{first.file_name}"'})
+        return StreamingResponse(
+            stream(),
+            media_type="video/mp4",
+            headers={
+                "content-length": str(first.total_bytes),
+                "content-disposition": f'attachment; filename="{first.file_name}"',
+            },
+        )
 
     @app.get("/v1/videos/{video_id}/events")
     async def events(video_id: str, request: Request):
         after = _last_event_id(request)
         await job(video_id, request)  # unknown id or a wrong token: an error status, not an empty stream
-        return StreamingResponse(job_events(gateway, video_id, after, _metadata(request), closing),
-                                 media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return StreamingResponse(
+            job_events(gateway, video_id, after, _metadata(request), closing),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
 
     @app.post("/v1/assets", openapi_extra=ASSET_BODY)
     async def assets(request: Request):
@@ -243,8 +295,9 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
         form = await request.form()
         file = form.get("file")
         if not isinstance(file, UploadFile):
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "file: a multipart file field named 'file' is required",
-                           "file")
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT, "file: a multipart file field named 'file' is required", "file"
+            )
         return videos.asset(await upload(file, request))
 
     @app.get("/healthz")
@@ -276,17 +329,22 @@ async def _body(request: Request, max_field: int) -> dict:
         try:
             form = await request.form(max_part_size=max_field)
         except HTTPException as error:  # Starlette's 400 for a malformed form or a field over `max_field`
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the form: {error.detail} (a field takes at most "
-                           f"{max_field:,} bytes)") from None
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the form: {error.detail} (a field takes at most {max_field:,} bytes)",
+            ) from None
         for key, value in form.multi_items():
             fields.setdefault(key, []).append(value)
-        return {key.removesuffix("[]"): values if len(values) > 1 or key.endswith("[]") else values[0]
-                for key, values in fields.items()}
+        return {
+            key.removesuffix("[]"): values if len(values) > 1 or key.endswith("[]") else values[0]
+            for key, values in fields.items()
+        }
     try:
         data = await request.json()
     except ValueError as error:
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"the body is not JSON ({error}); send JSON or a "
-                       "multipart form") from None
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the body is not JSON ({error}); send JSON or a multipart form"
+        ) from None
     if not isinstance(data, dict):
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, "the body must be a JSON object")
     return data

@@ -40,9 +40,17 @@ class HttpDoor:
         self.config = config
         self.channel = grpc.aio.insecure_channel(private_address(), options=GRPC_OPTIONS)
         self.closing = asyncio.Event()
-        self.server = _Server(uvicorn.Config(
-            create_app(self.channel, self.closing, config), log_config=None, access_log=False, lifespan="off",
-            ssl_certfile=config.tls_cert or None, ssl_keyfile=config.tls_key or None, timeout_graceful_shutdown=5))
+        self.server = _Server(
+            uvicorn.Config(
+                create_app(self.channel, self.closing, config),
+                log_config=None,
+                access_log=False,
+                lifespan="off",
+                ssl_certfile=config.tls_cert or None,
+                ssl_keyfile=config.tls_key or None,
+                timeout_graceful_shutdown=5,
+            )
+        )
         self.task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -54,8 +62,12 @@ class HttpDoor:
                 self.task.result()
                 raise RuntimeError(f"the HTTP door on {self.config.http_host}:{self.config.http_port} did not start")
             await asyncio.sleep(0.01)
-        log.info("HTTP door on %s://%s:%d (OpenAI /v1/videos, console at /)",
-                 "https" if self.config.tls_cert else "http", self.config.http_host, self.config.http_port)
+        log.info(
+            "HTTP door on %s://%s:%d (OpenAI /v1/videos, console at /)",
+            "https" if self.config.tls_cert else "http",
+            self.config.http_host,
+            self.config.http_port,
+        )
 
     async def stop(self) -> None:
         """Stop taking requests; open event streams end cleanly (their clients resume with Last-Event-ID), the

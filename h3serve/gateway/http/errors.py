@@ -35,10 +35,13 @@ class ApiError(Exception):
         self.code, self.message, self.param, self.status = code, message, param, status
 
 
-def error_response(code: grpc.StatusCode, message: str, param: str | None = None,
-                   status: int | None = None) -> JSONResponse:
+def error_response(
+    code: grpc.StatusCode, message: str, param: str | None = None, status: int | None = None
+) -> JSONResponse:
     """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit)."""
-    mapped, kind = (413, "invalid_request_error") if too_large(code, message) else _HTTP.get(code, (500, "server_error"))
+    mapped, kind = (
+        (413, "invalid_request_error") if too_large(code, message) else _HTTP.get(code, (500, "server_error"))
+    )
     status = status or mapped
     if status < 500 and kind == "server_error" or status in (400, 413) and kind == "rate_limit_error":
         kind = "invalid_request_error"

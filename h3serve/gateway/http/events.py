@@ -23,8 +23,9 @@ def sse(message: gateway_pb2.JobEvent, progress: float) -> bytes:
     return f"id: {message.seq}\nevent: {message.WhichOneof('kind')}\ndata: {data}\n\n".encode()
 
 
-async def job_events(stub: gateway_pb2_grpc.GatewayStub, job_id: str, after_seq: int, metadata: tuple,
-                     closing: asyncio.Event) -> AsyncIterator[bytes]:
+async def job_events(
+    stub: gateway_pb2_grpc.GatewayStub, job_id: str, after_seq: int, metadata: tuple, closing: asyncio.Event
+) -> AsyncIterator[bytes]:
     """The stream of one job; it ends cleanly when `closing` is set (the gateway stops: the client resumes)."""
     progress = 0.0
     call = stub.Watch(gateway_pb2.WatchRequest(job_id=job_id), metadata=metadata)

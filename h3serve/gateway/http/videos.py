@@ -29,8 +29,7 @@ STATUS = {
     gateway_pb2.JOB_STATE_CANCELLED: "cancelled",
 }
 SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
-WORKFLOWS = {"t2va": common_pb2.WORKFLOW_T2VA, "fl2va": common_pb2.WORKFLOW_FL2VA,
-             "ref2va": common_pb2.WORKFLOW_REF2VA}
+WORKFLOWS = {"t2va": common_pb2.WORKFLOW_T2VA, "fl2va": common_pb2.WORKFLOW_FL2VA, "ref2va": common_pb2.WORKFLOW_REF2VA}
 KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
 
 
@@ -94,14 +93,21 @@ class VideoCreate(BaseModel):
 def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.GenerateRequest:
     """The gRPC request; the gateway checks every value against the model's rules and the deployment's limits."""
     if body.model not in (None, MODEL):
-        raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"model: this server serves {MODEL!r}, not {body.model!r}",
-                       "model")
+        raise ApiError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"model: this server serves {MODEL!r}, not {body.model!r}", "model"
+        )
     request = gateway_pb2.GenerateRequest(
-        prompt=body.prompt, seconds=body.seconds or 0.0, first_frame=body.first_frame, last_frame=body.last_frame,
-        workflow=WORKFLOWS.get(body.workflow, common_pb2.WORKFLOW_UNSPECIFIED), request_id=request_id,
+        prompt=body.prompt,
+        seconds=body.seconds or 0.0,
+        first_frame=body.first_frame,
+        last_frame=body.last_frame,
+        workflow=WORKFLOWS.get(body.workflow, common_pb2.WORKFLOW_UNSPECIFIED),
+        request_id=request_id,
         params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
-        references=[gateway_pb2.ReferenceInput(asset_id=r.asset_id, kind=KINDS.get(r.kind, 0))
-                    for r in body.references])
+        references=[
+            gateway_pb2.ReferenceInput(asset_id=r.asset_id, kind=KINDS.get(r.kind, 0)) for r in body.references
+        ],
+    )
     for name in ("seed", "flow_shift", "audio_flow_shift"):  # unset: the gateway's default (or an adapter's)
         if getattr(body, name) is not None:
             setattr(request.params, name, getattr(body, name))
@@ -109,8 +115,11 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
     if body.size:
         match = SIZE.fullmatch(body.size)
         if not match:
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"size: width x height in pixels, e.g. '1344x768', got {body.size!r}", "size")
+            raise ApiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"size: width x height in pixels, e.g. '1344x768', got {body.size!r}",
+                "size",
+            )
         request.width, request.height = int(match[1]), int(match[2])
     return request
 
@@ -127,28 +136,50 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
     """A job as OpenAI's Video object, plus `deleted_at` and the `h3serve` object. `keep_s`: how long the
     retention policy keeps an artifact (0: for ever), which makes `expires_at`."""
     r = job.request
-    finished = job.state in (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED,
-                             gateway_pb2.JOB_STATE_CANCELLED)
+    finished = job.state in (
+        gateway_pb2.JOB_STATE_SUCCEEDED,
+        gateway_pb2.JOB_STATE_FAILED,
+        gateway_pb2.JOB_STATE_CANCELLED,
+    )
     mp4 = next((a for a in job.artifacts if a.media_type == "video/mp4"), None)
     return {
-        "id": job.job_id, "object": "video", "model": MODEL, "status": STATUS[job.state],
-        "progress": round(100 * job.progress), "created_at": int(job.created),
+        "id": job.job_id,
+        "object": "video",
+        "model": MODEL,
+        "status": STATUS[job.state],
+        "progress": round(100 * job.progress),
+        "created_at": int(job.created),
         "completed_at": int(job.updated) if finished else None,
         "expires_at": int(job.updated + keep_s) if mp4 and keep_s else None,  # the MP4 is the job's last write
         "prompt": r.prompt,
-        "seconds": _seconds(r.num_frames), "size": f"{r.width}x{r.height}",
+        "seconds": _seconds(r.num_frames),
+        "size": f"{r.width}x{r.height}",
         "error": {"code": job.error.code_name.lower(), "message": job.error.message}
-        if job.state == gateway_pb2.JOB_STATE_FAILED else None,
+        if job.state == gateway_pb2.JOB_STATE_FAILED
+        else None,
         "deleted_at": int(job.deleted) if job.deleted else None,
         "h3serve": {
             "workflow": common_pb2.Workflow.Name(r.workflow).removeprefix("WORKFLOW_").lower(),
-            "steps": r.params.num_inference_steps, "seed": r.params.seed, "num_frames": r.num_frames,
-            "width": r.width, "height": r.height, "first_frame": r.first_frame, "last_frame": r.last_frame,
-            "references": [{"asset_id": ref.asset_id, "kind": media_pb2.AssetKind.Name(ref.kind)
-                            .removeprefix("ASSET_KIND_").lower(), "label": ref.label} for ref in r.references],
+            "steps": r.params.num_inference_steps,
+            "seed": r.params.seed,
+            "num_frames": r.num_frames,
+            "width": r.width,
+            "height": r.height,
+            "first_frame": r.first_frame,
+            "last_frame": r.last_frame,
+            "references": [
+                {
+                    "asset_id": ref.asset_id,
+                    "kind": media_pb2.AssetKind.Name(ref.kind).removeprefix("ASSET_KIND_").lower(),
+                    "label": ref.label,
+                }
+                for ref in r.references
+            ],
             "adapters": [{"name": a.name, "weight": a.weight} for a in r.params.adapters],
-            "flow_shift": r.params.flow_shift, "audio_flow_shift": r.params.audio_flow_shift,
-            "request_id": job.request_id, "file_name": mp4.file_name if mp4 else None,
+            "flow_shift": r.params.flow_shift,
+            "audio_flow_shift": r.params.audio_flow_shift,
+            "request_id": job.request_id,
+            "file_name": mp4.file_name if mp4 else None,
         },
     }
 
@@ -156,13 +187,24 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
 def asset(found: gateway_pb2.Asset) -> dict:
     fields = _fields(found)
     fields.pop("asset_id")
-    return {"id": found.asset_id, "object": "asset", **fields, "bytes": found.bytes,
-            "audio_samples": found.audio_samples,
-            "kind": media_pb2.AssetKind.Name(found.kind).removeprefix("ASSET_KIND_").lower()}
+    return {
+        "id": found.asset_id,
+        "object": "asset",
+        **fields,
+        "bytes": found.bytes,
+        "audio_samples": found.audio_samples,
+        "kind": media_pb2.AssetKind.Name(found.kind).removeprefix("ASSET_KIND_").lower(),
+    }
 
 
 def event(message: gateway_pb2.JobEvent, progress: float) -> dict:
     """One progress event for SSE: its kind's fields under the kind's name, and the job's progress so far."""
     kind = message.WhichOneof("kind")
-    return {"seq": message.seq, "job_id": message.job_id, "time": message.time, "kind": kind,
-            "progress": round(100 * progress), kind: _fields(getattr(message, kind))}
+    return {
+        "seq": message.seq,
+        "job_id": message.job_id,
+        "time": message.time,
+        "kind": kind,
+        "progress": round(100 * progress),
+        kind: _fields(getattr(message, kind)),
+    }

@@ -31,8 +31,9 @@ class ArtifactStore:
         path = os.path.join(self.root, file_name)
         chunks = [data] if isinstance(data, BytesLike) else data
         digest, size = _write_atomically(path, chunks)
-        artifact = gateway_pb2.Artifact(artifact_id=f"{job_id}-{kind}", file_name=file_name, bytes=size,
-                                        sha256=digest, media_type=media_type)
+        artifact = gateway_pb2.Artifact(
+            artifact_id=f"{job_id}-{kind}", file_name=file_name, bytes=size, sha256=digest, media_type=media_type
+        )
         return artifact, path
 
 

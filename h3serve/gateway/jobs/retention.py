@@ -23,10 +23,10 @@ log = logging.getLogger("h3serve.gateway.retention")
 @dataclass(frozen=True)
 class Retention:
     store: JobStore
-    max_age_s: float = 0.0          # artifacts; 0: no age limit
-    max_bytes: int = 0              # artifacts; 0: no byte cap
+    max_age_s: float = 0.0  # artifacts; 0: no age limit
+    max_bytes: int = 0  # artifacts; 0: no byte cap
     assets: AssetStore | None = None
-    asset_max_age_s: float = 0.0    # 0: keep uploads
+    asset_max_age_s: float = 0.0  # 0: keep uploads
 
     async def enforce(self, now: float | None = None) -> list[str]:
         """Delete what the policy no longer keeps; returns the removed artifact and asset ids."""

@@ -67,15 +67,26 @@ async def all_of(*calls: Awaitable) -> list:
 
 
 class JobRunner:
-    def __init__(self, config: GatewayConfig, store: JobStore, hub: EventHub, caller: StageCaller,
-                 artifacts: ArtifactStore, metrics: GatewayMetrics, assets: AssetStore) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        store: JobStore,
+        hub: EventHub,
+        caller: StageCaller,
+        artifacts: ArtifactStore,
+        metrics: GatewayMetrics,
+        assets: AssetStore,
+    ) -> None:
         self.store, self.hub, self.caller, self.artifacts, self.metrics = store, hub, caller, artifacts, metrics
         self.assets = assets
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
-        self.queues = {name: StageQueue(name, len(caller.replicas[stage.service].replicas))
-                       for name, stage in caller.stages.items()}
-        self.retention = Retention(store, config.artifact_max_age_s, config.artifact_max_bytes, assets,
-                                   config.asset_max_age_s)
+        self.queues = {
+            name: StageQueue(name, len(caller.replicas[stage.service].replicas))
+            for name, stage in caller.stages.items()
+        }
+        self.retention = Retention(
+            store, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
+        )
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
 
@@ -109,22 +120,30 @@ class JobRunner:
                 reran += 1
                 if not job.in_stage:
                     waited = f"for the {job.last_stage} stage" if job.last_stage else "in the queue"
-                    await self._requeue_uncounted(job.job_id, f"the gateway restarted while this job waited {waited}",
-                                                  interrupted=INTERRUPTED)
+                    await self._requeue_uncounted(
+                        job.job_id, f"the gateway restarted while this job waited {waited}", interrupted=INTERRUPTED
+                    )
                 elif job.restarts < MAX_RESTART_RERUNS:
                     await self._requeue_uncounted(
-                        job.job_id, f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
-                                    f" of {MAX_RESTART_RERUNS} after a restart", interrupted=INTERRUPTED,
-                        count_restart=True)
+                        job.job_id,
+                        f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
+                        f" of {MAX_RESTART_RERUNS} after a restart",
+                        interrupted=INTERRUPTED,
+                        count_restart=True,
+                    )
                 else:
-                    log.warning("job %s failed: caught in flight by %d gateway restarts", job.job_id,
-                                job.restarts + 1)
-                    await self._finish(job.job_id, S.JOB_STATE_FAILED, failed=failure(
-                        grpc.StatusCode.ABORTED,
-                        f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
-                        f"restarts caught one of its stages in progress; restarts spend none of its "
-                        f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job ends, in "
-                        "case it is what brings the gateway down"))
+                    log.warning("job %s failed: caught in flight by %d gateway restarts", job.job_id, job.restarts + 1)
+                    await self._finish(
+                        job.job_id,
+                        S.JOB_STATE_FAILED,
+                        failed=failure(
+                            grpc.StatusCode.ABORTED,
+                            f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
+                            f"restarts caught one of its stages in progress; restarts spend none of its "
+                            f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job ends, in "
+                            "case it is what brings the gateway down",
+                        ),
+                    )
                     reran -= 1
                     continue
             self.start(job.job_id, job.request)
@@ -146,8 +165,11 @@ class JobRunner:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except Exception as exc:
             log.exception("job %s failed", job_id)
-            await self._finish(job_id, S.JOB_STATE_FAILED,  # the error itself; its traceback is in the log
-                               failed=failure(grpc.StatusCode.INTERNAL, describe(exc, lines=1)))
+            await self._finish(
+                job_id,
+                S.JOB_STATE_FAILED,  # the error itself; its traceback is in the log
+                failed=failure(grpc.StatusCode.INTERNAL, describe(exc, lines=1)),
+            )
         finally:
             self._cancel_requested.discard(job_id)
 
@@ -170,8 +192,9 @@ class JobRunner:
             retrying = S.Retrying(attempt=attempts + 1, max_attempts=self.max_attempts, reason=reason)
             self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying)))
             return True
-        await self._finish(job_id, S.JOB_STATE_FAILED,
-                           failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})"))
+        await self._finish(
+            job_id, S.JOB_STATE_FAILED, failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})")
+        )
         return False
 
     async def _requeue_uncounted(self, job_id: str, why: str, **restart) -> None:
@@ -180,10 +203,14 @@ class JobRunner:
         `count_restart`, at a start-up."""
         job = await self.store.get_job(job_id)
         where = _where(job.stage_records[-1].stage if job.stage_records else "")
-        retrying = S.Retrying(attempt=job.attempts, max_attempts=self.max_attempts,
-                              reason=why.format(where=where) + "; attempt not counted")
-        self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False,
-                                                  **restart))
+        retrying = S.Retrying(
+            attempt=job.attempts,
+            max_attempts=self.max_attempts,
+            reason=why.format(where=where) + "; attempt not counted",
+        )
+        self.hub.publish(
+            await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False, **restart)
+        )
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
         self.hub.publish(await self.store.finish(job_id, state, S.JobEvent(**terminal)))
@@ -191,8 +218,13 @@ class JobRunner:
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
         workflow = workflows.by_value(request.workflow)
         assets = await self.assets.find(workflows.asset_ids(request))
-        job = JobContext(job_id, request, workflow.media_items(request, assets.get), self.assets.read,
-                         functools.partial(self.hub.emit, job_id))
+        job = JobContext(
+            job_id,
+            request,
+            workflow.media_items(request, assets.get),
+            self.assets.read,
+            functools.partial(self.hub.emit, job_id),
+        )
         for step in workflow.plan:
             stages = [self.caller.stages[name] for name in step]
             outputs = await all_of(*(self._stage(job, attempt, stage) for stage in stages))
@@ -214,11 +246,18 @@ class JobRunner:
             try:
                 output = await self.caller.run(stage, job, record, Watchdog(self.stall_s))
             except BaseException as exc:
-                await self.store.stage_update(record_id, replica=record.replica, tries=record.tries,
-                                              error=self._reason(job.job_id, exc))
+                await self.store.stage_update(
+                    record_id, replica=record.replica, tries=record.tries, error=self._reason(job.job_id, exc)
+                )
                 raise
-            await self.store.stage_update(record_id, finished=time.time(), replica=record.replica,
-                                          tries=record.tries, bytes_in=record.bytes_in, bytes_out=record.bytes_out)
+            await self.store.stage_update(
+                record_id,
+                finished=time.time(),
+                replica=record.replica,
+                tries=record.tries,
+                bytes_in=record.bytes_in,
+                bytes_out=record.bytes_out,
+            )
             self.metrics.stage_seconds.labels(stage.name).observe(time.monotonic() - started)
         return output
 

@@ -50,8 +50,14 @@ CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
 """
 # Columns added after the first release: (name, declaration); added in place to an older file. `progress` is
 # NULL only in rows from before it existed (new jobs start at 0): they are filled from their events at open.
-_JOB_COLUMNS = (("attempts", "INTEGER NOT NULL DEFAULT 0"), ("request_id", "TEXT"), ("request_digest", "TEXT"),
-                ("deleted", "REAL NOT NULL DEFAULT 0"), ("progress", "REAL"), ("restarts", "INTEGER NOT NULL DEFAULT 0"))
+_JOB_COLUMNS = (
+    ("attempts", "INTEGER NOT NULL DEFAULT 0"),
+    ("request_id", "TEXT"),
+    ("request_digest", "TEXT"),
+    ("deleted", "REAL NOT NULL DEFAULT 0"),
+    ("progress", "REAL"),
+    ("restarts", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
@@ -82,15 +88,15 @@ class _Database:
             for name, declaration in _JOB_COLUMNS:
                 if name not in present:
                     self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) "
-                               "WHERE request_id IS NOT NULL")
+            self._conn.execute(
+                "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) WHERE request_id IS NOT NULL"
+            )
             self._fill_progress()
 
     def _fill_progress(self) -> None:
         """The progress of jobs stored before the column existed, folded from their events (once: NULL only)."""
         for (job_id,) in self._rows("SELECT job_id FROM jobs WHERE progress IS NULL"):
-            self._conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?",
-                               (progress(self.events(job_id)), job_id))
+            self._conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?", (progress(self.events(job_id)), job_id))
 
     # Writers hold a transaction (`with self._conn`).
 
@@ -104,31 +110,45 @@ class _Database:
         if not current:
             raise KeyError(job_id)
         now = time.time()
-        seq = self._rows("UPDATE jobs SET last_seq = last_seq + 1, updated = ?, progress = ? WHERE job_id = ? "
-                         "RETURNING last_seq", (now, advance(current[0][0], event), job_id))
+        seq = self._rows(
+            "UPDATE jobs SET last_seq = last_seq + 1, updated = ?, progress = ? WHERE job_id = ? RETURNING last_seq",
+            (now, advance(current[0][0], event), job_id),
+        )
         stored = gateway_pb2.JobEvent()
         stored.CopyFrom(event)
         stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
         if stored.HasField("failed"):
             stored.failed.message = tail(stored.failed.message)
-        with closing(self._conn.execute("INSERT INTO events VALUES (?, ?, ?, ?)",
-                                        (job_id, stored.seq, now, stored.SerializeToString()))) as cursor:
+        with closing(
+            self._conn.execute(
+                "INSERT INTO events VALUES (?, ?, ?, ?)", (job_id, stored.seq, now, stored.SerializeToString())
+            )
+        ) as cursor:
             stored.log_seq = cursor.lastrowid  # stored blobs lack it: reads take it from the rowid
         return stored
 
     def _write_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
         blob = None if error is None else _kept_end(error).SerializeToString()
-        with closing(self._conn.execute(
+        with closing(
+            self._conn.execute(
                 f"UPDATE jobs SET state = ?, updated = ?, error = COALESCE(?, error) "
                 f"WHERE job_id = ? AND state NOT IN ({', '.join('?' * len(TERMINAL_STATES))})",
-                (state, time.time(), blob, job_id, *TERMINAL_STATES))) as cursor:
+                (state, time.time(), blob, job_id, *TERMINAL_STATES),
+            )
+        ) as cursor:
             return cursor.rowcount == 1
 
     # Writes.
 
-    def submit(self, job_id: str, request: gateway_pb2.ResolvedRequest, request_id: str = "", digest: str = "",
-               max_unfinished: int = 0, first_event: gateway_pb2.JobEvent | None = None
-               ) -> tuple[gateway_pb2.Job, bool]:
+    def submit(
+        self,
+        job_id: str,
+        request: gateway_pb2.ResolvedRequest,
+        request_id: str = "",
+        digest: str = "",
+        max_unfinished: int = 0,
+        first_event: gateway_pb2.JobEvent | None = None,
+    ) -> tuple[gateway_pb2.Job, bool]:
         with self._conn:
             if request_id:
                 known = self._rows("SELECT job_id, request_digest FROM jobs WHERE request_id = ?", (request_id,))
@@ -144,8 +164,16 @@ class _Database:
             self._conn.execute(
                 "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
-                (job_id, gateway_pb2.JOB_STATE_QUEUED, request.SerializeToString(), now, now, request_id or None,
-                 digest or None))
+                (
+                    job_id,
+                    gateway_pb2.JOB_STATE_QUEUED,
+                    request.SerializeToString(),
+                    now,
+                    now,
+                    request_id or None,
+                    digest or None,
+                ),
+            )
             if first_event is not None:
                 self._write_event(job_id, first_event)
             return self._job(job_id), True
@@ -158,25 +186,44 @@ class _Database:
         with self._conn:
             self._conn.execute(
                 "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (artifact.artifact_id, job_id, kind, artifact.file_name, path, artifact.bytes, artifact.sha256,
-                 artifact.media_type, time.time()))
+                (
+                    artifact.artifact_id,
+                    job_id,
+                    kind,
+                    artifact.file_name,
+                    path,
+                    artifact.bytes,
+                    artifact.sha256,
+                    artifact.media_type,
+                    time.time(),
+                ),
+            )
 
     def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
         # An upsert rather than REPLACE keeps the row id, which orders stages as they first ran.
         with self._conn:
-            self._conn.execute("INSERT INTO stages VALUES (?, ?, ?) "
-                               "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
-                               (job_id, stage, seconds))
+            self._conn.execute(
+                "INSERT INTO stages VALUES (?, ?, ?) "
+                "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
+                (job_id, stage, seconds),
+            )
 
     def start_attempt(self, job_id: str) -> int:
         with self._conn:
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_RUNNING, None):
                 return 0
-            return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts",
-                              (job_id,))[0][0]
+            return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts", (job_id,))[
+                0
+            ][0]
 
-    def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True, interrupted: str = "",
-                count_restart: bool = False) -> gateway_pb2.JobEvent | None:
+    def requeue(
+        self,
+        job_id: str,
+        event: gateway_pb2.JobEvent,
+        count_attempt: bool = True,
+        interrupted: str = "",
+        count_restart: bool = False,
+    ) -> gateway_pb2.JobEvent | None:
         with self._conn:
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
                 return None
@@ -185,8 +232,10 @@ class _Database:
             if count_restart:
                 self._rows("UPDATE jobs SET restarts = restarts + 1 WHERE job_id = ?", (job_id,))
             if interrupted:
-                self._rows("UPDATE stage_runs SET error = ? WHERE job_id = ? AND finished = 0 AND error = ''",
-                           (interrupted, job_id))
+                self._rows(
+                    "UPDATE stage_runs SET error = ? WHERE job_id = ? AND finished = 0 AND error = ''",
+                    (interrupted, job_id),
+                )
             return self._write_event(job_id, event)
 
     def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
@@ -199,8 +248,10 @@ class _Database:
     def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         # Only a change of side writes: a second delete keeps the time the job first went to the bin.
         with self._conn:
-            self._conn.execute("UPDATE jobs SET deleted = ? WHERE job_id = ? AND (deleted > 0) != ?",
-                               (time.time() if deleted else 0.0, job_id, deleted))
+            self._conn.execute(
+                "UPDATE jobs SET deleted = ? WHERE job_id = ? AND (deleted > 0) != ?",
+                (time.time() if deleted else 0.0, job_id, deleted),
+            )
             return self._job(job_id)
 
     def unfinished(self) -> list[Unfinished]:
@@ -208,16 +259,24 @@ class _Database:
             "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
             "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), ''), restarts, EXISTS (SELECT 1 FROM stage_runs r "
             "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = '') "
-            "FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid", UNFINISHED_STATES)
-        return [Unfinished(job_id, state, _request(request), attempts, stage, restarts, bool(in_stage))
-                for job_id, state, request, attempts, stage, restarts, in_stage in rows]
+            "FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid",
+            UNFINISHED_STATES,
+        )
+        return [
+            Unfinished(job_id, state, _request(request), attempts, stage, restarts, bool(in_stage))
+            for job_id, state, request, attempts, stage, restarts, in_stage in rows
+        ]
 
     # Stage records: one row per pass of a job through a stage.
 
     def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
         with self._conn:
-            with closing(self._conn.execute("INSERT INTO stage_runs (job_id, attempt, stage, enqueued) "
-                                            "VALUES (?, ?, ?, ?)", (job_id, attempt, stage, time.time()))) as cur:
+            with closing(
+                self._conn.execute(
+                    "INSERT INTO stage_runs (job_id, attempt, stage, enqueued) VALUES (?, ?, ?, ?)",
+                    (job_id, attempt, stage, time.time()),
+                )
+            ) as cur:
                 return cur.lastrowid
 
     def stage_update(self, record_id: int, **values) -> None:
@@ -231,8 +290,10 @@ class _Database:
     # Artifact retention.
 
     def artifacts_oldest_first(self) -> list[StoredArtifact]:
-        return [StoredArtifact(*row) for row in
-                self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, rowid")]
+        return [
+            StoredArtifact(*row)
+            for row in self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, rowid")
+        ]
 
     def delete_artifact(self, artifact_id: str) -> None:
         with self._conn:
@@ -262,20 +323,28 @@ class _Database:
         jobs = {row[0]: _job_from_row(row) for row in rows}
         ids = tuple(jobs)
         marks = ", ".join("?" * len(ids))
-        for job_id, *fields in self._rows(f"SELECT job_id, {_ARTIFACT_FIELDS} FROM artifacts WHERE job_id IN "
-                                          f"({marks}) ORDER BY kind != 'video', created", ids):
+        for job_id, *fields in self._rows(
+            f"SELECT job_id, {_ARTIFACT_FIELDS} FROM artifacts WHERE job_id IN "
+            f"({marks}) ORDER BY kind != 'video', created",
+            ids,
+        ):
             jobs[job_id].artifacts.append(_artifact(fields))
-        for job_id, stage, seconds in self._rows(f"SELECT job_id, stage, seconds FROM stages WHERE job_id IN "
-                                                 f"({marks}) ORDER BY rowid", ids):
+        for job_id, stage, seconds in self._rows(
+            f"SELECT job_id, stage, seconds FROM stages WHERE job_id IN ({marks}) ORDER BY rowid", ids
+        ):
             jobs[job_id].stages.add(stage=stage, seconds=seconds)
         if records:
-            for job_id, *fields in self._rows(f"SELECT job_id, stage, attempt, {', '.join(_RECORD_COLUMNS)} FROM "
-                                              f"stage_runs WHERE job_id IN ({marks}) ORDER BY rowid", ids):
+            for job_id, *fields in self._rows(
+                f"SELECT job_id, stage, attempt, {', '.join(_RECORD_COLUMNS)} FROM "
+                f"stage_runs WHERE job_id IN ({marks}) ORDER BY rowid",
+                ids,
+            ):
                 jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), fields)))
         return list(jobs.values())
 
-    def list_jobs(self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False,
-                  oldest_first: bool = False) -> tuple[list[gateway_pb2.Job], int]:
+    def list_jobs(
+        self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False, oldest_first: bool = False
+    ) -> tuple[list[gateway_pb2.Job], int]:
         where, params = [f"deleted {'>' if deleted else '='} 0"], []
         if states:
             where.append(f"state IN ({', '.join('?' * len(states))})")
@@ -283,8 +352,11 @@ class _Database:
         if cursor > 0:
             where.append(f"rowid {'>' if oldest_first else '<'} ?")
             params.append(cursor)
-        rows = self._rows(f"SELECT rowid, {_JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
-                          f"ORDER BY rowid {'ASC' if oldest_first else 'DESC'} LIMIT ?", (*params, limit + 1))
+        rows = self._rows(
+            f"SELECT rowid, {_JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
+            f"ORDER BY rowid {'ASC' if oldest_first else 'DESC'} LIMIT ?",
+            (*params, limit + 1),
+        )
         jobs = self._filled([row[1:] for row in rows[:limit]], records=False)
         return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
 
@@ -296,8 +368,9 @@ class _Database:
         return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
 
     def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
-        rows = self._rows("SELECT rowid, event FROM events WHERE job_id = ? AND seq > ? ORDER BY seq",
-                          (job_id, after_seq))
+        rows = self._rows(
+            "SELECT rowid, event FROM events WHERE job_id = ? AND seq > ? ORDER BY seq", (job_id, after_seq)
+        )
         events = []
         for rowid, blob in rows:
             event = gateway_pb2.JobEvent.FromString(blob)
@@ -313,9 +386,18 @@ _RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "by
 
 def _job_from_row(row) -> gateway_pb2.Job:
     job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done = row
-    job = gateway_pb2.Job(job_id=job_id, state=state, request=_request(request),
-                          created=created, updated=updated, last_event_seq=last_seq, request_id=request_id or "",
-                          attempts=attempts, deleted=deleted, progress=done)
+    job = gateway_pb2.Job(
+        job_id=job_id,
+        state=state,
+        request=_request(request),
+        created=created,
+        updated=updated,
+        last_event_seq=last_seq,
+        request_id=request_id or "",
+        attempts=attempts,
+        deleted=deleted,
+        progress=done,
+    )
     if error is not None:
         job.error.ParseFromString(error)
     return job
@@ -323,16 +405,19 @@ def _job_from_row(row) -> gateway_pb2.Job:
 
 def _artifact(row) -> gateway_pb2.Artifact:
     artifact_id, file_name, size, sha256, media_type = row
-    return gateway_pb2.Artifact(artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256,
-                                media_type=media_type)
+    return gateway_pb2.Artifact(
+        artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256, media_type=media_type
+    )
 
 
 def _request(blob: bytes) -> gateway_pb2.ResolvedRequest:
     """A stored request; one stored before GenerationParams existed takes them from its top-level copies."""
     request = gateway_pb2.ResolvedRequest.FromString(blob)
     if not request.HasField("params"):
-        request.params.num_inference_steps, request.params.include_raw = request.num_inference_steps, \
-            request.include_raw
+        request.params.num_inference_steps, request.params.include_raw = (
+            request.num_inference_steps,
+            request.include_raw,
+        )
         request.params.seed = request.seed
     return request
 
@@ -361,7 +446,10 @@ def _delegate(name: str):
     return method
 
 
-STORE_METHODS = tuple(name for name, value in vars(JobStore).items()
-                      if asyncio.iscoroutinefunction(value) and not name.startswith("_") and name != "close")
+STORE_METHODS = tuple(
+    name
+    for name, value in vars(JobStore).items()
+    if asyncio.iscoroutinefunction(value) and not name.startswith("_") and name != "close"
+)
 for _name in STORE_METHODS:
     setattr(SqliteJobStore, _name, _delegate(_name))

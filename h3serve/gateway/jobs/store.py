@@ -65,9 +65,15 @@ class JobStore(Protocol):
 
     # Jobs and events.
 
-    async def submit(self, job_id: str, request: gateway_pb2.ResolvedRequest, request_id: str = "",
-                     digest: str = "", max_unfinished: int = 0,
-                     first_event: gateway_pb2.JobEvent | None = None) -> tuple[gateway_pb2.Job, bool]:
+    async def submit(
+        self,
+        job_id: str,
+        request: gateway_pb2.ResolvedRequest,
+        request_id: str = "",
+        digest: str = "",
+        max_unfinished: int = 0,
+        first_event: gateway_pb2.JobEvent | None = None,
+    ) -> tuple[gateway_pb2.Job, bool]:
         """Create a QUEUED job (and its first event); returns (job, created). A known request_id returns its job
         with created False (RequestIdConflict if `digest` differs); QueueFull when `max_unfinished` (> 0) jobs are
         queued or running, and nothing is written."""
@@ -79,8 +85,14 @@ class JobStore(Protocol):
     async def start_attempt(self, job_id: str) -> int:
         """Mark the job RUNNING and count one more attempt; returns its number (0: the job is already final)."""
 
-    async def requeue(self, job_id: str, event: gateway_pb2.JobEvent, count_attempt: bool = True,
-                      interrupted: str = "", count_restart: bool = False) -> gateway_pb2.JobEvent | None:
+    async def requeue(
+        self,
+        job_id: str,
+        event: gateway_pb2.JobEvent,
+        count_attempt: bool = True,
+        interrupted: str = "",
+        count_restart: bool = False,
+    ) -> gateway_pb2.JobEvent | None:
         """Queue an unfinished job again with `event` (its `retrying`); without `count_attempt` the interrupted
         attempt is taken back. `interrupted`: the error its stage records still open get (a dead gateway's passes);
         `count_restart`: one more restart caught it in a stage (`Unfinished.restarts`). Returns the stored event,
@@ -119,8 +131,9 @@ class JobStore(Protocol):
     async def get_job(self, job_id: str) -> gateway_pb2.Job | None:
         """The job (also one in the bin), with its stage records and progress."""
 
-    async def list_jobs(self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False,
-                        oldest_first: bool = False) -> tuple[list[gateway_pb2.Job], int]:
+    async def list_jobs(
+        self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False, oldest_first: bool = False
+    ) -> tuple[list[gateway_pb2.Job], int]:
         """Up to `limit` jobs in `states` (empty: all), newest first or `oldest_first`, only those in the bin when
         `deleted`, else only those outside it; after the job at `cursor` in that order when > 0 (a returned
         cursor or a `position`). Returns them and the cursor to continue from (0: no more)."""

@@ -13,6 +13,11 @@ from h3serve.gateway.stages.denoise import DenoiseStage
 from h3serve.gateway.stages.encoder import EncodeStage
 from h3serve.gateway.stages.stage import Stage
 
-STAGES: tuple[type[Stage], ...] = (EncodeStage, ConditionStage, DenoiseStage, DecodeStage)  # in the order a job meets them
+STAGES: tuple[type[Stage], ...] = (
+    EncodeStage,
+    ConditionStage,
+    DenoiseStage,
+    DecodeStage,
+)  # in the order a job meets them
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 SERVICES = tuple(dict.fromkeys(stage.service for stage in STAGES))  # the model services the stages call

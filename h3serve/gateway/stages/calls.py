@@ -35,8 +35,9 @@ T = TypeVar("T")
 
 
 def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and (exc.code() in TRANSIENT
-                                                      or (exc.code(), exc.details()) == BROKEN_UPLOAD)
+    return isinstance(exc, grpc.aio.AioRpcError) and (
+        exc.code() in TRANSIENT or (exc.code(), exc.details()) == BROKEN_UPLOAD
+    )
 
 
 class StageFailed(Exception):
@@ -68,8 +69,10 @@ class StageCaller:
         self.config, self.metrics = config, metrics
         root = Path(config.stage_tls_ca).read_bytes() if config.stage_tls_ca else None
         self.stages: dict[str, Stage] = {cls.name: cls(metrics) for cls in STAGES}
-        self.replicas = {service: ReplicaSet.open(service, config.replicas(service), root, config.stage_token)
-                         for service in SERVICES}
+        self.replicas = {
+            service: ReplicaSet.open(service, config.replicas(service), root, config.stage_token)
+            for service in SERVICES
+        }
 
     async def close(self) -> None:
         for replicas in self.replicas.values():
@@ -82,8 +85,9 @@ class StageCaller:
         timeout = getattr(self.config, stage.deadline)
 
         async def once(replica: Replica) -> StageOutput:
-            return await watchdog.run(stage.phase, stage.read(job, stage.call(replica.channel, request, timeout),
-                                                              watchdog))
+            return await watchdog.run(
+                stage.phase, stage.read(job, stage.call(replica.channel, request, timeout), watchdog)
+            )
 
         output = await self._through_outages(stage, job, record, watchdog, once)
         record.bytes_out = output.payload_bytes
@@ -91,8 +95,14 @@ class StageCaller:
         self.metrics.tensor_bytes.labels(stage.name, "out").inc(record.bytes_out)
         return output
 
-    async def _through_outages(self, stage: Stage, job: JobContext, record: CallRecord, watchdog: Watchdog,
-                               once: Callable[[Replica], Awaitable[T]]) -> T:
+    async def _through_outages(
+        self,
+        stage: Stage,
+        job: JobContext,
+        record: CallRecord,
+        watchdog: Watchdog,
+        once: Callable[[Replica], Awaitable[T]],
+    ) -> T:
         """Run `once` on a replica; after a transient failure, again on the next one with back-off, until the
         stage has taken no call and made no progress for its outage limit (StageFailed then)."""
         replicas, tried, limit = self.replicas[stage.service], set(), self.config.outage_s[stage.name]
@@ -111,9 +121,12 @@ class StageCaller:
                     outage_since, delays = time.monotonic(), self._backoff()
                     await job.emit(waiting=gateway_pb2.Waiting(stage=stage.name, reason=_status(exc), limit_s=limit))
                 if time.monotonic() - outage_since >= limit:
-                    raise StageFailed(stage.name, replica.address, exc.code(),
-                                      f"{exc.details()}; no {stage.name} replica took the call for {limit:g} s "
-                                      f"(its outage limit)") from exc
+                    raise StageFailed(
+                        stage.name,
+                        replica.address,
+                        exc.code(),
+                        f"{exc.details()}; no {stage.name} replica took the call for {limit:g} s (its outage limit)",
+                    ) from exc
             self.metrics.stage_retries.labels(stage.name).inc()
             await asyncio.sleep(next(delays))
 

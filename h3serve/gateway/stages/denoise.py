@@ -23,9 +23,14 @@ class StepTimes:
         if not step.compiled_graphs:
             self.plain_seconds, self.plain_steps = self.plain_seconds + step.seconds, self.plain_steps + 1
         mean = self.plain_seconds / self.plain_steps if self.plain_steps else self.elapsed / step.step
-        return gateway_pb2.Denoising(step=step.step, total=step.total, step_seconds=step.seconds,
-                                     elapsed_seconds=self.elapsed, eta_seconds=mean * (step.total - step.step),
-                                     compiled_graphs=step.compiled_graphs)
+        return gateway_pb2.Denoising(
+            step=step.step,
+            total=step.total,
+            step_seconds=step.seconds,
+            elapsed_seconds=self.elapsed,
+            eta_seconds=mean * (step.total - step.step),
+            compiled_graphs=step.compiled_graphs,
+        )
 
 
 class DenoiseStage(Stage):
@@ -34,8 +39,14 @@ class DenoiseStage(Stage):
 
     def request(self, job: JobContext) -> Request:
         request = job.request
-        spec = dit_pb2.DenoiseSpec(job_id=job.job_id, workflow=request.workflow, height=request.height,
-                                   width=request.width, num_frames=request.num_frames, params=request.params)
+        spec = dit_pb2.DenoiseSpec(
+            job_id=job.job_id,
+            workflow=request.workflow,
+            height=request.height,
+            width=request.width,
+            num_frames=request.num_frames,
+            params=request.params,
+        )
         chunks = list(job.outputs["encoder"].chunks)
         conditions = job.outputs.get("vae-encode")
         if conditions is not None:  # the manifest the VAE made of the media, and their latents

@@ -14,9 +14,15 @@ from h3serve.v1 import media_pb2
 
 def media_spec(job: JobContext, with_prompt: bool) -> media_pb2.MediaSpec:
     request = job.request
-    return media_pb2.MediaSpec(job_id=job.job_id, workflow=request.workflow, height=request.height,
-                               width=request.width, num_frames=request.num_frames, items=job.media,
-                               prompt=request.prompt if with_prompt else "")
+    return media_pb2.MediaSpec(
+        job_id=job.job_id,
+        workflow=request.workflow,
+        height=request.height,
+        width=request.width,
+        num_frames=request.num_frames,
+        items=job.media,
+        prompt=request.prompt if with_prompt else "",
+    )
 
 
 async def media_stream(spec: media_pb2.MediaSpec, job: JobContext) -> AsyncIterator[media_pb2.MediaInput]:

@@ -55,12 +55,14 @@ class _StreamStream(_StageToken, grpc.aio.StreamStreamClientInterceptor):
 
 
 def open_channel(address: str, root_pem: bytes | None, token: str = "") -> grpc.aio.Channel:
-    interceptors = [shape(token) for shape in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] \
-        if token else None
+    interceptors = (
+        [shape(token) for shape in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if token else None
+    )
     if root_pem is None:
         return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
-    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS,
-                                   interceptors=interceptors)
+    return grpc.aio.secure_channel(
+        address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS, interceptors=interceptors
+    )
 
 
 @dataclass
@@ -70,15 +72,15 @@ class CallStats:
     in_flight: int = 0
     calls: int = 0
     failures: int = 0
-    last_error: str = ""   # why the last call failed; cleared when a call succeeds
+    last_error: str = ""  # why the last call failed; cleared when a call succeeds
 
 
 @dataclass
 class Replica:
     address: str
     channel: grpc.aio.Channel
-    healthy: bool = True       # last known health, from a probe or a call
-    health_error: str = ""     # why the last probe said it is down
+    healthy: bool = True  # last known health, from a probe or a call
+    health_error: str = ""  # why the last probe said it is down
     probed_at: float = -math.inf
     failed_at: float = -math.inf
     stats: dict[str, CallStats] = field(default_factory=lambda: defaultdict(CallStats))
@@ -95,11 +97,13 @@ class Replica:
         if time.monotonic() - self.probed_at <= HEALTH_TTL_S:
             return self.healthy
         try:
-            reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(),
-                                                                         timeout=PROBE_TIMEOUT_S)
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
+            )
             self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            self.health_error = "" if self.healthy else \
-                f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            self.health_error = (
+                "" if self.healthy else f"health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            )
         except grpc.aio.AioRpcError as exc:
             self.healthy, self.health_error = False, f"health probe: {exc.code().name}: {exc.details()}"
         self.probed_at = time.monotonic()
@@ -119,9 +123,14 @@ class Replica:
     def info(self, stage: str) -> gateway_pb2.ReplicaInfo:
         """How this replica looks to one stage: its health and that stage's calls on it."""
         stats = self.stats[stage]
-        return gateway_pb2.ReplicaInfo(address=self.address, healthy=self.healthy, in_flight=stats.in_flight,
-                                       calls=stats.calls, failures=stats.failures,
-                                       last_error=stats.last_error or self.health_error)
+        return gateway_pb2.ReplicaInfo(
+            address=self.address,
+            healthy=self.healthy,
+            in_flight=stats.in_flight,
+            calls=stats.calls,
+            failures=stats.failures,
+            last_error=stats.last_error or self.health_error,
+        )
 
 
 @dataclass

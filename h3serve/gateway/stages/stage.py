@@ -43,9 +43,9 @@ class JobContext:
 
     job_id: str
     request: gateway_pb2.ResolvedRequest
-    media: list[media_pb2.MediaItem]                    # the assets the workflow sends to the stages
-    read_asset: Callable[[str], AsyncIterator[bytes]]   # asset id -> its stored bytes, chunk by chunk
-    emit: Callable[..., Awaitable[None]]                # emit(denoising=Denoising(...)): one job event
+    media: list[media_pb2.MediaItem]  # the assets the workflow sends to the stages
+    read_asset: Callable[[str], AsyncIterator[bytes]]  # asset id -> its stored bytes, chunk by chunk
+    emit: Callable[..., Awaitable[None]]  # emit(denoising=Denoising(...)): one job event
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     scratch: dict[str, Any] = field(default_factory=dict)  # a stage's own state across its events
 
@@ -61,11 +61,11 @@ class Request:
 
 
 class Stage:
-    name: str            # "encoder", "vae-encode", "dit", "vae": the stage's queue, metrics label and record
-    service: str         # whose replicas run it: a [gateway] address key ("encoder", "dit", "vae")
-    phase: str           # the watchdog phase its call starts in
-    deadline: str        # the GatewayConfig field holding its per-call deadline in seconds
-    stub: type           # the service's gRPC stub class
+    name: str  # "encoder", "vae-encode", "dit", "vae": the stage's queue, metrics label and record
+    service: str  # whose replicas run it: a [gateway] address key ("encoder", "dit", "vae")
+    phase: str  # the watchdog phase its call starts in
+    deadline: str  # the GatewayConfig field holding its per-call deadline in seconds
+    stub: type  # the service's gRPC stub class
 
     def __init__(self, metrics) -> None:
         self.metrics = metrics  # h3serve/gateway/metrics.GatewayMetrics

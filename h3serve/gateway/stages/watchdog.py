@@ -28,8 +28,9 @@ class Watchdog:
         self.limits = {**STALL_DEFAULTS, **limits}
         unknown = set(self.limits) - set(STALL_DEFAULTS)
         if unknown:
-            raise ValueError(f"stall_s: unknown phase(s) {', '.join(sorted(unknown))}; "
-                             f"known: {', '.join(STALL_DEFAULTS)}")
+            raise ValueError(
+                f"stall_s: unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(STALL_DEFAULTS)}"
+            )
         self.phase = ""
         self.events = 0  # progress events seen: a try that made some, made progress
         self._last = time.monotonic()

@@ -39,8 +39,11 @@ def asset_fields(request) -> list[tuple[str, str]]:
     for workflow in WORKFLOWS:
         for field in workflow.media_fields:
             value = getattr(request, field)
-            found += [(field, value)] if isinstance(value, str) else \
-                [(f"{field}[{index}].asset_id", item.asset_id) for index, item in enumerate(value)]
+            found += (
+                [(field, value)]
+                if isinstance(value, str)
+                else [(f"{field}[{index}].asset_id", item.asset_id) for index, item in enumerate(value)]
+            )
     return [(field, asset_id) for field, asset_id in found if asset_id]
 
 
@@ -64,8 +67,9 @@ def of_request(request: gateway_pb2.GenerateRequest) -> Workflow:
         try:
             workflow = by_value(request.workflow)
         except ValueError as exc:
-            raise InvalidRequest("workflow", f"unknown value {request.workflow}; one of "
-                                             f"{', '.join(n.upper() for n in names())}") from exc
+            raise InvalidRequest(
+                "workflow", f"unknown value {request.workflow}; one of {', '.join(n.upper() for n in names())}"
+            ) from exc
     for field in given:
         if field not in workflow.media_fields:
             owner = of_fields([field])

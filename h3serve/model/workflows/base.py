@@ -44,9 +44,9 @@ def find_asset(assets: AssetLookup, field: str, asset_id: str) -> gateway_pb2.As
 class ModelDims:
     """The widths of the loaded model's tensors that a request's tensors must have (its transformer's config)."""
 
-    text_dim: int                # prompt_embeds (1, N, text_dim)
-    latent_channels: int         # video latents (1, C, f, h, w)
-    audio_latent_channels: int   # audio latent rows (rows, C_audio)
+    text_dim: int  # prompt_embeds (1, N, text_dim)
+    latent_channels: int  # video latents (1, C, f, h, w)
+    audio_latent_channels: int  # audio latent rows (rows, C_audio)
 
 
 def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
@@ -70,22 +70,27 @@ class TextCounter(Protocol):
 class PreparedMedia:
     """One request's keyframes or references after diffusers' set-up block, inside a stage."""
 
-    inputs: dict                                       # what the text-encoder and VAE-encode blocks read
-    items: list                                        # one entry per asset, packed order (VAE encodes them one by one)
-    manifest: dict = field(default_factory=dict)       # DenoiseSpec fields the DiT needs: keyframe_anchors / references
+    inputs: dict  # what the text-encoder and VAE-encode blocks read
+    items: list  # one entry per asset, packed order (VAE encodes them one by one)
+    manifest: dict = field(default_factory=dict)  # DenoiseSpec fields the DiT needs: keyframe_anchors / references
 
 
 class Workflow:
-    name: str                              # "t2va"
-    value: int                             # its common_pb2.Workflow value
-    partition: str = "transformer"         # the transformer checkpoint partition the DiT runs it on
-    media_fields: tuple[str, ...] = ()     # GenerateRequest fields that carry its media
+    name: str  # "t2va"
+    value: int  # its common_pb2.Workflow value
+    partition: str = "transformer"  # the transformer checkpoint partition the DiT runs it on
+    media_fields: tuple[str, ...] = ()  # GenerateRequest fields that carry its media
     plan = T2VA_PLAN
 
     # Gateway side.
 
-    def resolve_media(self, request: gateway_pb2.GenerateRequest, resolved: gateway_pb2.ResolvedRequest,
-                      assets: AssetLookup, geometry: Geometry) -> None:
+    def resolve_media(
+        self,
+        request: gateway_pb2.GenerateRequest,
+        resolved: gateway_pb2.ResolvedRequest,
+        assets: AssetLookup,
+        geometry: Geometry,
+    ) -> None:
         """Check the media against the stored assets and the model's rules, copy them into `resolved` and set the
         canvas when the media decide it; raise InvalidRequest naming the field."""
 
@@ -97,8 +102,9 @@ class Workflow:
         """The packed DiT rows of the keyframes / references."""
         return Rows()
 
-    def text_rows(self, resolved: gateway_pb2.ResolvedRequest, assets: AssetLookup, text: TextCounter,
-                  geometry: Geometry) -> int:
+    def text_rows(
+        self, resolved: gateway_pb2.ResolvedRequest, assets: AssetLookup, text: TextCounter, geometry: Geometry
+    ) -> int:
         """Rows of the text encoder's output: labels and vision tokens of the media, then the prompt."""
         return text.tokens(resolved.prompt)
 
@@ -117,8 +123,9 @@ class Workflow:
         """diffusers' model-free set-up block that normalises the media (None: no media)."""
         return None
 
-    def prepare_media(self, pipe, spec: media_pb2.MediaSpec, items: list[media_pb2.MediaItem],
-                      decoded: list) -> PreparedMedia:
+    def prepare_media(
+        self, pipe, spec: media_pb2.MediaSpec, items: list[media_pb2.MediaItem], decoded: list
+    ) -> PreparedMedia:
         """Run the set-up `pipe` over the decoded assets (diffusers' reference dataclasses, `items` order)."""
         raise NotImplementedError(f"{self.name} takes no media")
 
@@ -146,8 +153,9 @@ class Workflow:
         if spec.keyframe_anchors or spec.references:
             raise ValueError(f"keyframe_anchors / references: {self.name} takes none")
 
-    def check_conditioning(self, spec: dit_pb2.DenoiseSpec, shapes: dict[str, tuple[int, ...]], dims: ModelDims,
-                           geometry: Geometry) -> None:
+    def check_conditioning(
+        self, spec: dit_pb2.DenoiseSpec, shapes: dict[str, tuple[int, ...]], dims: ModelDims, geometry: Geometry
+    ) -> None:
         """The shapes of the conditioning tensors (`tensor_names` past the text ones) against the spec's manifest,
         its canvas and frames, and the model; InvalidRequest naming the tensor."""
 

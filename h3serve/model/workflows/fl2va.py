@@ -48,8 +48,11 @@ class FL2VA(Workflow):
             if asset.kind != media_pb2.ASSET_KIND_IMAGE:
                 raise InvalidRequest(name, f"asset {asset_id!r} holds {kind_name(asset.kind)}; keyframes are images")
             if not rules.aspect_ok(asset.width, asset.height):
-                raise InvalidRequest(name, f"aspect ratio must be within 1:{rules.MAX_ASPECT} and {rules.MAX_ASPECT}:1, "
-                                           f"got {asset.width}x{asset.height}")
+                raise InvalidRequest(
+                    name,
+                    f"aspect ratio must be within 1:{rules.MAX_ASPECT} and {rules.MAX_ASPECT}:1, "
+                    f"got {asset.width}x{asset.height}",
+                )
             setattr(resolved, name, asset_id)
         if not request.height and not request.width:  # the canvas follows the first given keyframe
             anchor = assets(given[0][1])
@@ -59,17 +62,23 @@ class FL2VA(Workflow):
         return {"Picture": len(keyframes(resolved))}
 
     def condition_rows(self, resolved, assets, geometry) -> Rows:
-        return Rows(condition_video=len(keyframes(resolved)) * rules.rows_per_latent_frame(resolved.height,
-                                                                                           resolved.width))
+        return Rows(
+            condition_video=len(keyframes(resolved)) * rules.rows_per_latent_frame(resolved.height, resolved.width)
+        )
 
     def text_rows(self, resolved, assets, text: TextCounter, geometry) -> int:
-        pictures = sum(text.picture(index, resolved.height, resolved.width)
-                       for index in range(1, len(keyframes(resolved)) + 1))
+        pictures = sum(
+            text.picture(index, resolved.height, resolved.width) for index in range(1, len(keyframes(resolved)) + 1)
+        )
         return pictures + text.tokens(resolved.prompt)
 
     def media_items(self, resolved, assets) -> list[media_pb2.MediaItem]:
-        return [media_pb2.MediaItem(asset_id=asset_id, kind=media_pb2.ASSET_KIND_IMAGE, role=ROLES[name],
-                                    bytes=assets(asset_id).bytes) for name, asset_id in keyframes(resolved)]
+        return [
+            media_pb2.MediaItem(
+                asset_id=asset_id, kind=media_pb2.ASSET_KIND_IMAGE, role=ROLES[name], bytes=assets(asset_id).bytes
+            )
+            for name, asset_id in keyframes(resolved)
+        ]
 
     def setup_block(self):
         from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
@@ -78,17 +87,27 @@ class FL2VA(Workflow):
 
     def check_items(self, items) -> None:
         roles = [item.role for item in items]
-        if not roles or len(set(roles)) != len(roles) or set(roles) - set(ROLES.values()) or \
-                any(item.kind != media_pb2.ASSET_KIND_IMAGE for item in items):
+        if (
+            not roles
+            or len(set(roles)) != len(roles)
+            or set(roles) - set(ROLES.values())
+            or any(item.kind != media_pb2.ASSET_KIND_IMAGE for item in items)
+        ):
             raise MediaError("items: fl2va takes one first and/or one last keyframe, both images")
 
     def prepare_media(self, pipe, spec, items, decoded) -> PreparedMedia:
         self.check_items(items)
         by_role = {item.role: reference.image for item, reference in zip(items, decoded)}
-        out = pipe(image=by_role.get(ROLES["first_frame"]), last_image=by_role.get(ROLES["last_frame"]),
-                   height=spec.height, width=spec.width, output=["keyframes", "keyframe_anchors"])
-        return PreparedMedia({"keyframes": out["keyframes"]}, out["keyframes"],
-                             {"keyframe_anchors": tuple(out["keyframe_anchors"])})
+        out = pipe(
+            image=by_role.get(ROLES["first_frame"]),
+            last_image=by_role.get(ROLES["last_frame"]),
+            height=spec.height,
+            width=spec.width,
+            output=["keyframes", "keyframe_anchors"],
+        )
+        return PreparedMedia(
+            {"keyframes": out["keyframes"]}, out["keyframes"], {"keyframe_anchors": tuple(out["keyframe_anchors"])}
+        )
 
     def text_encoder_block(self):
         from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3FL2VATextEncoderStep
@@ -115,8 +134,12 @@ class FL2VA(Workflow):
         if spec.references:
             raise ValueError("references: fl2va takes keyframe_anchors, not references")
         anchors = list(spec.keyframe_anchors)
-        if not anchors or len(anchors) > len(ANCHORS) or set(anchors) - set(ANCHORS) or \
-                len(set(anchors)) != len(anchors):
+        if (
+            not anchors
+            or len(anchors) > len(ANCHORS)
+            or set(anchors) - set(ANCHORS)
+            or len(set(anchors)) != len(anchors)
+        ):
             given = [anchor[:16] for anchor in anchors] if len(anchors) <= len(ANCHORS) else f"{len(anchors)} anchors"
             raise ValueError(f"keyframe_anchors: fl2va needs 'first' and/or 'last', got {given}")
 
@@ -128,10 +151,11 @@ class FL2VA(Workflow):
 
     def denoise_inputs(self, spec, tensors) -> dict:
         self.check_manifest(spec)
-        return {"keyframe_anchors": tuple(spec.keyframe_anchors),
-                "condition_latents": numbered(tensors, "condition_latents")}
+        return {
+            "keyframe_anchors": tuple(spec.keyframe_anchors),
+            "condition_latents": numbered(tensors, "condition_latents"),
+        }
 
     def pipeline_inputs(self, media: dict[str, list]) -> dict:
         names = {"first_frame": "image", "last_frame": "last_image"}
         return {names[name]: decoded[0].image for name, decoded in media.items()}
-

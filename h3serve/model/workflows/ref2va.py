@@ -28,7 +28,7 @@ from h3serve.model.workflows.base import (
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
-MAX_PER_KIND = {IMAGE: 9, VIDEO: 3, AUDIO: 3}   # diffusers' Ref2VA set-up block limits
+MAX_PER_KIND = {IMAGE: 9, VIDEO: 3, AUDIO: 3}  # diffusers' Ref2VA set-up block limits
 MAX_REFERENCES = 12
 LABELS = {IMAGE: "Picture", VIDEO: "Video"}
 
@@ -50,12 +50,16 @@ class REF2VA(Workflow):
             name = f"references[{index}]"
             asset = find_asset(assets, name, given.asset_id)
             if given.kind and given.kind != asset.kind:
-                raise InvalidRequest(name, f"asset {given.asset_id!r} holds {kind_name(asset.kind)}, "
-                                           f"not {kind_name(given.kind)}")
+                raise InvalidRequest(
+                    name, f"asset {given.asset_id!r} holds {kind_name(asset.kind)}, not {kind_name(given.kind)}"
+                )
             counts[asset.kind] += 1
             if counts[asset.kind] > MAX_PER_KIND[asset.kind]:
-                raise InvalidRequest(name, f"a {_ordinal(counts[asset.kind])} {kind_name(asset.kind)} reference; at "
-                                           f"most {MAX_PER_KIND[asset.kind]} {kind_name(asset.kind)} references")
+                raise InvalidRequest(
+                    name,
+                    f"a {_ordinal(counts[asset.kind])} {kind_name(asset.kind)} reference; at "
+                    f"most {MAX_PER_KIND[asset.kind]} {kind_name(asset.kind)} references",
+                )
             _check_reference(name, asset, resolved.num_frames)
             labels = []
             if asset.has_audio:
@@ -63,15 +67,18 @@ class REF2VA(Workflow):
                 labels.append(f"<Audio {sounds}>")
             if asset.kind in LABELS:
                 labels.append(f"<{LABELS[asset.kind]} {counts[asset.kind]}>")
-            resolved.references.add(asset_id=asset.asset_id, kind=asset.kind, has_audio=asset.has_audio,
-                                    label=" ".join(labels))
+            resolved.references.add(
+                asset_id=asset.asset_id, kind=asset.kind, has_audio=asset.has_audio, label=" ".join(labels)
+            )
         if counts[IMAGE] + counts[VIDEO] == 0:
             raise InvalidRequest("references", "audio references need at least one image or video reference with them")
 
     def label_counts(self, resolved) -> dict[str, int]:
-        return {"Picture": sum(r.kind == IMAGE for r in resolved.references),
-                "Video": sum(r.kind == VIDEO for r in resolved.references),
-                "Audio": sum(r.has_audio for r in resolved.references)}
+        return {
+            "Picture": sum(r.kind == IMAGE for r in resolved.references),
+            "Video": sum(r.kind == VIDEO for r in resolved.references),
+            "Audio": sum(r.has_audio for r in resolved.references),
+        }
 
     def condition_rows(self, resolved, assets, geometry: Geometry) -> Rows:
         video = audio = 0
@@ -100,13 +107,20 @@ class REF2VA(Workflow):
             elif asset.kind == VIDEO:
                 counts["Video"] += 1
                 frames = rules.reference_video_frames(asset.num_frames, asset.fps, resolved.num_frames)
-                rows += text.video(counts["Video"], rules.sampled_frames(frames),
-                                   *geometry.canvas_for_aspect(asset.width, asset.height))
+                rows += text.video(
+                    counts["Video"],
+                    rules.sampled_frames(frames),
+                    *geometry.canvas_for_aspect(asset.width, asset.height),
+                )
         return rows + text.tokens(resolved.prompt)
 
     def media_items(self, resolved, assets) -> list[media_pb2.MediaItem]:
-        return [media_pb2.MediaItem(asset_id=r.asset_id, kind=r.kind, role=media_pb2.MEDIA_ROLE_REFERENCE,
-                                    bytes=assets(r.asset_id).bytes) for r in resolved.references]
+        return [
+            media_pb2.MediaItem(
+                asset_id=r.asset_id, kind=r.kind, role=media_pb2.MEDIA_ROLE_REFERENCE, bytes=assets(r.asset_id).bytes
+            )
+            for r in resolved.references
+        ]
 
     def check_items(self, items) -> None:
         if any(item.role != media_pb2.MEDIA_ROLE_REFERENCE for item in items):
@@ -121,11 +135,20 @@ class REF2VA(Workflow):
         return MiniMaxH3Ref2VASetupStep()
 
     def prepare_media(self, pipe, spec, items, decoded) -> PreparedMedia:
-        out = pipe(references=decoded, height=spec.height, width=spec.width, num_frames=spec.num_frames,
-                   output=["normalized_references"])
+        out = pipe(
+            references=decoded,
+            height=spec.height,
+            width=spec.width,
+            num_frames=spec.num_frames,
+            output=["normalized_references"],
+        )
         normalized = out["normalized_references"]
-        manifest = [media_pb2.ReferenceEntry(kind=media_pb2.AssetKind.Value(f"ASSET_KIND_{r.kind.upper()}"),
-                                             has_audio=r.has_audio) for r in normalized]
+        manifest = [
+            media_pb2.ReferenceEntry(
+                kind=media_pb2.AssetKind.Value(f"ASSET_KIND_{r.kind.upper()}"), has_audio=r.has_audio
+            )
+            for r in normalized
+        ]
         return PreparedMedia({"normalized_references": normalized}, normalized, {"references": manifest})
 
     def text_encoder_block(self):
@@ -150,8 +173,11 @@ class REF2VA(Workflow):
     def tensor_names(self, spec: dit_pb2.DenoiseSpec) -> tuple[str, ...]:
         visual = sum(r.kind != AUDIO for r in spec.references)
         audio = sum(r.has_audio for r in spec.references)
-        return (*super().tensor_names(spec), *(f"condition_latents.{i}" for i in range(visual)),
-                *(f"audio_condition_latents.{j}" for j in range(audio)))
+        return (
+            *super().tensor_names(spec),
+            *(f"condition_latents.{i}" for i in range(visual)),
+            *(f"audio_condition_latents.{j}" for j in range(audio)),
+        )
 
     def check_manifest(self, spec) -> None:
         if spec.keyframe_anchors:
@@ -180,14 +206,19 @@ class REF2VA(Workflow):
                 check_shape(name, shapes[name], (None, dims.audio_latent_channels))
                 rows, most = shapes[name][0], rules.max_soundtrack_rows(spec.num_frames)
                 if rows % rules.AUDIO_CHANNELS or rows > most:
-                    raise InvalidRequest(name, f"{rows} rows; a soundtrack takes an even number of rows (both "
-                                               f"channels), at most {most} for {spec.num_frames} frames")
+                    raise InvalidRequest(
+                        name,
+                        f"{rows} rows; a soundtrack takes an even number of rows (both "
+                        f"channels), at most {most} for {spec.num_frames} frames",
+                    )
 
     def denoise_inputs(self, spec, tensors) -> dict:
         self.check_manifest(spec)
-        return {"normalized_references": [_stand_in(entry) for entry in spec.references],
-                "condition_latents": numbered(tensors, "condition_latents"),
-                "audio_condition_latents": numbered(tensors, "audio_condition_latents")}
+        return {
+            "normalized_references": [_stand_in(entry) for entry in spec.references],
+            "condition_latents": numbered(tensors, "condition_latents"),
+            "audio_condition_latents": numbered(tensors, "audio_condition_latents"),
+        }
 
     def pipeline_inputs(self, media: dict[str, list]) -> dict:
         return {"references": media.get("references", [])}
@@ -195,13 +226,19 @@ class REF2VA(Workflow):
 
 def _check_reference(name: str, asset: gateway_pb2.Asset, num_frames: int) -> None:
     if asset.kind in LABELS and not rules.aspect_ok(asset.width, asset.height):
-        raise InvalidRequest(name, f"aspect ratio must be within 1:{rules.MAX_ASPECT} and {rules.MAX_ASPECT}:1, "
-                                   f"got {asset.width}x{asset.height}")
+        raise InvalidRequest(
+            name,
+            f"aspect ratio must be within 1:{rules.MAX_ASPECT} and {rules.MAX_ASPECT}:1, "
+            f"got {asset.width}x{asset.height}",
+        )
     if asset.kind == VIDEO:
         frames = rules.reference_video_frames(asset.num_frames, asset.fps, num_frames)
         if frames < rules.MIN_REFERENCE_FRAMES:
-            raise InvalidRequest(name, f"a video reference needs at least {rules.MIN_REFERENCE_FRAMES} frames at "
-                                       f"{rules.FPS} fps (17n+5, n >= 1), got {frames}")
+            raise InvalidRequest(
+                name,
+                f"a video reference needs at least {rules.MIN_REFERENCE_FRAMES} frames at "
+                f"{rules.FPS} fps (17n+5, n >= 1), got {frames}",
+            )
 
 
 def _kinds_problem(kinds: list[int]) -> str | None:
@@ -221,24 +258,34 @@ def _kinds_problem(kinds: list[int]) -> str | None:
     return None
 
 
-def _check_reference_latents(name: str, shape: tuple[int, ...], image: bool, num_frames: int, dims: ModelDims,
-                             geometry: Geometry) -> None:
+def _check_reference_latents(
+    name: str, shape: tuple[int, ...], image: bool, num_frames: int, dims: ModelDims, geometry: Geometry
+) -> None:
     """One latent frame of an image, or 5n+2 of a video no longer than the generated one; whole 2x2 patches of a
     canvas within the geometry's reference sizes."""
     check_shape(name, shape, (1, dims.latent_channels, None, None, None))
     frames, height, width = shape[2:]
     if image and frames != 1:
         raise InvalidRequest(name, f"{frames} latent frames; an image reference is one")
-    if not image and (frames % rules.LATENTS_PER_CHUNK != 2 or frames < rules.LATENTS_PER_CHUNK + 2
-                      or rules.pixel_frames(frames) > num_frames):
-        raise InvalidRequest(name, f"{frames} latent frames; a video reference is 5n+2 (n >= 1), at most "
-                                   f"{rules.latent_frames(num_frames)} for {num_frames} frames")
+    if not image and (
+        frames % rules.LATENTS_PER_CHUNK != 2
+        or frames < rules.LATENTS_PER_CHUNK + 2
+        or rules.pixel_frames(frames) > num_frames
+    ):
+        raise InvalidRequest(
+            name,
+            f"{frames} latent frames; a video reference is 5n+2 (n >= 1), at most "
+            f"{rules.latent_frames(num_frames)} for {num_frames} frames",
+        )
     if height % rules.PATCH or width % rules.PATCH:
         raise InvalidRequest(name, f"latent canvas {height}x{width}; each side a multiple of {rules.PATCH}")
     short, long = (side // rules.VAE_SPATIAL_RATIO for side in geometry.largest_reference_sides(image))
     if min(height, width) > short or max(height, width) > long:
-        raise InvalidRequest(name, f"latent canvas {height}x{width}; at most {short} on the short side and {long} "
-                                   f"on the long one for {'an image' if image else 'a video'} reference here")
+        raise InvalidRequest(
+            name,
+            f"latent canvas {height}x{width}; at most {short} on the short side and {long} "
+            f"on the long one for {'an image' if image else 'a video'} reference here",
+        )
 
 
 def _ordinal(n: int) -> str:

@@ -25,8 +25,9 @@ E4M3_MAX = 448.0
 NAME = "cudnn_fp8"
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-              causal: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None, causal: bool = False
+) -> torch.Tensor:
     """(batch, rows, heads, head_dim) attention without a mask, computed in FP8; returns q's dtype."""
     scale = slot.softmax_scale(q, softmax_scale, causal)
     k = k.float()
@@ -46,8 +47,9 @@ def _per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("h3serve::cudnn_fp8_sdpa", mutates_args=())
-def cudnn_fp8_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor,
-                   descale_k: torch.Tensor, scale: float) -> torch.Tensor:
+def cudnn_fp8_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descale_q: torch.Tensor, descale_k: torch.Tensor, scale: float
+) -> torch.Tensor:
     """E4M3 (batch, rows, heads, head_dim) q, k, v -> E4M3 output, through one cuDNN FP8 SDPA graph."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
@@ -77,8 +79,7 @@ class _Graph:
 
         handle = cudnn.create_handle()
         e4m3, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32,
-                              handle=handle)
+        graph = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
         batch, rows, heads, head_dim = shape
         dims = (batch, heads, rows, head_dim)  # cuDNN's order, over the (batch, rows, heads, dim) layout
         strides = (rows * heads * head_dim, head_dim, heads * head_dim, 1)
@@ -86,8 +87,9 @@ class _Graph:
         scalar = {"dim": (1, 1, 1, 1), "stride": (1, 1, 1, 1), "data_type": fp32}
         names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
         scalars = {n: graph.tensor(name=n, **scalar) for n in names}
-        out, _, amax_s, amax_o = graph.sdpa_fp8(q=q, k=k, v=v, **scalars, is_inference=True, attn_scale=scale,
-                                                use_causal_mask=False)
+        out, _, amax_s, amax_o = graph.sdpa_fp8(
+            q=q, k=k, v=v, **scalars, is_inference=True, attn_scale=scale, use_causal_mask=False
+        )
         out.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
         for amax in (amax_s, amax_o):
             amax.set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)).set_data_type(fp32)
@@ -98,15 +100,25 @@ class _Graph:
         graph.build_plans()
         on = torch.device("cuda", device)
         # V arrives scaled per channel and P is scaled to [0, 448]: the kernel's own factors are fixed.
-        constants = {scalars["descale_v"]: 1.0, scalars["descale_s"]: 1.0 / E4M3_MAX,
-                     scalars["scale_s"]: E4M3_MAX, scalars["scale_o"]: 1.0}
-        constants = {t: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=on)
-                     for t, value in constants.items()}
-        constants.update({amax: torch.empty((1, 1, 1, 1), dtype=torch.float32, device=on)
-                          for amax in (amax_s, amax_o)})
+        constants = {
+            scalars["descale_v"]: 1.0,
+            scalars["descale_s"]: 1.0 / E4M3_MAX,
+            scalars["scale_s"]: E4M3_MAX,
+            scalars["scale_o"]: 1.0,
+        }
+        constants = {
+            t: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=on) for t, value in constants.items()
+        }
+        constants.update({amax: torch.empty((1, 1, 1, 1), dtype=torch.float32, device=on) for amax in (amax_s, amax_o)})
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=on)
-        tensors = {"q": q, "k": k, "v": v, "out": out, "descale_q": scalars["descale_q"],
-                   "descale_k": scalars["descale_k"]}
+        tensors = {
+            "q": q,
+            "k": k,
+            "v": v,
+            "out": out,
+            "descale_q": scalars["descale_q"],
+            "descale_k": scalars["descale_k"],
+        }
         return _Graph(graph, tensors, constants, workspace, handle)
 
     def run(self, q, k, v, out, descale_q, descale_k) -> None:

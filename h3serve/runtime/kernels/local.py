@@ -48,9 +48,9 @@ def _(q, k, v, scale):
 
 @dataclass(frozen=True)
 class LocalKernel:
-    module: str        # what must import for the kernel to run
-    package: str       # what to install when it does not
-    kernel: Callable   # (q, k, v, softmax_scale, causal) on (batch, rows, heads, head_dim)
+    module: str  # what must import for the kernel to run
+    package: str  # what to install when it does not
+    kernel: Callable  # (q, k, v, softmax_scale, causal) on (batch, rows, heads, head_dim)
     capability: tuple[int, int]  # the oldest NVIDIA compute capability it runs on
     build_check: Callable[[tuple[int, int]], None] | None = None  # whether the installed build runs on this GPU
 
@@ -61,15 +61,18 @@ class LocalKernel:
         except ImportError as exc:
             raise RuntimeError(f"attention backend {name!r} needs the {self.package} installed: {exc}") from exc
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() < self.capability:
-            raise RuntimeError(f"attention backend {name!r} needs an NVIDIA GPU of compute capability "
-                               f"{'.'.join(map(str, self.capability))} or newer")
+            raise RuntimeError(
+                f"attention backend {name!r} needs an NVIDIA GPU of compute capability "
+                f"{'.'.join(map(str, self.capability))} or newer"
+            )
         if self.build_check:
             self.build_check(torch.cuda.get_device_capability())
 
 
 KERNELS = {
-    FLASH4: LocalKernel("flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel,
-                        (9, 0)),
+    FLASH4: LocalKernel(
+        "flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel, (9, 0)
+    ),
     fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention, (9, 0)),
     sage.NAME: LocalKernel("sageattention", "sageattention package", sage.attention, (7, 5), sage.check_build),
 }
@@ -92,11 +95,13 @@ def install(kernel: Callable) -> None:
 
     slot = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB]
     if slot.kernel_fn not in (None, kernel):
-        log.warning("attention kernel %s replaces %s in this process", getattr(kernel, "__name__", "?"),
-                    getattr(slot.kernel_fn, "__name__", "?"))
+        log.warning(
+            "attention kernel %s replaces %s in this process",
+            getattr(kernel, "__name__", "?"),
+            getattr(slot.kernel_fn, "__name__", "?"),
+        )
     slot.kernel_fn = kernel
-    _AttentionBackendRegistry.register(AttentionBackendName.FLASH_4_HUB, supports_context_parallel=True)(
-        slot_attention)
+    _AttentionBackendRegistry.register(AttentionBackendName.FLASH_4_HUB, supports_context_parallel=True)(slot_attention)
 
 
 def use(model: torch.nn.Module) -> None:
@@ -111,9 +116,16 @@ def use(model: torch.nn.Module) -> None:
     _AttentionBackendRegistry.set_active_backend(AttentionBackendName.FLASH_4_HUB)
 
 
-def slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                   scale: float | None = None, is_causal: bool = False, return_lse: bool = False,
-                   _parallel_config=None) -> torch.Tensor:
+def slot_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_lse: bool = False,
+    _parallel_config=None,
+) -> torch.Tensor:
     """diffusers' backend function for the slot: the kernel itself, or under Ulysses between the all-to-alls."""
     from diffusers.models.attention_dispatch import _templated_context_parallel_attention
 
@@ -122,15 +134,40 @@ def slot_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if _parallel_config is None:
         return _slot_kernel()(q=query, k=key, v=value, softmax_scale=scale, causal=is_causal)
     if _parallel_config.context_parallel_config.ring_degree > 1:
-        raise ValueError("ring attention needs the kernel's log-sum-exp, which the local kernels do not return; "
-                         "split the sequence with Ulysses")
-    return _templated_context_parallel_attention(query, key, value, None, 0.0, is_causal, scale, False, False,
-                                                 forward_op=_forward_op, backward_op=None,
-                                                 _parallel_config=_parallel_config)
+        raise ValueError(
+            "ring attention needs the kernel's log-sum-exp, which the local kernels do not return; "
+            "split the sequence with Ulysses"
+        )
+    return _templated_context_parallel_attention(
+        query,
+        key,
+        value,
+        None,
+        0.0,
+        is_causal,
+        scale,
+        False,
+        False,
+        forward_op=_forward_op,
+        backward_op=None,
+        _parallel_config=_parallel_config,
+    )
 
 
-def _forward_op(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                _save_ctx=True, _parallel_config=None):
+def _forward_op(
+    ctx,
+    query,
+    key,
+    value,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    enable_gqa,
+    return_lse,
+    _save_ctx=True,
+    _parallel_config=None,
+):
     """One rank's share under Ulysses: all rows, its heads (inference: nothing is saved for a backward)."""
     return _slot_kernel()(q=query, k=key, v=value, softmax_scale=scale, causal=is_causal)
 

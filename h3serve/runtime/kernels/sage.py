@@ -35,13 +35,16 @@ def check_build(capability: tuple[int, int]) -> None:
     """RuntimeError when the installed sageattention has no kernel for this GPU worth running."""
     installed = installed_version()
     if int(installed.split(".")[0]) < 2 and capability < TRITON_CAPABILITY:
-        raise RuntimeError(f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
-                           f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
-                           f"for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, README \"Small GPUs\")")
+        raise RuntimeError(
+            f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
+            f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
+            f'for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, README "Small GPUs")'
+        )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-              causal: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None, causal: bool = False
+) -> torch.Tensor:
     """(batch, rows, heads, head_dim) attention without a mask; returns q's dtype."""
     return torch.ops.h3serve.sage(q, k, v, slot.softmax_scale(q, softmax_scale, causal))
 
@@ -51,8 +54,9 @@ def sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     from sageattention import sageattn
 
     smoothed = (k - k.mean(dim=1, keepdim=True)).contiguous()
-    return sageattn(q.contiguous(), smoothed, v.contiguous(), tensor_layout="NHD", is_causal=False, sm_scale=scale,
-                    smooth_k=False)
+    return sageattn(
+        q.contiguous(), smoothed, v.contiguous(), tensor_layout="NHD", is_causal=False, sm_scale=scale, smooth_k=False
+    )
 
 
 @sage.register_fake

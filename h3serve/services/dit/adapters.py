@@ -52,8 +52,8 @@ class AdapterFile:
     name: str
     source: AdapterSource
     state_dict: dict[str, torch.Tensor]
-    metadata: dict | None                    # the peft config diffusers derived (a `__metadata__` alpha), if any
-    routes: dict[str, str]                   # key prefix -> the partition it loads into
+    metadata: dict | None  # the peft config diffusers derived (a `__metadata__` alpha), if any
+    routes: dict[str, str]  # key prefix -> the partition it loads into
     facts: AdapterFacts
 
     def part(self, prefix: str) -> dict[str, torch.Tensor]:
@@ -70,8 +70,13 @@ def read(name: str, source: AdapterSource, loaded: Sequence[str]) -> AdapterFile
         raise AdapterRefused(f"adapters.{name}: {source.path}: diffusers cannot read it: {exc}") from exc
     routes = _routes(name, state_dict, loaded, source.transformer_ref)
     ranks = [t.shape[0] for k, t in state_dict.items() if k.endswith(".lora_A.weight")]
-    facts = AdapterFacts(name, tuple(sorted(set(routes.values()))), max(ranks, default=0),
-                         _recorded_alpha(source.path, metadata), rules.read_sidecar(source.path))
+    facts = AdapterFacts(
+        name,
+        tuple(sorted(set(routes.values()))),
+        max(ranks, default=0),
+        _recorded_alpha(source.path, metadata),
+        rules.read_sidecar(source.path),
+    )
     return AdapterFile(name, source, state_dict, metadata, routes, facts)
 
 
@@ -81,18 +86,26 @@ def _routes(name: str, state_dict: dict, loaded: Sequence[str], into_ref: bool) 
     transformer_ref with load_into_transformer_ref (`transformer_ref = true`) or when only transformer_ref is loaded."""
     prefixes = [p for p in PREFIXES if any(k.startswith(f"{p}.") for k in state_dict)]
     if not prefixes:
-        raise AdapterRefused(f"adapters.{name}: no key names a MiniMax-H3 module diffusers knows; its first keys are "
-                             f"{sorted(state_dict)[:3]}")
-    into = {"transformer_ref": "transformer_ref",
-            "transformer": "transformer_ref" if into_ref or "transformer" not in loaded else "transformer"}
+        raise AdapterRefused(
+            f"adapters.{name}: no key names a MiniMax-H3 module diffusers knows; its first keys are "
+            f"{sorted(state_dict)[:3]}"
+        )
+    into = {
+        "transformer_ref": "transformer_ref",
+        "transformer": "transformer_ref" if into_ref or "transformer" not in loaded else "transformer",
+    }
     routes = {prefix: into[prefix] for prefix in prefixes}
     missing = sorted({p for p in routes.values() if p not in loaded})
     if missing:
-        raise AdapterRefused(f"adapters.{name}: it loads into {missing[0]}, which this DiT does not load (serve a "
-                             f"workflow that runs on it: [dit] workflows)")
+        raise AdapterRefused(
+            f"adapters.{name}: it loads into {missing[0]}, which this DiT does not load (serve a "
+            f"workflow that runs on it: [dit] workflows)"
+        )
     if len(set(routes.values())) < len(routes):
-        raise AdapterRefused(f"adapters.{name}: its transformer. and transformer_ref. keys would both load into "
-                             "transformer_ref (transformer_ref = true); drop that setting")
+        raise AdapterRefused(
+            f"adapters.{name}: its transformer. and transformer_ref. keys would both load into "
+            "transformer_ref (transformer_ref = true); drop that setting"
+        )
     return routes
 
 
@@ -117,8 +130,9 @@ def check_fits(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> 
         for key in sorted(part):
             problem = _misfit(key.removeprefix(f"{prefix}."), part, prefix, linears)
             if problem:
-                raise AdapterRefused(f"adapters.{adapter.name}: {adapter.source.path}: key {key!r} does not fit "
-                                     f"{partition}: {problem}")
+                raise AdapterRefused(
+                    f"adapters.{adapter.name}: {adapter.source.path}: key {key!r} does not fit {partition}: {problem}"
+                )
 
 
 def _misfit(key: str, part: dict[str, torch.Tensor], prefix: str, linears: dict[str, torch.nn.Linear]) -> str:
@@ -134,11 +148,16 @@ def _misfit(key: str, part: dict[str, torch.Tensor], prefix: str, linears: dict[
         return "lora_A.weight and lora_B.weight go together"
     if down.ndim != 2 or up.ndim != 2 or down.shape[0] != up.shape[1]:
         return f"lora_A {tuple(down.shape)} and lora_B {tuple(up.shape)} are not (rank, in) and (out, rank)"
-    expected = {"lora_A.weight": (down.shape[0], linear.in_features),
-                "lora_B.weight": (linear.out_features, down.shape[0]), "lora_B.bias": (linear.out_features,)}[factor]
+    expected = {
+        "lora_A.weight": (down.shape[0], linear.in_features),
+        "lora_B.weight": (linear.out_features, down.shape[0]),
+        "lora_B.bias": (linear.out_features,),
+    }[factor]
     if tuple(part[f"{prefix}.{key}"].shape) != expected:
-        return (f"shape {tuple(part[f'{prefix}.{key}'].shape)}, but {module} is a {linear.in_features} -> "
-                f"{linear.out_features} linear layer, so it takes {expected}")
+        return (
+            f"shape {tuple(part[f'{prefix}.{key}'].shape)}, but {module} is a {linear.in_features} -> "
+            f"{linear.out_features} linear layer, so it takes {expected}"
+        )
     return ""
 
 
@@ -157,14 +176,16 @@ def inject(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> None
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin as Loader
 
     for prefix, partition in adapter.routes.items():
-        kwargs = dict(adapter_name=adapter.name, metadata=adapter.metadata,
-                      low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA)
+        kwargs = dict(
+            adapter_name=adapter.name, metadata=adapter.metadata, low_cpu_mem_usage=_LOW_CPU_MEM_USAGE_DEFAULT_LORA
+        )
         with _several_adapters():
             if partition == "transformer":
                 Loader.load_lora_into_transformer(adapter.part(prefix), transformer=partitions[partition], **kwargs)
             else:
-                Loader.load_lora_into_transformer_ref(adapter.part(prefix), transformer_ref=partitions[partition],
-                                                      prefix=prefix, **kwargs)
+                Loader.load_lora_into_transformer_ref(
+                    adapter.part(prefix), transformer_ref=partitions[partition], prefix=prefix, **kwargs
+                )
 
 
 @contextlib.contextmanager
@@ -210,8 +231,8 @@ class Resident:
 class Factors:
     """One adapter's LoRA in one module, kept on the CPU: its factors and peft's scale (alpha / rank)."""
 
-    down: torch.Tensor   # (rank, in)
-    up: torch.Tensor     # (out, rank)
+    down: torch.Tensor  # (rank, in)
+    up: torch.Tensor  # (out, rank)
     scale: float
 
 
@@ -220,10 +241,11 @@ class Slots:
 
     def __init__(self, files: list[AdapterFile], partitions: dict[str, torch.nn.Module], count: int) -> None:
         if any(k.endswith(".lora_B.bias") for adapter in files for k in adapter.state_dict):
-            raise AdapterRefused("adapters: a LoRA with biases (lora_B.bias) cannot be switched in place; serve it "
-                                 "with compile = false")
+            raise AdapterRefused(
+                "adapters: a LoRA with biases (lora_B.bias) cannot be switched in place; serve it with compile = false"
+            )
         self.partitions, self.count, self.max_per_request = partitions, count, count
-        self.factors: dict[str, dict[str, dict[str, Factors]]] = {}   # partition -> adapter -> module -> factors
+        self.factors: dict[str, dict[str, dict[str, Factors]]] = {}  # partition -> adapter -> module -> factors
         for adapter in files:
             for partition, modules in _extract(adapter, partitions).items():
                 self.factors.setdefault(partition, {})[adapter.name] = modules
@@ -266,10 +288,15 @@ def _extract(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> di
     out = {}
     for partition in set(adapter.routes.values()):
         model = partitions[partition]
-        out[partition] = {name: Factors(layer.lora_A[adapter.name].weight.detach().cpu().clone(),
-                                        layer.lora_B[adapter.name].weight.detach().cpu().clone(),
-                                        float(layer.scaling[adapter.name]))
-                          for name, layer in _lora_layers(model).items() if adapter.name in layer.lora_A}
+        out[partition] = {
+            name: Factors(
+                layer.lora_A[adapter.name].weight.detach().cpu().clone(),
+                layer.lora_B[adapter.name].weight.detach().cpu().clone(),
+                float(layer.scaling[adapter.name]),
+            )
+            for name, layer in _lora_layers(model).items()
+            if adapter.name in layer.lora_A
+        }
         model.delete_adapters(adapter.name)
     return out
 
@@ -351,8 +378,9 @@ class Holder(Protocol):
 class Adapters:
     """The adapters of one rank: what Info reports, and `apply` at the start of every request (every rank alike)."""
 
-    def __init__(self, facts: Sequence[AdapterFacts] = (), mode: str = rules.UNFUSED,
-                 holder: Holder | None = None) -> None:
+    def __init__(
+        self, facts: Sequence[AdapterFacts] = (), mode: str = rules.UNFUSED, holder: Holder | None = None
+    ) -> None:
         self.facts, self.mode, self.holder = list(facts), mode, holder
 
     def apply(self, partition: str, adapters: Request) -> None:
@@ -361,8 +389,11 @@ class Adapters:
 
     def describe(self) -> dict:
         """The DiTInfo fields."""
-        return dict(adapters=[f.to_info() for f in self.facts], adapter_mode=self.mode,
-                    max_request_adapters=self.holder.max_per_request if self.holder else 0)
+        return dict(
+            adapters=[f.to_info() for f in self.facts],
+            adapter_mode=self.mode,
+            max_request_adapters=self.holder.max_per_request if self.holder else 0,
+        )
 
 
 def install(config: DiTConfig, partitions: dict[str, torch.nn.Module]) -> Adapters:
@@ -377,6 +408,13 @@ def install(config: DiTConfig, partitions: dict[str, torch.nn.Module]) -> Adapte
         holder = Slots(files, partitions, config.adapter_slots) if config.compile else Resident(files, partitions)
         facts = [f.facts for f in files]
     for f in facts:
-        log.info("adapter %s: rank %d, alpha %g, into %s, %s%s", f.name, f.rank, f.alpha, " and ".join(f.partitions),
-                 config.adapter_mode, " (slots: compiled)" if isinstance(holder, Slots) else "")
+        log.info(
+            "adapter %s: rank %d, alpha %g, into %s, %s%s",
+            f.name,
+            f.rank,
+            f.alpha,
+            " and ".join(f.partitions),
+            config.adapter_mode,
+            " (slots: compiled)" if isinstance(holder, Slots) else "",
+        )
     return Adapters(facts, config.adapter_mode, holder)

@@ -30,9 +30,15 @@ SDPA = ("native", "_native_cudnn", "_native_flash", "_native_efficient")
 # The oldest compute capability on which each diffusers backend's kernel takes bf16: PyTorch's flash,
 # memory-efficient and cuDNN SDPA kernels and flash-attn 2 from sm_80; FlashAttention 3 and SageAttention's
 # fp8 P.V kernels on sm_90 / sm_89 only. The local kernels carry their own (h3serve/runtime/kernels/local.py).
-BF16_CAPABILITY = {**dict.fromkeys(SDPA, (8, 0)), "flash": (8, 0), "flash_varlen": (8, 0), "_flash_3": (9, 0),
-                   "_flash_varlen_3": (9, 0), "_sage_qk_int8_pv_fp8_cuda": (8, 9),
-                   "_sage_qk_int8_pv_fp8_cuda_sm90": (9, 0)}
+BF16_CAPABILITY = {
+    **dict.fromkeys(SDPA, (8, 0)),
+    "flash": (8, 0),
+    "flash_varlen": (8, 0),
+    "_flash_3": (9, 0),
+    "_flash_varlen_3": (9, 0),
+    "_sage_qk_int8_pv_fp8_cuda": (8, 9),
+    "_sage_qk_int8_pv_fp8_cuda_sm90": (9, 0),
+}
 
 
 class BackendUnusable(RuntimeError):
@@ -43,12 +49,22 @@ def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype
     """`check` with this transformer's head shape (h3serve/runtime/fastpath.py then sets the backend)."""
     heads, head_dim = transformer.config.num_attention_heads, transformer.config.attention_head_dim
     check(name, heads, head_dim, device, dtype)
-    log.info("attention backend %s: usable on %s with %s (heads %d, head dim %d)", name, _describe(device), dtype,
-             heads, head_dim)
+    log.info(
+        "attention backend %s: usable on %s with %s (heads %d, head dim %d)",
+        name,
+        _describe(device),
+        dtype,
+        heads,
+        head_dim,
+    )
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
-        log.info("fused attention kernels for %s with %s: %s", _sm(capability), dtype,
-                 ", ".join(kernels_for(capability, dtype)))
+        log.info(
+            "fused attention kernels for %s with %s: %s",
+            _sm(capability),
+            dtype,
+            ", ".join(kernels_for(capability, dtype)),
+        )
 
 
 def capability_refusal(name: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
@@ -60,9 +76,11 @@ def capability_refusal(name: str, capability: tuple[int, int], dtype: torch.dtyp
     if needed is None or capability >= needed:
         return None
     if name in SDPA:
-        return (f"attention backend {name!r}: PyTorch has no fused bf16 attention kernel on {_sm(capability)} (flash, "
-                "memory-efficient and cuDNN attention take bf16 from sm_80), so only MATH is left, which materialises "
-                'the S x S scores and runs out of memory; use attention_backend = "sage" (INT8 Q.K, FP16 P.V)')
+        return (
+            f"attention backend {name!r}: PyTorch has no fused bf16 attention kernel on {_sm(capability)} (flash, "
+            "memory-efficient and cuDNN attention take bf16 from sm_80), so only MATH is left, which materialises "
+            'the S x S scores and runs out of memory; use attention_backend = "sage" (INT8 Q.K, FP16 P.V)'
+        )
     return f"attention backend {name!r} needs compute capability {_sm(needed)} or newer; this GPU is {_sm(capability)}"
 
 
@@ -72,8 +90,15 @@ def kernels_for(capability: tuple[int, int], dtype: torch.dtype) -> list[str]:
     return [name for name in names if capability_refusal(name, capability, dtype) is None]
 
 
-def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-          sequence_parallel: bool = False, ring: bool = False) -> None:
+def check(
+    name: str,
+    heads: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    sequence_parallel: bool = False,
+    ring: bool = False,
+) -> None:
     """Raise BackendUnusable, with the reason, unless `name` runs the model's attention shape here (and
     under diffusers' context parallelism when the group splits the sequence, by ring when `ring`)."""
     from diffusers.models.attention_dispatch import (
@@ -84,18 +109,23 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
     )
 
     if device.type == "cuda" and name in MATERIALISING:
-        raise BackendUnusable(f"attention backend {name!r} materialises the S x S score matrix, which a long "
-                              "packed sequence cannot afford on a GPU; use a fused backend (_native_cudnn, "
-                              "_native_flash, flash, sage, or native, which is kept off MATH)")
+        raise BackendUnusable(
+            f"attention backend {name!r} materialises the S x S score matrix, which a long "
+            "packed sequence cannot afford on a GPU; use a fused backend (_native_cudnn, "
+            "_native_flash, flash, sage, or native, which is kept off MATH)"
+        )
     if name.endswith("_hub"):
-        raise BackendUnusable(f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
-                              "does; install the kernel locally and use its local backend name (e.g. flash4)")
-    if device.type == "cuda" and (refusal := capability_refusal(name, torch.cuda.get_device_capability(device),
-                                                                 dtype)):
+        raise BackendUnusable(
+            f"attention backend {name!r} downloads its kernel at run time, which h3serve never "
+            "does; install the kernel locally and use its local backend name (e.g. flash4)"
+        )
+    if device.type == "cuda" and (refusal := capability_refusal(name, torch.cuda.get_device_capability(device), dtype)):
         raise BackendUnusable(refusal)
     if ring and name in local_kernels.KERNELS:
-        raise BackendUnusable(f"attention backend {name!r} runs under Ulysses but not ring attention, which needs the "
-                              "kernel's log-sum-exp; set ulysses_degree instead of ring_degree")
+        raise BackendUnusable(
+            f"attention backend {name!r} runs under Ulysses but not ring attention, which needs the "
+            "kernel's log-sum-exp; set ulysses_degree instead of ring_degree"
+        )
     try:
         if name in local_kernels.KERNELS:  # bound to diffusers' flash_4_hub backend locally, never downloaded
             local_kernels.bind(name)
@@ -109,15 +139,19 @@ def check(name: str, heads: int, head_dim: int, device: torch.device, dtype: tor
     if sequence_parallel and not _AttentionBackendRegistry._is_context_parallel_available(backend):
         capable = _AttentionBackendRegistry._supports_context_parallel
         usable = ", ".join(sorted(getattr(b, "value", b) for b in capable))
-        raise BackendUnusable(f"attention backend {name!r} cannot split the sequence across ranks (diffusers "
-                              f"runs context parallelism only with {usable}); use one of them with world_size > 1")
+        raise BackendUnusable(
+            f"attention backend {name!r} cannot split the sequence across ranks (diffusers "
+            f"runs context parallelism only with {usable}); use one of them with world_size > 1"
+        )
     q, k, v = (torch.randn(1, PROBE_TOKENS, heads, head_dim, device=device, dtype=dtype) for _ in range(3))
     try:
         with no_math_kernel(name, device, PROBE_TOKENS, limit=0):
             out = dispatch_attention_fn(q, k, v, backend=backend)
     except Exception as exc:  # the kernel's own reason is the useful part
-        raise BackendUnusable(f"attention backend {name!r} cannot run on {_describe(device)} with {dtype} "
-                              f"(heads {heads}, head dim {head_dim}): {exc}") from exc
+        raise BackendUnusable(
+            f"attention backend {name!r} cannot run on {_describe(device)} with {dtype} "
+            f"(heads {heads}, head dim {head_dim}): {exc}"
+        ) from exc
     if not torch.isfinite(out).all():
         raise BackendUnusable(f"attention backend {name!r} gave non-finite output on {_describe(device)} with {dtype}")
 
@@ -132,8 +166,10 @@ def no_math_kernel(name: str, device: torch.device, tokens: int, limit: int):
 def packed_length(text_tokens: int, spec, conditioning: dict) -> int:
     """Rows of the packed sequence: text, the conditioning latents' rows (latent frames x 2x2 patches, and
     reference audio rows) and the generated video and audio (h3serve/model/rules.py)."""
-    video = sum(t.shape[2] * (t.shape[3] // rules.PATCH) * (t.shape[4] // rules.PATCH)
-                for t in conditioning.get("condition_latents", []))
+    video = sum(
+        t.shape[2] * (t.shape[3] // rules.PATCH) * (t.shape[4] // rules.PATCH)
+        for t in conditioning.get("condition_latents", [])
+    )
     audio = sum(t.shape[0] for t in conditioning.get("audio_condition_latents", []))
     generated = rules.generated_rows(spec.height, spec.width, rules.align_num_frames(max(spec.num_frames, 1)))
     return text_tokens + video + audio + generated.total

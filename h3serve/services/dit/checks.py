@@ -48,8 +48,11 @@ def model_dims(runner, workflow: Workflow) -> ModelDims:
 def row_bytes(dims: ModelDims) -> int:
     """The most input bytes one packed row can take: a text row (its embedding in float32 and its int64 tag), a
     2x2 patch of conditioning latents or a row of a soundtrack's latents."""
-    return max(FLOAT32_BYTES * dims.text_dim + INT64_BYTES, FLOAT32_BYTES * rules.PATCH ** 2 * dims.latent_channels,
-               FLOAT32_BYTES * dims.audio_latent_channels)
+    return max(
+        FLOAT32_BYTES * dims.text_dim + INT64_BYTES,
+        FLOAT32_BYTES * rules.PATCH**2 * dims.latent_channels,
+        FLOAT32_BYTES * dims.audio_latent_channels,
+    )
 
 
 class DenoiseCheck:
@@ -57,8 +60,13 @@ class DenoiseCheck:
     `dims_of(workflow)` gives the served model's widths (it raises when the group cannot run anything now);
     `catalog` the adapters the group loaded."""
 
-    def __init__(self, config: DiTConfig, served: list[int], dims_of: Callable[[Workflow], ModelDims],
-                 catalog: AdapterCatalog = AdapterCatalog()) -> None:
+    def __init__(
+        self,
+        config: DiTConfig,
+        served: list[int],
+        dims_of: Callable[[Workflow], ModelDims],
+        catalog: AdapterCatalog = AdapterCatalog(),
+    ) -> None:
         self.config, self.served, self.dims_of, self.catalog = config, served, dims_of, catalog
         self.workflow: Workflow | None = None
         self.dims: ModelDims | None = None
@@ -72,8 +80,11 @@ class DenoiseCheck:
         self.workflow.check_manifest(spec)
         generated = rules.generated_rows(spec.height, spec.width, spec.num_frames).total
         if generated >= self.config.max_rows:
-            raise InvalidRequest("num_frames", f"{spec.height}x{spec.width} at {spec.num_frames} frames is "
-                                               f"{generated} packed rows, over max_rows {self.config.max_rows}")
+            raise InvalidRequest(
+                "num_frames",
+                f"{spec.height}x{spec.width} at {spec.num_frames} frames is "
+                f"{generated} packed rows, over max_rows {self.config.max_rows}",
+            )
         self.dims = self.dims_of(self.workflow)
         adapters.check(spec.params, self.workflow, self.catalog)
         budget = (self.config.max_rows - generated) * row_bytes(self.dims)
@@ -87,17 +98,22 @@ class DenoiseCheck:
         check_dtype("text_token_tags", tags, torch.int64)
         check_shape("text_token_tags", tuple(tags.shape), (embeds.shape[1],))
         if not torch.isin(tags, torch.tensor(rules.TEXT_ROW_TAGS)).all():
-            raise InvalidRequest("text_token_tags", f"a text row is tagged {rules.TEXT_TAG} (text) or "
-                                                    f"{rules.VIDEO_TAG} (a vision block's row), got "
-                                                    f"{sorted(set(tags.unique().tolist()))[:8]}")
+            raise InvalidRequest(
+                "text_token_tags",
+                f"a text row is tagged {rules.TEXT_TAG} (text) or "
+                f"{rules.VIDEO_TAG} (a vision block's row), got "
+                f"{sorted(set(tags.unique().tolist()))[:8]}",
+            )
         conditions = {name: tensors[name] for name in self.workflow.tensor_names(spec)[2:]}
         for name, tensor in conditions.items():
             check_dtype(name, tensor, torch.float32)
-        self.workflow.check_conditioning(spec, {name: tuple(t.shape) for name, t in conditions.items()}, self.dims,
-                                         self.config.geometry)
+        self.workflow.check_conditioning(
+            spec, {name: tuple(t.shape) for name, t in conditions.items()}, self.dims, self.config.geometry
+        )
         inputs = self.workflow.denoise_inputs(spec, tensors)
         rows = attention.packed_length(embeds.shape[1], spec, inputs)
         if rows > self.config.max_rows:
-            raise InvalidRequest("prompt_embeds", f"the packed sequence is {rows} rows, over max_rows "
-                                                  f"{self.config.max_rows}")
+            raise InvalidRequest(
+                "prompt_embeds", f"the packed sequence is {rows} rows, over max_rows {self.config.max_rows}"
+            )
         return inputs

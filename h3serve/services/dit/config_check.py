@@ -67,14 +67,22 @@ def check(config: DiTConfig) -> Layout:
     if device.type == "cuda":
         per_node, visible = config.world_size // config.nnodes, torch.cuda.device_count()
         if per_node > visible:
-            raise ValueError(f"world_size {config.world_size} puts {per_node} ranks on this node, one per GPU, "
-                             f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})")
+            raise ValueError(
+                f"world_size {config.world_size} puts {per_node} ranks on this node, one per GPU, "
+                f"but {visible} GPU(s) are visible (gpus = {config.gpus!r})"
+            )
         for local_rank in range(per_node):  # each rank caps its allocator at start (runtime/service.py); a limit
             memory.fractions(config, torch.device("cuda", local_rank))  # above a card is refused here, once
         device = torch.device("cuda", device.index or 0)
     if config.offload == "group":
         parallel.check_group_offload(device)
-    attention.check(config.attention_backend, *transformer_shape(config.model_dir, partition), device,
-                    DTYPES[config.dtype], sequence_parallel=layout.world_size > 1, ring=layout.ring_degree > 1)
+    attention.check(
+        config.attention_backend,
+        *transformer_shape(config.model_dir, partition),
+        device,
+        DTYPES[config.dtype],
+        sequence_parallel=layout.world_size > 1,
+        ring=layout.ring_degree > 1,
+    )
     check_host_memory("dit", config)  # this node's launcher and ranks; memory_plan.HostMemoryError is a ValueError
     return layout

@@ -32,7 +32,8 @@ def apply() -> None:
             return native_op(ctx, query, key, value, *args, **kwargs)
         scale = kwargs.get("scale", args[3] if len(args) > 3 else None)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *(x.transpose(1, 2) for x in (query, key, value)), scale=scale)[:2]
+            *(x.transpose(1, 2) for x in (query, key, value)), scale=scale
+        )[:2]
         return out.transpose(1, 2).contiguous(), lse.transpose(1, 2).contiguous()
 
     dispatch._native_attention_forward_op = native_forward_op

@@ -47,7 +47,7 @@ class Message:
     kind: str
     spec: dit_pb2.DenoiseSpec | None = None
     tensors: dict[str, torch.Tensor] | None = None  # prompt_embeds, text_token_tags
-    conditioning: dict | None = None                  # the workflow's denoise inputs (keyframes, references)
+    conditioning: dict | None = None  # the workflow's denoise inputs (keyframes, references)
 
 
 class Cancelled(BaseException):
@@ -79,8 +79,8 @@ class ControlPlane:
 
 @dataclass(frozen=True)
 class RankStats:
-    peak_bytes: int     # peak memory during the last job
-    steps_served: int   # steps this rank has run since it joined
+    peak_bytes: int  # peak memory during the last job
+    steps_served: int  # steps this rank has run since it joined
 
 
 @dataclass
@@ -100,8 +100,9 @@ class Outcome:
 class GroupMember:
     """One rank's part in a job: the full denoise loop on its share of the sequence and weights."""
 
-    def __init__(self, control: ControlPlane, runner: DenoiseRunner, device: torch.device, backend: str,
-                 max_math_tokens: int) -> None:
+    def __init__(
+        self, control: ControlPlane, runner: DenoiseRunner, device: torch.device, backend: str, max_math_tokens: int
+    ) -> None:
         self.control, self.runner, self.device = control, runner, device
         self.backend, self.max_math_tokens = backend, max_math_tokens
         self.steps_served = 0
@@ -236,8 +237,9 @@ class Driver:
                 self._serve(ticket)
                 self.current = None
         except BaseException as exc:  # a rank died, a collective timed out, or a bug: the group is gone
-            self.fail(f"DiT group of {self.member.control.world_size} rank(s) broke and restarts: "
-                      f"{describe(exc, lines=1)}")
+            self.fail(
+                f"DiT group of {self.member.control.world_size} rank(s) broke and restarts: {describe(exc, lines=1)}"
+            )
 
     def _serve(self, ticket: Ticket) -> None:
         queue_seconds = time.perf_counter() - ticket.submitted
@@ -248,8 +250,13 @@ class Driver:
         def on_step(step: int, total: int) -> None:
             nonlocal graphs
             before, graphs = graphs, compile_cache.compiled_graphs()  # rank 0's process: it compiles as every rank
-            ticket.events.put(dit_pb2.DenoiseEvent(step=dit_pb2.StepProgress(
-                step=step, total=total, seconds=clock.lap(), compiled_graphs=graphs - before)))
+            ticket.events.put(
+                dit_pb2.DenoiseEvent(
+                    step=dit_pb2.StepProgress(
+                        step=step, total=total, seconds=clock.lap(), compiled_graphs=graphs - before
+                    )
+                )
+            )
 
         outcome = self.member.run(ticket.message, on_step, ticket.cancelled.is_set)
         self.ranks = outcome.ranks
@@ -264,10 +271,24 @@ class Driver:
             ticket.events.put(dit_pb2.DenoiseEvent(chunk=chunk))
         self.requests_served += 1
         seconds, steps = time.perf_counter() - started, ticket.message.spec.params.num_inference_steps - 1
-        log.info("job %s: %d steps in %.2f s on %d rank(s) (waited %.2f s)", ticket.job_id, steps, seconds,
-                 self.member.control.world_size, queue_seconds)
+        log.info(
+            "job %s: %d steps in %.2f s on %d rank(s) (waited %.2f s)",
+            ticket.job_id,
+            steps,
+            seconds,
+            self.member.control.world_size,
+            queue_seconds,
+        )
         video_rows, audio_rows = outcome.condition_rows
-        ticket.events.put(dit_pb2.DenoiseEvent(summary=dit_pb2.DenoiseSummary(
-            seconds=seconds, queue_seconds=queue_seconds, steps=steps, condition_video_rows=video_rows,
-            condition_audio_rows=audio_rows)))
+        ticket.events.put(
+            dit_pb2.DenoiseEvent(
+                summary=dit_pb2.DenoiseSummary(
+                    seconds=seconds,
+                    queue_seconds=queue_seconds,
+                    steps=steps,
+                    condition_video_rows=video_rows,
+                    condition_audio_rows=audio_rows,
+                )
+            )
+        )
         ticket.events.put(_END)

@@ -30,10 +30,20 @@ def launcher_argv(config: DiTConfig) -> list[str]:
 
 
 def torchrun_argv(config: DiTConfig) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={config.world_size // config.nnodes}",
-            f"--max-restarts={config.max_restarts}", f"--nnodes={config.nnodes}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={config.rdzv_endpoint}", f"--rdzv-id={config.rdzv_id}",
-            "-m", "h3serve.services.dit.rank", encode_config(config)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={config.world_size // config.nnodes}",
+        f"--max-restarts={config.max_restarts}",
+        f"--nnodes={config.nnodes}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={config.rdzv_endpoint}",
+        f"--rdzv-id={config.rdzv_id}",
+        "-m",
+        "h3serve.services.dit.rank",
+        encode_config(config),
+    ]
 
 
 def encode_config(config: DiTConfig) -> str:

@@ -38,9 +38,13 @@ class StepObserverBlock(ModularPipelineBlocks):
 def observed(core):
     """A workflow's core denoise step with its loop (`denoise`) extended by the step observer."""
     loop = type(core.sub_blocks["denoise"])
-    observed_loop = type(f"Observed{loop.__name__}", (loop,), {
-        "block_classes": [*loop.block_classes, StepObserverBlock],
-        "block_names": [*loop.block_names, "observe"],
-    })
+    observed_loop = type(
+        f"Observed{loop.__name__}",
+        (loop,),
+        {
+            "block_classes": [*loop.block_classes, StepObserverBlock],
+            "block_names": [*loop.block_names, "observe"],
+        },
+    )
     core.sub_blocks["denoise"] = observed_loop()
     return core

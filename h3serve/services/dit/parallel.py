@@ -49,8 +49,10 @@ class Layout:
         if ulysses * ring != world:
             raise ValueError(f"ulysses_degree {ulysses} x ring_degree {ring} must equal world_size {world}")
         if ulysses > 1 and ring > 1:
-            raise ValueError("ulysses_degree and ring_degree both above 1 (hybrid) is not served: diffusers' hybrid "
-                             "mode needs the packed length divisible by the world size; use one of them")
+            raise ValueError(
+                "ulysses_degree and ring_degree both above 1 (hybrid) is not served: diffusers' hybrid "
+                "mode needs the packed length divisible by the world size; use one of them"
+            )
         fsdp = config.fsdp and world > 1
         return cls(world, ulysses, ring, fsdp, config.fsdp_offload and fsdp)
 
@@ -74,9 +76,14 @@ def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
     """The compute group (NCCL next to gloo on GPUs, gloo on CPU) and a gloo control group; returns the latter."""
     timeout = timedelta(seconds=timeout_s)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"  # "cpu" keeps diffusers off CUDA
-    dist.init_process_group(backend, store=attempt_store(timeout), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        store=attempt_store(timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
@@ -88,8 +95,13 @@ def attempt_store(timeout: timedelta) -> dist.Store:
     """
     rank, restart = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          int(os.environ["WORLD_SIZE"]), is_master=rank == 0 and not agent_store, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=rank == 0 and not agent_store,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"h3serve-dit/attempt-{restart}", store)
 
 
@@ -100,34 +112,45 @@ def loads_shards(config: DiTConfig, layout: Layout) -> bool:
     return layout.fsdp and bool(config.model_dir) and not config.adapters and not config.fp8
 
 
-def load_sharded(weights: sharded_load.Weights, layout: Layout, fast: FastPath, device: torch.device,
-                 dtype: torch.dtype) -> torch.nn.Module:
+def load_sharded(
+    weights: sharded_load.Weights, layout: Layout, fast: FastPath, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
     """The transformer readied on the meta device, sharded, then only this rank's shards filled from `weights`."""
     started = time.perf_counter()
     transformer = random_full.skeleton(weights.factory, dtype)
     prepare_transformer(transformer, layout, fast, device, dtype, weights)
-    log.info("%s: this rank's shards, %.2f GiB, loaded in %.1f s", weights.label,
-             sharded_load.shard_bytes(transformer) / 2**30, time.perf_counter() - started)
+    log.info(
+        "%s: this rank's shards, %.2f GiB, loaded in %.1f s",
+        weights.label,
+        sharded_load.shard_bytes(transformer) / 2**30,
+        time.perf_counter() - started,
+    )
     return transformer
 
 
-def prepare_transformer(transformer, layout: Layout, fast: FastPath, device: torch.device,
-                        dtype: torch.dtype, weights: sharded_load.Weights | None = None) -> None:
+def prepare_transformer(
+    transformer,
+    layout: Layout,
+    fast: FastPath,
+    device: torch.device,
+    dtype: torch.dtype,
+    weights: sharded_load.Weights | None = None,
+) -> None:
     """After load (or on a meta-device skeleton with its `weights`), before the first request: the fast path
     (attention backend first), then the parallelism."""
     ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
     parallelize(transformer, layout, device, weights)
 
 
-def ready_model(transformer, fast: FastPath, device: torch.device, dtype: torch.dtype,
-                sequence_split: bool = False) -> None:
+def ready_model(
+    transformer, fast: FastPath, device: torch.device, dtype: torch.dtype, sequence_split: bool = False
+) -> None:
     """The backend is checked on this device (the reason if it cannot run), then the fast path applied."""
     attention.check_model(transformer, fast.attention, device, dtype)
     fastpath.apply(transformer, fast, sequence_split)
 
 
-def parallelize(transformer, layout: Layout, device: torch.device,
-                weights: sharded_load.Weights | None = None) -> None:
+def parallelize(transformer, layout: Layout, device: torch.device, weights: sharded_load.Weights | None = None) -> None:
     """Weight sharding (then, for a meta-device skeleton, this rank's shards filled from `weights`), then the
     sequence split (context parallelism wraps the backend already set)."""
     if layout.world_size == 1:
@@ -139,9 +162,14 @@ def parallelize(transformer, layout: Layout, device: torch.device,
     if weights is not None:
         sharded_load.materialise(transformer, weights, device, layout.offload)
     split_sequence(transformer, layout)
-    log.info("transformer on %d ranks: %s, weights %s", layout.world_size, layout.split,
-             ("sharded (FSDP2, offloaded to host)" if layout.offload else "sharded (FSDP2)") if layout.fsdp
-             else "replicated")
+    log.info(
+        "transformer on %d ranks: %s, weights %s",
+        layout.world_size,
+        layout.split,
+        ("sharded (FSDP2, offloaded to host)" if layout.offload else "sharded (FSDP2)")
+        if layout.fsdp
+        else "replicated",
+    )
 
 
 def shard_weights(transformer, device: torch.device, offload: bool = False) -> None:
@@ -165,8 +193,10 @@ def shard_weights(transformer, device: torch.device, offload: bool = False) -> N
 def check_group_offload(device: torch.device) -> None:
     """ValueError unless `offload = "group"` has a GPU to stream the blocks to."""
     if device.type != "cuda":
-        raise ValueError(f'offload = "group" streams the blocks from host memory to a GPU; this rank runs on '
-                         f"{device.type}, where the weights are in host memory already: set offload = \"none\"")
+        raise ValueError(
+            f'offload = "group" streams the blocks from host memory to a GPU; this rank runs on '
+            f'{device.type}, where the weights are in host memory already: set offload = "none"'
+        )
 
 
 def offload_groups(transformer, device: torch.device) -> pinned.Arenas:

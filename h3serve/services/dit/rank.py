@@ -67,10 +67,14 @@ class Endpoint:
         # Denoise checks requests against them
         self.view.info.workflows.extend(flow.value for flow in served(config.workflows))
         servicer = DiTServicer(self.view, config)
-        self.server, self.health = start_server(lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
-                                                [SERVICE_NAME], config.address,
-                                                tls=(config.tls_cert, config.tls_key), serving=False,
-                                                auth_token=config.auth_token)
+        self.server, self.health = start_server(
+            lambda s: dit_pb2_grpc.add_DiTServicer_to_server(servicer, s),
+            [SERVICE_NAME],
+            config.address,
+            tls=(config.tls_cert, config.tls_key),
+            serving=False,
+            auth_token=config.auth_token,
+        )
         self.finished = threading.Event()
         self.exit_code = 1
         for signum in STOP_SIGNALS:
@@ -139,14 +143,26 @@ def join(config: DiTConfig, rank: int, restart: int) -> tuple[GroupMember, dit_p
     # a transformer_file is read whole (FSDP2 shards it after the load, as with adapters or fp8)
     load = load_by_shard if parallel.loads_shards(config, layout) and not config.transformer_file else load_whole
     components, model, held = load(config, layout, device, loaded)
-    member = GroupMember(control, DenoiseRunner(components, flows, held, device), device, config.attention_backend,
-                         config.max_math_tokens)
+    member = GroupMember(
+        control,
+        DenoiseRunner(components, flows, held, device),
+        device,
+        config.attention_backend,
+        config.max_math_tokens,
+    )
     ranks = control.gather(RankInfo(rank, os.getpid(), socket.gethostname(), str(device)))
     info = dit_pb2.DiTInfo(
-        model=model, attention_backend=config.attention_backend, world_size=layout.world_size,
-        ulysses_degree=layout.ulysses_degree, ring_degree=layout.ring_degree, fsdp=layout.fsdp,
-        compute_backend="nccl" if device.type == "cuda" else "gloo", partitions=loaded, **held.describe(),
-        ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks])
+        model=model,
+        attention_backend=config.attention_backend,
+        world_size=layout.world_size,
+        ulysses_degree=layout.ulysses_degree,
+        ring_degree=layout.ring_degree,
+        fsdp=layout.fsdp,
+        compute_backend="nccl" if device.type == "cuda" else "gloo",
+        partitions=loaded,
+        **held.describe(),
+        ranks=[dit_pb2.RankStatus(rank=r.rank, pid=r.pid, host=r.host, device=r.device) for r in ranks],
+    )
     return member, info
 
 
@@ -156,16 +172,22 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     from the fp8 store's memory-mapped files with `fp8_cache_dir`, else pinned)."""
     grouped = config.offload == "group"
     home = "cpu" if grouped else str(device)
-    source, dtype, fast = ModelSource(config.model_dir or None, config.transformer_file), DTYPES[config.dtype], \
-        FastPath.of(config)
+    source, dtype, fast = (
+        ModelSource(config.model_dir or None, config.transformer_file),
+        DTYPES[config.dtype],
+        FastPath.of(config),
+    )
     store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
     streamed = grouped and store is not None
     if streamed:  # capped first: the partitions are quantised block by block on the GPU
         memory.cap(config, device)
         stored = {partition: stored_or_built(store, source, partition, device) for partition in loaded}
     else:
-        stored = {partition: store.load(partition, source.weights(partition).factory) for partition in loaded} \
-            if store else {}
+        stored = (
+            {partition: store.load(partition, source.weights(partition).factory) for partition in loaded}
+            if store
+            else {}
+        )
     built = [partition for partition in loaded if stored.get(partition) is None]
     released = [partition for partition in built if not source.from_file(partition)]
     components, model = load_model_service("dit", [*released, *SCHEDULERS], config.replace(device=home))
@@ -193,8 +215,14 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     return components, model, held
 
 
-def quantise_then_adapt(config: DiTConfig, fast: FastPath, partitions: dict[str, torch.nn.Module], built: list[str],
-                        store: fp8_store.Fp8Store | None, layout: parallel.Layout) -> adapters.Adapters:
+def quantise_then_adapt(
+    config: DiTConfig,
+    fast: FastPath,
+    partitions: dict[str, torch.nn.Module],
+    built: list[str],
+    store: fp8_store.Fp8Store | None,
+    layout: parallel.Layout,
+) -> adapters.Adapters:
     """fp8 the partitions built here and save them (rank 0), then install the adapters over the quantised base as
     unmerged low-rank branches, so the saved weights are the same whatever the adapters. A fused adapter is merged
     into the bf16 weights before quantisation instead (such a deployment has no fp8 store: config.py)."""
@@ -212,8 +240,9 @@ def quantise_then_adapt(config: DiTConfig, fast: FastPath, partitions: dict[str,
     return held if fused else adapters.install(config, partitions)
 
 
-def stored_or_built(store: fp8_store.Fp8Store, source: ModelSource, partition: str,
-                    device: torch.device) -> torch.nn.Module:
+def stored_or_built(
+    store: fp8_store.Fp8Store, source: ModelSource, partition: str, device: torch.device
+) -> torch.nn.Module:
     """The partition from the fp8 store, quantised there block by block on `device` first if it is not saved yet:
     group offload streams its blocks from those files (h3serve/runtime/weight_stream.py)."""
     weights = source.weights(partition)
@@ -222,8 +251,10 @@ def stored_or_built(store: fp8_store.Fp8Store, source: ModelSource, partition: s
         store.build(partition, weights, device, fastpath.quantize_fp8)
         transformer = store.load(partition, weights.factory)
     if transformer is None:
-        raise RuntimeError(f"{partition}: group offload streams the fp8 weights from fp8_cache_dir = "
-                           f"{str(store.directory)!r}, and they could not be saved there (the warning above says why)")
+        raise RuntimeError(
+            f"{partition}: group offload streams the fp8 weights from fp8_cache_dir = "
+            f"{str(store.directory)!r}, and they could not be saved there (the warning above says why)"
+        )
     return transformer
 
 
@@ -231,8 +262,9 @@ def base_tensors(transformer: torch.nn.Module) -> set[int]:
     """The tensors the fp8 store assigned (every parameter and persistent buffer), by identity: adapters added later
     wrap the modules but keep these objects."""
     saved = set(transformer.state_dict())
-    return {id(tensor) for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]
-            if name in saved}
+    return {
+        id(tensor) for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()] if name in saved
+    }
 
 
 def place_stored(transformer: torch.nn.Module, home: str, grouped: bool) -> torch.nn.Module:
@@ -251,8 +283,9 @@ def load_by_shard(config: DiTConfig, layout: parallel.Layout, device: torch.devi
     components, model = load_model_service("dit", SCHEDULERS, config.replace(device=str(device)))
     source = ModelSource(config.model_dir)
     for partition in loaded:
-        components[partition] = parallel.load_sharded(source.weights(partition), layout, FastPath.of(config), device,
-                                                      DTYPES[config.dtype])
+        components[partition] = parallel.load_sharded(
+            source.weights(partition), layout, FastPath.of(config), device, DTYPES[config.dtype]
+        )
     model.components.extend(loaded)
     return components, model, adapters.install(config, {})
 
@@ -269,7 +302,7 @@ class Follower:
         self.config, self.rank, self.restart = config, rank, restart
         self.following = False
         self.stop_by: float | None = None  # set by a stop signal that came while following
-        self.done = threading.Event()      # the work ended: the group broke or the join failed
+        self.done = threading.Event()  # the work ended: the group broke or the join failed
         self.failure = ""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._on_signal)
@@ -298,8 +331,11 @@ class Follower:
         threading.Thread(target=self._work, name="dit-follow", daemon=True).start()
         while not self.done.wait(0.2):
             if self.stop_by is not None and time.monotonic() > self.stop_by:
-                log.warning("rank %d: rank 0 did not leave within %.0f s of the stop signal; leaving first",
-                            self.rank, FOLLOW_STOP_S)
+                log.warning(
+                    "rank %d: rank 0 did not leave within %.0f s of the stop signal; leaving first",
+                    self.rank,
+                    FOLLOW_STOP_S,
+                )
                 break
         if self.stop_by is None:
             time.sleep(STOP_WAIT_S)  # a break that is a stop: this rank's own signal may trail it (exit 0 then)

@@ -42,8 +42,13 @@ def computing_on(pipe, device: torch.device) -> None:
 class DenoiseRunner:
     """Holds one pipeline per served workflow; not re-entrant (the schedulers keep per-request state)."""
 
-    def __init__(self, components: dict, flows: list[Workflow], adapters: Adapters | None = None,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        components: dict,
+        flows: list[Workflow],
+        adapters: Adapters | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.adapters = adapters or Adapters()
         self.schedulers = [components[name] for name in SCHEDULERS]  # shared by the pipes, in DEFAULT_SHIFTS' order
         self.pipes = {}
@@ -59,8 +64,14 @@ class DenoiseRunner:
         self.condition_rows = (0, 0)  # of the last run: (video, audio) rows taken by keyframes / references
 
     @torch.no_grad()
-    def run(self, spec: dit_pb2.DenoiseSpec, prompt_embeds: torch.Tensor, text_token_tags: torch.Tensor,
-            observer: StepObserver, conditioning: dict | None = None) -> dict[str, torch.Tensor]:
+    def run(
+        self,
+        spec: dit_pb2.DenoiseSpec,
+        prompt_embeds: torch.Tensor,
+        text_token_tags: torch.Tensor,
+        observer: StepObserver,
+        conditioning: dict | None = None,
+    ) -> dict[str, torch.Tensor]:
         # Noise is drawn on the CPU from the request's generator, as the reference pipeline does,
         # so a seed means the same video on every device. The packed layout is built on the CPU
         # too, from CPU row tags (as the text-encoder block returns them).
@@ -70,11 +81,15 @@ class DenoiseRunner:
         self._set_shifts(spec.params)
         try:
             out = self.pipes[flow.value](
-                prompt_embeds=prompt_embeds.to(self.device), text_token_tags=text_token_tags.cpu(),
-                height=spec.height, width=spec.width, num_frames=spec.num_frames,
+                prompt_embeds=prompt_embeds.to(self.device),
+                text_token_tags=text_token_tags.cpu(),
+                height=spec.height,
+                width=spec.width,
+                num_frames=spec.num_frames,
                 num_inference_steps=spec.params.num_inference_steps,
                 generator=torch.Generator().manual_seed(spec.params.seed),
-                step_observer=observer, output=["latents", "audio_latents", *CONDITION_ROWS],
+                step_observer=observer,
+                output=["latents", "audio_latents", *CONDITION_ROWS],
                 **(conditioning or {}),
             )
             self.condition_rows = tuple(int(out[name] or 0) for name in CONDITION_ROWS)

@@ -47,8 +47,9 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
 
     def Denoise(self, request_iterator, context):
         try:
-            check = checks.DenoiseCheck(self.config, list(self.view.info.workflows), self._dims,
-                                        AdapterCatalog.from_info(self.view.info))
+            check = checks.DenoiseCheck(
+                self.config, list(self.view.info.workflows), self._dims, AdapterCatalog.from_info(self.view.info)
+            )
             with wire.refusal_heard(request_iterator):
                 spec, tensors = wire.read_spec_stream(request_iterator, check.expect)
             conditioning = check.conditioning(spec, tensors)
@@ -67,9 +68,11 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
         info.compiled_graphs, info.compile_cache_hits = compile_cache.compiled_graphs(), compile_cache.cache_hits()
         driver = self.view.driver
         if driver is not None:
-            info.requests_served, info.steps_served, info.busy = driver.requests_served, driver.steps_served, \
-                driver.busy
+            info.requests_served, info.steps_served, info.busy = (
+                driver.requests_served,
+                driver.steps_served,
+                driver.busy,
+            )
             for rank, stats in zip(info.ranks, driver.ranks):
                 rank.peak_bytes, rank.steps_served = stats.peak_bytes, stats.steps_served
         return info
-

@@ -57,26 +57,42 @@ def open_store(listener: socket.socket, host: str, timeout_s: float):
     """The group's store on `listener`, which it owns from here."""
     import torch.distributed as dist  # imported here: the ranks and the stop signals do not wait for torch
 
-    return dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+    return dist.TCPStore(
+        host,
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=listener.detach(),
+    )
 
 
 LAST_EXIT_ENV = "H3SERVE_DIT_LAST_EXIT"  # how the start before this one ended: rank 0 reports it in DiTInfo.state
 
 
-def rank_env(config: DiTConfig, rank: int, restart: int, master: tuple[str, int],
-             last_exit: str = "") -> dict[str, str]:
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(config.world_size),
-           "LOCAL_WORLD_SIZE": str(config.world_size), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-           "TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_USE_AGENT_STORE": "True",
-           LAST_EXIT_ENV: last_exit}
+def rank_env(
+    config: DiTConfig, rank: int, restart: int, master: tuple[str, int], last_exit: str = ""
+) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(config.world_size),
+        "LOCAL_WORLD_SIZE": str(config.world_size),
+        "MASTER_ADDR": master[0],
+        "MASTER_PORT": str(master[1]),
+        "TORCHELASTIC_RESTART_COUNT": str(restart),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        LAST_EXIT_ENV: last_exit,
+    }
     if config.world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks sharing the cores do not each take them all
     return env
 
 
-def start_ranks(config: DiTConfig, argv: list[str], restart: int, master: tuple[str, int],
-                stop: StopSignals, last_exit: str = "") -> list[subprocess.Popen]:
+def start_ranks(
+    config: DiTConfig, argv: list[str], restart: int, master: tuple[str, int], stop: StopSignals, last_exit: str = ""
+) -> list[subprocess.Popen]:
     """Every rank of one start, unless a stop comes first (what was started is then stopped by the caller)."""
     ranks = []
     for rank in range(config.world_size):
@@ -106,14 +122,22 @@ def rank0_serving(config: DiTConfig) -> Callable[[], bool]:
         from h3serve.common.server import is_serving  # grpc: imported once the ranks have started
 
         return is_serving(address, root_pem=root_pem)
+
     return serving
 
 
 class Group:
     """The ranks' starts on one node: how each start ended, and whether to start again."""
 
-    def __init__(self, config: DiTConfig, argv: list[str], master: tuple[str, int], stop: StopSignals,
-                 ready: Callable[[], bool] | None = None, meminfo: str = MEMINFO) -> None:
+    def __init__(
+        self,
+        config: DiTConfig,
+        argv: list[str],
+        master: tuple[str, int],
+        stop: StopSignals,
+        ready: Callable[[], bool] | None = None,
+        meminfo: str = MEMINFO,
+    ) -> None:
         self.config, self.argv, self.master, self.stop = config, argv, master, stop
         self.ready = ready or rank0_serving(config)
         self.memory = MemoryWatch(meminfo)
@@ -126,8 +150,12 @@ class Group:
         `on_started` runs after each start's ranks were spawned."""
         restart = 0
         while True:
-            log.info("starting the DiT group: %d rank(s), store on %s:%d%s", self.config.world_size, *self.master,
-                     f" (restart {restart} of {self.config.max_restarts})" if restart else "")
+            log.info(
+                "starting the DiT group: %d rank(s), store on %s:%d%s",
+                self.config.world_size,
+                *self.master,
+                f" (restart {restart} of {self.config.max_restarts})" if restart else "",
+            )
             ranks = start_ranks(self.config, self.argv, restart, self.master, self.stop, self.last_exit)
             self.memory.sample_host()
             on_started()
@@ -136,8 +164,9 @@ class Group:
                 self.last_exit = "; ".join(f"rank {rank} (pid {ranks[rank].pid}) {e.text}" for rank, e in ended)
                 log.warning("DiT group: %s; stopping the other ranks", self.last_exit)
             else:
-                log.info("signal %s: stopping the DiT group's %d rank(s)", signal.Signals(self.stop.signum).name,
-                         len(ranks))
+                log.info(
+                    "signal %s: stopping the DiT group's %d rank(s)", signal.Signals(self.stop.signum).name, len(ranks)
+                )
             stop_ranks(ranks)
             if self.stop:
                 return 0
@@ -151,8 +180,11 @@ class Group:
         the ranks' memory is sampled, and rank 0's health until it serves."""
         self.served, probe_at = False, 0.0
         while not self.stop:
-            ended = [(rank, self.memory.ending(p.pid, p.returncode, self.served))
-                     for rank, p in enumerate(ranks) if p.poll() is not None]
+            ended = [
+                (rank, self.memory.ending(p.pid, p.returncode, self.served))
+                for rank, p in enumerate(ranks)
+                if p.poll() is not None
+            ]
             if ended:
                 return ended
             self.memory.sample(p.pid for p in ranks)
@@ -164,16 +196,20 @@ class Group:
     def verdict(self, ranks: list[subprocess.Popen], ended: list[tuple[int, Ending]], restart: int) -> int | None:
         """This process's exit code when the group must not start again; None to restart it."""
         if any(rank.returncode == processes.EXIT_REFUSED for rank in ranks):
-            log.error("the DiT's configuration was refused (the reason is above: a setting, or its port in use): "
-                      "the DiT service exits")
+            log.error(
+                "the DiT's configuration was refused (the reason is above: a setting, or its port in use): "
+                "the DiT service exits"
+            )
             return processes.EXIT_REFUSED
         start_up_failure = any(ending.start_up_failure for _, ending in ended)
         if self.failures.repeats(frozenset(ending.kind for _, ending in ended), start_up_failure):
             log.error("stopped restarting: the same start-up failure twice: %s: the DiT service exits", self.last_exit)
             return 1
         if restart == self.config.max_restarts:
-            log.error("DiT group failed with no restart left (max_restarts = %d): the DiT service exits",
-                      self.config.max_restarts)
+            log.error(
+                "DiT group failed with no restart left (max_restarts = %d): the DiT service exits",
+                self.config.max_restarts,
+            )
             return 1
         return None
 
@@ -192,6 +228,7 @@ def supervise(encoded: str) -> int:
     def open_store_once() -> None:  # after the first start's spawn: while the ranks import torch
         if not store:
             store.append(open_store(listener, host, config.collective_timeout_s))
+
     return Group(config, argv, master, stop).run(open_store_once)
 
 

@@ -22,8 +22,11 @@ def check(config: DiTConfig) -> None:
         return
     path = config.transformer_file
     if config.fp8_cache_dir:
-        raise checkpoints.CheckpointRefused(path, "fp8_cache_dir saves and streams the transformer from the model "
-                                                  "directory's released files, not this one: set fp8_cache_dir = \"\"")
+        raise checkpoints.CheckpointRefused(
+            path,
+            "fp8_cache_dir saves and streams the transformer from the model "
+            'directory\'s released files, not this one: set fp8_cache_dir = ""',
+        )
     checkpoints.check(path, config.model_dir)
     if checkpoints.is_gguf(path):
         refused = gguf_refusals(config)
@@ -35,20 +38,30 @@ def gguf_refusals(config: DiTConfig) -> list[str]:
     """What the configured fast path cannot do over GGUF linears, each with its way out."""
     refused = []
     if config.fp8:
-        refused.append("fp8 = true cannot re-quantise them (it quantises bf16 linears): set fp8 = false, or serve a "
-                       "bf16 .safetensors file with fp8")
+        refused.append(
+            "fp8 = true cannot re-quantise them (it quantises bf16 linears): set fp8 = false, or serve a "
+            "bf16 .safetensors file with fp8"
+        )
     if config.fsdp and config.world_size > 1:
-        refused.append("fsdp = true cannot shard them (FSDP2 flattens plain tensors): replicate (fsdp = false) or "
-                       "serve a .safetensors file")
+        refused.append(
+            "fsdp = true cannot shard them (FSDP2 flattens plain tensors): replicate (fsdp = false) or "
+            "serve a .safetensors file"
+        )
     if has_adapters(config):
-        refused.append(('adapter_mode = "fused" cannot merge an adapter into them' if config.adapter_mode == FUSED
-                        else "adapters are untested as unfused LoRA over diffusers' GGUF linears") +
-                       ": serve a .safetensors file with adapters")
+        refused.append(
+            (
+                'adapter_mode = "fused" cannot merge an adapter into them'
+                if config.adapter_mode == FUSED
+                else "adapters are untested as unfused LoRA over diffusers' GGUF linears"
+            )
+            + ": serve a .safetensors file with adapters"
+        )
     if config.compile:
         refused.append("compile = true is untested over diffusers' GGUF linears here: set compile = false")
     if config.offload == "group":
-        refused.append('offload = "group" is untested with them (pinning and streaming GGUF parameters): '
-                       'set offload = "none"')
+        refused.append(
+            'offload = "group" is untested with them (pinning and streaming GGUF parameters): set offload = "none"'
+        )
     return refused
 
 

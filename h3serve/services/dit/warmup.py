@@ -52,8 +52,12 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
     for shape in config.warmup:
         runs += [warm_run(member, config, shape, tokens) for tokens in prompt_lengths(config)]
         if config.compile and runs[-1].compiled:
-            log.warning("warm-up %s: its last prompt length still compiled %d graphs; a request of this shape may "
-                        "compile (its events say so)", shape, runs[-1].compiled)
+            log.warning(
+                "warm-up %s: its last prompt length still compiled %d graphs; a request of this shape may "
+                "compile (its events say so)",
+                shape,
+                runs[-1].compiled,
+            )
     if config.compile:
         log.info("warm-up done: %s", compile_cache.time_report())
     return runs
@@ -78,21 +82,35 @@ def warm_run(member: GroupMember, config: DiTConfig, shape: str, tokens: int) ->
     if outcome.invalid is not None:
         raise ValueError(f"warmup {shape}: {outcome.invalid}")
     run = WarmRun(shape, tokens, time.perf_counter() - started, compile_cache.compiled_graphs() - graphs)
-    log.info("warm-up %s with a %d-token prompt: %d steps in %.1f s, %d graphs compiled", shape, tokens,
-             config.warmup_steps - 1, run.seconds, run.compiled)
+    log.info(
+        "warm-up %s with a %d-token prompt: %d steps in %.1f s, %d graphs compiled",
+        shape,
+        tokens,
+        config.warmup_steps - 1,
+        run.seconds,
+        run.compiled,
+    )
     return run
 
 
 def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int) -> Message:
     """A t2va request of `shape` with random text embeddings of `tokens` rows, through the service's own checks."""
     height, width, frames = parse_shape(shape)
-    spec = dit_pb2.DenoiseSpec(job_id=f"warmup-{shape}-{tokens}", workflow=WORKFLOW.value,
-                               height=height, width=width, num_frames=frames,
-                               params=common_pb2.GenerationParams(num_inference_steps=config.warmup_steps, seed=SEED))
-    check = checks.DenoiseCheck(config, [flow.value for flow in served(config.workflows)],
-                                lambda flow: checks.model_dims(member.runner, flow))
+    spec = dit_pb2.DenoiseSpec(
+        job_id=f"warmup-{shape}-{tokens}",
+        workflow=WORKFLOW.value,
+        height=height,
+        width=width,
+        num_frames=frames,
+        params=common_pb2.GenerationParams(num_inference_steps=config.warmup_steps, seed=SEED),
+    )
+    check = checks.DenoiseCheck(
+        config, [flow.value for flow in served(config.workflows)], lambda flow: checks.model_dims(member.runner, flow)
+    )
     check.expect(spec)
     generator = torch.Generator().manual_seed(SEED)
-    text = {"prompt_embeds": torch.randn(1, tokens, check.dims.text_dim, generator=generator),
-            "text_token_tags": torch.full((tokens,), rules.TEXT_TAG, dtype=torch.int64)}
+    text = {
+        "prompt_embeds": torch.randn(1, tokens, check.dims.text_dim, generator=generator),
+        "text_token_tags": torch.full((tokens,), rules.TEXT_TAG, dtype=torch.int64),
+    }
     return Message(WARMUP, spec, text, check.conditioning(spec, text))

@@ -22,8 +22,16 @@ def prompt_key(revision: str, variant: str, prompt: str) -> tuple:
 
 def media_key(revision: str, variant: str, spec) -> tuple:
     """fl2va / ref2va (a MediaSpec): the canvas, the frame count and the assets' content addresses too."""
-    return (revision, variant, spec.prompt, spec.workflow, spec.height, spec.width, spec.num_frames,
-            tuple((item.role, item.asset_id) for item in spec.items))
+    return (
+        revision,
+        variant,
+        spec.prompt,
+        spec.workflow,
+        spec.height,
+        spec.width,
+        spec.num_frames,
+        tuple((item.role, item.asset_id) for item in spec.items),
+    )
 
 
 @dataclass
@@ -68,5 +76,6 @@ class ByteLRU:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(len(self._items), self._stats.bytes, self._stats.hits, self._stats.misses,
-                              self._stats.evictions)
+            return CacheStats(
+                len(self._items), self._stats.bytes, self._stats.hits, self._stats.misses, self._stats.evictions
+            )

@@ -28,8 +28,9 @@ class TokenCounter:
 
 
 def check_prompt(prompt: str, config: ModelServiceConfig, tokens: TokenCounter) -> None:
-    problem = rules.prompt_problem(prompt, config.max_prompt_chars) or \
-        rules.prompt_tokens_problem(tokens(prompt), config.max_prompt_tokens)  # characters first: they bound this
+    problem = rules.prompt_problem(prompt, config.max_prompt_chars) or rules.prompt_tokens_problem(
+        tokens(prompt), config.max_prompt_tokens
+    )  # characters first: they bound this
     if problem:
         raise InvalidRequest("prompt", problem)
 

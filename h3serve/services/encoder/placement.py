@@ -88,7 +88,7 @@ OFFLOAD_BLOCK_MODULES = ["language_model", "visual"]
 @dataclass(frozen=True)
 class ErrorBound:
     max_abs_fraction: float  # max |q - ref| over max |ref|
-    rel_l2: float            # ||q - ref|| / ||ref||
+    rel_l2: float  # ||q - ref|| / ||ref||
 
     def holds(self, quantized: torch.Tensor, reference: torch.Tensor) -> bool:
         max_abs, rel = embedding_error(quantized, reference)
@@ -127,27 +127,36 @@ def check(config: EncoderConfig) -> None:
     cuda = torch.device(config.device).type == "cuda"
     if offload:
         if not cuda:
-            raise ValueError(f"cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
-                             f'it needs device = "cuda"; on {config.device!r} the weights are in host memory already')
+            raise ValueError(
+                f"cpu_offload = true keeps the weights in host memory and runs each layer on the GPU: "
+                f'it needs device = "cuda"; on {config.device!r} the weights are in host memory already'
+            )
         if quantize == "nf4":
-            raise ValueError('cpu_offload = true and quantize = "nf4" do not go together (bitsandbytes\' 4-bit '
-                             'weights cannot be kept in host memory and streamed); use quantize = "int8" with it')
+            raise ValueError(
+                'cpu_offload = true and quantize = "nf4" do not go together (bitsandbytes\' 4-bit '
+                'weights cannot be kept in host memory and streamed); use quantize = "int8" with it'
+            )
     if quantize == "int8" and importlib.util.find_spec("torchao") is None:
         raise ValueError('quantize = "int8" needs the torchao package (pip install torchao)')
     if quantize == "nf4":
         if not cuda or not torch.cuda.is_available():
-            raise ValueError(f'quantize = "nf4" needs a CUDA device (bitsandbytes\' 4-bit kernels); this encoder '
-                             f'runs on {config.device!r}{_no_cuda()}: use quantize = "int8" on the CPU')
+            raise ValueError(
+                f'quantize = "nf4" needs a CUDA device (bitsandbytes\' 4-bit kernels); this encoder '
+                f'runs on {config.device!r}{_no_cuda()}: use quantize = "int8" on the CPU'
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
-            raise ValueError('quantize = "nf4" needs the bitsandbytes package (the gpu extra: '
-                             "pip install 'h3serve[model,gpu]')")
+            raise ValueError(
+                "quantize = \"nf4\" needs the bitsandbytes package (the gpu extra: pip install 'h3serve[model,gpu]')"
+            )
     if spread:
         visible = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
         if visible < 2:
-            raise ValueError(f"spread = true puts the text encoder's decoder layers on several GPUs: it needs device "
-                             f'= "cuda" and at least 2 visible CUDA devices; this process has device = '
-                             f"{config.device!r} and sees {visible} (gpus = {config.gpus!r}). With one GPU set "
-                             f"spread = false (whole on it), quantize or cpu_offload")
+            raise ValueError(
+                f"spread = true puts the text encoder's decoder layers on several GPUs: it needs device "
+                f'= "cuda" and at least 2 visible CUDA devices; this process has device = '
+                f"{config.device!r} and sees {visible} (gpus = {config.gpus!r}). With one GPU set "
+                f"spread = false (whole on it), quantize or cpu_offload"
+            )
 
 
 def _no_cuda() -> str:
@@ -291,8 +300,14 @@ def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None
         if not is_target(linear, name):
             continue
         target = device if device is not None else linear.weight.device
-        q = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                              compute_dtype=dtype, quant_type="nf4", device="meta")
+        q = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=dtype,
+            quant_type="nf4",
+            device="meta",
+        )
         q.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4", module=q)
         if linear.bias is not None:
             q.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
@@ -330,9 +345,11 @@ def spread_map(model: torch.nn.Module, budget: dict[int, int]) -> dict[str, int]
     off = sorted(name for name, where in device_map.items() if not isinstance(where, int))
     if off:
         total = sum(p.numel() * p.element_size() for p in model.parameters())
-        raise ValueError(f"spread: the text encoder ({total / (1 << 30):.1f} GiB) does not fit the "
-                         f"{len(budget)} GPUs' free memory ({sum(budget.values()) / (1 << 30):.1f} GiB usable); "
-                         f"left over: {', '.join(off[:3])}{' ...' if len(off) > 3 else ''}")
+        raise ValueError(
+            f"spread: the text encoder ({total / (1 << 30):.1f} GiB) does not fit the "
+            f"{len(budget)} GPUs' free memory ({sum(budget.values()) / (1 << 30):.1f} GiB usable); "
+            f"left over: {', '.join(off[:3])}{' ...' if len(off) > 3 else ''}"
+        )
     return device_map
 
 
@@ -342,8 +359,11 @@ def spread_over_gpus(model: torch.nn.Module, budget: dict[int, int]) -> str:
     device_map = spread_map(model, budget)
     dispatch_model(model, device_map=device_map)
     used = sorted(set(device_map.values()))
-    log.info("encoder: spread over cuda:%s: %s", ",".join(map(str, used)),
-             "; ".join(f"cuda:{i}: {sum(1 for v in device_map.values() if v == i)} modules" for i in used))
+    log.info(
+        "encoder: spread over cuda:%s: %s",
+        ",".join(map(str, used)),
+        "; ".join(f"cuda:{i}: {sum(1 for v in device_map.values() if v == i)} modules" for i in used),
+    )
     return "+".join(f"cuda:{i}" for i in used) + " (spread)"
 
 

@@ -41,6 +41,7 @@ class TextEncoderRunner:
             self._run(WARMUP_PROMPT, common_pb2.WORKFLOW_T2VA)
 
     def _run(self, prompt: str, workflow: int, media: PreparedMedia | None = None) -> dict[str, torch.Tensor]:
-        out = self.pipes[workflows.by_value(workflow).value](prompt=prompt, **(media.inputs if media else {}),
-                                                             output=OUTPUTS)
+        out = self.pipes[workflows.by_value(workflow).value](
+            prompt=prompt, **(media.inputs if media else {}), output=OUTPUTS
+        )
         return {name: out[name] for name in OUTPUTS}

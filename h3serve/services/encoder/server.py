@@ -23,8 +23,13 @@ log = logging.getLogger("h3serve.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, runner: TextEncoderRunner, model: common_pb2.ModelInfo, config: EncoderConfig,
-                 cache: ByteLRU | None = None) -> None:
+    def __init__(
+        self,
+        runner: TextEncoderRunner,
+        model: common_pb2.ModelInfo,
+        config: EncoderConfig,
+        cache: ByteLRU | None = None,
+    ) -> None:
         self.runner = runner
         self.model = model
         self.config = config
@@ -38,22 +43,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             checks.check_encode(request, self.config, self.tokens)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        yield from self._cached(request.job_id, prompt_key(self.model.model_revision, self.variant, request.prompt),
-                                lambda: self.runner.encode(request.prompt, common_pb2.WORKFLOW_T2VA))
+        yield from self._cached(
+            request.job_id,
+            prompt_key(self.model.model_revision, self.variant, request.prompt),
+            lambda: self.runner.encode(request.prompt, common_pb2.WORKFLOW_T2VA),
+        )
 
     def EncodeMedia(self, request_iterator, context):
         """fl2va / ref2va: the cache key holds the canvas, the frame count and the assets' content addresses."""
         try:
             with wire.refusal_heard(request_iterator):
-                spec, assets = read_media_stream(spec_checked(
-                    request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens)))
+                spec, assets = read_media_stream(
+                    spec_checked(request_iterator, lambda spec: checks.check_media(spec, self.config, self.tokens))
+                )
         except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = media_key(self.model.model_revision, self.variant, spec)
         try:
-            yield from self._cached(spec.job_id, key,
-                                    lambda: self.runner.encode(spec.prompt, spec.workflow,
-                                                               self.media.prepare(spec, assets)))
+            yield from self._cached(
+                spec.job_id,
+                key,
+                lambda: self.runner.encode(spec.prompt, spec.workflow, self.media.prepare(spec, assets)),
+            )
         except MediaError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
@@ -68,19 +79,35 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         for chunk in chunks:
             yield encoder_pb2.EncodeReply(chunk=chunk)
         num_tokens = chunks[0].tensor.shape[1]
-        yield encoder_pb2.EncodeReply(summary=encoder_pb2.EncodeSummary(
-            cache_hit=hit, seconds=time.perf_counter() - started,
-            model_revision=self.model.model_revision, num_tokens=num_tokens))
-        log.info("job %s: encoded %d tokens (%s) in %.3f s", job_id, num_tokens,
-                 "cache hit" if hit else "cache miss", time.perf_counter() - started)
+        yield encoder_pb2.EncodeReply(
+            summary=encoder_pb2.EncodeSummary(
+                cache_hit=hit,
+                seconds=time.perf_counter() - started,
+                model_revision=self.model.model_revision,
+                num_tokens=num_tokens,
+            )
+        )
+        log.info(
+            "job %s: encoded %d tokens (%s) in %.3f s",
+            job_id,
+            num_tokens,
+            "cache hit" if hit else "cache miss",
+            time.perf_counter() - started,
+        )
 
     def Info(self, request, context):
         stats = self.cache.stats()
         return encoder_pb2.EncoderInfo(
-            model=self.model, cache_entries=stats.entries, cache_bytes=stats.bytes,
-            cache_capacity_bytes=self.cache.capacity_bytes, cache_hits=stats.hits, cache_misses=stats.misses,
-            cache_evictions=stats.evictions, model_runs=self.runner.runs,
-            max_prompt_chars=self.config.max_prompt_chars)
+            model=self.model,
+            cache_entries=stats.entries,
+            cache_bytes=stats.bytes,
+            cache_capacity_bytes=self.cache.capacity_bytes,
+            cache_hits=stats.hits,
+            cache_misses=stats.misses,
+            cache_evictions=stats.evictions,
+            model_runs=self.runner.runs,
+            max_prompt_chars=self.config.max_prompt_chars,
+        )
 
 
 def serve(config: EncoderConfig) -> None:
@@ -94,6 +121,10 @@ def serve(config: EncoderConfig) -> None:
     runner = TextEncoderRunner(components)
     warm_up("encoder", runner.warm_up)
     servicer = EncoderServicer(runner, model, config)
-    run_server(lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
-               [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name], config.address,
-               tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)
+    run_server(
+        lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server),
+        [encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name],
+        config.address,
+        tls=(config.tls_cert, config.tls_key),
+        auth_token=config.auth_token,
+    )

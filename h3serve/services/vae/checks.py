@@ -22,8 +22,12 @@ FLOAT32_BYTES = 4
 def largest_latents_bytes(decoder: VaeDecoder, config: ModelServiceConfig) -> int:
     """float32 bytes of the latents of the longest video on the largest canvas the geometry resolves."""
     frames = rules.VALID_NUM_FRAMES[-1]
-    video = decoder.vae.config.latent_channels * rules.latent_frames(frames) * \
-        rules.largest_resolved_canvas_pixels(config.geometry) // rules.VAE_SPATIAL_RATIO ** 2
+    video = (
+        decoder.vae.config.latent_channels
+        * rules.latent_frames(frames)
+        * rules.largest_resolved_canvas_pixels(config.geometry)
+        // rules.VAE_SPATIAL_RATIO**2
+    )
     audio = rules.AUDIO_CHANNELS * decoder.audio_vae.config.latent_channels * rules.audio_latents(frames)
     return FLOAT32_BYTES * (video + audio)
 
@@ -39,8 +43,11 @@ def check_plan(plan: DecodePlan, audio_latents: int, config: ModelServiceConfig)
         rules.check_num_frames(plan.frames)
         rules.check_resolved_canvas(plan.height, plan.width, config.geometry)
     except InvalidRequest as exc:
-        raise InvalidRequest("latents", f"they decode to {plan.frames} frames of {plan.height}x{plan.width}: "
-                                        f"{exc}") from exc
+        raise InvalidRequest(
+            "latents", f"they decode to {plan.frames} frames of {plan.height}x{plan.width}: {exc}"
+        ) from exc
     if audio_latents != rules.audio_latents(plan.frames):
-        raise InvalidRequest("audio_latents", f"{audio_latents} latents per channel; {plan.frames} frames have "
-                                              f"{rules.audio_latents(plan.frames)}")
+        raise InvalidRequest(
+            "audio_latents",
+            f"{audio_latents} latents per channel; {plan.frames} frames have {rules.audio_latents(plan.frames)}",
+        )

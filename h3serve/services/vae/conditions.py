@@ -26,8 +26,8 @@ Progress = Callable[[int, int], None]
 
 @dataclass
 class Conditions:
-    tensors: dict[str, torch.Tensor]   # "condition_latents.<i>", "audio_condition_latents.<j>"
-    manifest: dict                     # the DenoiseSpec fields the DiT needs with them
+    tensors: dict[str, torch.Tensor]  # "condition_latents.<i>", "audio_condition_latents.<j>"
+    manifest: dict  # the DenoiseSpec fields the DiT needs with them
 
 
 def encoder_calls(vae, frames: int, height: int, width: int) -> int:
@@ -83,8 +83,13 @@ class ConditionEncoder:
         for workflow in workflows.WORKFLOWS:
             if workflow.media_fields:
                 pipe = workflow.vae_encoder_block().init_pipeline()
-                pipe.update_components(**{name: value for name, value in (("vae", vae), ("audio_vae", audio_vae))
-                                          if name in pipe.component_names})
+                pipe.update_components(
+                    **{
+                        name: value
+                        for name, value in (("vae", vae), ("audio_vae", audio_vae))
+                        if name in pipe.component_names
+                    }
+                )
                 self.pipes[workflow.value] = pipe
 
     def total_calls(self, media: PreparedMedia) -> int:

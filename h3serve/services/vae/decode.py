@@ -62,7 +62,7 @@ class Decoded:
     """The block's output, left on the VAE's device."""
 
     frames: torch.Tensor  # (F, H, W, 3) float32 in [0, 1]: a channels-last view of the block's (F, 3, H, W)
-    audio: torch.Tensor   # (channels, S) float32
+    audio: torch.Tensor  # (channels, S) float32
     sample_rate: int
 
 
@@ -76,8 +76,9 @@ def pixel_geometry(vae, latents_shape: tuple[int, ...]) -> tuple[int, int, int]:
     kept = vae.tokens_chunk_size - vae.config.token_drop
     clips, rest = divmod(num_latent_frames - kept, vae.tokens_chunk_size)
     if rest or clips < 1:
-        raise InvalidLatents(f"latents: {num_latent_frames} latent frames, expected "
-                             f"{vae.tokens_chunk_size} * n + {kept} with n >= 1")
+        raise InvalidLatents(
+            f"latents: {num_latent_frames} latent frames, expected {vae.tokens_chunk_size} * n + {kept} with n >= 1"
+        )
     frames = vae.config.clip_length * clips + kept * vae.temporal_compression_ratio - vae.frame_pre_padding
     ratio = vae.spatial_compression_ratio
     return frames, latent_height * ratio, latent_width * ratio
@@ -144,27 +145,48 @@ class VaeDecoder:
             if tensor.dtype != torch.float32:
                 raise InvalidLatents(f"{name}: dtype {tensor.dtype}, expected torch.float32")
         _check_shape("latents", tuple(latents.shape), (1, self.vae.config.latent_channels, None, None, None))
-        _check_shape("audio_latents", tuple(audio_latents.shape),
-                     (MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels, None))
+        _check_shape(
+            "audio_latents",
+            tuple(audio_latents.shape),
+            (MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels, None),
+        )
         frames, height, width = pixel_geometry(self.vae, latents.shape)
-        return DecodePlan(frames=frames, height=height, width=width, channels=self.vae.config.out_channels,
-                          audio_channels=MINIMAX_H3_AUDIO_CHANNELS,
-                          audio_samples=audio_latents.shape[-1] * self.audio_vae.hop_length,
-                          sample_rate=self.pipe.audio_sampling_rate,
-                          decoder_tiles=decoder_tiles(self.vae, latents.shape))
+        return DecodePlan(
+            frames=frames,
+            height=height,
+            width=width,
+            channels=self.vae.config.out_channels,
+            audio_channels=MINIMAX_H3_AUDIO_CHANNELS,
+            audio_samples=audio_latents.shape[-1] * self.audio_vae.hop_length,
+            sample_rate=self.pipe.audio_sampling_rate,
+            decoder_tiles=decoder_tiles(self.vae, latents.shape),
+        )
 
-    def decode(self, latents: torch.Tensor, audio_latents: torch.Tensor,
-               on_video: Progress, on_audio: Progress, on_pixels: OnPixels | None = None) -> Decoded:
+    def decode(
+        self,
+        latents: torch.Tensor,
+        audio_latents: torch.Tensor,
+        on_video: Progress,
+        on_audio: Progress,
+        on_pixels: OnPixels | None = None,
+    ) -> Decoded:
         plan = self.plan(latents, audio_latents)
         device = self.vae.device
-        with _tiles_reported(self.decoders, plan.decoder_tiles, on_video), \
-                streamed(self.vae, plan.frames, self._pixels_to(on_pixels, device)):
+        with (
+            _tiles_reported(self.decoders, plan.decoder_tiles, on_video),
+            streamed(self.vae, plan.frames, self._pixels_to(on_pixels, device)),
+        ):
             # "pt" holds the very floats "np" would copy to the CPU, channels first (VideoProcessor.postprocess)
-            out = self.pipe(latents=latents.to(device), audio_latents=audio_latents.to(device),
-                            output_type="pt", output=["videos", "audio", "sampling_rate"])
+            out = self.pipe(
+                latents=latents.to(device),
+                audio_latents=audio_latents.to(device),
+                output_type="pt",
+                output=["videos", "audio", "sampling_rate"],
+            )
         on_audio(1, 1)  # the block runs the audio VAE after the last video-decoder call
-        return Decoded(frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0],
-                       sample_rate=int(out["sampling_rate"]))
+        return Decoded(
+            frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0], sample_rate=int(out["sampling_rate"])
+        )
 
     def warm_up(self) -> None:
         """Decode one clip of zeros at a small canvas before the service serves: a process's first decode pays the
@@ -174,8 +196,9 @@ class VaeDecoder:
         while self.vae.use_tiling and spatial_tiles(self.vae, side, width) < len(self.decoders):
             width += side
         latents = torch.zeros(1, self.vae.config.latent_channels, rules.latent_frames(WARMUP_FRAMES), side, width)
-        audio = torch.zeros(MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels,
-                            rules.audio_latents(WARMUP_FRAMES))
+        audio = torch.zeros(
+            MINIMAX_H3_AUDIO_CHANNELS, self.audio_vae.config.latent_channels, rules.audio_latents(WARMUP_FRAMES)
+        )
         self.decode(latents, audio, on_video=_ignored, on_audio=_ignored)
 
     def _pixels_to(self, on_pixels: OnPixels | None, device: torch.device) -> Callable[[torch.Tensor], None]:

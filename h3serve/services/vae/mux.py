@@ -45,8 +45,16 @@ class Muxer:
     Used as a context manager, so a decode that fails stops the worker and drops the partial file.
     """
 
-    def __init__(self, frames: int, height: int, width: int, sample_rate: int, channels: int,
-                 on_progress: Progress, preset: str = PRESET) -> None:
+    def __init__(
+        self,
+        frames: int,
+        height: int,
+        width: int,
+        sample_rate: int,
+        channels: int,
+        on_progress: Progress,
+        preset: str = PRESET,
+    ) -> None:
         self._buffer = io.BytesIO()
         self._container = av.open(self._buffer, mode="w", format="mp4")
         self._video = _add_video(self._container, width=width, height=height, preset=preset)
@@ -104,14 +112,16 @@ class Muxer:
             self._error = exc
 
 
-def encode_mp4(frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress,
-               preset: str = PRESET) -> bytes:
+def encode_mp4(
+    frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress, preset: str = PRESET
+) -> bytes:
     """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes, as `Muxer` does
     when a decode hands it the same frames. Floats in [0, 1] become levels a second at a time."""
-    with Muxer(len(frames), frames.shape[1], frames.shape[2], sample_rate, audio.shape[0], on_progress,
-               preset) as muxer:
+    with Muxer(
+        len(frames), frames.shape[1], frames.shape[2], sample_rate, audio.shape[0], on_progress, preset
+    ) as muxer:
         for first in range(0, len(frames), FPS):
-            muxer.add(frames[first:first + FPS])
+            muxer.add(frames[first : first + FPS])
         return muxer.finish(audio)
 
 
@@ -136,7 +146,8 @@ def _write_video(container, stream, frames: np.ndarray, first: int) -> None:
 def _write_audio(container, stream, samples: np.ndarray, first: int) -> None:
     if not samples.shape[1]:
         return
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, dtype=np.float32), format="fltp",
-                                       layout=stream.layout.name)
+    frame = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(samples, dtype=np.float32), format="fltp", layout=stream.layout.name
+    )
     frame.sample_rate, frame.pts, frame.time_base = stream.rate, first, Fraction(1, stream.rate)
     container.mux(stream.encode(frame))

@@ -40,14 +40,14 @@ Report = Callable[[vae_pb2.DecodeEvent], None]
 
 @dataclass(frozen=True)
 class Output:
-    video: bytes                 # video.mp4
-    raw: bytes | None            # raw.npz, when asked for
+    video: bytes  # video.mp4
+    raw: bytes | None  # raw.npz, when asked for
     summary: vae_pb2.DecodeSummary
 
 
 def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
     for offset in range(0, len(data), FILE_CHUNK_BYTES):
-        piece = data[offset:offset + FILE_CHUNK_BYTES]
+        piece = data[offset : offset + FILE_CHUNK_BYTES]
         yield vae_pb2.DecodeEvent(file=vae_pb2.FileChunk(name=name, offset=offset, data=piece))
 
 
@@ -55,12 +55,18 @@ def file_events(name: str, data: bytes) -> Iterator[vae_pb2.DecodeEvent]:
 class Checked:
     """A decode that passed validation."""
 
-    decoded: Decoded     # the float frames and audio, still on the VAE's device
-    audio: np.ndarray    # (channels, S) float32, on the CPU
+    decoded: Decoded  # the float frames and audio, still on the VAE's device
+    audio: np.ndarray  # (channels, S) float32, on the CPU
 
 
-def decode_checked(decoder: VaeDecoder, latents: torch.Tensor, audio_latents: torch.Tensor,
-                   on_video: Progress, on_audio: Progress, on_pixels: OnPixels | None = None) -> Checked:
+def decode_checked(
+    decoder: VaeDecoder,
+    latents: torch.Tensor,
+    audio_latents: torch.Tensor,
+    on_video: Progress,
+    on_audio: Progress,
+    on_pixels: OnPixels | None = None,
+) -> Checked:
     """The service's decode phase: the block (each chunk's uint8 pixels handed to `on_pixels` as it is final)
     and the checks on the VAE's device, then the audio copied to the CPU."""
     decoded = decoder.decode(latents, audio_latents, on_video=on_video, on_audio=on_audio, on_pixels=on_pixels)
@@ -71,9 +77,16 @@ def decode_checked(decoder: VaeDecoder, latents: torch.Tensor, audio_latents: to
 def summarize(checked: Checked, video: bytes, raw: bytes | None) -> vae_pb2.DecodeSummary:
     num_frames, height, width = checked.decoded.frames.shape[:3]
     summary = vae_pb2.DecodeSummary(
-        sha256=hashlib.sha256(video).hexdigest(), bytes=len(video), duration_s=num_frames / mux.FPS,
-        num_frames=num_frames, height=height, width=width, fps=mux.FPS, sample_rate=checked.decoded.sample_rate,
-        audio_channels=checked.audio.shape[0])
+        sha256=hashlib.sha256(video).hexdigest(),
+        bytes=len(video),
+        duration_s=num_frames / mux.FPS,
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        fps=mux.FPS,
+        sample_rate=checked.decoded.sample_rate,
+        audio_channels=checked.audio.shape[0],
+    )
     if raw is not None:
         summary.raw_sha256, summary.raw_bytes = hashlib.sha256(raw).hexdigest(), len(raw)
     return summary
@@ -87,16 +100,19 @@ def raw_archive(frames: np.ndarray, audio: np.ndarray, sample_rate: int) -> byte
 
 def phase_reporter(report: Report, phase: int) -> Callable[[int, int], None]:
     """A (done, total) progress callback that reports DecodeProgress events of `phase`."""
-    return lambda done, total: report(vae_pb2.DecodeEvent(
-        progress=vae_pb2.DecodeProgress(phase=phase, done=done, total=total)))
+    return lambda done, total: report(
+        vae_pb2.DecodeEvent(progress=vae_pb2.DecodeProgress(phase=phase, done=done, total=total))
+    )
 
 
 def unless_cancelled(report: Report, context) -> Report:
     """`report`, raising ClientGone once the client has gone, so the decode stops at its next step."""
+
     def checked(event: vae_pb2.DecodeEvent) -> None:
         if not context.is_active():
             raise ClientGone()
         report(event)
+
     return checked
 
 
@@ -114,18 +130,26 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         try:
             with wire.refusal_heard(request_iterator):
                 spec, tensors = wire.read_spec_stream(
-                    request_iterator, lambda spec: checks.decode_expected(spec, self.decoder, self.config))
+                    request_iterator, lambda spec: checks.decode_expected(spec, self.decoder, self.config)
+                )
             plan = self.decoder.plan(tensors["latents"], tensors["audio_latents"])
             checks.check_plan(plan, tensors["audio_latents"].shape[-1], self.config)
         except ValueError as exc:  # WireError, InvalidLatents, InvalidRequest
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if spec.params.include_raw and plan.raw_bytes > self.config.max_raw_bytes:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
-                          f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"include_raw: the raw output would be {plan.raw_bytes} bytes, "
+                f"over the limit of {self.config.max_raw_bytes} bytes (max_raw_bytes)",
+            )
         output = yield from self._pumped(
-            spec.job_id, "decode", lambda report: self._run(spec, tensors, plan, unless_cancelled(report, context)),
-            context, InvalidOutput, grpc.StatusCode.FAILED_PRECONDITION)
+            spec.job_id,
+            "decode",
+            lambda report: self._run(spec, tensors, plan, unless_cancelled(report, context)),
+            context,
+            InvalidOutput,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
         if output is None:
             return
         yield from file_events("video.mp4", output.video)
@@ -151,28 +175,53 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
             # back to the driver, so a stage sharing this GPU can use it. Cheap: milliseconds against a decode.
             memory.release(self.decoder.vae.device)
 
-    def _run(self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan,
-             report: Report) -> Output:
+    def _run(
+        self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan, report: Report
+    ) -> Output:
         latents, audio_latents = tensors["latents"], tensors["audio_latents"]
         muxing = phase_reporter(report, vae_pb2.DECODE_PHASE_MUX)
-        with self._lock, mux.Muxer(plan.frames, plan.height, plan.width, plan.sample_rate, plan.audio_channels,
-                                   muxing, self.config.x264_preset) as muxer:
+        with (
+            self._lock,
+            mux.Muxer(
+                plan.frames,
+                plan.height,
+                plan.width,
+                plan.sample_rate,
+                plan.audio_channels,
+                muxing,
+                self.config.x264_preset,
+            ) as muxer,
+        ):
             started = time.perf_counter()
-            checked = decode_checked(self.decoder, latents, audio_latents,
-                                     on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
-                                     on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO),
-                                     on_pixels=muxer.add)
+            checked = decode_checked(
+                self.decoder,
+                latents,
+                audio_latents,
+                on_video=phase_reporter(report, vae_pb2.DECODE_PHASE_VIDEO),
+                on_audio=phase_reporter(report, vae_pb2.DECODE_PHASE_AUDIO),
+                on_pixels=muxer.add,
+            )
             decoded_at = time.perf_counter()
             video = muxer.finish(checked.audio)  # the video frames were encoded while the decode ran
             muxed_at = time.perf_counter()
-            raw = (raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, plan.sample_rate)
-                   if spec.params.include_raw else None)
+            raw = (
+                raw_archive(checked.decoded.frames.cpu().numpy(), checked.audio, plan.sample_rate)
+                if spec.params.include_raw
+                else None
+            )
             self.requests_served += 1
         summary = summarize(checked, video, raw)
         summary.decode_seconds, summary.mux_seconds = decoded_at - started, muxed_at - decoded_at
-        log.info("job %s: decoded %d frames of %dx%d in %.2f s, MP4 of %d bytes done %.2f s later", spec.job_id,
-                 summary.num_frames, summary.width, summary.height, summary.decode_seconds, summary.bytes,
-                 summary.mux_seconds)
+        log.info(
+            "job %s: decoded %d frames of %dx%d in %.2f s, MP4 of %d bytes done %.2f s later",
+            spec.job_id,
+            summary.num_frames,
+            summary.width,
+            summary.height,
+            summary.decode_seconds,
+            summary.bytes,
+            summary.mux_seconds,
+        )
         return Output(video=video, raw=raw, summary=summary)
 
     def EncodeConditions(self, request_iterator, context):
@@ -182,9 +231,13 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         except ValueError as exc:  # MediaError included
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         result = yield from self._pumped(
-            spec.job_id, "condition encode",
+            spec.job_id,
+            "condition encode",
             lambda report: self._encode_conditions(spec, assets, unless_cancelled(report, context)),
-            context, MediaError, grpc.StatusCode.INVALID_ARGUMENT)
+            context,
+            MediaError,
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
         if result is None:
             return
         summary, tensors = result
@@ -207,8 +260,9 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         return summary, conditions.tensors
 
     def Info(self, request, context):
-        return vae_pb2.VaeInfo(model=self.model, requests_served=self.requests_served,
-                               max_raw_bytes=self.config.max_raw_bytes)
+        return vae_pb2.VaeInfo(
+            model=self.model, requests_served=self.requests_served, max_raw_bytes=self.config.max_raw_bytes
+        )
 
 
 def serve(config: VaeConfig) -> None:
@@ -227,6 +281,10 @@ def serve(config: VaeConfig) -> None:
         warm_up("vae", decoder.warm_up)
         memory.release(vae.device)
     servicer = VaeServicer(decoder, model, config)
-    run_server(lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
-               [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name], config.address,
-               tls=(config.tls_cert, config.tls_key), auth_token=config.auth_token)
+    run_server(
+        lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
+        [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name],
+        config.address,
+        tls=(config.tls_cert, config.tls_key),
+        auth_token=config.auth_token,
+    )

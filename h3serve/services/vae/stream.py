@@ -30,11 +30,11 @@ def frame_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
         z = torch.cat([z, z[:, :, -1:].repeat(1, 1, pad, 1, 1)], dim=2)
     tail = None  # the previous clip's frames that the next one overlaps
     for index in range(clips):
-        clip = vae._decode_clip(z[:, :, index * size: (index + 1) * size + vae.token_overlap])
-        head = clip[:, :, :chunk_frames][:, :, vae.frame_pre_padding:]
+        clip = vae._decode_clip(z[:, :, index * size : (index + 1) * size + vae.token_overlap])
+        head = clip[:, :, :chunk_frames][:, :, vae.frame_pre_padding :]
         yield head if tail is None else vae._blend(tail, head, vae.frame_overlap, dim=-3)
         if drop > 0:
-            tail = clip[:, :, chunk_frames: 2 * chunk_frames][:, :, vae.frame_pre_padding:]
+            tail = clip[:, :, chunk_frames : 2 * chunk_frames][:, :, vae.frame_pre_padding :]
     if tail is not None:
         yield tail
 
@@ -42,7 +42,7 @@ def frame_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
 def _decode_streamed(vae, frames: int, on_frames: OnFrames, z: torch.Tensor) -> torch.Tensor:
     kept, done = [], 0
     for chunk in frame_chunks(vae, z):
-        chunk = chunk[:, :, :frames - done]
+        chunk = chunk[:, :, : frames - done]
         if chunk.shape[2]:
             on_frames(chunk)
             kept.append(chunk)

@@ -31,7 +31,7 @@ class Replica:
     def decode(self, tiles: list[torch.Tensor], tile_batch: int, home: torch.device) -> list[torch.Tensor]:
         decoded = []
         for start in range(0, len(tiles), tile_batch):
-            batch = torch.cat(tiles[start:start + tile_batch]).to(self.device)
+            batch = torch.cat(tiles[start : start + tile_batch]).to(self.device)
             decoded.extend(self.vae.decoder(self.vae.post_quant_conv(batch)).to(home).split(tiles[0].shape[0]))
         return decoded
 
@@ -42,8 +42,10 @@ def decode_devices(device: torch.device, count: int) -> list[torch.device]:
         return [device]
     visible = torch.cuda.device_count() if device.type == "cuda" else 0
     if visible < count:
-        raise ValueError(f"decode_gpus = {count} spreads the tiles over {count} GPUs; this VAE runs on "
-                         f"{device} and sees {visible} GPU(s) (its gpus)")
+        raise ValueError(
+            f"decode_gpus = {count} spreads the tiles over {count} GPUs; this VAE runs on "
+            f"{device} and sees {visible} GPU(s) (its gpus)"
+        )
     return [torch.device("cuda", ((device.index or 0) + k) % visible) for k in range(count)]
 
 
@@ -65,8 +67,9 @@ class TileDecoder:
             raise ValueError(f"tile_batch must be at least 1, got {tile_batch}")
         self.vae, self.tile_batch = vae, tile_batch
         home = vae.post_quant_conv.weight.device
-        self.replicas = [Replica(vae, home)] + [Replica(_decoder_copy(vae, device), device)
-                                                for device in (devices or [home])[1:]]
+        self.replicas = [Replica(vae, home)] + [
+            Replica(_decoder_copy(vae, device), device) for device in (devices or [home])[1:]
+        ]
         if tile_batch > 1 or len(self.replicas) > 1:
             vae._decode_clip = self.decode_clip
         else:
@@ -86,14 +89,19 @@ class TileDecoder:
         if not vae.use_tiling:
             return vae.decoder(vae.post_quant_conv(z))
         ratio = vae.spatial_compression_ratio
-        ys, heights, y_overlaps = vae._split_tiles(z.shape[-2] * ratio, vae.tile_sample_min_height,
-                                                   vae.tile_sample_min_overlap_height)
-        xs, widths, x_overlaps = vae._split_tiles(z.shape[-1] * ratio, vae.tile_sample_min_width,
-                                                  vae.tile_sample_min_overlap_width)
-        tiles = [z[..., y // ratio: y // ratio + h // ratio, x // ratio: x // ratio + w // ratio]
-                 for y, h in zip(ys, heights) for x, w in zip(xs, widths)]
+        ys, heights, y_overlaps = vae._split_tiles(
+            z.shape[-2] * ratio, vae.tile_sample_min_height, vae.tile_sample_min_overlap_height
+        )
+        xs, widths, x_overlaps = vae._split_tiles(
+            z.shape[-1] * ratio, vae.tile_sample_min_width, vae.tile_sample_min_overlap_width
+        )
+        tiles = [
+            z[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio]
+            for y, h in zip(ys, heights)
+            for x, w in zip(xs, widths)
+        ]
         decoded = [tile for share in self._spread(tiles, z.device) for tile in share]
-        rows = [decoded[i:i + len(xs)] for i in range(0, len(decoded), len(xs))]
+        rows = [decoded[i : i + len(xs)] for i in range(0, len(decoded), len(xs))]
         return vae._stitch_tiles(rows, y_overlaps, x_overlaps)
 
     def _spread(self, tiles: list[torch.Tensor], home: torch.device) -> list[list[torch.Tensor]]:
@@ -102,7 +110,9 @@ class TileDecoder:
         bounds = [len(tiles) * k // count for k in range(count + 1)]
         if count == 1:  # no thread hop for the common case
             return [self.replicas[0].decode(tiles, self.tile_batch, home)]
-        futures = [self._pool.submit(replica.decode, tiles[bounds[k]:bounds[k + 1]], self.tile_batch, home)
-                   for k, replica in enumerate(self.replicas)]
+        futures = [
+            self._pool.submit(replica.decode, tiles[bounds[k] : bounds[k + 1]], self.tile_batch, home)
+            for k, replica in enumerate(self.replicas)
+        ]
         wait(futures)  # every share done, also when one failed: no replica still decodes once this returns
         return [future.result() for future in futures]
