@@ -12,6 +12,7 @@ from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.common.config import DiTConfig
+from h3serve.common.processes import EXIT_REFUSED
 from h3serve.common.server import start_server
 from h3serve.runtime import fastpath, wire
 from h3serve.runtime.tiny import build_component
@@ -76,11 +77,13 @@ def test_one_node_runs_h3serves_launcher_and_several_nodes_torchrun():
     } <= set(multi)
 
 
-def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it():
+def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it(capsys):
     from h3serve.services.dit import launch
 
-    with pytest.raises(SystemExit, match="h3serve serve dit: nnodes > 1 needs rdzv_endpoint"):
+    with pytest.raises(SystemExit) as exited:
         launch.serve(DiTConfig(world_size=2, nnodes=2))
+    assert exited.value.code == EXIT_REFUSED, "a refusal, which `up` does not restart"
+    assert "h3serve serve dit: nnodes > 1 needs rdzv_endpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import os
 import sys
 
 from h3serve.common.config import DiTConfig
+from h3serve.common.processes import refuse
 from h3serve.common.server import refuse_port_in_use
 
 # Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
@@ -64,7 +65,7 @@ def serve(config: DiTConfig) -> None:
         try:
             config_check.check(config)
         except config_check.REFUSALS as exc:
-            raise SystemExit(f"{REFUSED_PREFIX}{exc}") from exc
+            refuse(f"{REFUSED_PREFIX}{exc}")  # EXIT_REFUSED: `up` does not start it again
     refuse_port_in_use(config.address)  # before the ranks load for minutes: a restart would not free the port
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
