@@ -344,19 +344,22 @@ def port_holders(port: int) -> list[str] | None:
         inodes |= {row[9] for row in rows if row[3] == TCP_LISTEN and int(row[1].rsplit(":", 1)[1], 16) == port}
     if not inodes:
         return None
-    return [f"pid {pid} ({command_line(pid)})" for pid in sorted(_socket_owners(inodes))]
+    sockets = {f"socket:[{inode}]" for inode in inodes}
+    return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(sockets))]
 
 
-def _socket_owners(inodes: set[str]) -> set[int]:
+def holders_of(targets: set[str]) -> set[int]:
+    """Processes with any of `targets` open (what /proc/PID/fd links read: a path, "socket:[inode]"): best effort,
+    this user's processes."""
     owners = set()
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{name}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{name}/fd/{fd}")
-                    if link.startswith("socket:[") and link[8:-1] in inodes:
-                        owners.add(int(name))
-                        break
+    with contextlib.suppress(OSError):
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{name}/fd"):
+                    with contextlib.suppress(OSError):
+                        if os.readlink(f"/proc/{name}/fd/{fd}") in targets:
+                            owners.add(int(name))
+                            break
     return owners
 
 

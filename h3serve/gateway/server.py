@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import cast
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -30,6 +31,7 @@ from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.sqlite import SqliteJobStore
+from h3serve.gateway.jobs.store import JobStore
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import STAGE_NAMES
 from h3serve.gateway.stages.calls import StageCaller
@@ -56,6 +58,16 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
         ) from exc
 
 
+def _open_store(data_dir: Path) -> JobStore:
+    """The job store; a file no restart can fix (damaged, or locked by another program) is refused, with the way
+    out, and exits EXIT_REFUSED. (A SqliteJobStore is a JobStore: its methods are set from JobStore's own list,
+    which a type checker cannot follow.)"""
+    try:
+        return cast(JobStore, SqliteJobStore(str(data_dir / "jobs.sqlite")))
+    except Refused as exc:
+        refuse(f"[gateway] {exc}")
+
+
 def _http_door(config: GatewayConfig, server: grpc.aio.Server):
     """The HTTP door (h3serve/gateway/http/), when configured: it calls this server on a private address."""
     if not config.http_port:
@@ -66,7 +78,7 @@ def _http_door(config: GatewayConfig, server: grpc.aio.Server):
 
 async def serve_async(config: GatewayConfig) -> None:
     data_dir = Path(config.data_dir)
-    store = SqliteJobStore(str(data_dir / "jobs.sqlite"))
+    store = _open_store(data_dir)
     metrics = GatewayMetrics(STAGE_NAMES)
     hub = EventHub(store)
     caller = StageCaller(config, metrics)

@@ -2,7 +2,8 @@
 
 Layout under the root: `blobs/<id>` (the original bytes), `meta/<id>.pb` (its `Asset` description),
 `tmp/` (uploads in progress). Both files are written to a temporary name and renamed into place, so a
-reader never sees half an asset; the description is written last, and an asset exists once it has one.
+reader never sees half an asset; the description is written last, and an asset exists once it has one. An upload
+that meets a full disk leaves nothing behind and raises DiskFull naming the store's root.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import tempfile
 from collections.abc import AsyncIterator, Iterable
 
+from h3serve.common.disk import full_named
 from h3serve.gateway.assets.validate import (
     SNIFF_BYTES,
     AssetLimits,
@@ -76,13 +78,14 @@ class AssetStore:
     async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk]) -> gateway_pb2.Asset:
         """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
         The disk work and the decode run off the event loop."""
-        fd, tmp = await asyncio.to_thread(tempfile.mkstemp, dir=os.path.join(self.root, "tmp"))
-        try:
-            with os.fdopen(fd, "wb") as file:
-                name, fmt, size, digest = await self._spool(chunks, file)
-            return await asyncio.to_thread(self._keep, tmp, name, fmt, size, digest)
-        finally:
-            await asyncio.to_thread(_remove_if_present, tmp)
+        with full_named(self.root):
+            fd, tmp = await asyncio.to_thread(tempfile.mkstemp, dir=os.path.join(self.root, "tmp"))
+            try:
+                with os.fdopen(fd, "wb") as file:
+                    name, fmt, size, digest = await self._spool(chunks, file)
+                return await asyncio.to_thread(self._keep, tmp, name, fmt, size, digest)
+            finally:
+                await asyncio.to_thread(_remove_if_present, tmp)
 
     def _keep(self, tmp: str, name: str, fmt: str, size: int, digest: str) -> gateway_pb2.Asset:
         """The spooled file `tmp` as a stored asset: decoded and described, unless the same bytes are stored."""
@@ -92,8 +95,13 @@ class AssetStore:
             return existing
         asset = inspect(tmp, name, fmt, size, self.limits)
         asset.asset_id, asset.file_name = digest, name
-        os.replace(tmp, self._path("blobs", digest))
-        self._write_meta(asset)
+        blob = self._path("blobs", digest)
+        os.replace(tmp, blob)
+        try:
+            self._write_meta(asset)
+        except OSError:  # without its description the blob is no asset, and nothing would ever remove it
+            os.remove(blob)
+            raise
         return asset
 
     async def _spool(self, chunks, file) -> tuple[str, str, int, str]:
@@ -130,9 +138,12 @@ class AssetStore:
 
     def _write_meta(self, asset: gateway_pb2.Asset) -> None:
         fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
-        with os.fdopen(fd, "wb") as file:
-            file.write(asset.SerializeToString())
-        os.replace(tmp, self._path("meta", asset.asset_id))
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(asset.SerializeToString())
+            os.replace(tmp, self._path("meta", asset.asset_id))
+        finally:
+            _remove_if_present(tmp)
 
 
 def _remove_if_present(path: str) -> None:

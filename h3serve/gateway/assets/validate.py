@@ -16,7 +16,7 @@ from h3serve.common.config import GatewayConfig
 from h3serve.v1 import gateway_pb2, media_pb2
 
 IMAGE, VIDEO, AUDIO = media_pb2.ASSET_KIND_IMAGE, media_pb2.ASSET_KIND_VIDEO, media_pb2.ASSET_KIND_AUDIO
-KIND_NAMES = {IMAGE: "image", VIDEO: "video", AUDIO: "audio"}
+KIND_NAMES: dict[int, str] = {IMAGE: "image", VIDEO: "video", AUDIO: "audio"}
 SNIFF_BYTES = 16
 
 # Container formats whose kind is decided by the streams inside (a video stream makes it a video).

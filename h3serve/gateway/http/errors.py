@@ -5,6 +5,8 @@ from __future__ import annotations
 import grpc
 from fastapi.responses import JSONResponse
 
+from h3serve.common import disk
+
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -21,10 +23,26 @@ RETRYABLE = {429, 503, 504}
 # than max (N vs. M)"; "Sent ..." on the client's side): the request is too large, which no retry fixes, unlike the
 # gateway's RESOURCE_EXHAUSTED for a full job queue (too many), the one 429 worth retrying.
 _TOO_LARGE = ("message larger than max",)
+# The gateway's RESOURCE_EXHAUSTED for a full disk (its message starts with disk.MARK) is 507 Insufficient Storage,
+# never retried: space returns only when someone frees it, and until then every retry fails the same way.
+INSUFFICIENT_STORAGE = 507
 
 
 def too_large(code: grpc.StatusCode, message: str) -> bool:
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and any(mark in message for mark in _TOO_LARGE)
+
+
+def disk_full(code: grpc.StatusCode, message: str) -> bool:
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith(disk.MARK)
+
+
+def _mapped(code: grpc.StatusCode, message: str) -> tuple[int, str]:
+    """The HTTP status and OpenAI error type a gRPC status stands for."""
+    if too_large(code, message):
+        return 413, "invalid_request_error"
+    if disk_full(code, message):
+        return INSUFFICIENT_STORAGE, "server_error"
+    return _HTTP.get(code, (500, "server_error"))
 
 
 class ApiError(Exception):
@@ -39,9 +57,7 @@ def error_response(
     code: grpc.StatusCode, message: str, param: str | None = None, status: int | None = None
 ) -> JSONResponse:
     """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit)."""
-    mapped, kind = (
-        (413, "invalid_request_error") if too_large(code, message) else _HTTP.get(code, (500, "server_error"))
-    )
+    mapped, kind = _mapped(code, message)
     status = status or mapped
     if status < 500 and kind == "server_error" or status in (400, 413) and kind == "rate_limit_error":
         kind = "invalid_request_error"

@@ -1,4 +1,7 @@
-"""Artifact files on disk, written atomically so a crash never leaves a truncated file under a final name."""
+"""Artifact files on disk, written atomically so a crash never leaves a truncated file under a final name.
+
+A write that meets a full disk removes its partial file and raises DiskFull naming the artifacts' directory.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import os
 import tempfile
 from collections.abc import Iterable
 
+from h3serve.common.disk import full_named
 from h3serve.v1 import gateway_pb2
 
 # kind -> (file extension, media type)
@@ -30,11 +34,20 @@ class ArtifactStore:
         file_name = f"h3-{job_id}{extension}"
         path = os.path.join(self.root, file_name)
         chunks = [data] if isinstance(data, BytesLike) else data
-        digest, size = _write_atomically(path, chunks)
+        with full_named(self.root):
+            digest, size = _write_atomically(path, chunks)
         artifact = gateway_pb2.Artifact(
             artifact_id=f"{job_id}-{kind}", file_name=file_name, bytes=size, sha256=digest, media_type=media_type
         )
         return artifact, path
+
+
+def remove(path: str) -> None:
+    """Delete an artifact's file; one already gone is no error."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _write_atomically(path: str, chunks: Iterable[BytesLike]) -> tuple[str, int]:

@@ -27,7 +27,9 @@ class EventHub:
 
     async def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
         """Persist one event (e.g. `denoising=Denoising(...)`) and hand it to the job's watchers."""
-        return self.publish(await self.store.append_event(job_id, gateway_pb2.JobEvent(**kind)))
+        event = await self.store.append_event(job_id, gateway_pb2.JobEvent(**kind))
+        self.publish(event)
+        return event
 
     def publish(self, event: gateway_pb2.JobEvent | None) -> gateway_pb2.JobEvent | None:
         """Hand an already stored event to the job's watchers (None: nothing was stored, nothing to hand)."""

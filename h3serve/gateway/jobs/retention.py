@@ -3,18 +3,21 @@ older than theirs go unless a queued or running job names them.
 
 A removed artifact disappears from the store too, so GetJob never lists a file that is gone and
 DownloadArtifact answers NOT_FOUND for it; a removed asset is an unknown asset_id to the next request.
+On a full disk, when the store cannot record a removal, the file goes first to make the room; a pass the disk
+stops is logged and the next one carries on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 
+from h3serve.common.disk import DiskFull
 from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.jobs.store import JobStore
+from h3serve.gateway.jobs.artifacts import remove
+from h3serve.gateway.jobs.store import JobStore, StoredArtifact
 from h3serve.model import workflows
 
 log = logging.getLogger("h3serve.gateway.retention")
@@ -31,7 +34,11 @@ class Retention:
     async def enforce(self, now: float | None = None) -> list[str]:
         """Delete what the policy no longer keeps; returns the removed artifact and asset ids."""
         now = time.time() if now is None else now
-        removed = await self._artifacts(now) + await self._assets(now)
+        try:
+            removed = await self._artifacts(now) + await self._assets(now)
+        except DiskFull as exc:
+            log.warning("retention stopped until its next pass: %s", exc)
+            return []
         if removed:
             log.info("retention removed %d file(s): %s", len(removed), ", ".join(removed))
         return removed
@@ -53,15 +60,17 @@ class Retention:
             over_cap = self.max_bytes > 0 and total > self.max_bytes
             if not (too_old or over_cap):
                 continue
-            await self.store.delete_artifact(artifact.artifact_id)
-            await asyncio.to_thread(_unlink, artifact.path)
+            await self._remove(artifact)
             total -= artifact.bytes
             removed.append(artifact.artifact_id)
         return removed
 
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    async def _remove(self, artifact: StoredArtifact) -> None:
+        """The record first, so that no job lists a file that is gone; on a full disk the record cannot go before
+        the file has made room for its deletion."""
+        try:
+            await self.store.delete_artifact(artifact.artifact_id)
+        except DiskFull:
+            await asyncio.to_thread(remove, artifact.path)
+            await self.store.delete_artifact(artifact.artifact_id)
+        await asyncio.to_thread(remove, artifact.path)

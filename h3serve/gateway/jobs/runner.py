@@ -8,13 +8,16 @@ seed, same result) while attempts remain; that policy, and the reasons jobs give
 
 Every job ends in exactly one terminal state, written to the store together with its terminal event.
 That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the expected
-errors is still marked FAILED (the field notes' ghost "running" job).
+errors is still marked FAILED (the field notes' ghost "running" job). A full disk (DiskFull) fails the job
+with RESOURCE_EXHAUSTED naming it; when the disk is too full to record even that end, the job keeps its task
+and records it once space returns (`_finish`), so it never stays "running" without one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Awaitable
@@ -22,9 +25,10 @@ from collections.abc import Awaitable
 import grpc
 
 from h3serve.common.config import GatewayConfig
+from h3serve.common.disk import DiskFull
 from h3serve.common.errors import describe, tail
 from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.jobs.artifacts import ArtifactStore
+from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike, remove
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.store import JobStore
@@ -48,6 +52,7 @@ INTERRUPTED = "the gateway stopped during this pass"  # the error a dead gateway
 # cannot be the cause: its re-run is free and counted nowhere. A bound, not a judgement of which job was running for
 # how long: simple, and wrong only for a job caught in flight by more restarts than this, which then says why.
 MAX_RESTART_RERUNS = 10
+DISK_RETRY_S = 2.0  # how often a job whose end a full disk keeps from the store tries to record it again
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -140,8 +145,8 @@ class JobRunner:
                             grpc.StatusCode.ABORTED,
                             f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
                             f"restarts caught one of its stages in progress; restarts spend none of its "
-                            f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job ends, in "
-                            "case it is what brings the gateway down",
+                            f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job "
+                            "ends, in case it is what brings the gateway down",
                         ),
                     )
                     reran -= 1
@@ -163,6 +168,9 @@ class JobRunner:
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
         except StageFailed as exc:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
+        except DiskFull as exc:
+            log.warning("job %s failed: %s", job_id, exc)
+            await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except Exception as exc:
             log.exception("job %s failed", job_id)
             await self._finish(
@@ -202,6 +210,7 @@ class JobRunner:
         says `why` ("{where}": the stage the job was in). `restart`: JobStore.requeue's `interrupted` and
         `count_restart`, at a start-up."""
         job = await self.store.get_job(job_id)
+        assert job is not None  # a job being requeued is in the store
         where = _where(job.stage_records[-1].stage if job.stage_records else "")
         retrying = S.Retrying(
             attempt=job.attempts,
@@ -213,7 +222,19 @@ class JobRunner:
         )
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
-        self.hub.publish(await self.store.finish(job_id, state, S.JobEvent(**terminal)))
+        """Record the job's end with its terminal event. While a full disk keeps it from the store, try again every
+        DISK_RETRY_S: this task stays the job's worker until the end is written."""
+        event = S.JobEvent(**terminal)
+        for tries in itertools.count():
+            try:
+                self.hub.publish(await self.store.finish(job_id, state, event))
+                return
+            except DiskFull as exc:
+                if not tries:
+                    log.warning(
+                        "job %s: its end waits for space on the disk (tried every %g s): %s", job_id, DISK_RETRY_S, exc
+                    )
+                await asyncio.sleep(DISK_RETRY_S)
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
         workflow = workflows.by_value(request.workflow)
@@ -228,7 +249,7 @@ class JobRunner:
         for step in workflow.plan:
             stages = [self.caller.stages[name] for name in step]
             outputs = await all_of(*(self._stage(job, attempt, stage) for stage in stages))
-            for stage, output in zip(stages, outputs):  # in the plan's order, however the calls ended
+            for stage, output in zip(stages, outputs, strict=True):  # in the plan's order, however the calls ended
                 job.outputs[stage.name] = output
                 for name, seconds in (await stage.finished(job, output)).items():
                     await self.store.set_stage_seconds(job.job_id, name, seconds)
@@ -269,17 +290,25 @@ class JobRunner:
 
     async def _complete(self, job: JobContext) -> None:
         decoded = job.outputs["vae"]
-        video, path = await asyncio.to_thread(self.artifacts.save, job.job_id, "video", decoded.files["video.mp4"])
-        await self.store.add_artifact(job.job_id, "video", video, path)
+        video = await self._store_artifact(job.job_id, "video", decoded.files["video.mp4"])
         done = S.Done(video=video, duration_s=decoded.summary.duration_s)
         if "raw.npz" in decoded.files:
-            raw, raw_path = await asyncio.to_thread(self.artifacts.save, job.job_id, "raw", decoded.files["raw.npz"])
-            await self.store.add_artifact(job.job_id, "raw", raw, raw_path)
-            done.raw.CopyFrom(raw)
+            done.raw.CopyFrom(await self._store_artifact(job.job_id, "raw", decoded.files["raw.npz"]))
         if video.sha256 != decoded.summary.sha256:
             raise RuntimeError(f"video.mp4 arrived with sha256 {video.sha256}, the VAE sent {decoded.summary.sha256}")
         await self._finish(job.job_id, S.JOB_STATE_SUCCEEDED, done=done)
         await self.retention.enforce()
+
+    async def _store_artifact(self, job_id: str, kind: str, data: BytesLike) -> gateway_pb2.Artifact:
+        """Write the job's `kind` artifact and record it. A file whose record failed (rolled back) is removed: the
+        retention policy goes by the records and would never remove it."""
+        artifact, path = await asyncio.to_thread(self.artifacts.save, job_id, kind, data)
+        try:
+            await self.store.add_artifact(job_id, kind, artifact, path)
+        except Exception:
+            await asyncio.to_thread(remove, path)
+            raise
+        return artifact
 
 
 def _where(stage: str) -> str:

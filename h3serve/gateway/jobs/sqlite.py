@@ -4,6 +4,10 @@ One connection, owned by one thread of the store's own: every query runs there, 
 event loop never waits on disk and no lock is needed. A read cursor left open while another
 connection wrote once locked a database at start-up in the field, so every read is fetched whole and
 its cursor closed at once, and every method is its own transaction.
+
+A full disk is DiskFull (h3serve/common/disk.py) naming the store's directory; the transaction it broke is rolled
+back, so nothing of it is written. A file no restart can fix is refused at open (Refused, with the way out): one
+damaged (not a database, or failing `PRAGMA quick_check`), or one another program keeps locked.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
+from h3serve.common.disk import full_named
 from h3serve.common.errors import tail
+from h3serve.common.processes import Refused, command_line, holders_of
 from h3serve.gateway.jobs.progress import advance, progress
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
@@ -58,6 +64,10 @@ _JOB_COLUMNS = (
     ("progress", "REAL"),
     ("restarts", "INTEGER NOT NULL DEFAULT 0"),
 )
+BUSY_WAIT_S = 5.0  # how long a statement waits for another program's lock on the file before it fails
+DAMAGED = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
+LOCKED = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+SIDE_FILES = ("-wal", "-shm", "-journal")
 
 
 def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
@@ -73,11 +83,38 @@ class _Database:
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._conn = sqlite3.connect(path)
-        self._rows("PRAGMA journal_mode=WAL")
-        self._rows("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
-        self._add_missing_columns()
+        self._conn = sqlite3.connect(path, timeout=BUSY_WAIT_S)
+        try:
+            self._open(path)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _open(self, path: str) -> None:
+        """Check the file, then bring its schema up to date. Refused: damaged, or locked by another program."""
+        try:
+            self._check(path)
+            self._rows("PRAGMA journal_mode=WAL")
+            self._rows("PRAGMA synchronous=NORMAL")
+            self._conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
+            self._add_missing_columns()
+        except sqlite3.Error as exc:
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            if code in DAMAGED:
+                raise Refused(_damaged(path, str(exc))) from None
+            if code in LOCKED:
+                raise Refused(_locked(path)) from None
+            raise
+
+    def _check(self, path: str) -> None:
+        """The file reads as a sound database, and its write lock can be taken (waiting BUSY_WAIT_S for it): a
+        program holding it (the sqlite3 shell in a transaction) would otherwise fail the first write much later."""
+        found = [row[0] for row in self._rows("PRAGMA quick_check")]
+        if found != ["ok"]:
+            problems = [line for line in "\n".join(found).splitlines() if not line.startswith("*** in database")]
+            raise Refused(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems[:3])))
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._conn.rollback()
 
     def close(self) -> None:
         self._conn.close()
@@ -124,6 +161,7 @@ class _Database:
                 "INSERT INTO events VALUES (?, ?, ?, ?)", (job_id, stored.seq, now, stored.SerializeToString())
             )
         ) as cursor:
+            assert cursor.lastrowid is not None  # set by the INSERT
             stored.log_seq = cursor.lastrowid  # stored blobs lack it: reads take it from the rowid
         return stored
 
@@ -155,7 +193,7 @@ class _Database:
                 if known:
                     if known[0][1] != digest:
                         raise RequestIdConflict(request_id, known[0][0])
-                    return self._job(known[0][0]), False
+                    return self._stored_job(known[0][0]), False
             if max_unfinished > 0:
                 depth = self._rows("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", UNFINISHED_STATES)[0][0]
                 if depth >= max_unfinished:
@@ -176,7 +214,7 @@ class _Database:
             )
             if first_event is not None:
                 self._write_event(job_id, first_event)
-            return self._job(job_id), True
+            return self._stored_job(job_id), True
 
     def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
         with self._conn:
@@ -277,6 +315,7 @@ class _Database:
                     (job_id, attempt, stage, time.time()),
                 )
             ) as cur:
+                assert cur.lastrowid is not None  # set by the INSERT
                 return cur.lastrowid
 
     def stage_update(self, record_id: int, **values) -> None:
@@ -311,6 +350,12 @@ class _Database:
     def get_job(self, job_id: str) -> gateway_pb2.Job | None:
         return self._job(job_id)
 
+    def _stored_job(self, job_id: str) -> gateway_pb2.Job:
+        """A job this transaction has just read or written."""
+        job = self._job(job_id)
+        assert job is not None
+        return job
+
     def _job(self, job_id: str) -> gateway_pb2.Job | None:
         jobs = self._filled(self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,)), records=True)
         return jobs[0] if jobs else None
@@ -339,7 +384,7 @@ class _Database:
                 f"stage_runs WHERE job_id IN ({marks}) ORDER BY rowid",
                 ids,
             ):
-                jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), fields)))
+                jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), fields, strict=True)))
         return list(jobs.values())
 
     def list_jobs(
@@ -410,6 +455,29 @@ def _artifact(row) -> gateway_pb2.Artifact:
     )
 
 
+def _damaged(path: str, detail: str) -> str:
+    return (
+        f"job store {path} is damaged ({detail}): its jobs cannot be read. Move it aside, with its -wal and -shm "
+        "files, and start the gateway again: it starts a new, empty store, and the jobs in the old one are lost "
+        "(`sqlite3 <old file> .recover` may save some of them)"
+    )
+
+
+def _locked(path: str) -> str:
+    holders = _holders(path)
+    return (
+        f"job store {path} is locked by another program: its write lock stayed taken for {BUSY_WAIT_S:g} s"
+        f"{'; the file is open in ' + ', '.join(holders) if holders else ''}. Close the program holding it (a "
+        "sqlite3 shell in a transaction, a backup tool) and start the gateway again"
+    )
+
+
+def _holders(path: str) -> list[str]:
+    """Other processes with the store's files open, "pid N (command)" each: best effort (Linux /proc, this user's)."""
+    files = {os.path.realpath(path + suffix) for suffix in ("", *SIDE_FILES)}
+    return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(files) - {os.getpid()})]
+
+
 def _request(blob: bytes) -> gateway_pb2.ResolvedRequest:
     """A stored request; one stored before GenerationParams existed takes them from its top-level copies."""
     request = gateway_pb2.ResolvedRequest.FromString(blob)
@@ -423,14 +491,25 @@ def _request(blob: bytes) -> gateway_pb2.ResolvedRequest:
 
 
 class SqliteJobStore:
-    """JobStore on one SQLite file: each method runs `_Database`'s of the same name on the store's own thread."""
+    """JobStore on one SQLite file: each method runs `_Database`'s of the same name on the store's own thread.
+    Raises Refused at open for a damaged or locked file, DiskFull from any method when the disk is full."""
 
     def __init__(self, path: str):
+        self._directory = os.path.dirname(os.path.abspath(path))
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3serve-jobstore")
-        self._db = self._thread.submit(_Database, path).result()
+        try:
+            self._db = self._thread.submit(self._on_disk, _Database, path).result()
+        except BaseException:
+            self._thread.shutdown()
+            raise
+
+    def _on_disk(self, function, *args, **kwargs):
+        """`function(*args, **kwargs)`, on the store's thread; a full disk is DiskFull naming the store's directory."""
+        with full_named(self._directory):
+            return function(*args, **kwargs)
 
     async def _on_thread(self, name: str, *args, **kwargs):
-        return await asyncio.wrap_future(self._thread.submit(getattr(self._db, name), *args, **kwargs))
+        return await asyncio.wrap_future(self._thread.submit(self._on_disk, getattr(self._db, name), *args, **kwargs))
 
     async def close(self) -> None:
         await self._on_thread("close")
