@@ -174,6 +174,13 @@ def test_model_keys_reach_every_section_and_the_gateway_finds_the_services(tmp_p
     assert config.gateway.replicas("vae") == ("10.0.0.3:1", "10.0.0.4:1")
 
 
+def test_an_outage_table_naming_one_stage_keeps_the_others_defaults(tmp_path):
+    """Every stage call looks its stage's limit up: a stage left out had none, and every job failed INTERNAL."""
+    path = tmp_path / "deploy.toml"
+    path.write_text("[gateway.outage_s]\nvae = 2.0\n")
+    assert load_deploy(path).gateway.outage_s == {"encoder": 300.0, "vae-encode": 300.0, "dit": 900.0, "vae": 2.0}
+
+
 def test_a_dit_config_survives_the_rank_encoding():
     config = DiTConfig(
         port=6000,

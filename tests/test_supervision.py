@@ -15,10 +15,11 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import free_port, write_config
-from up_process import CLEAN_EXIT, CLI, Ended, Up, environment, eventually, kill_tree, living, wait_until
+from up_process import CLEAN_EXIT, CLI, SMALL, Ended, Up, environment, eventually, kill_tree, living, wait_until
 
+from h3serve.client import GatewayClient
 from h3serve.common.processes import Proc, children, descendants
-from h3serve.v1 import common_pb2, dit_pb2_grpc
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
 
 DIT2 = dict(world_size=2, heartbeat_s=1.0, restart_backoff_s=0.5, max_restarts=5, collective_timeout_s=30.0)
 SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\n"
@@ -57,7 +58,7 @@ def test_up_restarts_a_killed_service_and_gives_up_past_its_budget(up):
         old = Proc.of(up.service(name))
         ranks = {proc for proc in map(Proc.of, descendants(old.pid)) if proc}
         os.kill(old.pid, signal.SIGKILL)
-        wait_until(lambda: up.service(name) not in (None, old.pid), 30, f"{name} started again")
+        wait_until(lambda name=name, old=old: up.service(name) not in (None, old.pid), 30, f"{name} started again")
         assert not living(ranks), "the DiT's ranks ended with their launcher"
         up.wait_serving()
         final = up.generate()
@@ -73,6 +74,33 @@ def test_kill_9_of_up_ends_every_service_within_seconds(up):
     up.process.kill()
     up.process.wait()
     assert eventually(lambda: not living(procs), 10), f"services outlived up: {living(procs)}"
+
+
+# The VAE's restart waits 8 s before it even starts: well past the vae's outage limit of 2 s.
+SLOW_VAE_RESTART = "[supervisor]\nbackoff_s = 8.0\n\n[gateway.outage_s]\nvae = 2.0\n"
+
+
+def test_a_job_waits_past_its_outage_limit_for_the_vae_up_is_restarting(tmp_path, tiny_model_dir):
+    """The field report: a VAE restarted by `up` took longer to serve than the decode's outage limit, and a job failed
+    UNAVAILABLE while `up` was bringing it back. Here the job is told why it waits, and succeeds."""
+    up = Up(tmp_path, tiny_model_dir, {}, SLOW_VAE_RESTART)
+    try:
+        up.wait_serving()
+        with GatewayClient(f"127.0.0.1:{up.ports['gateway']}") as client:
+            job = client.submit(gateway_pb2.GenerateRequest(**SMALL))
+            os.kill(up.service("vae"), signal.SIGKILL)  # the job has just been queued: its decode is to come
+            events = list(client.events(job.job_id))
+        assert events[-1].HasField("done"), events[-1]
+        waits = [(event.waiting.stage, event.waiting.reason) for event in events if event.HasField("waiting")]
+        assert waits[0][1].startswith("UNAVAILABLE: "), waits
+        assert any(
+            stage == "vae" and reason.startswith("vae is restarting under h3serve up: ") for stage, reason in waits[1:]
+        ), waits
+        assert "vae was killed by signal SIGKILL; restarting it in 8.0 s" in up.output.read_text()
+        up.process.send_signal(signal.SIGTERM)
+        assert up.end(clean_logs=False).code == 0, up.output.read_text()[-2000:]
+    finally:
+        up.close()
 
 
 # The DiT's own launcher: `h3serve serve dit` with nnodes = 1.
@@ -216,7 +244,7 @@ def test_a_killed_rank_restarts_the_group(dit):
     os.kill(before.ranks[1].pid, signal.SIGKILL)
     after = dit.serving(restarts=before.restarts + 1)
     assert not {r.pid for r in after.ranks} & {r.pid for r in before.ranks}, "every rank was replaced"
-    assert "rank 1 (pid %d) was killed by signal SIGKILL" % before.ranks[1].pid in dit.log.read_text()
+    assert f"rank 1 (pid {before.ranks[1].pid}) was killed by signal SIGKILL" in dit.log.read_text()
 
 
 @pytest.mark.distributed

@@ -16,12 +16,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from h3serve.common import processes
 from h3serve.common.config import SERVICES, DeployConfig
 from h3serve.common.processes import Tree, children, describe_exit, end_trees
 from h3serve.common.server import is_answering, is_serving
+from h3serve.common.supervision import STATE_ENV
 
 __all__ = ["START_ORDER", "Running", "ServiceGroup", "children", "is_answering", "is_serving"]
 
@@ -33,6 +34,8 @@ class Running:
     name: str
     address: str
     process: subprocess.Popen
+    started: float = field(default_factory=time.monotonic)  # [supervisor] start_timeout_s runs from here
+    started_at: float = field(default_factory=time.time)  # the same moment in unix seconds, for the state file
 
 
 class ServiceGroup:
@@ -44,6 +47,7 @@ class ServiceGroup:
         names: tuple[str, ...] = START_ORDER,
         ready=is_serving,
         flags: dict[str, list[str]] | None = None,
+        supervisor_state: str | None = None,
     ) -> None:
         self.ready = ready  # is_serving, or is_answering to start a gateway whose stages are down
         self.config = config
@@ -52,6 +56,7 @@ class ServiceGroup:
         self.log_dir = log_dir
         self.flags = flags or {}  # per service: `h3serve serve` flags that override the config file
         self.grace = config.supervisor.stop_grace_s
+        self.supervisor_state = supervisor_state  # `up`'s state file, which the gateway reads (common/supervision.py)
         self.running: list[Running] = []
 
     def _command(self, name: str) -> list[str]:
@@ -62,6 +67,8 @@ class ServiceGroup:
         env = dict(os.environ)
         if name != "gateway" and self.config.service(name).gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
+        if name == "gateway" and self.supervisor_state:
+            env[STATE_ENV] = self.supervisor_state
         return env
 
     def root_pem(self, name: str) -> bytes | None:
@@ -85,10 +92,11 @@ class ServiceGroup:
             )
         return Running(name, f"{section.host}:{section.port}", process)
 
-    def respawn(self, name: str) -> None:
+    def respawn(self, name: str) -> Running:
         """Start service `name` again in its place (its old process has ended)."""
         index = next(i for i, item in enumerate(self.running) if item.name == name)
         self.running[index] = self._spawn(name)
+        return self.running[index]
 
     def start(self) -> None:
         if self.log_dir:

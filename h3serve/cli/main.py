@@ -48,10 +48,14 @@ def _up(args) -> None:
     from h3serve.cli.launcher import ServiceGroup
     from h3serve.cli.supervise import Watch
     from h3serve.common.processes import StopSignals
+    from h3serve.common.supervision import STATE_FILE
 
     config = load_deploy(args.config)
     stop = StopSignals()  # SIGINT, SIGTERM, SIGHUP: the services have sessions of their own, so stop them here
-    group = ServiceGroup(config, args.config, args.log_dir)
+    # The watch's state file, for the gateway: in a directory of this `up`'s own, so no other stack (one sharing the
+    # log dir or the data_dir, refused or not) can overwrite it; it goes when `up` ends.
+    state_dir = tempfile.TemporaryDirectory(prefix="h3serve-up-")
+    group = ServiceGroup(config, args.config, args.log_dir, supervisor_state=os.path.join(state_dir.name, STATE_FILE))
     try:
         group.start()
         reason = Watch(group, stop).run(
@@ -67,6 +71,7 @@ def _up(args) -> None:
         )
     finally:
         group.stop()
+        state_dir.cleanup()
     if reason:
         raise SystemExit(1)
 
@@ -121,7 +126,7 @@ class Progress:
 def generate(
     address: str,
     request,
-    out: str | None,
+    out: str | Path | None,
     raw: str | None,
     stream=sys.stderr,
     media=None,
@@ -255,7 +260,8 @@ def _reference(args) -> None:
         config.gateway.geometry,
         config.dit.adapters,
     )
-    np.savez(args.raw, **result)
+    # numpy's stub matches a ** dict against savez's allow_pickle keyword too; the result has no such key
+    np.savez(args.raw, **result)  # type: ignore[arg-type]
     print(f"reference: {Path(args.raw).resolve()}")
 
 

@@ -7,7 +7,13 @@ directory another process holds), and the same start-up failure twice in a row (
 reason class, before the service ever reached SERVING), which a third start would only repeat. A SIGKILL with the host
 near its memory limit at the last sample reads as the OOM killer's (common/processes.py, MemoryWatch). What the dead
 service's process left (its process group: e.g. DiT ranks) is stopped before the new one starts, so nothing of the old
-one holds its port or its GPU memory. A stop signal ends the watch at once: nothing is restarted after it.
+one holds its port or its GPU memory. A start (the first or a restart) that has not reached SERVING within
+`start_timeout_s` (a gateway: answered health, as its own SERVING waits for every stage's) has its tree stopped and
+counts as such an exit. A stop signal ends the watch at once: nothing is restarted after it.
+
+Each service's state (starting, serving, restart due, given up) goes to the state file the gateway reads
+(common/supervision.py), rewritten at every change, so a job waits past its outage limit for a service being brought
+back.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import replace
 
 from h3serve.cli.launcher import Running, ServiceGroup
 from h3serve.common.processes import (
@@ -29,8 +36,11 @@ from h3serve.common.processes import (
     Tree,
     end_trees,
 )
+from h3serve.common.server import is_answering
+from h3serve.common.supervision import GIVEN_UP, RESTART_DUE, SERVING, STARTING, ServiceState, StateWriter
 
 POLL_S = 0.5
+START_TIMED_OUT = "start timed out"  # the kind of ending (RepeatedFailure) of a start stopped at start_timeout_s
 
 
 def _say(message: str) -> None:
@@ -50,7 +60,9 @@ class Watch:
         self.memory.sample_host()  # the services have just started
         self.due: dict[str, float] = {}  # service -> when it starts again
         self.ready: set[str] = set()  # services whose current process has reached SERVING
-        self.last_exit: dict[str, str] = {}  # service -> how its last process ended (the reason `up` logged)
+        self.states = StateWriter(group.supervisor_state, policy.start_timeout_s)  # what the gateway reads of them
+        for item in group.running:
+            self._starting(item, restart=False)
 
     def run(self, on_healthy: Callable[[], None]) -> str | None:
         """Until a stop signal (None) or a service that must not start again (the reason)."""
@@ -72,39 +84,73 @@ class Watch:
         alive = [item for item in self.group.running if item.name not in self.due and item.process.poll() is None]
         self.memory.sample(item.process.pid for item in alive)
         for item in alive:
-            if item.name not in self.ready and self.group.ready(item.address, root_pem=self.group.root_pem(item.name)):
+            if item.name not in self.ready and self._serving(item):
                 self.ready.add(item.name)
+                self.states.set(item.name, replace(self.states.services[item.name], state=SERVING, since=time.time()))
+
+    def _serving(self, item: Running) -> bool:
+        """A model service once it says SERVING; the gateway once it answers: its SERVING also waits for every stage's,
+        which is no part of its own start (a gateway restarted while a stage restarts would otherwise time out)."""
+        probe = is_answering if item.name == "gateway" else self.group.ready
+        return probe(item.address, root_pem=self.group.root_pem(item.name))
+
+    def _starting(self, item: Running, restart: bool) -> None:
+        self.states.set(item.name, ServiceState(STARTING, item.started_at, item.process.pid, restart))
 
     def _check(self, item: Running) -> str | None:
         if item.name in self.due:
             if time.monotonic() >= self.due[item.name] and not self.stop:
                 del self.due[item.name]
-                self.group.respawn(item.name)
+                self._starting(self.group.respawn(item.name), restart=True)
                 self.memory.sample_host()
             return None
         code = item.process.poll()
         if code is None:
-            return None
+            return self._time_out(item) if self._start_overdue(item) else None
         ending = self.memory.ending(item.process.pid, code, started=item.name in self.ready)
-        self.ready.discard(item.name)
         self._end_leftovers(item)
-        ended = self.last_exit[item.name] = f"{item.name} {ending.text}"
+        ended = f"{item.name} {ending.text}"
         if code == EXIT_REFUSED:
-            return f"{ended}: not restarting it (the reason is {self._where_said(item.name)})"
-        if self.failures[item.name].repeats(ending.kind, ending.start_up_failure):
-            return f"stopped restarting: the same start-up failure twice: {ended}"
-        delay = self.budgets[item.name].take()
+            return self._give_up(item.name, f"{ended}: not restarting it (the reason is {self._where_said(item.name)})")
+        return self._restart(item.name, ended, ending.kind, ending.start_up_failure)
+
+    def _start_overdue(self, item: Running) -> bool:
+        return item.name not in self.ready and time.monotonic() - item.started > self.policy.start_timeout_s
+
+    def _time_out(self, item: Running) -> str | None:
+        """A start that has not reached SERVING within start_timeout_s: its tree is stopped, and it counts as an exit
+        that never served."""
+        self._end_leftovers(item)
+        ended = (
+            f"{item.name} did not serve within {self.policy.start_timeout_s:g} s of its start "
+            "([supervisor] start_timeout_s) and was stopped"
+        )
+        return self._restart(item.name, ended, START_TIMED_OUT, start_up_failure=True)
+
+    def _restart(self, name: str, ended: str, kind: Hashable, start_up_failure: bool) -> str | None:
+        """Service `name`'s process has ended (`ended` says how): its restart is due after its back-off, or, past a
+        rule of the budget, the reason the watch ends."""
+        self.ready.discard(name)
+        if self.failures[name].repeats(kind, start_up_failure):
+            return self._give_up(name, f"stopped restarting: the same start-up failure twice: {ended}")
+        delay = self.budgets[name].take()
         if delay is None:
-            return (
+            return self._give_up(
+                name,
                 f"{ended}, past its restart budget ({self.policy.max_restarts} restarts within "
-                f"{self.policy.window_s:.0f} s)"
+                f"{self.policy.window_s:.0f} s)",
             )
         _say(
-            f"{ended}; restarting it in {delay:.1f} s (restart {self.budgets[item.name].used()} of at most "
+            f"{ended}; restarting it in {delay:.1f} s (restart {self.budgets[name].used()} of at most "
             f"{self.policy.max_restarts} within {self.policy.window_s:.0f} s)"
         )
-        self.due[item.name] = time.monotonic() + delay
+        self.due[name] = time.monotonic() + delay
+        self.states.set(name, ServiceState(RESTART_DUE, time.time(), due=time.time() + delay, reason=ended))
         return None
+
+    def _give_up(self, name: str, reason: str) -> str:
+        self.states.set(name, ServiceState(GIVEN_UP, time.time(), reason=reason))
+        return reason
 
     def _where_said(self, name: str) -> str:
         log_dir = self.group.log_dir

@@ -12,7 +12,7 @@ import difflib
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Self, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -33,6 +33,9 @@ from h3serve.model import adapters as adapter_rules
 from h3serve.model import rules
 from h3serve.model.rules import Geometry
 from h3serve.model.workflows import names as workflow_names
+
+if TYPE_CHECKING:  # pydantic's own dependency; read by the type checker only
+    from pydantic_core import ErrorDetails
 
 
 class ConfigError(ValueError):
@@ -62,9 +65,15 @@ MAX_ROWS = 200_000
 Port = Annotated[int, Field(ge=0, le=65535)]
 Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
-Phase = Literal[tuple(STALL_DEFAULTS)]
-StageName = Literal[tuple(OUTAGE_DEFAULTS)]
-Workflows = Annotated[tuple[Literal[tuple(workflow_names())], ...], Field(min_length=1, strict=False)]  # TOML: a list
+if TYPE_CHECKING:  # Literals built from values at run time, which a type checker cannot read: their value type
+    Phase = str
+    StageName = str
+    Workflows = tuple[str, ...]
+else:
+    Phase = Literal[tuple(STALL_DEFAULTS)]
+    StageName = Literal[tuple(OUTAGE_DEFAULTS)]
+    # TOML: a list
+    Workflows = Annotated[tuple[Literal[tuple(workflow_names())], ...], Field(min_length=1, strict=False)]
 
 
 SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
@@ -75,7 +84,8 @@ def parse_shape(shape: str) -> tuple[int, int, int]:
     match = SHAPE.fullmatch(shape)
     if not match:
         raise ValueError(f'a shape is "HEIGHTxWIDTHxFRAMES", e.g. "480x832x124", got {shape!r}')
-    return tuple(int(part) for part in match.groups())
+    height, width, frames = (int(part) for part in match.groups())
+    return height, width, frames
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -104,7 +114,7 @@ class Section(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=True, protected_namespaces=())
 
-    def replace(self, /, **changes):
+    def replace(self, /, **changes) -> Self:
         """A copy with `changes`, checked like the original (dataclasses.replace for these models)."""
         return type(self)(**{**dict(self), **changes})
 
@@ -383,7 +393,9 @@ class GatewayConfig(Section):
     denoise_deadline_s: PositiveFloat = 3600.0
     decode_deadline_s: PositiveFloat = 1800.0
     # A stage call failing UNAVAILABLE (the replica is down or restarting) is tried again, on the next replica,
-    # with back-off from retry_backoff_s doubling to max_backoff_s, until the stage's outage limit has passed.
+    # with back-off from retry_backoff_s doubling to max_backoff_s, until the stage's outage limit has passed. Past
+    # it the job waits on while `h3serve up` says it is bringing the stage's service back (a start or restart, each
+    # within [supervisor] start_timeout_s), and for the limit again from when it serves (common/supervision.py).
     retry_backoff_s: NonNegativeFloat = 0.5
     max_backoff_s: PositiveFloat = 5.0
     outage_s: dict[StageName, PositiveFloat] = Field(default_factory=lambda: dict(OUTAGE_DEFAULTS))
@@ -425,6 +437,12 @@ class GatewayConfig(Section):
     asset_max_age_s: NonNegativeFloat = 7 * DAY_S  # uploads older than this go unless a queued or running job
     # names them
 
+    @field_validator("outage_s")
+    @classmethod
+    def _every_stage(cls, limits: dict[str, float]) -> dict[str, float]:
+        """A table naming some stages keeps the defaults of the others (a stage without a limit failed its jobs)."""
+        return {**OUTAGE_DEFAULTS, **limits}
+
     @field_validator("default_steps")
     @classmethod
     def _within_max_steps(cls, steps: int, info: ValidationInfo) -> int:
@@ -445,7 +463,9 @@ class SupervisorConfig(Section):
     backoff_s: NonNegativeFloat = 1.0  # wait before the k-th restart within the window: backoff_s * 2^(k-1) ...
     max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
     stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
-    start_timeout_s: PositiveFloat = 300.0  # start to SERVING; [dit] warmup shapes compile first (minutes each)
+    # start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
+    # shapes compile first (minutes each)
+    start_timeout_s: PositiveFloat = 300.0
     # the host's memory, GiB, that `h3serve plan` checks every process's private host memory against (less a reserve
     # for the OS); 0: the machine's MemTotal where the plan runs
     host_memory_gib: NonNegativeFloat = 0.0
@@ -541,7 +561,10 @@ def _tables(path: str | Path) -> dict[str, dict]:
     return {name: data.get(name, {}) for name in SECTIONS}
 
 
-def _checked(section: Section, changes: dict, where: str) -> Section:
+S = TypeVar("S", bound=Section)
+
+
+def _checked(section: S, changes: dict, where: str) -> S:
     try:
         return section.replace(**changes)
     except ValidationError as error:
@@ -550,7 +573,7 @@ def _checked(section: Section, changes: dict, where: str) -> Section:
         ) from None
 
 
-def _describe(problem: dict, model: type[Section]) -> str:
+def _describe(problem: ErrorDetails, model: type[Section]) -> str:
     """`key: what is wrong`, the key dotted into tables and lists ("capacity.t2va.768x1344", "workflows.0")."""
     key = ".".join(str(part) for part in problem["loc"] if part != "[key]")
     if problem["type"] == "extra_forbidden":

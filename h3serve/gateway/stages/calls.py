@@ -5,11 +5,16 @@ that fails UNAVAILABLE (the replica is down or restarting), or breaks while its 
 is retried from the start with
 exponential back-off, on another replica when there is one; any other status (a bad request above
 all) is final at once. Each try runs under the watchdog of its phase.
+
+Past the stage's outage limit, the job waits on while `h3serve up` says it is bringing the stage's service back
+(starting it, or a restart due; common/supervision.py) or brought it back less than the limit ago; a supervisor that
+gave up, or none (no state file, or its writer gone), leaves the decision to the limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +24,7 @@ from typing import TypeVar
 import grpc
 
 from h3serve.common.config import GatewayConfig
+from h3serve.common.supervision import SERVING, STATE_ENV, ServiceState, read_live
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import SERVICES, STAGES
 from h3serve.gateway.stages.replicas import Replica, ReplicaSet
@@ -62,6 +68,19 @@ class CallRecord:
     bytes_out: int = 0
 
 
+@dataclass
+class Outage:
+    """A stage's calls failing transiently since `began` (monotonic seconds), and the start of the stage's service
+    under `h3serve up` the job was last told it waits for."""
+
+    began: float
+    limit: float  # the stage's outage limit
+    told: ServiceState | None = None
+
+    def past_limit(self) -> bool:
+        return time.monotonic() - self.began >= self.limit
+
+
 class StageCaller:
     """Holds the stages and their services' replicas; runs one stage call of one job."""
 
@@ -73,6 +92,7 @@ class StageCaller:
             service: ReplicaSet.open(service, config.replicas(service), root, config.stage_token)
             for service in SERVICES
         }
+        self.supervisor_state = os.environ.get(STATE_ENV)  # set by `h3serve up`
 
     async def close(self) -> None:
         for replicas in self.replicas.values():
@@ -104,9 +124,11 @@ class StageCaller:
         once: Callable[[Replica], Awaitable[T]],
     ) -> T:
         """Run `once` on a replica; after a transient failure, again on the next one with back-off, until the
-        stage has taken no call and made no progress for its outage limit (StageFailed then)."""
-        replicas, tried, limit = self.replicas[stage.service], set(), self.config.outage_s[stage.name]
-        delays, outage_since = self._backoff(), None
+        stage has taken no call and made no progress for its outage limit (StageFailed then), or longer while
+        `h3serve up` is bringing its service back."""
+        tried: set[str] = set()
+        replicas, limit = self.replicas[stage.service], self.config.outage_s[stage.name]
+        delays, outage = self._backoff(), None
         while True:
             replica = await replicas.pick(tried)
             tried.add(replica.address)
@@ -117,10 +139,10 @@ class StageCaller:
             except grpc.aio.AioRpcError as exc:
                 if not _is_transient(exc):
                     raise StageFailed(stage.name, replica.address, exc.code(), exc.details()) from exc
-                if outage_since is None or watchdog.events > events:  # a new outage: the job hears of it once
-                    outage_since, delays = time.monotonic(), self._backoff()
+                if outage is None or watchdog.events > events:  # a new outage: the job hears of it once
+                    outage, delays = Outage(time.monotonic(), limit), self._backoff()
                     await job.emit(waiting=gateway_pb2.Waiting(stage=stage.name, reason=_status(exc), limit_s=limit))
-                if time.monotonic() - outage_since >= limit:
+                if outage.past_limit() and not await self._coming_back(stage, job, outage):
                     raise StageFailed(
                         stage.name,
                         replica.address,
@@ -129,6 +151,25 @@ class StageCaller:
                     ) from exc
             self.metrics.stage_retries.labels(stage.name).inc()
             await asyncio.sleep(next(delays))
+
+    async def _coming_back(self, stage: Stage, job: JobContext, outage: Outage) -> bool:
+        """Past the outage limit: whether `h3serve up` is bringing the stage's service back, or brought it back (saw it
+        serve) less than the limit ago, its channel maybe not yet reconnected. The job hears of each start it waits
+        for."""
+        live = await asyncio.to_thread(read_live, self.supervisor_state) if self.supervisor_state else None
+        if live is None or stage.service not in live.services:
+            return False
+        service = live.services[stage.service]
+        if service.coming_back and service != outage.told:  # a state is the same until the next change
+            outage.told = service
+            await job.emit(
+                waiting=gateway_pb2.Waiting(
+                    stage=stage.name,
+                    reason=service.describe(stage.service, live.start_timeout_s),
+                    limit_s=round(service.left_s(live.start_timeout_s)),
+                )
+            )
+        return service.coming_back or (service.state == SERVING and time.time() - service.since < outage.limit)
 
     def _backoff(self) -> Iterator[float]:
         delay = self.config.retry_backoff_s

@@ -25,6 +25,9 @@ from h3serve.v1 import gateway_pb2
 
 HEALTH_TTL_S = 1.0
 PROBE_TIMEOUT_S = 1.0
+# A replica that went away is dialled again at least every second (gRPC's default waits up to 2 minutes between
+# attempts after a long outage), so a service back from a restart takes the next try of a waiting job.
+CHANNEL_OPTIONS = [*GRPC_OPTIONS, ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class _StageToken:
@@ -59,9 +62,9 @@ def open_channel(address: str, root_pem: bytes | None, token: str = "") -> grpc.
         [shape(token) for shape in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)] if token else None
     )
     if root_pem is None:
-        return grpc.aio.insecure_channel(address, options=GRPC_OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
     return grpc.aio.secure_channel(
-        address, grpc.ssl_channel_credentials(root_pem), options=GRPC_OPTIONS, interceptors=interceptors
+        address, grpc.ssl_channel_credentials(root_pem), options=CHANNEL_OPTIONS, interceptors=interceptors
     )
 
 
