@@ -162,3 +162,41 @@ def loads(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(rank, "load_model_service", recording)
     return calls
+
+
+# The adapter stack's LoRA files: turbo's sidecar recommends steps and shifts (what a request leaving them unset gets).
+ADAPTER_SIDECAR = {"steps": 3, "flow_shift": 6.0, "audio_flow_shift": 2.5}
+# Its canvas, shrunk so that keyframes and references stay small on CPU (model.rules.Geometry's fields).
+ADAPTER_GEOMETRY = dict(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+
+
+@pytest.fixture(scope="session")
+def adapter_stack(tmp_path_factory, tiny_model_dir):
+    """A second four-process stack (with the HTTP door) whose DiT loads tiny random LoRA adapters: turbo (rank 4,
+    alpha 8: scale 2, ADAPTER_SIDECAR), style (rank 4, alpha 2: scale 0.5; the original single-file layout) and
+    refstyle (rank 2 on transformer_ref: ref2va), with the canvas shrunk so keyframes and references stay small."""
+    from lora_files import diffusers_lora, original_lora
+
+    from h3serve.model.rules import Geometry
+
+    root = tmp_path_factory.mktemp("adapter-stack")
+    loras = {
+        "turbo": str(diffusers_lora(root / "turbo", 1, 4, 8.0, sidecar=ADAPTER_SIDECAR)),
+        "style": str(original_lora(root / "style.safetensors", 2, 4, 2.0)),
+        "refstyle": str(diffusers_lora(root / "refstyle", 3, 2, 1.0, partition="transformer_ref")),
+    }
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
+    geometry = Geometry(**ADAPTER_GEOMETRY)
+    config_path = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        model=geometry.pipeline_configs(),
+        dit={"adapters": loras},
+        max_rows=1000,
+        http_port=ports["http"],
+    )
+    group = ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root))
+    with group:
+        yield Stack(config_path, group, tiny_model_dir, ports)

@@ -1,7 +1,9 @@
 """The web console (h3serve/gateway/http/console/) in a real headless Chromium, driven by Playwright, against the
 real four-process stack's HTTP door: t2va with a live progress bar, playback, download, bin and restore,
 re-run; fl2va with an uploaded keyframe; the server's messages for a refused upload and a refused request;
-the bearer-token field.
+the bearer-token field; keyframe labels that a failed upload leaves as the prompt names them; a seed that does
+not carry over to the next job unless typed; the adapter picker, against a second stack whose DiT loads tiny LoRA
+adapters (listed by the door's GET /v1/models from the DiT's own Info).
 
 Screenshots of each state land in the test's tmp dir (the path is printed); with H3SERVE_DOCS_SCREENSHOTS=1 the
 final ones are also copied to docs/images/console-*.png, the README's pictures.
@@ -9,6 +11,7 @@ final ones are also copied to docs/images/console-*.png, the README's pictures.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -138,12 +141,23 @@ def card(page, job_id: str):
     return page.locator(f'#job-list [data-job-id="{job_id}"]')
 
 
-def submit(page) -> dict:
-    """Click Generate; the Video object the gateway answered."""
+def submit_sent(page) -> tuple[dict, dict]:
+    """Click Generate; (the JSON body the console sent, the Video object the gateway answered)."""
     with page.expect_response(lambda r: r.url.endswith("/v1/videos") and r.request.method == "POST") as answer:
         page.click("#submit")
     assert answer.value.status == 200, answer.value.text()
-    return answer.value.json()
+    return answer.value.request.post_data_json, answer.value.json()
+
+
+def submit(page) -> dict:
+    """Click Generate; the Video object the gateway answered."""
+    return submit_sent(page)[1]
+
+
+def cancel(base: str, *job_ids: str) -> None:
+    """Cancel jobs a test needed only submitted (one already finished stays as it is): the shared CPU is spared."""
+    for job_id in job_ids:
+        call(base, "POST", f"/v1/videos/{job_id}/cancel")
 
 
 def wait_completed(page, job_id: str) -> None:
@@ -196,9 +210,10 @@ def shots(tmp_path) -> Path:
     return path
 
 
-@pytest.fixture
-def page(browser, base):
-    """A fresh browser context (own localStorage) on the console; fails the test on an uncaught page error."""
+@contextlib.contextmanager
+def console(browser, base: str):
+    """A fresh browser context (own localStorage) on the console at `base`; fails the test on an uncaught page
+    error."""
     context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
     context.set_default_timeout(30_000)
     page = context.new_page()
@@ -207,9 +222,17 @@ def page(browser, base):
     page.goto(base + "/")
     page.wait_for_selector("#health[data-state=serving]", timeout=60_000)
     page.evaluate(RECORDER)
-    yield page
-    context.close()
+    try:
+        yield page
+    finally:
+        context.close()
     assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+def page(browser, base):
+    with console(browser, base) as page:
+        yield page
 
 
 # ---------------------------------------------------------------- tests
@@ -492,3 +515,196 @@ def test_a_refused_token_says_so(page):
     page.unroute("**/v1/videos?*")
     page.click("#refresh")
     expect(page.locator("#auth-banner")).to_be_hidden()
+
+
+# ---------------------------------------------------------------- issue 28: labels, seed, adapters
+
+
+def keyframe_png(path: Path, tint: int) -> Path:
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 32))
+    image.putdata([(x * 4, y * 8, tint) for y in range(32) for x in range(64)])
+    image.save(path)
+    return path
+
+
+@pytest.mark.timeout(600)
+def test_a_failed_keyframe_upload_keeps_the_labels_the_prompt_names(page, base, tmp_path):
+    """A first frame the gateway refuses does not make the last frame <Picture 1> while the prompt names it
+    <Picture 2>: the failed slot keeps its place until another image takes it (in place) or it is removed."""
+    from playwright.sync_api import expect
+
+    first, last = keyframe_png(tmp_path / "first.png", 40), keyframe_png(tmp_path / "last.png", 220)
+    page.check("#wf-fl2va")
+    page.set_input_files(
+        "#first-frame-file",
+        files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"these are notes, not an image\n"}],
+    )
+    page.set_input_files("#last-frame-file", str(last))
+    first_chip = page.locator("#first-frame-asset [data-testid=asset]")
+    last_chip = page.locator("#last-frame-asset [data-testid=asset]")
+    expect(first_chip).to_have_attribute("data-state", "error")
+    expect(last_chip).to_have_attribute("data-state", "ready")
+    page.fill("#prompt", "<Picture 1> a kite rises until <Picture 2> it is a speck")
+    expect(last_chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 2>")
+    expect(first_chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 1>")
+
+    # another image in place of the failed one, without removing it first: the labels do not move
+    expect(page.locator('label[for="first-frame-file"]')).to_be_visible()
+    expect(page.locator('label[for="last-frame-file"]')).to_be_hidden()
+    page.set_input_files("#first-frame-file", str(first))
+    expect(first_chip).to_have_attribute("data-state", "ready")
+    expect(first_chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 1>")
+    expect(last_chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 2>")
+    expect(page.locator("#form-error")).to_be_hidden()
+    page.fill("#size", SMALL["size"])
+    page.fill("#steps", SMALL["steps"])
+    _, video = submit_sent(page)  # the gateway refuses a prompt naming a picture the request does not have
+    assert video["h3serve"]["first_frame"] == first_chip.get_attribute("data-asset-id")
+    assert video["h3serve"]["last_frame"] == last_chip.get_attribute("data-asset-id")
+    cancel(base, video["id"])
+
+    # removing a keyframe does renumber: a request with the last frame alone names it <Picture 1>
+    first_chip.locator("[data-testid=asset-remove]").click()
+    expect(first_chip).to_have_count(0)
+    expect(last_chip.locator("[data-testid=asset-label]")).to_have_text("<Picture 1>")
+
+
+@pytest.mark.timeout(600)
+def test_a_seed_does_not_carry_over_unless_typed(page, base):
+    """Re-run and Edit bring back a job's seed on purpose, for the next submission only; after it the form is fresh
+    (Generate draws a new seed). A seed the user typed stays until changed."""
+    from playwright.sync_api import expect
+
+    seed_field = page.locator("#seed")
+    fill_form(page, "t2va", "a paper boat on a pond, twice", **SMALL)
+    first = submit(page)
+    seed = str(first["h3serve"]["seed"])
+    expect(seed_field).to_have_value("")
+
+    with page.expect_response(lambda r: r.url.endswith("/v1/videos") and r.request.method == "POST") as answer:
+        card(page, first["id"]).locator("[data-testid=job-rerun]").click()
+    rerun = answer.value.json()
+    assert str(rerun["h3serve"]["seed"]) == seed  # a re-run is the same job again
+    expect(page.locator("#prompt")).to_have_value("a paper boat on a pond, twice")
+    expect(seed_field).to_have_value("")  # but "generate again" is not
+    sent, again = submit_sent(page)
+    assert "seed" not in sent, sent
+    assert str(again["h3serve"]["seed"]) != seed
+
+    card(page, first["id"]).locator("[data-testid=job-edit]").click()
+    expect(seed_field).to_have_value(seed)  # restored on purpose
+    sent, edited = submit_sent(page)
+    assert str(sent["seed"]) == seed and str(edited["h3serve"]["seed"]) == seed
+    expect(seed_field).to_have_value("")
+
+    page.fill("#seed", "4242")
+    typed = submit(page)
+    assert typed["h3serve"]["seed"] == 4242
+    expect(seed_field).to_have_value("4242")  # typed: kept
+    typed_again = submit(page)
+    assert typed_again["h3serve"]["seed"] == 4242
+    page.click("#reset-form")
+    expect(seed_field).to_have_value("")
+    cancel(base, *(job["id"] for job in (first, rerun, again, edited, typed, typed_again)))
+
+
+def test_the_adapter_picker_without_adapters(page, base):
+    """The stack's DiT loads no adapters: the door lists none (GET /v1/models), the picker says "none served", and
+    the request names none."""
+    from playwright.sync_api import expect
+
+    with page.expect_response(lambda r: r.url.endswith("/v1/models")) as listed:
+        page.reload()
+    assert listed.value.status == 200 and listed.value.json()["data"][0]["h3serve"]["adapters"] == []
+    expect(page.locator("#adapters")).to_be_visible()
+    expect(page.locator("#adapters-none")).to_have_text("none served")
+    expect(page.locator("#adapter-list [data-testid=adapter]")).to_have_count(0)
+    fill_form(page, "t2va", "a quiet street, no adapters", **SMALL)
+    sent, video = submit_sent(page)
+    assert "adapters" not in sent
+    assert video["h3serve"]["adapters"] == []
+    cancel(base, video["id"])
+
+
+def unknown_listing(route) -> None:
+    """The door's answer while no DiT replica has said which adapters it loaded (still loading): adapters null."""
+    served = {"adapter_mode": "unfused", "adapters": None, "max_request_adapters": 0}
+    route.fulfill(json={"object": "list", "data": [{"id": "minimax-h3", "object": "model", "h3serve": served}]})
+
+
+@pytest.mark.timeout(900)
+def test_the_adapter_picker_sends_the_ticked_adapters_and_a_restore_ticks_them_again(browser, adapter_stack, shots):
+    from playwright.sync_api import expect
+
+    base = adapter_stack.http.rstrip("/")
+    with console(browser, base) as page:
+        rows = page.locator("#adapter-list [data-testid=adapter]")
+        expect(page.locator("#adapters")).to_be_visible()
+        expect(rows).to_have_count(3)
+        expect(page.locator("#adapters-none")).to_be_hidden()
+        assert [row.get_attribute("data-name") for row in rows.all()] == ["refstyle", "style", "turbo"]
+
+        def row(name: str, part: str):
+            return page.locator(f'#adapter-list [data-name="{name}"] [data-testid=adapter-{part}]')
+
+        expect(row("turbo", "info")).to_have_text("scale 2 · recommends 3 steps")
+        expect(row("style", "info")).to_have_text("scale 0.5")
+        for name in ("turbo", "style", "refstyle"):
+            expect(row(name, "weight")).to_have_value("1")  # the default weight: the adapter's own scale
+        expect(row("refstyle", "on")).to_be_disabled()  # t2va runs on transformer, refstyle on transformer_ref
+        expect(row("refstyle", "info")).to_contain_text("not for t2va")
+
+        # ticked turbo (at 0.125) then style: sent in that order; steps left unset take turbo's recommendation
+        fill_form(page, "t2va", "a kite over the dunes, turbo then style", size=SMALL["size"])
+        row("turbo", "on").check()
+        row("turbo", "weight").fill("0")  # 0 would mean 1.0 to the gateway: the form says so instead
+        page.click("#submit")
+        expect(page.locator("#form-error")).to_contain_text("A weight of 0 means 1 to the gateway")
+        row("turbo", "weight").fill("0.125")
+        row("style", "on").check()
+        expect(row("turbo", "order")).to_have_text("1")
+        expect(row("style", "order")).to_have_text("2")
+        shot(page, shots, "adapters")
+        sent, video = submit_sent(page)
+        assert sent["adapters"] == [{"name": "turbo", "weight": 0.125}, {"name": "style", "weight": 1}], sent
+        assert video["h3serve"]["adapters"] == [{"name": "turbo", "weight": 0.125}, {"name": "style", "weight": 1.0}]
+        assert video["h3serve"]["steps"] == 3
+        wait_completed(page, video["id"])  # the DiT ran them
+        expect(card(page, video["id"]).locator("[data-testid=job-meta]")).to_contain_text("turbo ×0.125 + style ×1")
+
+        # Clear unticks them; Edit ticks the job's adapters again, with its weights and in its order
+        page.click("#reset-form")
+        for name in ("turbo", "style"):
+            expect(row(name, "on")).not_to_be_checked()
+        expect(row("turbo", "weight")).to_have_value("1")
+        card(page, video["id"]).locator("[data-testid=job-edit]").click()
+        expect(row("turbo", "on")).to_be_checked()
+        expect(row("style", "on")).to_be_checked()
+        expect(row("refstyle", "on")).not_to_be_checked()
+        expect(row("turbo", "weight")).to_have_value("0.125")  # exactly
+        expect(row("turbo", "order")).to_have_text("1")
+        sent, again = submit_sent(page)
+        assert sent["adapters"] == [{"name": "turbo", "weight": 0.125}, {"name": "style", "weight": 1}], sent
+        assert again["h3serve"]["adapters"] == video["h3serve"]["adapters"]
+        cancel(base, again["id"])
+
+        # ref2va: only refstyle can run there; the ticked transformer adapters stay ticked, greyed, not sent
+        page.check("#wf-ref2va")
+        expect(row("refstyle", "on")).to_be_enabled()
+        expect(row("turbo", "on")).to_be_disabled()
+        expect(row("turbo", "on")).to_be_checked()
+        expect(row("turbo", "info")).to_contain_text("not for ref2va")
+        page.check("#wf-t2va")
+
+        # a door that cannot list them (its DiT still loading): a restored job's adapters show (and go), unlisted
+        page.route("**/v1/models", unknown_listing)
+        card(page, video["id"]).locator("[data-testid=job-edit]").click()
+        with page.expect_response(lambda r: r.url.endswith("/v1/models")):
+            page.click("#refresh")
+        expect(rows).to_have_count(2)
+        expect(row("turbo", "info")).to_have_text("from the restored job; not listed by this gateway")
+        expect(row("turbo", "on")).to_be_checked()
+        page.click("#reset-form")
+        expect(page.locator("#adapters")).to_be_hidden()

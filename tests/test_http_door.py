@@ -104,6 +104,11 @@ def test_the_openai_sdk_creates_polls_downloads_and_lists(stack, sdk):
     assert done.id in [item.id for item in listed.data]
 
 
+def test_the_model_list_names_the_one_model_and_the_adapters_its_dit_loads(sdk):
+    (model,) = sdk.models.list().data
+    assert (model.id, model.object, model.model_extra["h3serve"]["adapters"]) == ("minimax-h3", "model", [])
+
+
 def test_shifts_and_adapters_reach_the_request(stack, sdk):
     """A multipart form (the SDK's way) with the shifts; an adapter the DiT does not load is refused by name."""
     video = sdk.videos.create(

@@ -7,6 +7,7 @@ runs on CPU in seconds; the same files go to both.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,7 @@ from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
 from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
-from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, media_pb2
 
 GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 LIMITS = dict(max_audio_seconds=4.5, max_rows=1000)
@@ -224,6 +225,29 @@ def test_invalid_assets_are_refused_with_the_reason(client, files, tmp_path):
     err = _refused(client, empty)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.details() == "asset 'empty.wav': empty file (0 bytes)"
+
+
+def test_an_upload_refused_mid_stream_is_heard_by_an_async_client_still_sending(media_stack, files):
+    """grpc.aio reports a call refused while it still writes as INTERNAL unless the gateway reads the rest of the
+    upload first: a PNG over max_image_bytes (20 MiB), sent in 1 MiB chunks, is refused as itself each time."""
+    data = files["wide"].read_bytes() + bytes(21 << 20)
+    chunks = [
+        gateway_pb2.UploadAssetChunk(file_name="big.png", data=data[i : i + (1 << 20)])
+        for i in range(0, len(data), 1 << 20)
+    ]
+
+    async def refusals() -> list[tuple[grpc.StatusCode, str]]:
+        seen = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{media_stack[1]['gateway']}") as channel:
+            for _ in range(4):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await gateway_pb2_grpc.GatewayStub(channel).UploadAsset(iter(chunks))
+                seen.append((caught.value.code(), caught.value.details()))
+        return seen
+
+    seen = asyncio.run(refusals())
+    assert {code for code, _ in seen} == {grpc.StatusCode.INVALID_ARGUMENT}, seen
+    assert all("max_image_bytes" in details for _, details in seen), seen
 
 
 def _generate_refused(client, request) -> grpc.RpcError:

@@ -13,11 +13,9 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import free_port, write_config
-from lora_files import diffusers_lora, original_lora
+from conftest import ADAPTER_GEOMETRY
 from media_files import image
 
-from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
@@ -26,36 +24,13 @@ from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
 
-GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
+GEOMETRY = Geometry(**ADAPTER_GEOMETRY)
 PROMPT, SEED = "a kite over the dunes at noon", 9
-SIDECAR = {"steps": 3, "flow_shift": 6.0, "audio_flow_shift": 2.5}
-
-
-@pytest.fixture(scope="module")
-def adapter_stack(tmp_path_factory, tiny_model_dir):
-    root = tmp_path_factory.mktemp("adapter-stack")
-    loras = {
-        "turbo": str(diffusers_lora(root / "turbo", 1, 4, 8.0, sidecar=SIDECAR)),
-        "style": str(original_lora(root / "style.safetensors", 2, 4, 2.0)),
-        "refstyle": str(diffusers_lora(root / "refstyle", 3, 2, 1.0, partition="transformer_ref")),
-    }
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
-    config = write_config(
-        root / "deploy.toml",
-        str(tiny_model_dir),
-        root / "gateway",
-        ports,
-        model=GEOMETRY.pipeline_configs(),
-        dit={"adapters": loras},
-        max_rows=1000,
-    )
-    with ServiceGroup(load_deploy(config), str(config), log_dir=str(root)) as group:
-        yield config, ports, group
 
 
 @pytest.fixture(scope="module")
 def client(adapter_stack):
-    client = GatewayClient(f"127.0.0.1:{adapter_stack[1]['gateway']}")
+    client = GatewayClient(f"127.0.0.1:{adapter_stack.ports['gateway']}")
     yield client
     client.close()
 
@@ -79,7 +54,7 @@ def served_and_resolved(client, tmp_path, req) -> tuple[dict, gateway_pb2.Resolv
 def reference(adapter_stack, resolved: gateway_pb2.ResolvedRequest, **media) -> dict:
     params = resolved.params
     return run_reference(
-        ModelSource(str(load_deploy(adapter_stack[0]).dit.model_dir)),
+        ModelSource(str(load_deploy(adapter_stack.config_path).dit.model_dir)),
         ReferenceRequest(
             resolved.prompt,
             resolved.height,
@@ -93,7 +68,7 @@ def reference(adapter_stack, resolved: gateway_pb2.ResolvedRequest, **media) -> 
             **media,
         ),
         geometry=GEOMETRY,
-        adapter_sources=load_deploy(adapter_stack[0]).dit.adapters,
+        adapter_sources=load_deploy(adapter_stack.config_path).dit.adapters,
     )
 
 
@@ -121,7 +96,7 @@ def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, cli
             "h3serve.cli",
             "reference",
             "--config",
-            str(adapter_stack[0]),
+            str(adapter_stack.config_path),
             "--prompt",
             PROMPT,
             "--height",
@@ -164,7 +139,7 @@ def test_ref2va_with_a_transformer_ref_adapter_is_bit_identical_to_diffusers(ada
 
 
 def test_the_dit_reports_its_adapters(adapter_stack):
-    with grpc.insecure_channel(f"127.0.0.1:{adapter_stack[1]['dit']}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{adapter_stack.ports['dit']}") as channel:
         info = dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest())
     assert (info.adapter_mode, info.max_request_adapters) == ("unfused", 0)
     facts = {a.name: (tuple(a.partitions), a.rank, a.alpha, a.recommended_steps) for a in info.adapters}
@@ -207,7 +182,7 @@ def test_the_dit_refuses_an_unknown_adapter_at_its_boundary(adapter_stack):
         height=32, width=64, num_frames=124, params=common_pb2.GenerationParams(num_inference_steps=2)
     )
     spec.params.adapters.add(name="nope", weight=1.0)
-    with grpc.insecure_channel(f"127.0.0.1:{adapter_stack[1]['dit']}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{adapter_stack.ports['dit']}") as channel:
         with pytest.raises(grpc.RpcError) as err:
             list(dit_pb2_grpc.DiTStub(channel).Denoise(iter([dit_pb2.DenoiseInput(spec=spec)])))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -230,11 +205,40 @@ def test_the_adapters_are_part_of_the_idempotency_key_and_the_job_record(client)
     client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=first.job_id))
 
 
+def test_the_gateway_and_its_http_door_list_the_dits_adapters(adapter_stack, client):
+    """GatewayInfo and GET /v1/models (the console's adapter picker reads it), through the real openai SDK."""
+    import openai
+
+    with grpc.insecure_channel(adapter_stack.address("dit")) as channel:
+        dit = dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest())
+    info = client.stub.Info(common_pb2.InfoRequest())
+    assert info.adapters_known and list(info.adapters) == list(dit.adapters) and info.max_request_adapters == 0
+    sdk = openai.OpenAI(base_url=f"{adapter_stack.http}/v1", api_key="unused", max_retries=0)
+    (model,) = sdk.models.list().data
+    assert (model.id, model.owned_by) == ("minimax-h3", "h3serve")
+    served = model.model_extra["h3serve"]
+    assert (served["adapter_mode"], served["max_request_adapters"]) == ("unfused", 0)
+    assert [(a["name"], a["rank"], a["alpha"], a["recommended_steps"]) for a in served["adapters"]] == [
+        ("refstyle", 2, 1.0, 0),
+        ("style", 4, 2.0, 0),
+        ("turbo", 4, 8.0, 3),
+    ]
+
+
 def test_with_no_dit_serving_a_request_naming_adapters_is_unavailable(adapter_stack, client):
-    """Last in this module: it stops the DiT. Nothing says which adapters exist then, so nothing can be resolved."""
-    dit = next(item.process for item in adapter_stack[2].running if item.name == "dit")
+    """Last in this module: it stops the DiT (and starts it again for the session's other users of the stack).
+    Nothing says which adapters exist then, so nothing can be resolved."""
+    dit = next(item.process for item in adapter_stack.group.running if item.name == "dit")
     dit.send_signal(signal.SIGKILL)
     dit.wait(30)
+    try:
+        refused_while_down(client)
+    finally:
+        adapter_stack.group.respawn("dit")
+        adapter_stack.group.wait_healthy()
+
+
+def refused_while_down(client) -> None:
     time.sleep(HEALTH_TTL_S + 0.1)  # past the cached Info answer
     with pytest.raises(grpc.RpcError) as err:
         client.stub.Submit(request(("turbo", 1.0)))

@@ -21,13 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from h3serve.common.bounds import shown
+from h3serve.common.streams import drain
 from h3serve.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20
 MAX_DIMS = 8  # h3serve's tensors have at most 5
-# What a service still reads (and drops) of a request stream it refused part-way, so that the sender hears why; a
-# longer rest is cut off (the sender then sees grpc's INTERNAL "Internal error from Core").
-MAX_DRAIN_BYTES = 1 << 30
 
 _TO_WIRE = {
     torch.float32: tensor_pb2.DTYPE_FLOAT32,
@@ -63,7 +61,7 @@ def content_key(dtype: int, shape: Iterable[int], data) -> str:
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")  # .data: the array's memoryview
 
 
 def encode(name: str, tensor: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> list[tensor_pb2.TensorChunk]:
@@ -107,10 +105,12 @@ class TensorAssembler:
             )
         elif chunk.offset != self._filled:
             raise WireError(f"tensor {shown(chunk.name)}: chunk at offset {chunk.offset}, expected {self._filled}")
+        buf = self._buf
+        assert buf is not None  # the chunk continues the current tensor, or _start began it
         data = chunk.tensor.data
-        if self._filled + len(data) > len(self._buf):
-            raise WireError(f"tensor {shown(chunk.name)}: more bytes than the {len(self._buf)} announced")
-        self._buf[self._filled : self._filled + len(data)] = data
+        if self._filled + len(data) > len(buf):
+            raise WireError(f"tensor {shown(chunk.name)}: more bytes than the {len(buf)} announced")
+        buf[self._filled : self._filled + len(data)] = data
         self._filled += len(data)
 
     def _start(self, chunk: tensor_pb2.TensorChunk) -> None:
@@ -148,6 +148,7 @@ class TensorAssembler:
         if self._name is None:
             return
         name, head, buf = self._name, self._head, self._buf
+        assert head is not None and buf is not None  # _start sets them with the name
         self._name = None
         if self._filled != len(buf):
             raise WireError(f"tensor {shown(name)} truncated: {self._filled} of {len(buf)} bytes arrived")
@@ -176,17 +177,11 @@ def decode(chunks: Iterable[tensor_pb2.TensorChunk], *required: str) -> dict[str
 @contextmanager
 def refusal_heard(messages: Iterable) -> Iterator[None]:
     """Around reading a request stream: when the reader refuses it part-way (raises), the rest of the stream is
-    read and dropped before the refusal goes on. A grpc client still writing when the call ends reports INTERNAL
-    "Internal error from Core" and loses the server's status: a DiT group that is restarting (UNAVAILABLE, worth
-    another try) or a bad spec (INVALID_ARGUMENT, final) would both reach the gateway as that."""
+    read and dropped before the refusal goes on, so that the sender hears it (common/streams.py says why)."""
     try:
         yield
     except Exception:
-        read = 0
-        for message in messages:
-            read += message.ByteSize()
-            if read > MAX_DRAIN_BYTES:
-                break
+        drain(messages)
         raise
 
 
@@ -199,18 +194,20 @@ def read_spec_stream(
     refuse it) and says which tensors follow and how many bytes they may take. Returns the spec and exactly
     those tensors; anything else is a WireError.
     """
-    spec, assembler, expected = None, None, None
+    spec: object = None
+    assembler: TensorAssembler | None = None
+    expected: Expected | None = None
     for message in messages:
         kind = message.WhichOneof("kind")
-        if kind == "spec" and spec is None:
+        if kind == "spec" and assembler is None:
             spec = message.spec
             expected = expect(spec)
             assembler = TensorAssembler(expected)
-        elif kind == "chunk" and spec is not None:
+        elif kind == "chunk" and assembler is not None:
             assembler.add(message.chunk)
         else:
             raise WireError(f"unexpected {kind or 'empty'} message: send one spec, then the tensor chunks")
-    if spec is None:
+    if assembler is None or expected is None:
         raise WireError("stream ended without a spec")
     return spec, assembler.finish(*expected.names)
 

@@ -13,6 +13,8 @@ import grpc
 
 from h3serve.common.bounds import MAX_ID_CHARS, check_id, shown
 from h3serve.common.config import GatewayConfig
+from h3serve.common.disk import DiskFull
+from h3serve.common.streams import drain_async
 from h3serve.gateway.admission.capacity import CapacityTable
 from h3serve.gateway.admission.request import RequestLimits, resolve
 from h3serve.gateway.admission.served import AdaptersUnknown, ServedWorkflows, WorkflowNotServed
@@ -101,7 +103,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except AdaptersUnknown as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except QueueFull as exc:
+        except (QueueFull, DiskFull) as exc:  # DiskFull: nothing was written (the transaction rolled back)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RequestIdConflict as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -176,6 +178,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "page_token: pass the next_page_token of the previous page unchanged"
             )
+        assert cursor is not None  # abort raised
         return cursor
 
     async def CancelJob(self, request, context):
@@ -226,6 +229,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_unfinished_jobs=self.config.max_unfinished_jobs,
             serving=await self.health.serving(),
         )
+        offer = await self.served.offer()
+        if offer is not None and offer.adapters is not None:
+            info.adapters_known, info.max_request_adapters = True, offer.adapters.max_per_request
+            info.adapters.extend(offer.adapters.adapters[name].to_info() for name in sorted(offer.adapters.adapters))
         for name, stage in caller.stages.items():
             queue = self.runner.queues[name]
             info.stages.add(
@@ -242,7 +249,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             asset = await self.assets.upload(request_iterator)
         except AssetRefused as exc:
+            await drain_async(request_iterator)  # so that the client hears the refusal (common/streams.py)
             await context.abort(exc.code, exc.message)
+        except DiskFull as exc:
+            await drain_async(request_iterator)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         log.info(
             "asset %s (%s, %s, %d bytes)%s",
             asset.asset_id[:16],
@@ -257,4 +268,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         job = await self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {shown(job_id, MAX_ID_CHARS)}")
+        assert job is not None  # abort raised
         return job

@@ -7,6 +7,7 @@ error becomes OpenAI's error JSON with the same reason (errors.py).
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -14,15 +15,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 
 from h3serve.common.config import GatewayConfig
+from h3serve.common.disk import DiskFull, full_named
 from h3serve.gateway.http import videos
-from h3serve.gateway.http.errors import ApiError, from_api_error, from_http_error, from_rpc_error
+from h3serve.gateway.http.errors import ApiError, error_response, from_api_error, from_http_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
 from h3serve.model import rules
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 CONSOLE = Path(__file__).with_name("console")
 UPLOAD_CHUNK = 1 << 20
@@ -68,6 +70,13 @@ def _last_event_id(request: Request) -> int:
             grpc.StatusCode.INVALID_ARGUMENT, f"Last-Event-ID: a seq (digits), got {value!r}", "Last-Event-ID"
         )
     return int(value)
+
+
+async def _form(request: Request, **limits) -> FormData:
+    """The request's form (Starlette's `limits`). A file part over 1 MiB is spooled to the temporary directory, which
+    a full disk there fails as DiskFull naming it (507), like the gateway's own."""
+    with full_named(tempfile.gettempdir()):
+        return await request.form(**limits)
 
 
 async def _file_chunks(upload: UploadFile):
@@ -171,6 +180,9 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     app.add_exception_handler(grpc.aio.AioRpcError, lambda request, error: from_rpc_error(error))
     app.add_exception_handler(ApiError, lambda request, error: from_api_error(error))
     app.add_exception_handler(HTTPException, lambda request, error: from_http_error(error.status_code, error.detail))
+    app.add_exception_handler(
+        DiskFull, lambda request, error: error_response(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    )
 
     async def upload(file: UploadFile, request: Request) -> gateway_pb2.Asset:
         return await gateway.UploadAsset(_file_chunks(file), metadata=_metadata(request))
@@ -292,13 +304,17 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     @app.post("/v1/assets", openapi_extra=ASSET_BODY)
     async def assets(request: Request):
         _check_length(request, max_body)
-        form = await request.form()
+        form = await _form(request)
         file = form.get("file")
         if not isinstance(file, UploadFile):
             raise ApiError(
                 grpc.StatusCode.INVALID_ARGUMENT, "file: a multipart file field named 'file' is required", "file"
             )
         return videos.asset(await upload(file, request))
+
+    @app.get("/v1/models")
+    async def model_list(request: Request):
+        return videos.models(await gateway.Info(common_pb2.InfoRequest(), metadata=_metadata(request)))
 
     @app.get("/healthz")
     async def healthz():
@@ -327,7 +343,7 @@ async def _body(request: Request, max_field: int) -> dict:
     if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
         fields: dict[str, list] = {}
         try:
-            form = await request.form(max_part_size=max_field)
+            form = await _form(request, max_part_size=max_field)
         except HTTPException as error:  # Starlette's 400 for a malformed form or a field over `max_field`
             raise ApiError(
                 grpc.StatusCode.INVALID_ARGUMENT,

@@ -29,8 +29,18 @@ STATUS = {
     gateway_pb2.JOB_STATE_CANCELLED: "cancelled",
 }
 SIZE = re.compile(r"([1-9][0-9]{0,5})x([1-9][0-9]{0,5})")
-WORKFLOWS = {"t2va": common_pb2.WORKFLOW_T2VA, "fl2va": common_pb2.WORKFLOW_FL2VA, "ref2va": common_pb2.WORKFLOW_REF2VA}
-KINDS = {"image": media_pb2.ASSET_KIND_IMAGE, "video": media_pb2.ASSET_KIND_VIDEO, "audio": media_pb2.ASSET_KIND_AUDIO}
+WorkflowName = Literal["t2va", "fl2va", "ref2va"]
+KindName = Literal["image", "video", "audio"]
+WORKFLOWS: dict[WorkflowName, common_pb2.Workflow] = {
+    "t2va": common_pb2.WORKFLOW_T2VA,
+    "fl2va": common_pb2.WORKFLOW_FL2VA,
+    "ref2va": common_pb2.WORKFLOW_REF2VA,
+}
+KINDS: dict[KindName, media_pb2.AssetKind] = {
+    "image": media_pb2.ASSET_KIND_IMAGE,
+    "video": media_pb2.ASSET_KIND_VIDEO,
+    "audio": media_pb2.ASSET_KIND_AUDIO,
+}
 
 
 def _json_list(value):
@@ -44,7 +54,7 @@ def _json_list(value):
 class ReferenceIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     asset_id: str
-    kind: Literal[tuple(KINDS)] | None = None
+    kind: KindName | None = None
 
 
 def _adapter(value):
@@ -69,7 +79,7 @@ class VideoCreate(BaseModel):
     model: str | None = None
     seconds: float | None = None
     size: str | None = None
-    workflow: Literal[tuple(WORKFLOWS)] | None = None
+    workflow: WorkflowName | None = None
     steps: int | None = Field(None, ge=0, le=2**31 - 1)
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     first_frame: str = ""
@@ -101,11 +111,14 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
         seconds=body.seconds or 0.0,
         first_frame=body.first_frame,
         last_frame=body.last_frame,
-        workflow=WORKFLOWS.get(body.workflow, common_pb2.WORKFLOW_UNSPECIFIED),
+        workflow=WORKFLOWS[body.workflow] if body.workflow is not None else common_pb2.WORKFLOW_UNSPECIFIED,
         request_id=request_id,
         params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
         references=[
-            gateway_pb2.ReferenceInput(asset_id=r.asset_id, kind=KINDS.get(r.kind, 0)) for r in body.references
+            gateway_pb2.ReferenceInput(
+                asset_id=r.asset_id, kind=KINDS[r.kind] if r.kind is not None else media_pb2.ASSET_KIND_UNSPECIFIED
+            )
+            for r in body.references
         ],
     )
     for name in ("seed", "flow_shift", "audio_flow_shift"):  # unset: the gateway's default (or an adapter's)
@@ -182,6 +195,18 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
             "file_name": mp4.file_name if mp4 else None,
         },
     }
+
+
+def models(info: gateway_pb2.GatewayInfo) -> dict:
+    """OpenAI's model list: the one model, with what a request may ask of it in h3serve's own object (the adapters
+    as the DiT's Info lists them; None while no DiT replica has said)."""
+    adapters = [_fields(adapter) for adapter in info.adapters] if info.adapters_known else None
+    served = {
+        "adapter_mode": "fused" if any(a.fused for a in info.adapters) else "unfused",
+        "adapters": adapters,
+        "max_request_adapters": info.max_request_adapters,
+    }
+    return {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "h3serve", "h3serve": served}]}
 
 
 def asset(found: gateway_pb2.Asset) -> dict:

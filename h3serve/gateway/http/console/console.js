@@ -1,6 +1,7 @@
 // h3serve web console: plain JavaScript, no build step, no dependencies.
-// Talks to the gateway's HTTP door (/v1/assets, /v1/videos, /healthz) with relative URLs, so it also works
-// behind a reverse proxy that serves the door under a path prefix.
+// Talks to the gateway's HTTP door (/v1/assets, /v1/videos, /healthz, and /v1/models for the served adapters
+// where the door lists them) with relative URLs, so it also works behind a reverse proxy that serves the door under
+// a path prefix.
 "use strict";
 
 (() => {
@@ -8,6 +9,7 @@
   const $$ = (selector, root = document) => Array.from(root.querySelectorAll(selector));
 
   const TOKEN_KEY = "h3serve.console.token";
+  const MODEL = "minimax-h3";
   const PAGE_SIZE = 20;
   const MAX_STREAMS = 4;          // a browser opens at most 6 HTTP/1.1 connections per host: leave room for calls
   const POLL_MS = 5000;           // list refresh; also covers unfinished jobs past MAX_STREAMS
@@ -18,6 +20,7 @@
   const KIND_BADGES = {image: "IMG", video: "VID", audio: "AUD"};
   const STATUS_WORDS = {queued: "queued", in_progress: "in progress", completed: "completed", failed: "failed",
                         cancelled: "cancelled"};
+  const PARTITIONS = {t2va: "transformer", fl2va: "transformer", ref2va: "transformer_ref"};  // what each runs on
 
   const state = {
     view: "jobs",                 // "jobs" or "bin"
@@ -27,7 +30,11 @@
     loading: false,
     generation: 0,                // bumped on every list reload: stale loads and streams stop
     streams: new Map(),           // id -> AbortController
-    form: {first: null, last: null, refs: []},
+    // The form's uploads, its adapters ({name, weight} in the order ticked) and whether the user typed its seed.
+    form: {first: null, last: null, refs: [], adapters: [], seedTyped: false},
+    // What the door lists (GET v1/models): {adapters: [{name, weight, scale, partitions, steps, fused}], max} or
+    // null while unknown (no such route, or no answer yet): the picker then shows only adapters a restored job names.
+    served: null,
     submitting: false,
     retryKey: null,               // {body, key}: an Idempotency-Key kept after a submission that got no answer
   };
@@ -257,6 +264,9 @@
     }
     if (h.workflow === "ref2va" && Array.isArray(h.references) && h.references.length) {
       parts.push(h.references.map((r) => r.label || r.kind).join(" "));
+    }
+    if (Array.isArray(h.adapters) && h.adapters.length) {
+      parts.push(h.adapters.map((a) => `${a.name} ×${a.weight || 1}`).join(" + "));
     }
     return parts.join(" · ");
   }
@@ -785,6 +795,7 @@
     $("#fl2va-fields").hidden = wf !== "fl2va";
     $("#ref2va-fields").hidden = wf !== "ref2va";
     $("#job-form").dataset.workflow = wf;
+    updateAdapters();
   }
 
   function uploadAsset(file, onProgress) {
@@ -825,7 +836,7 @@
       .catch((e) => {
         item.status = "error";
         item.error = e.message;
-        showFormError(`Upload of ${file.name} failed: ${e.message}`);
+        if (inForm(item)) showFormError(`Upload of ${file.name} failed: ${e.message}`);  // not one replaced since
       })
       .finally(renderUploads);
     return item;
@@ -835,6 +846,10 @@
     return {file: null, name: `asset ${assetId.slice(0, 12)}…`, status: "ready", progress: 1, error: null,
             asset: {id: assetId, kind: kind || "image", has_audio: /<Audio /.test(label || "")},
             preview: null, guess: kind, promise: Promise.resolve()};
+  }
+
+  function inForm(item) {
+    return state.form.first === item || state.form.last === item || state.form.refs.includes(item);
   }
 
   function releaseItem(item) {
@@ -854,12 +869,15 @@
     renderUploads();
   }
 
+  // The gateway numbers the keyframes a request gives, first before last. A slot whose upload failed still counts:
+  // the form cannot be submitted until that image is replaced (in place) or removed, and until then the other
+  // keyframe keeps the number the prompt was written with (a failed first frame does not make the last one
+  // <Picture 1>). Removing a keyframe does renumber, as the request then would.
   function keyframeLabels() {
     const labels = {};
     let n = 0;
     for (const slot of ["first", "last"]) {
-      const item = state.form[slot];
-      if (item && item.status !== "error") labels[slot] = `<Picture ${++n}>`;
+      if (state.form[slot]) labels[slot] = `<Picture ${++n}>`;
     }
     return labels;
   }
@@ -951,7 +969,8 @@
       const box = $(`#${slot}-frame-asset`);
       box.replaceChildren();
       const item = state.form[slot];
-      $(`label[for="${slot}-frame-file"]`).hidden = !!item;   // one keyframe per slot: remove it to choose another
+      // one keyframe per slot: remove it to choose another, or choose another in place of one that failed
+      $(`label[for="${slot}-frame-file"]`).hidden = !!item && item.status !== "error";
       if (item) {
         box.append(chip(item, labels[slot], {onRemove: () => setSlot(slot, null)}));
       }
@@ -985,6 +1004,150 @@
     prompt.selectionStart = prompt.selectionEnd = start + insert.length;
   }
 
+  // ---------------------------------------------------------------- the form: adapters
+
+  // The served adapters as the door lists them: OpenAI's model list (GET v1/models), h3serve's fields in the model's
+  // `h3serve` object, as the DiT's Info gives them ({name, partitions, rank, alpha, recommended_steps, fused} each,
+  // and max_request_adapters), an adapter's default `weight` where given (else 1) and its `scale` (else alpha / rank).
+  // null: the answer lists no adapters at all (not even an empty list).
+  function servedFrom(listing) {
+    const models = listing && Array.isArray(listing.data) ? listing.data : [];
+    const model = models.find((m) => m && m.id === MODEL) || models[0];
+    const h = model && model.h3serve;
+    if (!h || !Array.isArray(h.adapters)) return null;
+    const adapters = h.adapters.filter((a) => a && typeof a.name === "string" && a.name).map((a) => {
+      const rank = Number(a.rank);
+      const alpha = Number(a.alpha);
+      let scale = a.scale === undefined || a.scale === null ? NaN : Number(a.scale);
+      if (!Number.isFinite(scale) && rank > 0) scale = alpha > 0 ? alpha / rank : 1;  // alpha 0: none recorded
+      const weight = Number(a.weight);
+      return {
+        name: a.name,
+        weight: Number.isFinite(weight) && weight !== 0 ? weight : 1,   // 0 means 1.0
+        scale,
+        partitions: Array.isArray(a.partitions) && a.partitions.length ? a.partitions : null,
+        steps: Number(a.recommended_steps) || 0,
+        fused: !!a.fused,
+        listed: true,
+      };
+    });
+    return {adapters, max: Number(h.max_request_adapters) || 0};
+  }
+
+  async function loadAdapters() {
+    try {
+      state.served = servedFrom(await request("v1/models"));
+    } catch (e) {
+      if (e.status === 404) state.served = null;   // a door that does not list its models: nothing known
+      // any other failure keeps what was known (the list and the health badge say what is wrong)
+    }
+    renderAdapters();
+  }
+
+  // The picker's rows: the served adapters, then any a restored job names that the door does not list.
+  function adapterRows() {
+    const rows = state.served ? state.served.adapters.slice() : [];
+    for (const chosen of state.form.adapters) {
+      if (!rows.some((row) => row.name === chosen.name)) {
+        rows.push({name: chosen.name, weight: 1, scale: NaN, partitions: null, steps: 0, fused: false, listed: false});
+      }
+    }
+    return rows;
+  }
+
+  const runsOn = (adapter, wf) => !adapter.partitions || adapter.partitions.includes(PARTITIONS[wf]);
+
+  // The ticked adapters this workflow can run, in the order ticked; a fused one runs on every job unnamed.
+  function chosenAdapters(wf) {
+    const rows = new Map(adapterRows().map((row) => [row.name, row]));
+    return state.form.adapters.filter((chosen) => {
+      const row = rows.get(chosen.name);
+      return row && !row.fused && runsOn(row, wf);
+    });
+  }
+
+  function renderAdapters() {
+    const rows = adapterRows();
+    $("#adapters").hidden = !state.served && !rows.length;   // unknown and nothing restored: no picker
+    $("#adapters-none").hidden = rows.length > 0;
+    $("#adapters-hint").hidden = !rows.length;
+    $("#adapter-list").replaceChildren(...rows.map(adapterRow));
+    updateAdapters();
+  }
+
+  function adapterRow(adapter) {
+    const el = document.createElement("li");
+    el.className = "adapter";
+    el.dataset.testid = "adapter";
+    el.dataset.name = adapter.name;
+    const picked = state.form.adapters.find((chosen) => chosen.name === adapter.name);
+    const label = document.createElement("label");
+    const box = document.createElement("input");
+    box.type = "checkbox";
+    box.dataset.testid = "adapter-on";
+    box.checked = !!picked || adapter.fused;
+    const order = document.createElement("span");
+    order.className = "adapter-order";
+    order.dataset.testid = "adapter-order";
+    const name = document.createElement("span");
+    name.className = "adapter-name";
+    name.textContent = adapter.name;
+    label.append(box, name, order);
+    const weight = document.createElement("input");
+    weight.type = "text";
+    weight.inputMode = "decimal";
+    weight.spellcheck = false;
+    weight.dataset.testid = "adapter-weight";
+    weight.setAttribute("aria-label", `${adapter.name} weight`);
+    weight.title = "Weight: multiplies the adapter's own scale, -10 to 10";
+    weight.value = String(picked ? picked.weight : adapter.weight);
+    const info = document.createElement("small");
+    info.className = "adapter-info";
+    info.dataset.testid = "adapter-info";
+    el.append(label, weight, info);
+    box.addEventListener("change", () => {
+      const chosen = state.form.adapters;
+      const at = chosen.findIndex((c) => c.name === adapter.name);
+      if (box.checked && at < 0) chosen.push({name: adapter.name, weight: weight.value});
+      if (!box.checked && at >= 0) chosen.splice(at, 1);
+      clearFormError();
+      updateAdapters();
+    });
+    weight.addEventListener("input", () => {
+      const chosen = state.form.adapters.find((c) => c.name === adapter.name);
+      if (chosen) chosen.weight = weight.value;
+    });
+    return el;
+  }
+
+  // What the workflow and the per-job limit allow, without rebuilding the rows (a weight being typed keeps focus).
+  function updateAdapters() {
+    const wf = workflow();
+    const rows = new Map(adapterRows().map((row) => [row.name, row]));
+    const chosen = chosenAdapters(wf).map((c) => c.name);
+    const max = state.served ? state.served.max : 0;
+    for (const el of $$("#adapter-list > li")) {
+      const adapter = rows.get(el.dataset.name);
+      if (!adapter) continue;
+      const box = $('[data-testid="adapter-on"]', el);
+      const usable = runsOn(adapter, wf);
+      const full = max > 0 && chosen.length >= max && !box.checked;
+      box.disabled = adapter.fused || !usable || full;
+      $('[data-testid="adapter-weight"]', el).disabled = adapter.fused || !usable;
+      el.dataset.usable = String(usable);
+      const at = chosen.indexOf(adapter.name);
+      $(".adapter-order", el).textContent = at >= 0 && chosen.length > 1 ? `${at + 1}` : "";
+      const parts = [];
+      if (Number.isFinite(adapter.scale)) parts.push(`scale ${formatSeconds(adapter.scale)}`);
+      if (adapter.steps) parts.push(`recommends ${adapter.steps} steps`);
+      if (adapter.fused) parts.push("fused: runs on every job");
+      if (!adapter.listed) parts.push("from the restored job; not listed by this gateway");
+      if (!usable) parts.push(`not for ${wf} (targets ${adapter.partitions.join(" and ")})`);
+      if (full) parts.push(`at most ${max} per job`);
+      $(".adapter-info", el).textContent = parts.join(" · ");
+    }
+  }
+
   // ---------------------------------------------------------------- the form: fill and submit
 
   function showFormError(message) {
@@ -1005,15 +1168,19 @@
     $("#size").value = h.width && h.height ? `${h.width}x${h.height}` : (video.size || "");
     $("#seconds").value = video.seconds ?? "";
     $("#steps").value = h.steps ?? "";
-    $("#seed").value = h.seed ?? "";
+    $("#seed").value = h.seed ?? "";   // that job's seed, on purpose: for its next submission only (see submit)
+    state.form.seedTyped = false;
     releaseItem(state.form.first);
     releaseItem(state.form.last);
     state.form.refs.forEach(releaseItem);
     state.form.first = h.first_frame ? knownItem(h.first_frame, "image", "<Picture") : null;
     state.form.last = h.last_frame ? knownItem(h.last_frame, "image", "<Picture") : null;
     state.form.refs = (h.references || []).map((r) => knownItem(r.asset_id, r.kind, r.label));
+    state.form.adapters = (h.adapters || []).filter((a) => a && a.name)
+      .map((a) => ({name: a.name, weight: String(a.weight || 1)}));   // the job's order and exact weights
     clearFormError();
     renderUploads();
+    renderAdapters();
   }
 
   function resetForm() {
@@ -1021,10 +1188,11 @@
     releaseItem(state.form.first);
     releaseItem(state.form.last);
     state.form.refs.forEach(releaseItem);
-    state.form = {first: null, last: null, refs: []};
+    state.form = {first: null, last: null, refs: [], adapters: [], seedTyped: false};
     showWorkflowFields();
     clearFormError();
     renderUploads();
+    renderAdapters();
   }
 
   async function buildBody() {
@@ -1063,6 +1231,14 @@
     } else if (wf === "ref2va") {
       body.references = state.form.refs.map((item) => ({asset_id: item.asset.id, kind: item.asset.kind}));
     }
+    const adapters = chosenAdapters(wf).map(({name, weight}) => {
+      const text = String(weight).trim();
+      const value = text === "" ? 1 : Number(text);
+      if (!Number.isFinite(value)) throw new ApiError(`The weight of adapter ${name} must be a number (1 by default).`);
+      if (value === 0) throw new ApiError(`A weight of 0 means 1 to the gateway: untick adapter ${name} instead.`);
+      return {name, weight: value};
+    });
+    if (adapters.length) body.adapters = adapters;
     return stringifyBody(body);
   }
 
@@ -1088,6 +1264,9 @@
         throw e;
       }
       state.retryKey = null;
+      // A seed the user did not type (a restored job's, used by this submission) does not carry over: the next job
+      // draws its own unless the user types one, which stays until changed.
+      if (!state.form.seedTyped) $("#seed").value = "";
       if (state.view !== "jobs") setView("jobs");
       else {
         const entry = updateVideo(video, {prepend: true});   // the newest job: on top
@@ -1128,7 +1307,10 @@
       hideAuthBanner();
       checkHealth();
       loadList();
+      loadAdapters();
     });
+    const seed = $("#seed");
+    seed.addEventListener("input", () => { state.form.seedTyped = seed.value.trim() !== ""; });
 
     for (const radio of $$('input[name="workflow"]')) radio.addEventListener("change", () => {
       showWorkflowFields();
@@ -1156,7 +1338,7 @@
 
     $("#tab-jobs").addEventListener("click", () => setView("jobs"));
     $("#tab-bin").addEventListener("click", () => setView("bin"));
-    $("#refresh").addEventListener("click", () => { checkHealth(); loadList(); });
+    $("#refresh").addEventListener("click", () => { checkHealth(); loadList(); loadAdapters(); });
     $("#load-more").addEventListener("click", () => loadList({more: true}));
 
     $("#job-list").addEventListener("click", async (e) => {
@@ -1181,6 +1363,7 @@
     setInterval(checkHealth, HEALTH_MS);
     checkHealth();
     loadList();
+    loadAdapters();
     renderUploads();
     updateEmpty();
   }
