@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/h3serve/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all demo test test-timing proto clean
+.PHONY: all demo test test-timing check proto clean
 
 all: $(VENV)/.installed proto
 
@@ -31,10 +31,17 @@ demo: all
 # experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone (+18.7 /
 # +11.5 %), so it must not decide whether the rest of the suite passed (.ci/run reports it after).
 test: all
-	$(PY) -m pytest -q -rs -m "not timing"
+	@started=$$(date +%s); $(PY) -m pytest -q -rs -m "not timing"; status=$$?; \
+	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
 test-timing: all
 	$(PY) -m pytest -q -rs -m timing
+
+# Lint, format and types ([tool.ruff] and [tool.mypy] in pyproject.toml say what each checks).
+check: all
+	$(PY) -m ruff check
+	$(PY) -m ruff format --check h3serve tests bench tools
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) h3serve/v1/*_pb2*.py h3serve/v1/*_pb2*.pyi var

@@ -6,9 +6,8 @@ The yardstick is an fp32 forward of the same weights on the same inputs: bf16 ea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 

@@ -23,7 +23,7 @@ class Size:
     frames: int
 
     @classmethod
-    def parse(cls, text: str) -> "Size":
+    def parse(cls, text: str) -> Size:
         height, width, frames = (int(v) for v in text.split("x"))
         return cls(height, width, frames)
 
@@ -118,7 +118,7 @@ def gpu_peak(every_s: float = 0.5):
                 # a reading that misses a GPU (nvidia-smi failed or was cut short) is skipped: zipped in, it
                 # would have dropped the peaks of the GPUs it missed
                 if len(used) == len(highest):
-                    highest[:] = [max(h, mib) for h, mib in zip(highest, used)]
+                    highest[:] = [max(h, mib) for h, mib in zip(highest, used, strict=True)]
 
     sampler = threading.Thread(target=sample, name="gpu-peak", daemon=True)
     sampler.start()
@@ -127,7 +127,7 @@ def gpu_peak(every_s: float = 0.5):
     finally:
         done.set()
         sampler.join()
-        peaks.extend(h - s for h, s in zip(highest, start))
+        peaks.extend(h - s for h, s in zip(highest, start, strict=True))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -167,9 +168,9 @@ class StepTimer:
     def median_seconds(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            gaps = [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+            gaps = [a.elapsed_time(b) / 1000 for a, b in itertools.pairwise(self.marks)]
         else:
-            gaps = [b - a for a, b in zip(self.marks, self.marks[1:])]
+            gaps = [b - a for a, b in itertools.pairwise(self.marks)]
         return statistics.median(gaps)
 
 

@@ -12,8 +12,8 @@ transformer and timed. Variants are applied in order and may only add to the pre
 `native,flash4,flash4+compile,flash4+compile+fp8,cudnn_fp8+compile+fp8`.
 With `--errors`, each variant's forward is also compared with an fp32 forward of the same weights
 and inputs (and with bf16 eager). Every record carries the achieved TFLOP/s of the counted forward FLOPs
-and the device's matmul rate measured in the same run (bench/flops.py). Prints a table; `--write` updates bench/results.json and
-BENCHMARKS.md; `--profile` adds each variant's kernel time breakdown (bench/profile.py).
+and the device's matmul rate measured in the same run (bench/flops.py). Prints a table; `--write` updates
+bench/results.json and BENCHMARKS.md; `--profile` adds each variant's kernel time breakdown (bench/profile.py).
 
     python -m bench.dit_step --sizes 480x832x124 --variants native,flash4+compile --errors --write
     python -m bench.dit_step --quick                                        # CPU smoke test
@@ -125,7 +125,7 @@ class Accuracy:
     bf16: torch.Tensor
 
     @classmethod
-    def measure(cls, workload: Workload, transformer) -> "Accuracy":
+    def measure(cls, workload: Workload, transformer) -> Accuracy:
         inputs = capture_forward(transformer, lambda: workload.run_baseline(steps=2))
         return cls(inputs, fp32_output(transformer, inputs), forward_output(transformer, inputs))
 

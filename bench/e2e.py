@@ -64,9 +64,12 @@ on --gpus, --placement or the fast paths, so all of them compare with it):
     python -m bench.e2e --gpus 2 --dit _native_cudnn --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
     # 4 x H200 (issue 7): Ulysses 4, ~1.9 s a step if it scales 3.5x: ~1.5 min of denoise, ~4 min in all;
     # bf16 with the deployment's fast path, then the fp8 option (needs torchao), then the docs' layout
-    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
-    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile+fp8 --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
-    python -m bench.e2e --gpus 4 --placement dedicated --dit _native_cudnn+compile --vae native+tiles=28 --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile --vae native+tiles=28 \\
+        --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    python -m bench.e2e --gpus 4 --dit _native_cudnn+compile+fp8 --vae native+tiles=28 \\
+        --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
+    python -m bench.e2e --gpus 4 --placement dedicated --dit _native_cudnn+compile --vae native+tiles=28 \\
+        --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
 
 With compile the warm-up request also compiles the blocks (a minute or two, every rank at once). The
 local kernels run under Ulysses too: `--dit flash4+compile`, `--dit cudnn_fp8+compile+fp8` (their wheels
@@ -162,7 +165,7 @@ class Side:
         rank_peaks_gib: list[float] | None = None,
         ready_s: float = 0.0,
         first_s: float = 0.0,
-    ) -> "Side":
+    ) -> Side:
         stages = {s: statistics.median(r.stages.get(s, 0.0) for r in runs) for s in STAGES}
         return cls(
             statistics.median(r.seconds for r in runs),
@@ -175,7 +178,7 @@ class Side:
             first_s,
         )
 
-    def with_host(self, host: HostPeak) -> "Side":
+    def with_host(self, host: HostPeak) -> Side:
         return replace(
             self,
             host_peak_gib=round(host.private_gib, 2),
@@ -205,7 +208,7 @@ class Comparison:
     @classmethod
     def of(
         cls, size: Size, in_process: Side, served: Side, videos: tuple[Path, Path], raw: tuple[Path, Path]
-    ) -> "Comparison":
+    ) -> Comparison:
         same = in_process.digest == served.digest
         return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos), FramesDiff.of(*raw))
 
@@ -266,7 +269,7 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
     sides = {}
     for size in sizes:
         print(f"in process {size}: warm-up + {args.repeats} runs", flush=True)
-        runs = repeated(lambda steps: once(size, steps), args)
+        runs = repeated(lambda steps, size=size: once(size, steps), args)
         sides[size] = Side.of(runs, device_used_gib(device), ready_s=ready_s)
     return sides
 

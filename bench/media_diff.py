@@ -32,7 +32,7 @@ class MediaDiff:
     audio: float  # largest difference of one decoded audio sample (full scale is 1.0)
 
     @classmethod
-    def of(cls, a: Path, b: Path) -> "MediaDiff":
+    def of(cls, a: Path, b: Path) -> MediaDiff:
         """Frame by frame (a 768x1344x124 video is 384 MB decoded); different geometry is an error."""
         levels = 0
         for index, (x, y) in enumerate(zip_longest(_video(a), _video(b))):
@@ -58,7 +58,7 @@ class FramesDiff:
     audio: float  # largest difference of one audio sample
 
     @classmethod
-    def of(cls, a: Path, b: Path) -> "FramesDiff":
+    def of(cls, a: Path, b: Path) -> FramesDiff:
         """`a`, `b`: .npz archives with `frames` (F, H, W, 3) and `audio` (channels, S), e.g. a raw.npz."""
         from h3serve.services.vae.mux import to_uint8
 

@@ -1,9 +1,9 @@
 """What the stage overlap buys: K jobs one after another vs K jobs submitted at once, same stack.
 
 Starts encoder, DiT, VAE and gateway with the tiny model on CPU (the demo deployment's settings, one
-thread each: bench/deployment.py), runs K jobs serially (each submitted when the previous one is done) and then K jobs submitted together, so the
-gateway pipelines them (encoder k+1 / DiT k / VAE k-1). Prints a table; --write adds the rows to
-bench/results.json and BENCHMARKS.md (ratio = serial seconds / pipelined seconds).
+thread each: bench/deployment.py), runs K jobs serially (each submitted when the previous one is done) and then
+K jobs submitted together, so the gateway pipelines them (encoder k+1 / DiT k / VAE k-1). Prints a table; --write
+adds the rows to bench/results.json and BENCHMARKS.md (ratio = serial seconds / pipelined seconds).
 
     python -m bench.overlap [--jobs 4] [--height 64 --width 128 --steps 16] [--write]
 """

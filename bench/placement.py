@@ -39,7 +39,7 @@ class Placement:
     fsdp: bool
 
     @classmethod
-    def plan(cls, gpus: int, kind: str = "shared", fsdp: bool = False, cuda: bool = True) -> "Placement":
+    def plan(cls, gpus: int, kind: str = "shared", fsdp: bool = False, cuda: bool = True) -> Placement:
         """`kind` over `gpus` GPUs; `cuda=False` keeps the ranks but sets no CUDA_VISIBLE_DEVICES (CPU test)."""
         if gpus < 1:
             raise ValueError(f"--gpus must be at least 1, got {gpus}")

@@ -49,7 +49,9 @@ Every row was produced by the command in its row, with the in-process diffusers 
 in the same run (ratio = baseline seconds / our seconds; above 1 means faster than diffusers).
 Generated from `bench/results.json` by the benchmark scripts; do not edit by hand.
 
-| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB | host GiB private (+ mapped files; system used) | TFLOP/s (% of matmul ceiling) | err vs fp32 (bf16 eager) | software | command |
+| date | measurement | device | dtype | variant | seconds | baseline | baseline s | ratio | peak GiB |\
+ host GiB private (+ mapped files; system used) | TFLOP/s (% of matmul ceiling) |\
+ err vs fp32 (bf16 eager) | software | command |
 |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
 """
 

@@ -21,7 +21,7 @@ def synchronize(device: str) -> None:
 class _TimedBlock:
     """Calls the wrapped block and adds its wall time to `clock`; everything else is the block's own."""
 
-    def __init__(self, block, stage: str, clock: "StageClock") -> None:
+    def __init__(self, block, stage: str, clock: StageClock) -> None:
         self._block, self._stage, self._clock = block, stage, clock
 
     def __call__(self, components, state):

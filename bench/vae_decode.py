@@ -43,7 +43,7 @@ class VaeVariant:
     tile_batch: int = 1
 
     @classmethod
-    def parse(cls, text: str) -> "VaeVariant":
+    def parse(cls, text: str) -> VaeVariant:
         attention, *flags = text.split("+")
         tiles = [int(f.split("=", 1)[1]) for f in flags if f.startswith("tiles=")]
         unknown = [f for f in flags if f != "compile" and not f.startswith("tiles=")]

@@ -170,7 +170,7 @@ def adapter_checks(control: ControlPlane, root: Path) -> dict:
         member = adapter_member(control, VARIANTS[2], config)
         lora = [p for n, p in member.runner.pipes[T2VA.value].transformer.named_parameters() if ".lora_" in n]
         report[f"{mode} sharded"] = bool(lora) and all(isinstance(p, DTensor) for p in lora)
-        for job, named in zip(jobs, requests):
+        for job, named in zip(jobs, requests, strict=True):
             message = Message(JOB, job, inputs(11)) if control.rank == 0 else None
             expected = one_rank.run(job, *inputs(11).values(), lambda s, t: None)
             report[f"{mode} {named}"] = max_diff(run(member, message).latents, expected)

@@ -138,7 +138,7 @@ def test_switching_adapters_gives_what_a_fresh_runner_with_that_adapter_gives(fi
         [("kohya", -0.5)],
     ]
     outputs = [run(served, spec(*named)) for named in requests]
-    for named, output in zip(requests, outputs):
+    for named, output in zip(requests, outputs, strict=True):
         fresh = runner(files, sorted({name for name, _ in named}))
         assert torch.equal(output, run(fresh, spec(*named))), named
     assert torch.equal(outputs[3], run(DenoiseRunner(components(), [T2VA, REF2VA]), spec())), "no adapter: the base"

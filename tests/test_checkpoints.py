@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_files import to_published, truncated, write_gguf, write_single_file
 
 from bench.common import Size, denoise_spec
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy
@@ -16,8 +17,6 @@ from h3serve.runtime import checkpoints
 from h3serve.runtime.models import ModelSource, own_memory
 from h3serve.services.dit import config_check, parallel, rank, transformer_file
 from h3serve.services.dit.runner import DenoiseRunner, served
-
-from checkpoint_files import to_published, truncated, write_gguf, write_single_file
 
 CPU, ONE_RANK = torch.device("cpu"), parallel.Layout(world_size=1, ulysses_degree=1, ring_degree=1, fsdp=False)
 TOKENS = 12

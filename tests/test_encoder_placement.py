@@ -296,6 +296,6 @@ def test_streamed_offload_on_a_gpu_gives_the_resident_embeddings(text_parts):
     arenas = placement.offload_to_host(offloaded, gpu)
     for _ in range(2):
         got = embed(offloaded, text_parts), fl2va_embeds(offloaded, text_parts)
-        assert all(torch.equal(g, e) for g, e in zip(got, expected))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
     streamed = [*offloaded.model.language_model.layers.parameters(), *offloaded.model.visual.blocks.parameters()]
     assert in_arenas(streamed, arenas) and all(t.is_pinned() for t in streamed), "back in the pinned arenas"

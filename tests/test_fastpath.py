@@ -107,7 +107,7 @@ def test_compiling_blocks_again_compiles_their_own_forward_not_the_compiled_one(
     blocks = [b for b in transformer.modules() if type(b).__name__ in transformer._repeated_blocks]
     first = [b.forward for b in blocks]
     fastpath.compile_blocks(transformer, FastPath(compile=True, dynamic=True))  # the benches' variant ladder
-    for block, before in zip(blocks, first):
+    for block, before in zip(blocks, first, strict=True):
         assert block.forward is not before
         assert block.forward._torchdynamo_orig_callable == vars(block)[fastpath.EAGER_FORWARD]
     assert all(

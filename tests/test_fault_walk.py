@@ -133,7 +133,9 @@ def test_the_gateway_killed_twice_spends_no_attempt_and_counts_only_the_stage_ca
     for _ in range(2):
         gateway = up.service("gateway")
         os.kill(gateway, signal.SIGKILL)
-        wait_until(lambda: up.service("gateway") not in (None, gateway), 60, "the gateway started again")
+        wait_until(
+            lambda gateway=gateway: up.service("gateway") not in (None, gateway), 60, "the gateway started again"
+        )
         wait_until(lambda: reached(up, jobs[0], "accepted"), 120, "the gateway answers again")
         time.sleep(1.0)  # the jobs are back in the stage queues when it dies again
     ended = final_jobs(up, jobs)

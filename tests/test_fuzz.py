@@ -430,7 +430,7 @@ def test_a_valid_denoise_request_still_runs(fuzz):
 
 def test_undecodable_bytes_are_invalid_argument_on_every_method_logged_in_one_line(fuzz):
     for service, method in METHODS:
-        details = refusal(lambda: raw(fuzz, service, method, [b"\xff\xff\xff"]))
+        details = refusal(lambda service=service, method=method: raw(fuzz, service, method, [b"\xff\xff\xff"]))
         assert details.startswith(f"request: the bytes sent to {method.full_name} do not decode (DecodeError: ")
     for name in MODULES:
         log = (fuzz.root / f"{name}.log").read_text()

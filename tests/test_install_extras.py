@@ -52,8 +52,12 @@ def names(*groups: str) -> set[str]:
 
 
 def imports(path: Path) -> tuple[set[str], set[str]]:
-    """The third-party top-level names `path` imports: (at module level, inside functions)."""
+    """The third-party top-level names `path` imports: (at module level, inside functions). What only a type
+    checker reads (`if TYPE_CHECKING:`) never runs, and is left out."""
     tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(getattr(node, "body", None), list):
+            node.body = [child for child in node.body if not _type_checking_only(child)]
     everywhere, top = set(), set()
 
     def found(node) -> list[str]:
@@ -75,6 +79,10 @@ def imports(path: Path) -> tuple[set[str], set[str]]:
     third_party = {n.split(".")[0] for n in everywhere} - set(sys.stdlib_module_names) - {"h3serve", "__future__"}
     top = {n.split(".")[0] for n in top} & third_party
     return top, third_party - top
+
+
+def _type_checking_only(node) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 def local_kernel_modules() -> set[str]:

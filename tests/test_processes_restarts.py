@@ -9,7 +9,6 @@ import logging
 import sys
 
 import pytest
-
 from conftest import free_port
 from stand_ins import (
     SELF_KILL,

@@ -225,8 +225,8 @@ def test_tls_on_every_server_and_a_bearer_token(stack, tmp_path, certificate):
         request = S.GenerateRequest(prompt="a locked door", seed=1, height=32, width=64, num_inference_steps=4)
         for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
             for call in (
-                lambda: stub.Submit(request, metadata=metadata),
-                lambda: list(stub.Watch(S.WatchRequest(job_id="x"), metadata=metadata)),
+                lambda metadata=metadata: stub.Submit(request, metadata=metadata),
+                lambda metadata=metadata: list(stub.Watch(S.WatchRequest(job_id="x"), metadata=metadata)),
             ):
                 with pytest.raises(grpc.RpcError) as err:
                     call()

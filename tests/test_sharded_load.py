@@ -187,7 +187,7 @@ def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
     values = torch.cat([p.to_local().flatten() for p in first.parameters()])
     report["random"] = {
         "same_twice": all(
-            torch.equal(a.to_local(), b.to_local()) for a, b in zip(first.parameters(), again.parameters())
+            torch.equal(a.to_local(), b.to_local()) for a, b in zip(first.parameters(), again.parameters(), strict=True)
         ),
         "finite": bool(latents.isfinite().all() and latents.std() > 0),
         "ranks_differ": len({tuple(rank[:64].tolist()) for rank in control.gather(values)}) == 2,

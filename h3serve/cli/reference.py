@@ -118,6 +118,7 @@ def reference_pipeline(
 
     names = [*T2VA_COMPONENTS, "transformer_ref"] if with_references else T2VA_COMPONENTS
     if source.transformer_file:  # [dit] transformer_file: refused as the DiT refuses it, before anything loads
+        assert source.model_dir is not None  # the config refuses a transformer_file without a model dir
         checkpoints.check(source.transformer_file, source.model_dir)
     pipe = MiniMaxH3Blocks().init_pipeline()
     pipe.update_components(**source.load(names, device, dtype), **geometry.pipeline_configs())

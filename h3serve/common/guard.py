@@ -190,7 +190,7 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool
 
     if handler.response_streaming:
 
-        async def behavior(request, context):
+        async def streamed_behavior(request, context):
             async with _bugs_are_internal_async(method, context):
                 responses = inner(await requests(request, context), context)
                 if inspect.isawaitable(responses):
@@ -198,11 +198,12 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool
                     return
                 async for response in responses:
                     yield response
-    else:
 
-        async def behavior(request, context):
-            async with _bugs_are_internal_async(method, context):
-                return await inner(await requests(request, context), context)
+        return _rebuilt(handler, streamed_behavior)
+
+    async def behavior(request, context):
+        async with _bugs_are_internal_async(method, context):
+            return await inner(await requests(request, context), context)
 
     return _rebuilt(handler, behavior)
 

@@ -162,7 +162,7 @@ def summarise(run: Run) -> dict:
     by_workflow = defaultdict(list)
     for job in done:
         by_workflow[job.workflow].append(job.latency_s)
-    states = defaultdict(int)
+    states: defaultdict[str, int] = defaultdict(int)
     for job in jobs:
         states[job.state] += 1
     arrivals = [job.arrival_s for job in jobs]

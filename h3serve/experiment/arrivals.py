@@ -20,6 +20,7 @@ def poisson(rate: float, seed: int) -> Iterator[float]:
 def schedule(arrivals: Arrivals, seed: int) -> Iterator[float] | None:
     """The open-loop arrival times (unbounded for Poisson: the bounds stop it), or None for a closed loop."""
     if arrivals.process == "poisson":
+        assert arrivals.rate is not None  # Arrivals refuses a poisson process without one
         return poisson(arrivals.rate, seed)
     if arrivals.process == "trace":
         return iter(read_trace(arrivals.trace))

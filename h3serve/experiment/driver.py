@@ -114,9 +114,9 @@ class Driver:
         return watchers
 
     def _closed_loop(self) -> list[threading.Thread]:
-        clients = [
-            threading.Thread(target=self._client_loop, daemon=True) for _ in range(self.spec.arrivals.concurrency)
-        ]
+        concurrency = self.spec.arrivals.concurrency
+        assert concurrency is not None  # Arrivals refuses a closed loop without one
+        clients = [threading.Thread(target=self._client_loop, daemon=True) for _ in range(concurrency)]
         for thread in clients:
             thread.start()
         return clients
@@ -162,6 +162,7 @@ class Driver:
                 attempt = event.retrying.attempt
             elif kind == "denoising":
                 job.steps.append(step_row(event, attempt))
+        assert event is not None  # events() ends only after the terminal event
         job.outcome = event.WhichOneof("kind")
         with self.progress.lock:
             counts = self.progress.counts

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,6 +42,9 @@ from h3serve.model import adapters
 from h3serve.model.rules import CANVAS_MULTIPLE, MIN_STEPS, VALID_NUM_FRAMES
 from h3serve.model.workflows import by_name, names
 
+if TYPE_CHECKING:  # pydantic's own dependency; read by the type checker only
+    from pydantic_core import ErrorDetails
+
 
 class Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -51,6 +54,8 @@ def existing(path: str, info: ValidationInfo) -> str:
     """A file path made absolute against the load file's directory; it must exist."""
     if not path:
         return path
+    if info.context is None:
+        raise TypeError("a load file is validated with its directory as the context's base")
     full = Path(info.context["base"]) / path
     if not full.is_file():
         raise ValueError(f"no such file: {full}")
@@ -59,7 +64,7 @@ def existing(path: str, info: ValidationInfo) -> str:
 
 def read_trace(path: str) -> tuple[float, ...]:
     """Arrival times, seconds from the start, one per line ('#' comments and blank lines skipped), non-decreasing."""
-    times = []
+    times: list[float] = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         text = line.split("#", 1)[0].strip()
         if not text:
@@ -109,8 +114,14 @@ class Bounds(Spec):
         return self
 
 
+if TYPE_CHECKING:  # a Literal of the workflows' names at run time, which a type checker cannot read
+    WorkflowName = str
+else:
+    WorkflowName = Literal[tuple(names())]
+
+
 class MixEntry(Spec):
-    workflow: Literal[tuple(names())]
+    workflow: WorkflowName
     weight: PositiveFloat = 1.0
     height: NonNegativeInt = 0  # 0 with width 0: the deployment's default canvas
     width: NonNegativeInt = 0
@@ -190,7 +201,7 @@ class LoadSpec(Spec):
         return mix
 
 
-def _describe(problem: dict) -> str:
+def _describe(problem: ErrorDetails) -> str:
     key = ".".join(str(part) for part in problem["loc"] if part != "[key]")  # a dict key's problem: the key itself
     if problem["type"] == "extra_forbidden":
         return f"{key}: unknown key"

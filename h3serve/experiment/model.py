@@ -93,7 +93,7 @@ def speeds(shared: list[np.ndarray], classes: list[str]) -> tuple[float, ...]:
     f, tau = centred(fractions[:, levels]), centred(times)
     system = f.T @ tau[:, levels]  # sum_j speed_j cov(tau_j, f_k) = -cov(tau_1, f_k)
     solved = np.linalg.solve(system, -(f.T @ tau[:, 0]))
-    return (1.0, *(float(np.clip(speed, 1 / (column + 1), 1.0)) for speed, column in zip(solved, levels)))
+    return (1.0, *(float(np.clip(speed, 1 / (column + 1), 1.0)) for speed, column in zip(solved, levels, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Profile:
         ]
 
     def shares(self) -> dict[str, float]:
-        counts = defaultdict(int)
+        counts: defaultdict[str, int] = defaultdict(int)
         for _, name in self.sequence:
             counts[name] += 1
         return {name: n / len(self.sequence) for name, n in counts.items()}
@@ -178,7 +178,7 @@ class Profile:
             for stage in STAGES
             if self.demand(stage)
         }
-        stage = min(rates, key=rates.get)
+        stage = min(rates, key=rates.__getitem__)
         return rates[stage], stage
 
 
@@ -312,10 +312,11 @@ def _jobs(profile: Profile, load: Load, jobs: int, rng: random.Random) -> tuple[
     if not load.rate and not load.concurrency:
         times = None if profile.concurrency else [at for at, _ in profile.sequence]
         return times, [name for _, name in profile.sequence]
-    names, weights = zip(*profile.shares().items())
+    names, weights = zip(*profile.shares().items(), strict=True)
     drawn = rng.choices(names, weights, k=jobs)
     if load.concurrency:
         return None, drawn
+    assert load.rate is not None  # a rate or a concurrency, and not the latter
     return np.cumsum([rng.expovariate(load.rate) for _ in range(jobs)]).tolist(), drawn
 
 
@@ -330,14 +331,18 @@ def simulate(
     """Predict latency, utilisation and throughput at `replicas` (per service) under `load`, from `runs` simulated
     runs of `jobs` jobs each (default, and always when replaying the measured run: as many as it had)."""
     rng = random.Random(seed)
-    latencies, busy, throughputs = [], defaultdict(float), []
+    latencies: list[float] = []
+    busy: defaultdict[str, float] = defaultdict(float)
+    throughputs: list[float] = []
     for _ in range(runs):
         replication = _Replication(profile, replicas, rng)
         times, names = _jobs(profile, load, jobs or len(profile.sequence), rng)
         if times is None:
-            replication.closed(load.concurrency or profile.concurrency, names)
+            clients = load.concurrency or profile.concurrency
+            assert clients  # no arrival times: a closed loop, of the load's clients or the measured run's
+            replication.closed(clients, names)
         else:
-            replication.open(list(zip(times, names)))
+            replication.open(list(zip(times, names, strict=True)))
         span = replication.run(len(names))
         throughputs.append(len(names) / span)
         latencies += replication.latencies

@@ -35,7 +35,7 @@ def utilisation(run: Run) -> Figure:
     stages = run.stages()
     figure = Figure(figsize=(8, 1.6 * len(stages) + 0.6))
     for number, (axes, stage) in enumerate(
-        zip(figure.subplots(len(stages), 1, sharex=True, squeeze=False)[:, 0], stages)
+        zip(figure.subplots(len(stages), 1, sharex=True, squeeze=False)[:, 0], stages, strict=True)
     ):
         _binned(axes, run.busy(stage), run, run.replicas(stage), color=COLOURS[number])
         axes.set_ylim(-0.05, 1.05)
@@ -57,7 +57,7 @@ def queue_depth(run: Run) -> Figure:
         key = f'h3serve_stage_queue_depth{{stage="{stage}"}}'
         scraped = [(s["time"] - t0, s["series"][key]) for s in run.metrics["scrapes"] if key in s["series"]]
         if scraped:
-            axes.plot(*zip(*scraped), ".", color=COLOURS[number], markersize=4)
+            axes.plot(*zip(*scraped, strict=True), ".", color=COLOURS[number], markersize=4)
     axes.set_xlabel("seconds")
     axes.set_ylabel("jobs waiting")
     axes.legend(fontsize=8)
@@ -90,11 +90,11 @@ def throughput(run: Run) -> Figure:
     figure = Figure(figsize=(6, 3.5))
     axes = figure.subplots()
     t0 = run.span[0]
-    for label, times in (
+    for label, values in (
         ("accepted", [j.created for j in run.records.jobs]),
         ("done", [j.updated for j in run.records.jobs if j.done]),
     ):
-        times = np.sort(np.asarray(times)) - t0
+        times = np.sort(np.asarray(values)) - t0
         axes.step(np.append(0.0, times), np.arange(times.size + 1), where="post", label=label)
     axes.set_xlabel("seconds")
     axes.set_ylabel("jobs")

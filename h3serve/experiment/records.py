@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from h3serve.model.workflows import by_value
 from h3serve.v1 import gateway_pb2
@@ -118,8 +118,11 @@ def step_row(event: gateway_pb2.JobEvent, attempt: int) -> StepRow:
     return StepRow(event.job_id, attempt, d.step, d.total, d.step_seconds, event.time)
 
 
-Row = TypeVar("Row")
-_TYPES = {"int": int, "float": float, "str": str}
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+Row = TypeVar("Row", bound="DataclassInstance")
+_TYPES: dict[str | type, type] = {"int": int, "float": float, "str": str}  # by annotation (a string here)
 
 
 def write_rows(path: Path, rows: list, kind: type) -> None:

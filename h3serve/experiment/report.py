@@ -206,7 +206,7 @@ def render_overlay(folders: list[Path], out: Path) -> Path:
         + "".join(
             f'<p><a href="{html.escape(os.path.relpath(f / REPORT_HTML, out))}">{html.escape(r.label)}: '
             f"full report</a></p>"
-            for f, r in zip(folders, runs)
+            for f, r in zip(folders, runs, strict=True)
         )
     )
     path = out / REPORT_HTML

@@ -46,7 +46,7 @@ def prepare(spec: LoadSpec, upload: Uploads, media_dir: Path) -> list[JobKind]:
     """Upload each entry's media (the files it names, or small ones made for it)."""
     kinds = []
     for number, entry in enumerate(spec.mix):
-        files = {
+        files: dict[str, list[str] | list[Path]] = {
             "first_frame": [entry.first_frame] if entry.first_frame else [],
             "last_frame": [entry.last_frame] if entry.last_frame else [],
             "references": list(entry.references),
@@ -54,11 +54,8 @@ def prepare(spec: LoadSpec, upload: Uploads, media_dir: Path) -> list[JobKind]:
         if not any(files.values()):
             files.update(made_media(entry.workflow, entry.width, entry.height, media_dir, spec.seed + number))
         ids = {field: [upload(path) for path in paths] for field, paths in files.items()}
-        kinds.append(
-            JobKind(
-                entry, *(ids[f][0] if ids[f] else "" for f in ("first_frame", "last_frame")), tuple(ids["references"])
-            )
-        )
+        first_frame, last_frame = (ids[f][0] if ids[f] else "" for f in ("first_frame", "last_frame"))
+        kinds.append(JobKind(entry, first_frame, last_frame, tuple(ids["references"])))
     return kinds
 
 

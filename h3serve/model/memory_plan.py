@@ -97,8 +97,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from h3serve.model import rules, workflows
@@ -345,7 +346,7 @@ def workload(
     per_flow = [table.get(f"{height}x{width}", table.get("*")) for table in tables]
     if all(limit is not None for limit in per_flow):  # a workflow with no entry is not limited
         limits[f"[gateway] capacity for {height}x{width}"] = max(per_flow)
-    source = min(limits, key=limits.get)
+    source = min(limits, key=limits.__getitem__)
     if frames is None and limits[source] < rows:
         rows = limits[source]
         fitting = [
@@ -459,6 +460,7 @@ def plan(
     for gpu in sorted(dict.fromkeys(share.gpu for share in shares), key=lambda g: (not g.isdigit(), g.zfill(8))):
         here = tuple(share for share in shares if share.gpu == gpu)
         limits = [share.limit for share in here if share.limit]
+        card: float | None
         if gpu_gib:
             card, source = gpu_gib, "--gpu-gib"
         else:
@@ -552,7 +554,7 @@ def _tiny(service) -> bool:
     return not service.model_dir or _small_directory(service.model_dir)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _small_directory(model_dir: str) -> bool:
     if not os.path.isdir(model_dir):
         return False  # not on this machine (a plan for another host), or random:full: the released sizes
@@ -619,7 +621,7 @@ def vae_host(vae) -> HostNeed:
     return HostNeed("vae", {**runtime, **weights}, {**runtime, **weights})
 
 
-SERVICE_HOST = {"encoder": encoder_host, "dit": dit_host, "vae": vae_host}
+SERVICE_HOST: dict[str, Callable[[Any], HostNeed]] = {"encoder": encoder_host, "dit": dit_host, "vae": vae_host}
 
 
 @dataclass(frozen=True)
@@ -676,7 +678,9 @@ def _int8_proposal(config: Any, host: HostPlan) -> list[str]:
         return []
     int8, current = encoder_host(encoder, "int8"), next(need for need in host.needs if need.service == "encoder")
     others = [need for need in host.needs if need is not current]
-    if any(sum(need.phase(phase) for need in others) + int8.phase(phase) > host.usable for phase in PHASES):
+    usable = host.usable
+    assert usable is not None  # problems() proposes only against a known host size
+    if any(sum(need.phase(phase) for need in others) + int8.phase(phase) > usable for phase in PHASES):
         return []
     return [
         f'host: [encoder] quantize = "int8" would fit: {int8.serving_parts["pinned weights"]:.0f} GiB of '

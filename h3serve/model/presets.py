@@ -11,12 +11,14 @@ The gateway reads the tiny tokenizer and processor settings from here to count t
 
 from __future__ import annotations
 
+from typing import Any
+
 TINY = "tiny"
 TINY_REVISION = "tiny-v1"
 RANDOM_FULL = "random:full"
 RANDOM_FULL_REVISION = "random-full-v2"  # v2: values drawn per parameter (random_full.fill)
 
-TINY_TRANSFORMER = dict(
+TINY_TRANSFORMER: dict[str, Any] = dict(
     num_attention_heads=2,
     attention_head_dim=16,
     hidden_size=32,
@@ -33,7 +35,7 @@ TINY_TRANSFORMER = dict(
     rope_freq_dim=2,
     rope_theta=10000.0,
 )
-TINY_VAE = dict(
+TINY_VAE: dict[str, Any] = dict(
     in_channels=3,
     out_channels=3,
     latent_channels=24,
@@ -52,7 +54,7 @@ TINY_VAE = dict(
     latents_mean=(0.0,) * 24,
     latents_std=(1.0,) * 24,
 )
-TINY_AUDIO_VAE = dict(
+TINY_AUDIO_VAE: dict[str, Any] = dict(
     encoder_dim=4,
     encoder_rates=(8, 10, 10),
     latent_dim=64,

@@ -345,7 +345,8 @@ class VisionGeometry:
 
 def sampled_frames(frames: int) -> int:
     """Frames the text encoder reads of a normalized 24 fps video: every 12th (2 fps), none twice."""
-    stride, indices, cursor = FPS / VIDEO_SAMPLE_FPS, [], 0.0
+    indices: list[int] = []
+    stride, cursor = FPS / VIDEO_SAMPLE_FPS, 0.0
     while round(cursor) < frames:
         if not indices or round(cursor) > indices[-1]:
             indices.append(round(cursor))

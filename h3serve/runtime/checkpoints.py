@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 SAFETENSORS, GGUF = ".safetensors", ".gguf"
 FORMATS = (SAFETENSORS, GGUF)
@@ -187,7 +191,7 @@ def converted(path: str | Path, model_dir: str) -> dict[str, torch.Tensor]:
     return convert(state, config=Transformer.load_config(str(config_folder(model_dir))), qkv_layout=QKV_LAYOUT)
 
 
-def keep_fp32_modules(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def keep_fp32_modules(model: MiniMaxH3Transformer3DModel, state: dict[str, torch.Tensor]) -> None:
     """`_keep_in_fp32_modules` back in float32, from the file's values: from_single_file casts every module to its
     torch_dtype (its fp32 list applies to float16 and quantisers only), where from_pretrained, the released layout's
     load, keeps them in float32; so both layouts serve the same numbers."""
@@ -202,4 +206,4 @@ def keep_fp32_modules(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
             else:
                 module._buffers[attr] = value
     # its one non-persistent buffer (not in any file): rebuilt in float32 from the config, as at construction
-    model.rope = type(model.rope)(rope_freq_dim=model.config.rope_freq_dim, rope_theta=model.config.rope_theta)
+    model.rope = type(model.rope)(rope_freq_dim=model.config["rope_freq_dim"], rope_theta=model.config["rope_theta"])

@@ -45,7 +45,8 @@ def time_report(least_s: float = 0.5) -> str:
     from torch._dynamo.utils import compile_times, counters
 
     names, values = compile_times(repr="csv", aggregate=True)
-    timers = sorted(((float(value), name) for name, value in zip(names, values)), reverse=True)
+    # torch's csv overload types the values as object; they are the str its implementation returns
+    timers = sorted(((float(str(value)), name) for name, value in zip(names, values, strict=True)), reverse=True)
     spent = ", ".join(f"{name} {seconds:.1f} s" for seconds, name in timers if seconds >= least_s) or "none"
     caches = "; ".join(
         f"{kind} " + ", ".join(f"{key} {count}" for key, count in sorted(counters[kind].items()) if "cache" in key)

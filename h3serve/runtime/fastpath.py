@@ -22,12 +22,16 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from h3serve.runtime import pinned
 from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
 
 log = logging.getLogger("h3serve.fastpath")
 FLAGS = ("compile", "dynamic", "tune", "fp8")  # in the order `describe` and the benches write them
@@ -73,7 +77,7 @@ class FastPath:
         return self.fp8 or self.attention == fp8_attention.NAME
 
 
-def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) -> None:
+def apply(model: ModelMixin, fast: FastPath, sequence_split: bool = False) -> None:
     """Set the attention kernel, quantise, then compile (compile must see the final modules).
 
     With the sequence split across ranks (`sequence_split`), diffusers' Ulysses/ring all-to-alls for
@@ -88,7 +92,7 @@ def apply(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) 
     log.info("%s fast path: %s", type(model).__name__, fast.describe())
 
 
-def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool = False) -> None:
+def compile_blocks(model: ModelMixin, fast: FastPath, sequence_split: bool = False) -> None:
     # past torch's recompile limit a block would run eager without a word: fail the request loudly instead
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     if sequence_split:
@@ -98,7 +102,7 @@ def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool 
     # process-wide, like every Inductor setting; torchao's fp8 would turn it on as a side effect (not asked for here)
     torch._inductor.config.coordinate_descent_tuning = fast.tune
     # dynamic=None is torch's default: sizes specialised first, made symbolic when they change (a recompile)
-    options = dict(fullgraph=not sequence_split, dynamic=True if fast.dynamic else None)
+    fullgraph, dynamic = not sequence_split, True if fast.dynamic else None
     for block in model.modules():
         if type(block).__name__ in model._repeated_blocks:
             first = EAGER_FORWARD not in vars(block)
@@ -111,7 +115,7 @@ def compile_blocks(model: torch.nn.Module, fast: FastPath, sequence_split: bool 
             # The block's own forward, not the whole call `block.compile()` would compile: the hooks diffusers wraps
             # around a block then run eagerly outside its graph (group offload's copies, which compile refuses to
             # trace, and the sequence split's, whose shared wrapper made every block one code object to recompile).
-            block.forward = torch.compile(eager, **options)
+            block.forward = torch.compile(eager, fullgraph=fullgraph, dynamic=dynamic)
 
 
 def _rows_unbacked(position: int, _block, args: tuple, kwargs: dict) -> None:
@@ -122,7 +126,7 @@ def _rows_unbacked(position: int, _block, args: tuple, kwargs: dict) -> None:
     torch._dynamo.decorators.mark_unbacked(temb, 0)
 
 
-def set_attention(model: torch.nn.Module, backend: str) -> None:
+def set_attention(model: ModelMixin, backend: str) -> None:
     if backend in local_kernels.KERNELS:
         local_kernels.bind(backend)
         local_kernels.use(model)

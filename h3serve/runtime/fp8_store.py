@@ -26,7 +26,6 @@ served, which nothing changes, so the save holds no second copy of them.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os

@@ -63,10 +63,10 @@ def read_media_stream(messages: Iterable[media_pb2.MediaInput]) -> tuple[media_p
             raise MediaError(f"unexpected {kind or 'empty'} message: send one spec, then the assets' chunks")
     if spec is None:
         raise MediaError("stream ended without a spec")
-    for item, data in zip(spec.items, buffers):
+    for item, data in zip(spec.items, buffers, strict=True):
         if len(data) != item.bytes:
             raise MediaError(f"asset {item.asset_id!r} truncated: {len(data)} of {item.bytes} bytes arrived")
-    return spec, [MediaAsset(item, bytes(data)) for item, data in zip(spec.items, buffers)]
+    return spec, [MediaAsset(item, bytes(data)) for item, data in zip(spec.items, buffers, strict=True)]
 
 
 def _to_model_rate(audio: torch.Tensor, sample_rate: int) -> torch.Tensor:
@@ -97,7 +97,8 @@ def decode_reference(kind: int, path: str):
     reference = (MiniMaxH3VideoReference if kind == media_pb2.ASSET_KIND_VIDEO else MiniMaxH3AudioReference).from_file(
         path
     )
-    if reference.audio is not None and reference.sample_rate != rules.SAMPLE_RATE:
+    # from_file gives audio with its rate (diffusers reads a rate left out as the audio VAE's own)
+    if reference.audio is not None and reference.sample_rate not in (None, rules.SAMPLE_RATE):
         reference.audio, reference.sample_rate = (
             _to_model_rate(reference.audio, reference.sample_rate),
             rules.SAMPLE_RATE,
@@ -199,7 +200,7 @@ class MediaPreparer:
 def _check_lengths(assets: list[MediaAsset], prepared: PreparedMedia) -> None:
     """A video reference too short for the blocks after the set-up (the text encoder's 2 fps sampling, the video
     VAE's first chunk), refused by name as admission refuses its asset; they would raise a bare ValueError."""
-    for asset, item in zip(assets, prepared.items):
+    for asset, item in zip(assets, prepared.items, strict=False):
         if getattr(item, "kind", None) == "video" and item.frames.shape[0] < rules.MIN_REFERENCE_FRAMES:
             raise MediaError(
                 f"asset {clip(asset.item.asset_id)}: a video reference needs at least "

@@ -86,14 +86,16 @@ class ModelSource:
     def _load_dir(self, names: list[str], dtype: torch.dtype) -> dict[str, Any]:
         from diffusers.modular_pipelines import ModularPipeline
 
-        if not os.path.isfile(os.path.join(self.model_dir, "modular_model_index.json")):
-            raise FileNotFoundError(f"{self.model_dir} has no modular_model_index.json (not a diffusers model dir)")
-        pipe = ModularPipeline.from_pretrained(self.model_dir)
+        model_dir = self.model_dir
+        assert model_dir is not None  # load() builds the tiny preset without one
+        if not os.path.isfile(os.path.join(model_dir, "modular_model_index.json")):
+            raise FileNotFoundError(f"{model_dir} has no modular_model_index.json (not a diffusers model dir)")
+        pipe = ModularPipeline.from_pretrained(model_dir)
         released = [name for name in names if not self.from_file(name)]
         if released:
             pipe.load_components(names=released, dtype=dtype)
         return {
-            name: checkpoints.load(self.transformer_file, self.model_dir, dtype)
+            name: checkpoints.load(self.transformer_file, model_dir, dtype)
             if self.from_file(name)
             else getattr(pipe, name)
             for name in names

@@ -11,8 +11,12 @@ those 43.8 GiB on one H200 machine).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TraceableWrapperSubclass
 
 ARENA_BYTES = 1 << 30  # a power of two: the pinned allocator gives exactly this
 ALIGN = 512  # each tensor of an arena starts at a multiple of this, as an allocation would
@@ -52,7 +56,7 @@ def span_bytes(tensor: torch.Tensor) -> int:
     """The bytes `tensor`'s elements span in memory, given its strides."""
     if tensor.numel() == 0:
         return 0
-    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    elements = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return elements * tensor.element_size()
 
 
@@ -63,7 +67,7 @@ def parts(tensor: torch.Tensor) -> list[str]:
     return [name for name in names if getattr(tensor, name, None) is not None]
 
 
-def alias(tensor: torch.Tensor) -> torch.Tensor:
+def alias(tensor: TraceableWrapperSubclass) -> torch.Tensor:
     """A second torchao tensor object over `tensor`'s own parts (no copy)."""
     names, attributes = tensor.__tensor_flatten__()
     return type(tensor).__tensor_unflatten__(

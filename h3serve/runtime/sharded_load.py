@@ -13,10 +13,9 @@ own, so besides the shards a rank holds at most one parameter's rows in transit:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -49,7 +48,8 @@ class LocalRows:
 class Weights(Protocol):
     """Where a component's values come from: the module to build, and each parameter's rows."""
 
-    label: str
+    @property
+    def label(self) -> str: ...
 
     def factory(self) -> torch.nn.Module: ...
 
@@ -136,12 +136,12 @@ def materialise(model: torch.nn.Module, weights: Weights, device: torch.device, 
         setattr(model.get_submodule(owner), attribute, buffer.to(device))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            weights.fill(name, LocalRows.of(param))
+            weights.fill(name, LocalRows.of(cast("DTensor", param)))  # FSDP2's
 
 
 def shard_bytes(model: torch.nn.Module) -> int:
     """The bytes of this rank's shards."""
-    return sum(p.to_local().nbytes for p in model.parameters())
+    return sum(cast("DTensor", p).to_local().nbytes for p in model.parameters())  # FSDP2's
 
 
 @torch.no_grad()

@@ -31,6 +31,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -88,7 +89,7 @@ class BlockStream:
 
     def __init__(self, model: torch.nn.Module, blocks: str, streamed: set[int], device: torch.device) -> None:
         self.device, self.cuda = device, device.type == "cuda"
-        module_list = model.get_submodule(blocks)
+        module_list = cast(torch.nn.ModuleList, model.get_submodule(blocks))  # `blocks` names a module list
         self.parts: list[list[Part]] = []
         for index, block in enumerate(module_list):
             self.parts.append(_layout(block, streamed))
@@ -130,12 +131,14 @@ class BlockStream:
         if onload.error is not None:
             self.onloads.pop(index, None)  # the next forward asks again: a failed copy (out of memory) may pass then
             raise RuntimeError(f"block {index}'s weights could not be streamed to {self.device}") from onload.error
+        buffer = onload.buffer
+        assert buffer is not None  # _copy sets it whenever it did not fail
         if onload.event is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(onload.event)
-            onload.buffer.record_stream(compute)  # freed only once the compute stream is past this block
+            buffer.record_stream(compute)  # freed only once the compute stream is past this block
         for part in self.parts[index]:
-            part.point_at(part.view_in(onload.buffer))
+            part.point_at(part.view_in(buffer))
         for ahead in range(1, PREFETCH + 1):  # wraps around: the next forward starts at block 0
             self._request((index + ahead) % len(self.parts))
 

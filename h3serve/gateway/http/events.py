@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from h3serve.gateway.http.videos import event
 from h3serve.gateway.jobs.progress import advance
@@ -43,7 +43,9 @@ async def job_events(
         call.cancel()
 
 
-async def _with_heartbeats(events: AsyncIterator, closing: asyncio.Event) -> AsyncIterator:
+async def _with_heartbeats(
+    events: AsyncIterator[gateway_pb2.JobEvent], closing: asyncio.Event
+) -> AsyncGenerator[gateway_pb2.JobEvent | None, None]:
     """The events, with None after every HEARTBEAT_S without one (the pending read is kept, not cancelled),
     until the events end or `closing` is set."""
     closed = asyncio.ensure_future(closing.wait())

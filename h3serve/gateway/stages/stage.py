@@ -45,7 +45,7 @@ class JobContext:
     request: gateway_pb2.ResolvedRequest
     media: list[media_pb2.MediaItem]  # the assets the workflow sends to the stages
     read_asset: Callable[[str], AsyncIterator[bytes]]  # asset id -> its stored bytes, chunk by chunk
-    emit: Callable[..., Awaitable[None]]  # emit(denoising=Denoising(...)): one job event
+    emit: Callable[..., Awaitable[object]]  # emit(denoising=Denoising(...)): one job event (the stored one returned)
     outputs: dict[str, StageOutput] = field(default_factory=dict)
     scratch: dict[str, Any] = field(default_factory=dict)  # a stage's own state across its events
 

@@ -10,7 +10,7 @@ from h3serve.model.workflows.t2va import T2VA
 from h3serve.v1 import common_pb2, gateway_pb2
 
 WORKFLOWS: tuple[Workflow, ...] = (T2VA(), FL2VA(), REF2VA())
-_BY_VALUE = {w.value: w for w in WORKFLOWS}
+_BY_VALUE: dict[int, Workflow] = {w.value: w for w in WORKFLOWS}
 _BY_NAME = {w.name: w for w in WORKFLOWS}
 
 
@@ -35,7 +35,7 @@ def names() -> list[str]:
 
 def asset_fields(request) -> list[tuple[str, str]]:
     """(field, asset id) of every media field of any workflow a GenerateRequest or ResolvedRequest sets."""
-    found = []
+    found: list[tuple[str, str]] = []
     for workflow in WORKFLOWS:
         for field in workflow.media_fields:
             value = getattr(request, field)

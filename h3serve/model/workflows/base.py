@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from h3serve.model.rules import Geometry, InvalidRequest, Rows
-from h3serve.v1 import dit_pb2, gateway_pb2, media_pb2
+from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
 AssetLookup = Callable[[str], gateway_pb2.Asset | None]
 
 # The stages a job passes, in order; stages in one tuple run at the same time.
+Plan = tuple[tuple[str, ...], ...]
 T2VA_PLAN = (("encoder",), ("dit",), ("vae",))
 WITH_MEDIA_PLAN = (("encoder", "vae-encode"), ("dit",), ("vae",))
 
@@ -51,7 +52,9 @@ class ModelDims:
 
 def check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
     """`expected` holds the size of each dimension, None where any positive size will do."""
-    if len(shape) != len(expected) or any(s < 1 or (e is not None and s != e) for s, e in zip(shape, expected)):
+    if len(shape) != len(expected) or any(
+        s < 1 or (e is not None and s != e) for s, e in zip(shape, expected, strict=True)
+    ):
         wanted = ", ".join("*" if e is None else str(e) for e in expected)
         raise InvalidRequest(name, f"shape {list(shape)}, expected [{wanted}]")
 
@@ -77,10 +80,10 @@ class PreparedMedia:
 
 class Workflow:
     name: str  # "t2va"
-    value: int  # its common_pb2.Workflow value
+    value: common_pb2.Workflow
     partition: str = "transformer"  # the transformer checkpoint partition the DiT runs it on
     media_fields: tuple[str, ...] = ()  # GenerateRequest fields that carry its media
-    plan = T2VA_PLAN
+    plan: Plan = T2VA_PLAN
 
     # Gateway side.
 

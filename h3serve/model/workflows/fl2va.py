@@ -43,8 +43,10 @@ class FL2VA(Workflow):
         given = keyframes(request)
         if not given:
             raise InvalidRequest("first_frame", "fl2va needs a first_frame, a last_frame or both")
+        found = []
         for name, asset_id in given:
             asset = find_asset(assets, name, asset_id)
+            found.append(asset)
             if asset.kind != media_pb2.ASSET_KIND_IMAGE:
                 raise InvalidRequest(name, f"asset {asset_id!r} holds {kind_name(asset.kind)}; keyframes are images")
             if not rules.aspect_ok(asset.width, asset.height):
@@ -55,7 +57,7 @@ class FL2VA(Workflow):
                 )
             setattr(resolved, name, asset_id)
         if not request.height and not request.width:  # the canvas follows the first given keyframe
-            anchor = assets(given[0][1])
+            anchor = found[0]
             resolved.height, resolved.width = geometry.canvas_for_aspect(anchor.width, anchor.height)
 
     def label_counts(self, resolved) -> dict[str, int]:
@@ -97,7 +99,7 @@ class FL2VA(Workflow):
 
     def prepare_media(self, pipe, spec, items, decoded) -> PreparedMedia:
         self.check_items(items)
-        by_role = {item.role: reference.image for item, reference in zip(items, decoded)}
+        by_role = {item.role: reference.image for item, reference in zip(items, decoded, strict=True)}
         out = pipe(
             image=by_role.get(ROLES["first_frame"]),
             last_image=by_role.get(ROLES["last_frame"]),

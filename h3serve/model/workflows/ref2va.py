@@ -10,6 +10,8 @@ costs 40 rows per second and channel.
 
 from __future__ import annotations
 
+from typing import Any
+
 from h3serve.model import rules
 from h3serve.model.rules import Geometry, InvalidRequest, Rows
 from h3serve.model.workflows.base import (
@@ -301,8 +303,9 @@ def _stand_in(entry: media_pb2.ReferenceEntry):
         MiniMaxH3VideoReference,
     )
 
+    absent: Any = None  # no media to hold: the layout never reads it (were it read, None would fail loudly)
     if entry.kind == IMAGE:
-        return MiniMaxH3ImageReference(image=None)
+        return MiniMaxH3ImageReference(image=absent)
     if entry.kind == VIDEO:
-        return MiniMaxH3VideoReference(frames=None, audio=torch.empty(0) if entry.has_audio else None)
+        return MiniMaxH3VideoReference(frames=absent, audio=torch.empty(0) if entry.has_audio else None)
     return MiniMaxH3AudioReference(audio=torch.empty(0))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,15 +67,15 @@ def _(q, k, v, descale_q, descale_k, scale):
 class _Graph:
     """A built cuDNN FP8 SDPA graph for one (batch, rows, heads, head_dim) shape on one device."""
 
-    graph: object
+    graph: Any  # cudnn.pygraph: cudnn has no types
     tensors: dict
     constants: dict
     workspace: torch.Tensor
-    handle: object
+    handle: Any
 
     @staticmethod
     @functools.cache
-    def for_shape(shape: tuple[int, int, int, int], device: int, scale: float) -> "_Graph":
+    def for_shape(shape: tuple[int, int, int, int], device: int, scale: float) -> _Graph:
         import cudnn
 
         handle = cudnn.create_handle()
@@ -100,15 +101,13 @@ class _Graph:
         graph.build_plans()
         on = torch.device("cuda", device)
         # V arrives scaled per channel and P is scaled to [0, 448]: the kernel's own factors are fixed.
-        constants = {
+        factors = {
             scalars["descale_v"]: 1.0,
             scalars["descale_s"]: 1.0 / E4M3_MAX,
             scalars["scale_s"]: E4M3_MAX,
             scalars["scale_o"]: 1.0,
         }
-        constants = {
-            t: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=on) for t, value in constants.items()
-        }
+        constants = {t: torch.full((1, 1, 1, 1), value, dtype=torch.float32, device=on) for t, value in factors.items()}
         constants.update({amax: torch.empty((1, 1, 1, 1), dtype=torch.float32, device=on) for amax in (amax_s, amax_o)})
         workspace = torch.empty(graph.get_workspace_size(), dtype=torch.uint8, device=on)
         tensors = {

@@ -175,4 +175,6 @@ def _forward_op(
 def _slot_kernel() -> Callable:
     from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
 
-    return _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB].kernel_fn
+    kernel = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB].kernel_fn
+    assert kernel is not None  # set before the backends that call this are registered
+    return kernel

@@ -27,7 +27,7 @@ import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,6 +35,11 @@ from h3serve.common.config import AdapterSource, DiTConfig
 from h3serve.model import adapters as rules
 from h3serve.model.adapters import AdapterFacts
 from h3serve.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
+
+Partitions = dict[str, "MiniMaxH3Transformer3DModel"]  # the transformer partitions a DiT holds, by name
 
 log = logging.getLogger("h3serve.dit.adapters")
 PREFIXES = ("transformer", "transformer_ref")  # the key prefixes diffusers gives, one per partition
@@ -121,7 +126,7 @@ def _recorded_alpha(path: str, metadata: dict | None) -> float:
     return alphas.pop() if len(alphas) == 1 else 0.0
 
 
-def check_fits(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> None:
+def check_fits(adapter: AdapterFile, partitions: Partitions) -> None:
     """AdapterRefused naming the first key (in sorted order) that is not a LoRA factor of a linear layer of the
     partition it loads into, with that layer's shape."""
     for prefix, partition in adapter.routes.items():
@@ -161,7 +166,7 @@ def _misfit(key: str, part: dict[str, torch.Tensor], prefix: str, linears: dict[
     return ""
 
 
-def read_all(config: DiTConfig, partitions: dict[str, torch.nn.Module]) -> list[AdapterFile]:
+def read_all(config: DiTConfig, partitions: Partitions) -> list[AdapterFile]:
     """Every configured adapter, read and checked against `partitions` (loaded, or weightless for the launcher's
     check) before any is loaded: a peft layer replaces the linear layer the next file is checked against."""
     files = [read(name, source, list(partitions)) for name, source in sorted(config.adapters.items())]
@@ -170,7 +175,7 @@ def read_all(config: DiTConfig, partitions: dict[str, torch.nn.Module]) -> list[
     return files
 
 
-def inject(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> None:
+def inject(adapter: AdapterFile, partitions: Partitions) -> None:
     """diffusers' own injection of the routed keys (as `load_lora_weights` does it), as the adapter's peft adapter."""
     from diffusers.loaders.lora_pipeline import _LOW_CPU_MEM_USAGE_DEFAULT_LORA
     from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin as Loader
@@ -210,7 +215,7 @@ class Resident:
 
     max_per_request = 0
 
-    def __init__(self, files: list[AdapterFile], partitions: dict[str, torch.nn.Module]) -> None:
+    def __init__(self, files: list[AdapterFile], partitions: Partitions) -> None:
         self.partitions = partitions
         for adapter in files:
             inject(adapter, partitions)
@@ -239,7 +244,7 @@ class Factors:
 class Slots:
     """Unfused with compile: `count` slots per adapted partition, overwritten per request (module docstring)."""
 
-    def __init__(self, files: list[AdapterFile], partitions: dict[str, torch.nn.Module], count: int) -> None:
+    def __init__(self, files: list[AdapterFile], partitions: Partitions, count: int) -> None:
         if any(k.endswith(".lora_B.bias") for adapter in files for k in adapter.state_dict):
             raise AdapterRefused(
                 "adapters: a LoRA with biases (lora_B.bias) cannot be switched in place; serve it with compile = false"
@@ -249,7 +254,8 @@ class Slots:
         for adapter in files:
             for partition, modules in _extract(adapter, partitions).items():
                 self.factors.setdefault(partition, {})[adapter.name] = modules
-        self.holding = {partition: [None] * count for partition in self.factors}  # adapter name in each slot
+        # adapter name in each slot
+        self.holding: dict[str, list[str | None]] = {partition: [None] * count for partition in self.factors}
         self.layers = {}
         for partition, adapters in self.factors.items():
             _add_slots(partitions[partition], adapters, count)
@@ -269,7 +275,9 @@ class Slots:
                     _write(layers[module].lora_B[slot].weight, _padded(f.up, 1, layers[module].r[slot]))
                 self.holding[partition][i] = wanted.name
             for module, layer in layers.items():
-                layer.scaling[slot].fill_(factors[module].scale * _weight(wanted) if module in factors else 0.0)
+                layer.scaling[slot].fill_(
+                    factors[module].scale * _weight(wanted) if wanted is not None and module in factors else 0.0
+                )
 
 
 def _slot_names(count: int) -> list[str]:
@@ -282,7 +290,7 @@ def _lora_layers(model: torch.nn.Module) -> dict:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def _extract(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> dict[str, dict[str, Factors]]:
+def _extract(adapter: AdapterFile, partitions: Partitions) -> dict[str, dict[str, Factors]]:
     """The adapter's factors and per-module scales as peft computes them (injected, read, removed again)."""
     inject(adapter, partitions)
     out = {}
@@ -301,7 +309,7 @@ def _extract(adapter: AdapterFile, partitions: dict[str, torch.nn.Module]) -> di
     return out
 
 
-def _add_slots(model: torch.nn.Module, adapters: dict[str, dict[str, Factors]], count: int) -> None:
+def _add_slots(model: MiniMaxH3Transformer3DModel, adapters: dict[str, dict[str, Factors]], count: int) -> None:
     """`count` zero adapters at the largest rank over every module an adapter targets, active, scalings as tensors."""
     from peft.utils.hotswap import prepare_model_for_compiled_hotswap
 
@@ -356,7 +364,7 @@ class Fused:
 
     max_per_request = 0
 
-    def __init__(self, files: list[AdapterFile], partitions: dict[str, torch.nn.Module]) -> None:
+    def __init__(self, files: list[AdapterFile], partitions: Partitions) -> None:
         (adapter,) = files
         inject(adapter, partitions)
         for partition in set(adapter.routes.values()):
@@ -396,11 +404,12 @@ class Adapters:
         )
 
 
-def install(config: DiTConfig, partitions: dict[str, torch.nn.Module]) -> Adapters:
+def install(config: DiTConfig, partitions: Partitions) -> Adapters:
     """Load the configured adapters into the loaded `partitions`, before the fast path, FSDP2 and compile."""
     if not config.adapters:
         return Adapters(mode=config.adapter_mode)
     files = read_all(config, partitions)
+    holder: Holder
     if config.adapter_mode == rules.FUSED:
         holder = Fused(files, partitions)
         facts = [replace(f.facts, fused=True) for f in files]

@@ -69,6 +69,7 @@ def check_model(transformer, name: str, device: torch.device, dtype: torch.dtype
 
 def capability_refusal(name: str, capability: tuple[int, int], dtype: torch.dtype) -> str | None:
     """Why backend `name` has no kernel for a GPU of this compute capability and dtype; None when it has."""
+    needed: tuple[int, int] | None
     if name in local_kernels.KERNELS:
         needed = local_kernels.KERNELS[name].capability
     else:

@@ -92,9 +92,11 @@ class DenoiseCheck:
 
     def conditioning(self, spec: dit_pb2.DenoiseSpec, tensors: dict[str, torch.Tensor]) -> dict:
         """The workflow's denoise inputs of tensors that passed every check."""
+        workflow, dims = self.workflow, self.dims
+        assert workflow is not None and dims is not None  # expect() set them, for the spec these tensors follow
         embeds, tags = tensors["prompt_embeds"], tensors["text_token_tags"]
         check_dtype("prompt_embeds", embeds, *EMBED_DTYPES)
-        check_shape("prompt_embeds", tuple(embeds.shape), (1, None, self.dims.text_dim))
+        check_shape("prompt_embeds", tuple(embeds.shape), (1, None, dims.text_dim))
         check_dtype("text_token_tags", tags, torch.int64)
         check_shape("text_token_tags", tuple(tags.shape), (embeds.shape[1],))
         if not torch.isin(tags, torch.tensor(rules.TEXT_ROW_TAGS)).all():
@@ -104,13 +106,13 @@ class DenoiseCheck:
                 f"{rules.VIDEO_TAG} (a vision block's row), got "
                 f"{sorted(set(tags.unique().tolist()))[:8]}",
             )
-        conditions = {name: tensors[name] for name in self.workflow.tensor_names(spec)[2:]}
+        conditions = {name: tensors[name] for name in workflow.tensor_names(spec)[2:]}
         for name, tensor in conditions.items():
             check_dtype(name, tensor, torch.float32)
-        self.workflow.check_conditioning(
-            spec, {name: tuple(t.shape) for name, t in conditions.items()}, self.dims, self.config.geometry
+        workflow.check_conditioning(
+            spec, {name: tuple(t.shape) for name, t in conditions.items()}, dims, self.config.geometry
         )
-        inputs = self.workflow.denoise_inputs(spec, tensors)
+        inputs = workflow.denoise_inputs(spec, tensors)
         rows = attention.packed_length(embeds.shape[1], spec, inputs)
         if rows > self.config.max_rows:
             raise InvalidRequest(

@@ -1,5 +1,6 @@
 """What no restart of the DiT group can fix: the layout, an unusable attention backend, a memory limit above the card,
-an adapter file that does not fit the transformer, a start that needs more host memory than the host has available. Checked once per start of the service, before anything loads:
+an adapter file that does not fit the transformer, a start that needs more host memory than the host has available.
+Checked once per start of the service, before anything loads:
 
 - on one node by rank 0 of the first start, before it opens its port (rank.py): a refusal exits with
   `processes.EXIT_REFUSED` and the reason, and the launcher (supervisor.py) stops instead of restarting the group;
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +27,9 @@ from h3serve.runtime.service import check_host_memory
 from h3serve.services.dit import adapters, attention, parallel, transformer_file
 from h3serve.services.dit.parallel import Layout
 from h3serve.services.dit.runner import partitions, served
+
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
 REFUSALS = (ValueError, attention.BackendUnusable)  # what `check` raises; AdapterRefused and MemoryLimitError too
 
@@ -40,7 +45,7 @@ def transformer_shape(model_dir: str, partition: str) -> tuple[int, int]:
     return config.get("num_attention_heads", heads), config.get("attention_head_dim", head_dim)
 
 
-def transformer_skeleton(model_dir: str, partition: str) -> torch.nn.Module:
+def transformer_skeleton(model_dir: str, partition: str) -> MiniMaxH3Transformer3DModel:
     """The partition's modules on the meta device (no weights, no memory): what adapter files are checked against."""
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
 

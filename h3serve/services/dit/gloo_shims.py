@@ -49,13 +49,13 @@ def _wants_lse(args: tuple, kwargs: dict) -> bool:
 def _padded_all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """All-gather shards whose size along `dim` differs by rank: pad to the largest, gather, trim."""
     tensor = tensor.contiguous()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([tensor.shape[dim]]), group=group)
-    sizes = [int(s) for s in sizes]
+    gathered_sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered_sizes, torch.tensor([tensor.shape[dim]]), group=group)
+    sizes = [int(s) for s in gathered_sizes]
     padded_shape = list(tensor.shape)
     padded_shape[dim] = max(sizes)
     padded = tensor.new_zeros(padded_shape)
     padded.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
     gathered = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(gathered, padded, group=group)
-    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(gathered, sizes)], dim=dim)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(gathered, sizes, strict=True)], dim=dim)

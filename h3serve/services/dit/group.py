@@ -63,7 +63,9 @@ class ControlPlane:
     def broadcast(self, message: Message | None = None) -> Message:
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+        received = box[0]
+        assert received is not None  # rank 0's message: it always sends one
+        return received
 
     def any(self, flag: bool) -> bool:
         """True on every rank when any rank passes True: the one small collective per step."""
@@ -109,6 +111,7 @@ class GroupMember:
 
     def run(self, message: Message, on_step: Callable[[int, int], None], wants_stop: Callable[[], bool]) -> Outcome:
         spec, tensors = message.spec, message.tensors
+        assert spec is not None and tensors is not None  # a job's (or warm-up's) message, not an idle beat
 
         def observe(step: int, total: int) -> None:
             self.steps_served += message.kind == JOB
@@ -267,10 +270,12 @@ class Driver:
             log.info("job %s: cancelled by the client; all ranks stopped at the same step", ticket.job_id)
             ticket.events.put(_END)
             return
-        for chunk in wire.encode_many(outcome.latents):
+        latents, spec = outcome.latents, ticket.message.spec
+        assert latents is not None and spec is not None  # neither refused nor cancelled; a job's message
+        for chunk in wire.encode_many(latents):
             ticket.events.put(dit_pb2.DenoiseEvent(chunk=chunk))
         self.requests_served += 1
-        seconds, steps = time.perf_counter() - started, ticket.message.spec.params.num_inference_steps - 1
+        seconds, steps = time.perf_counter() - started, spec.params.num_inference_steps - 1
         log.info(
             "job %s: %d steps in %.2f s on %d rank(s) (waited %.2f s)",
             ticket.job_id,

@@ -17,7 +17,8 @@ StepObserver = Callable[[int, int], None]
 
 
 class StepObserverBlock(ModularPipelineBlocks):
-    model_name = "minimax-h3"
+    # diffusers declares `model_name = None` unannotated, so a type checker takes its type as None; its blocks set a str
+    model_name = "minimax-h3"  # type: ignore[assignment]
 
     @property
     def description(self) -> str:

@@ -84,7 +84,9 @@ def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
     )
-    return dist.new_group(backend="gloo", timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    assert isinstance(control, dist.ProcessGroup)  # a group of all ranks: every rank is a member
+    return control
 
 
 def attempt_store(timeout: timedelta) -> dist.Store:

@@ -42,9 +42,9 @@ from h3serve.runtime.service import load_model_service
 from h3serve.services.dit import adapters, config_check, parallel, warmup
 from h3serve.services.dit.group import ControlPlane, Driver, GroupMember, RankInfo, follow
 from h3serve.services.dit.launch import REFUSED_PREFIX, decode_config
-from h3serve.services.dit.supervisor import LAST_EXIT_ENV
 from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner, partitions, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
+from h3serve.services.dit.supervisor import LAST_EXIT_ENV
 from h3serve.v1 import dit_pb2, dit_pb2_grpc
 
 log = logging.getLogger("h3serve.dit.rank")
@@ -180,14 +180,16 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
     streamed = grouped and store is not None
     if streamed:  # capped first: the partitions are quantised block by block on the GPU
+        assert store is not None  # streamed
         memory.cap(config, device)
         stored = {partition: stored_or_built(store, source, partition, device) for partition in loaded}
     else:
-        stored = (
+        found = (
             {partition: store.load(partition, source.weights(partition).factory) for partition in loaded}
             if store
             else {}
         )
+        stored = {partition: module for partition, module in found.items() if module is not None}
     built = [partition for partition in loaded if stored.get(partition) is None]
     released = [partition for partition in built if not source.from_file(partition)]
     components, model = load_model_service("dit", [*released, *SCHEDULERS], config.replace(device=home))
@@ -204,7 +206,7 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
     partitions = {partition: components[partition] for partition in loaded}
     saver = store if int(os.environ.get("RANK", "0")) == 0 else None  # the ranks' weights are equal: rank 0 saves
     held = quantise_then_adapt(config, fast, partitions, built, saver, layout)
-    for partition, transformer in partitions.items():
+    for transformer in partitions.values():
         base = base_tensors(transformer) if streamed else set()
         parallel.ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
         parallel.parallelize(transformer, layout, device)
@@ -218,7 +220,7 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
 def quantise_then_adapt(
     config: DiTConfig,
     fast: FastPath,
-    partitions: dict[str, torch.nn.Module],
+    partitions: adapters.Partitions,
     built: list[str],
     store: fp8_store.Fp8Store | None,
     layout: parallel.Layout,
@@ -237,7 +239,7 @@ def quantise_then_adapt(
             store.save(partition, partitions[partition])
         else:  # the served weights, written while the start goes on
             store.save_later(partition, partitions[partition])
-    return held if fused else adapters.install(config, partitions)
+    return held if held is not None else adapters.install(config, partitions)  # held: fused
 
 
 def stored_or_built(

@@ -92,7 +92,8 @@ class DenoiseRunner:
                 output=["latents", "audio_latents", *CONDITION_ROWS],
                 **(conditioning or {}),
             )
-            self.condition_rows = tuple(int(out[name] or 0) for name in CONDITION_ROWS)
+            video_rows, audio_rows = (int(out[name] or 0) for name in CONDITION_ROWS)
+            self.condition_rows = (video_rows, audio_rows)
             latents = {name: out[name].to("cpu", torch.float32) for name in ("latents", "audio_latents")}
             del out
             return latents
@@ -105,7 +106,7 @@ class DenoiseRunner:
     def _set_shifts(self, params) -> None:
         """Each schedule's shift for this request (unset: the scheduler's configured one), before the pipeline sets
         its timesteps: the schedulers are shared, so every request sets both."""
-        for scheduler, key in zip(self.schedulers, DEFAULT_SHIFTS):
+        for scheduler, key in zip(self.schedulers, DEFAULT_SHIFTS, strict=True):
             scheduler.set_shift(getattr(params, key) if params.HasField(key) else scheduler.config.shift)
 
 

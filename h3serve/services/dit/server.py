@@ -73,6 +73,6 @@ class DiTServicer(dit_pb2_grpc.DiTServicer):
                 driver.steps_served,
                 driver.busy,
             )
-            for rank, stats in zip(info.ranks, driver.ranks):
+            for rank, stats in zip(info.ranks, driver.ranks, strict=False):
                 rank.peak_bytes, rank.steps_served = stats.peak_bytes, stats.steps_served
         return info

@@ -30,10 +30,14 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from h3serve.common import logs, processes
 from h3serve.common.config import DiTConfig
 from h3serve.common.processes import MEMINFO, Ending, MemoryWatch, RepeatedFailure, StopSignals, Tree, end_trees
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("h3serve.dit.supervisor")
 STOP_GRACE_S = 15.0  # a rank stops within seconds (rank.py); `up`'s stop_grace_s gives this process more
@@ -53,7 +57,7 @@ def listen(host: str) -> socket.socket:
     return socket.create_server(address, family=family)
 
 
-def open_store(listener: socket.socket, host: str, timeout_s: float):
+def open_store(listener: socket.socket, host: str, timeout_s: float) -> TCPStore:
     """The group's store on `listener`, which it owns from here."""
     import torch.distributed as dist  # imported here: the ranks and the stop signals do not wait for torch
 
@@ -164,9 +168,9 @@ class Group:
                 self.last_exit = "; ".join(f"rank {rank} (pid {ranks[rank].pid}) {e.text}" for rank, e in ended)
                 log.warning("DiT group: %s; stopping the other ranks", self.last_exit)
             else:
-                log.info(
-                    "signal %s: stopping the DiT group's %d rank(s)", signal.Signals(self.stop.signum).name, len(ranks)
-                )
+                signum = self.stop.signum
+                assert signum is not None  # first_exits saw no exit: a stop came first
+                log.info("signal %s: stopping the DiT group's %d rank(s)", signal.Signals(signum).name, len(ranks))
             stop_ranks(ranks)
             if self.stop:
                 return 0
@@ -223,7 +227,8 @@ def supervise(encoded: str) -> int:
     argv = [sys.executable, "-m", "h3serve.services.dit.rank", encoded]
     host = store_host(config.host)
     listener = listen(host)
-    master, store = (host, listener.getsockname()[1]), []
+    master = (host, listener.getsockname()[1])
+    store: list[TCPStore] = []
 
     def open_store_once() -> None:  # after the first start's spawn: while the ranks import torch
         if not store:

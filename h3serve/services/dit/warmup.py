@@ -108,6 +108,7 @@ def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int
         config, [flow.value for flow in served(config.workflows)], lambda flow: checks.model_dims(member.runner, flow)
     )
     check.expect(spec)
+    assert check.dims is not None  # set by expect()
     generator = torch.Generator().manual_seed(SEED)
     text = {
         "prompt_embeds": torch.randn(1, tokens, check.dims.text_dim, generator=generator),

@@ -7,7 +7,7 @@ import copy
 import threading
 
 from h3serve.common.bounds import check_id
-from h3serve.common.config import ModelServiceConfig
+from h3serve.common.config import EncoderConfig
 from h3serve.model import rules
 from h3serve.model.rules import InvalidRequest
 from h3serve.runtime.checks import check_media_spec
@@ -27,7 +27,7 @@ class TokenCounter:
             return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def check_prompt(prompt: str, config: ModelServiceConfig, tokens: TokenCounter) -> None:
+def check_prompt(prompt: str, config: EncoderConfig, tokens: TokenCounter) -> None:
     problem = rules.prompt_problem(prompt, config.max_prompt_chars) or rules.prompt_tokens_problem(
         tokens(prompt), config.max_prompt_tokens
     )  # characters first: they bound this
@@ -35,11 +35,11 @@ def check_prompt(prompt: str, config: ModelServiceConfig, tokens: TokenCounter) 
         raise InvalidRequest("prompt", problem)
 
 
-def check_encode(request: encoder_pb2.EncodeRequest, config: ModelServiceConfig, tokens: TokenCounter) -> None:
+def check_encode(request: encoder_pb2.EncodeRequest, config: EncoderConfig, tokens: TokenCounter) -> None:
     check_id("job_id", request.job_id)
     check_prompt(request.prompt, config, tokens)
 
 
-def check_media(spec: media_pb2.MediaSpec, config: ModelServiceConfig, tokens: TokenCounter) -> None:
+def check_media(spec: media_pb2.MediaSpec, config: EncoderConfig, tokens: TokenCounter) -> None:
     check_media_spec(spec, config.geometry, config.max_input_bytes)
     check_prompt(spec.prompt, config, tokens)

@@ -68,12 +68,16 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from h3serve.common.config import EncoderConfig
 from h3serve.runtime import pinned
 from h3serve.runtime.offload import stream_from_host
+
+if TYPE_CHECKING:
+    from transformers import Qwen3VLForConditionalGeneration
 
 log = logging.getLogger("h3serve.encoder")
 
@@ -214,7 +218,7 @@ def skeleton(weights, dtype: torch.dtype) -> torch.nn.Module:
     return drop_unread_parts({"text_encoder": random_full.skeleton(weights.factory, dtype)})["text_encoder"]
 
 
-def place(text_encoder: torch.nn.Module, config: EncoderConfig, weights=None) -> str:
+def place(text_encoder: Qwen3VLForConditionalGeneration, config: EncoderConfig, weights=None) -> str:
     """Place (and quantize) `text_encoder` as `config` says, in place; returns where it runs, in words.
 
     The model may be on the CPU (staged), on the meta device (built layer by layer from `weights`), or already on
@@ -234,7 +238,8 @@ def place(text_encoder: torch.nn.Module, config: EncoderConfig, weights=None) ->
         return f"{device} (weights in host memory, cpu_offload)"
     if quantize != "none":
         quantize_in_place(text_encoder, quantize, dtype, device)
-    text_encoder.to(device)
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose stub loses the method's binding of self
+    text_encoder.to(device)  # type: ignore[arg-type]
     return str(device)
 
 
@@ -258,7 +263,7 @@ def quantize_in_place(model: torch.nn.Module, quantize: str, dtype: torch.dtype,
     return count
 
 
-def quantize_through(model: torch.nn.Module, quantize: str, device: torch.device, weights=None) -> None:
+def quantize_through(model: Qwen3VLForConditionalGeneration, quantize: str, device: torch.device, weights=None) -> None:
     """Quantize the decoder layers one by one on `device` and bring each back to host memory, for cpu_offload: the
     GPU never holds more than one layer, and host memory gives back each layer's bf16 weights as it goes (the
     released encoder: 48.9 GiB of bf16 become 25.7 GiB of int8 in host memory). A skeleton (on meta) is filled from
@@ -276,7 +281,7 @@ def quantize_through(model: torch.nn.Module, quantize: str, device: torch.device
         layer.to("cpu")
     if weights is not None:
         fill_module(model, weights, "", device)
-        model.to("cpu")
+        model.to("cpu")  # type: ignore[arg-type]  # PreTrainedModel.to's functools.wraps stub (place())
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the layers passed through the allocator's cache: give the shared card its memory
     log.info("encoder: %d decoder layers' linears quantized to %s on %s", len(layers), quantize, device)
@@ -367,7 +372,9 @@ def spread_over_gpus(model: torch.nn.Module, budget: dict[int, int]) -> str:
     return "+".join(f"cuda:{i}" for i in used) + " (spread)"
 
 
-def offload_to_host(model: torch.nn.Module, device: torch.device, use_stream: bool = True) -> pinned.Arenas:
+def offload_to_host(
+    model: Qwen3VLForConditionalGeneration, device: torch.device, use_stream: bool = True
+) -> pinned.Arenas:
     """The weights (on the CPU) kept in pinned host memory, each decoder layer and vision block streamed to `device`
     as it runs (h3serve/runtime/offload.py); returns the arenas that hold them. `use_stream=False`: for tests on
     the CPU."""

@@ -13,9 +13,16 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
-from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Reference
+from diffusers.modular_pipelines.minimax_h3 import (
+    MiniMaxH3AudioReference,
+    MiniMaxH3ImageReference,
+    MiniMaxH3VideoReference,
+)
+from PIL import Image
 
 from h3serve.model import rules, workflows
 from h3serve.model.workflows.base import PreparedMedia
@@ -45,15 +52,16 @@ def encoder_calls(vae, frames: int, height: int, width: int) -> int:
 def condition_calls(vae, item) -> int:
     """Encoder calls of one prepared asset: an fl2va keyframe (a PIL image on the canvas) or a ref2va
     reference (its image or frames through the video encoder, its soundtrack through the audio encoder)."""
-    if not isinstance(item, MiniMaxH3Reference):
-        return encoder_calls(vae, 1, item.height, item.width)
-    calls = int(item.has_audio)
-    if item.kind == "image":
-        calls += encoder_calls(vae, 1, item.image.height, item.image.width)
-    elif item.kind == "video":
+    if isinstance(item, MiniMaxH3ImageReference):
+        assert isinstance(item.image, Image.Image)  # the set-up block turns every reference image into one
+        return int(item.has_audio) + encoder_calls(vae, 1, item.image.height, item.image.width)
+    if isinstance(item, MiniMaxH3VideoReference):
+        assert isinstance(item.frames, np.ndarray)  # the set-up block's (frames, height, width, 3)
         frames, height, width = item.frames.shape[:3]
-        calls += encoder_calls(vae, rules.snap_down(frames), height, width)  # what the block keeps
-    return calls
+        return int(item.has_audio) + encoder_calls(vae, rules.snap_down(frames), height, width)  # what it keeps
+    if isinstance(item, MiniMaxH3AudioReference):
+        return int(item.has_audio)
+    return encoder_calls(vae, 1, item.height, item.width)
 
 
 @contextmanager
@@ -79,7 +87,7 @@ class ConditionEncoder:
 
     def __init__(self, vae, audio_vae) -> None:
         self.vae, self.audio_vae = vae, audio_vae
-        self.pipes = {}
+        self.pipes: dict[int, Any] = {}  # by common_pb2.Workflow value
         for workflow in workflows.WORKFLOWS:
             if workflow.media_fields:
                 pipe = workflow.vae_encoder_block().init_pipeline()

@@ -105,7 +105,9 @@ def spatial_tiles(vae, latent_height: int, latent_width: int) -> int:
 
 def _check_shape(name: str, shape: tuple[int, ...], expected: tuple[int | None, ...]) -> None:
     """`expected` holds the required size per dimension, None where any positive size will do."""
-    if len(shape) != len(expected) or any(s < 1 or (e is not None and s != e) for s, e in zip(shape, expected)):
+    if len(shape) != len(expected) or any(
+        s < 1 or (e is not None and s != e) for s, e in zip(shape, expected, strict=True)
+    ):
         wanted = ", ".join("*" if e is None else str(e) for e in expected)
         raise InvalidLatents(f"{name}: shape {list(shape)}, expected [{wanted}]")
 

@@ -31,7 +31,7 @@ def to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
     levels = frames * 255
     xp.round(levels, out=levels)  # in place: no second frames-sized buffer
     xp.clip(levels, 0, 255, out=levels)
-    if xp is np:
+    if isinstance(levels, np.ndarray):  # xp is np
         return levels.astype(np.uint8)
     return levels.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 

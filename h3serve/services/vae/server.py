@@ -98,7 +98,7 @@ def raw_archive(frames: np.ndarray, audio: np.ndarray, sample_rate: int) -> byte
     return buffer.getvalue()
 
 
-def phase_reporter(report: Report, phase: int) -> Callable[[int, int], None]:
+def phase_reporter(report: Report, phase: vae_pb2.DecodePhase) -> Callable[[int, int], None]:
     """A (done, total) progress callback that reports DecodeProgress events of `phase`."""
     return lambda done, total: report(
         vae_pb2.DecodeEvent(progress=vae_pb2.DecodeProgress(phase=phase, done=done, total=total))

@@ -16,8 +16,12 @@ from __future__ import annotations
 import copy
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import AutoencoderKLMiniMaxH3
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class Replica:
     """The VAE one device decodes tiles with: the service's own on the first device, decoder-only copies on the
     others (their fast path applied like the first's: `TileDecoder.models`)."""
 
-    vae: torch.nn.Module
+    vae: AutoencoderKLMiniMaxH3
     device: torch.device
 
     def decode(self, tiles: list[torch.Tensor], tile_batch: int, home: torch.device) -> list[torch.Tensor]:
@@ -77,7 +81,7 @@ class TileDecoder:
         self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="tiles")
 
     @property
-    def models(self) -> list[torch.nn.Module]:
+    def models(self) -> list[AutoencoderKLMiniMaxH3]:
         return [replica.vae for replica in self.replicas]
 
     @property
@@ -97,8 +101,8 @@ class TileDecoder:
         )
         tiles = [
             z[..., y // ratio : y // ratio + h // ratio, x // ratio : x // ratio + w // ratio]
-            for y, h in zip(ys, heights)
-            for x, w in zip(xs, widths)
+            for y, h in zip(ys, heights, strict=True)
+            for x, w in zip(xs, widths, strict=True)
         ]
         decoded = [tile for share in self._spread(tiles, z.device) for tile in share]
         rows = [decoded[i : i + len(xs)] for i in range(0, len(decoded), len(xs))]
