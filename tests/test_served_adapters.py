@@ -232,17 +232,13 @@ def test_with_no_dit_serving_a_request_naming_adapters_is_unavailable(adapter_st
     dit.send_signal(signal.SIGKILL)
     dit.wait(30)
     try:
-        refused_while_down(client)
+        time.sleep(HEALTH_TTL_S + 0.1)  # past the cached Info answer
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Submit(request(("turbo", 1.0)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details().startswith("adapters: no DiT replica is serving now")
+        job = client.stub.Submit(request(num_inference_steps=2))  # without adapters: accepted and queued, as before
+        client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=job.job_id))
     finally:
         adapter_stack.group.respawn("dit")
         adapter_stack.group.wait_healthy()
-
-
-def refused_while_down(client) -> None:
-    time.sleep(HEALTH_TTL_S + 0.1)  # past the cached Info answer
-    with pytest.raises(grpc.RpcError) as err:
-        client.stub.Submit(request(("turbo", 1.0)))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert err.value.details().startswith("adapters: no DiT replica is serving now")
-    job = client.stub.Submit(request(num_inference_steps=2))  # without adapters: accepted and queued, as before
-    client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=job.job_id))
