@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -99,17 +99,39 @@ def gpu_left_behind(slack_mib: int = 1024) -> str:
     return ""
 
 
+@dataclass
+class GpuPeak:
+    """What `gpu_peak` saw: per GPU the most memory in use (MiB, every process together) less what was in use when it
+    began, and when the fullest GPU reached it with the compute processes nvidia-smi listed then (pid: MiB; a
+    container's nvidia-smi may list none), so a peak can be charged to a phase and a process."""
+
+    mib: list[int] = field(default_factory=list)
+    at_s: float = 0.0  # seconds after the part began
+    apps: dict[int, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        listed = ", ".join(f"pid {pid} {mib / 1024:.1f} GiB" for pid, mib in sorted(self.apps.items()))
+        return f"reached {self.at_s:.0f} s after the start" + (f" ({listed})" if listed else "")
+
+
+def _apps() -> dict[int, int]:
+    with contextlib.suppress(subprocess.CalledProcessError, ValueError, TypeError):
+        return {pid: mib for pid, mib in _smi("--query-compute-apps=pid,used_memory")}
+    return {}
+
+
 @contextlib.contextmanager
 def gpu_peak(every_s: float = 0.5):
-    """Around a part of a bench that starts processes on the GPUs: yields a list that holds, once the part ends, the
-    most memory in use on each GPU while it ran (MiB, every process together, sampled every `every_s` with
-    nvidia-smi), less what was in use when it began (this process's own CUDA context). Empty without nvidia-smi."""
-    peaks: list[int] = []
+    """Around a part of a bench that starts processes on the GPUs: yields a GpuPeak, filled once the part ends with
+    the most memory in use on each GPU while it ran (sampled every `every_s` with nvidia-smi), less what was in use
+    when it began (this process's own CUDA context). Empty without nvidia-smi."""
+    peak = GpuPeak()
     if shutil.which("nvidia-smi") is None:
-        yield peaks
+        yield peak
         return
     start = [mib for (mib,) in _smi("--query-gpu=memory.used")]
-    highest, done = list(start), threading.Event()
+    highest, done, began = list(start), threading.Event(), time.monotonic()
+    moment = GpuPeak()
 
     def sample() -> None:
         while not done.wait(every_s):
@@ -117,17 +139,21 @@ def gpu_peak(every_s: float = 0.5):
                 used = [mib for (mib,) in _smi("--query-gpu=memory.used")]
                 # a reading that misses a GPU (nvidia-smi failed or was cut short) is skipped: zipped in, it
                 # would have dropped the peaks of the GPUs it missed
-                if len(used) == len(highest):
-                    highest[:] = [max(h, mib) for h, mib in zip(highest, used, strict=True)]
+                if len(used) != len(highest):
+                    continue
+                if max(used) > max(highest):
+                    moment.at_s, moment.apps = time.monotonic() - began, _apps()
+                highest[:] = [max(h, mib) for h, mib in zip(highest, used, strict=True)]
 
     sampler = threading.Thread(target=sample, name="gpu-peak", daemon=True)
     sampler.start()
     try:
-        yield peaks
+        yield peak
     finally:
         done.set()
         sampler.join()
-        peaks.extend(h - s for h, s in zip(highest, start, strict=True))
+        peak.mib.extend(h - s for h, s in zip(highest, start, strict=True))
+        peak.at_s, peak.apps = moment.at_s, moment.apps
 
 
 @dataclass(frozen=True)

@@ -439,7 +439,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
         # (loading, --warm-start's compile) is in the peak
         with (
             leaves_gpu_empty(),
-            gpu_peak() as peak_mib,
+            gpu_peak() as gpu,
             host_peak(lambda: [service.process.pid for service in group.running]) as host,
             group,
         ):
@@ -474,12 +474,13 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
         print_logs(work)
         raise
     sides = {size: side.with_host(host) for size, side in sides.items()}
-    if not peak_mib:
+    if not gpu.mib:
         print(f"services: at most {host.describe()} while they started and ran, all processes together", flush=True)
         return sides
-    peak = round(max(peak_mib) / 1024, 2)
+    peak = round(max(gpu.mib) / 1024, 2)
     print(
-        f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together"
+        f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together, "
+        + gpu.describe()
         + (f" (the card they emulate: {card} GiB)" if (card := emulated_card(config)) else "")
         + f"; {host.describe()}",
         flush=True,

@@ -347,19 +347,20 @@ class _StandInSmi:
 
 def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start(tmp_path, monkeypatch):
     smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
-    with common.gpu_peak(every_s=0.01) as peaks:
+    with common.gpu_peak(every_s=0.01) as peak:
         for used in ("7000\n600\n", "3000\n9500\n", "1200\n500\n"):
             smi.set(used)
             smi.wait_until_read()
-        assert peaks == [], "filled once the part ends"
-    assert peaks == [6000, 9000]
+        assert peak.mib == [], "filled once the part ends"
+    assert peak.mib == [6000, 9000]
+    assert peak.at_s > 0 and peak.apps == {}, "when the fullest GPU peaked; this nvidia-smi lists no process"
 
 
 def test_gpu_peak_skips_a_reading_that_misses_a_gpu_or_fails(tmp_path, monkeypatch):
     # before the fix, one short reading zipped the peaks down to the GPUs it listed: [] after an empty one
     smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
-    with common.gpu_peak(every_s=0.01) as peaks:
+    with common.gpu_peak(every_s=0.01) as peak:
         for used in ("4000\n700\n", "", "9000\n", "fail", "1000\n2500\n"):
             smi.set(used)
             smi.wait_until_read()
-    assert peaks == [3000, 2000]
+    assert peak.mib == [3000, 2000]

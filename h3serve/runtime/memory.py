@@ -63,6 +63,21 @@ def cap(config, device) -> None:
 def release(device) -> None:
     """Give the allocator's cached, unused blocks back to the driver after a request, so another process on the
     same GPU can use them. Cheap next to a request (one synchronising cudaFree per cached segment, milliseconds;
-    the next request's first allocations pay a few cudaMallocs); a no-op off CUDA."""
+    the next request's first allocations pay a few cudaMallocs); a no-op off CUDA. Logs the process's peaks first:
+    what it held at most is what the services sharing a card must add up to (h3serve plan predicts it)."""
     if torch.device(device).type == "cuda":
+        log.info("GPU memory after a request: %s", peaks(device))
         torch.cuda.empty_cache()
+
+
+def peaks(device) -> str:
+    """This process's allocator on `device` since it started: the most it reserved from the driver and the most its
+    tensors used, and what it reserves now. The CUDA context (about 0.5 GiB) comes on top of every figure."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "not on a GPU"
+    return (
+        f"peak reserved {torch.cuda.max_memory_reserved(device) / GIB:.2f} GiB, "
+        f"peak allocated {torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB, "
+        f"reserved now {torch.cuda.memory_reserved(device) / GIB:.2f} GiB"
+    )

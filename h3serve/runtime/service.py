@@ -25,6 +25,8 @@ def warm_up(service: str, run: Callable[[], None]) -> None:
     started = time.perf_counter()
     run()
     log.info("%s: warmed up in %.2f s", service, time.perf_counter() - started)
+    if torch.cuda.is_initialized():  # the start's GPU peak, which the services sharing a card add up to
+        log.info("%s: GPU memory after the warm-up: %s", service, memory.peaks(torch.cuda.current_device()))
 
 
 def check_host_memory(service: str, config: ModelServiceConfig, meminfo: str = MEMINFO) -> None:

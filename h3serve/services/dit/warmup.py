@@ -25,7 +25,7 @@ import torch
 
 from h3serve.common.config import DiTConfig, parse_shape
 from h3serve.model import rules, workflows
-from h3serve.runtime import compile_cache
+from h3serve.runtime import compile_cache, memory
 from h3serve.services.dit import checks
 from h3serve.services.dit.group import WARMUP, GroupMember, Message
 from h3serve.services.dit.runner import served
@@ -60,6 +60,7 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
             )
     if config.compile:
         log.info("warm-up done: %s", compile_cache.time_report())
+    log.info("warm-up: GPU memory %s", memory.peaks(member.device))
     return runs
 
 
