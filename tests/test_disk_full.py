@@ -11,6 +11,7 @@ import logging
 import os
 import sqlite3
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -26,6 +27,7 @@ from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy
 from h3serve.common.disk import MARK, DiskFull
+from h3serve.common.processes import EXIT_REFUSED
 from h3serve.common.server import is_answering
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
@@ -203,6 +205,9 @@ class Door:
     def create(self, prompt: str) -> openai.types.Video:
         return self.sdk.videos.create(prompt=prompt, size="64x32")
 
+    def delete(self, video_id: str) -> openai.types.VideoDeleteResponse:
+        return self.sdk.videos.delete(video_id)
+
     def refused(self, call, *args) -> openai.InternalServerError:
         """The door's refusal of `call(*args)`, sent once: a 5xx the SDK was told not to retry."""
         before = len(self.sent)
@@ -235,11 +240,16 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
         stored = client.stub.UploadAsset(_chunks(pictures[0]))
         # (the door's first form also settles its temporary directory, which Python picks while it can write there)
         assert door.upload("large.png", large)["id"] == _sha256(large)
+        ended = client.stub.Submit(S.GenerateRequest(prompt="cancelled before the disk fills", **SMALL))
+        assert client.stub.CancelJob(S.CancelJobRequest(job_id=ended.job_id)).state == S.JOB_STATE_CANCELLED
+        before = _stored_jobs(data_dir / "jobs.sqlite")
         filler = fill(disk)
 
         for call, directory, reason in (
             (lambda: client.stub.UploadAsset(_chunks(pictures[1])), data_dir / "assets", NO_SPACE),
             (lambda: client.stub.Submit(S.GenerateRequest(prompt="no room", **SMALL)), data_dir, SQLITE_FULL),
+            # a call with no handler of its own for it (the guard's): the bin is a write too
+            (lambda: client.stub.DeleteJob(S.DeleteJobRequest(job_id=ended.job_id)), data_dir, SQLITE_FULL),
         ):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
@@ -251,6 +261,7 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
             (door.refused(door.upload, pictures[1].name, pictures[1].read_bytes()), data_dir / "assets", NO_SPACE),
             (door.refused(door.upload, "other.png", large + b"other"), spool, NO_SPACE),  # the door's own spool
             (door.refused(door.create, "no room"), data_dir, SQLITE_FULL),
+            (door.refused(door.delete, ended.job_id), data_dir, SQLITE_FULL),
         ):
             assert (refused.status_code, refused.body) == (
                 507,
@@ -265,7 +276,14 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
         # Nothing half-written: no upload's part, and the store holds the job from before and nothing else.
         assert os.listdir(data_dir / "assets" / "tmp") == []
         assert sorted(os.listdir(data_dir / "assets" / "blobs")) == sorted([stored.asset_id, _sha256(large)])
-        assert _stored_jobs(data_dir / "jobs.sqlite") == {waiting.job_id: (S.JOB_STATE_RUNNING, kinds)}
+        assert (
+            _stored_jobs(data_dir / "jobs.sqlite")
+            == before
+            == {
+                waiting.job_id: (S.JOB_STATE_RUNNING, kinds),
+                ended.job_id: (S.JOB_STATE_CANCELLED, ["accepted", "cancelled"]),
+            }
+        )
 
         filler.unlink()
         # The same gateway carries on: uploads and jobs succeed, and the job from before still has its worker.
@@ -275,6 +293,24 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
         assert client.job(accepted.job_id).state in (S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING)
         assert door.create("room again, over HTTP").status in ("queued", "in_progress")
         assert client.stub.CancelJob(S.CancelJobRequest(job_id=waiting.job_id)).state == S.JOB_STATE_CANCELLED
+
+
+def test_a_gateway_started_on_a_full_disk_is_refused_naming_it_and_starts_once_there_is_room(disk, tmp_path):
+    port = free_port()
+    config = write_config(tmp_path / "deploy.toml", "", disk / "gateway", dict(encoder=1, dit=2, vae=3, gateway=port))
+    filler = fill(disk)
+    serve = [sys.executable, "-m", "h3serve.cli", "serve", "gateway", "--config", str(config)]
+    refused = subprocess.run(serve, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == EXIT_REFUSED, refused.stderr  # `up` does not restart it: space comes from a person
+    assert refused.stderr.splitlines()[-1] == f"refused: [gateway] data_dir {full(disk / 'gateway', disk, NO_SPACE)}"
+    assert "Traceback" not in refused.stderr
+
+    filler.unlink()
+    with (
+        ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path), names=("gateway",), ready=is_answering),
+        GatewayClient(f"127.0.0.1:{port}") as client,
+    ):
+        assert list(client.stub.ListJobs(S.ListJobsRequest()).jobs) == []
 
 
 @pytest.mark.gateway

@@ -56,7 +56,8 @@ def test_compile_dynamic_needs_compile_and_is_the_dits_default():
     assert FastPath.of(DiTConfig(compile=True)).describe() == "native+compile+dynamic"
     assert FastPath.of(DiTConfig()) == FastPath(), "without compile there is nothing to compile dynamically"
     assert not FastPath.of(VaeConfig(compile=True)).dynamic, "the VAE keeps torch's default"
-    assert warmup.prompt_lengths(DiTConfig(compile=True)) == [256, 255]  # the second compiles nothing
+    assert warmup.prompt_lengths(DiTConfig(compile=True)) == [256], "one rank: any length after (the test below)"
+    assert warmup.prompt_lengths(DiTConfig(compile=True, world_size=2)) == [256, 255, 254, 253], "each residue mod 4"
     assert warmup.prompt_lengths(DiTConfig(compile=True, compile_dynamic=False)) == [256, 255, 254]
 
 

@@ -7,7 +7,8 @@
   (UNAUTHENTICATED otherwise): the public API's bearer token on the gateway, the stage token between the gateway
   and the model services.
 - An exception the servicer did not turn into a status is INTERNAL with its type and first line, never UNKNOWN
-  with a traceback; the log keeps the traceback, since it is a bug.
+  with a traceback; the log keeps the traceback, since it is a bug. A full disk (common/disk.py's DiskFull) is not a
+  bug: any call that meets one is RESOURCE_EXHAUSTED naming the disk.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from h3serve.common.bounds import brief
+from h3serve.common.disk import DiskFull
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _KINDS = {
@@ -78,6 +80,10 @@ def _undecodable(method: str, context, request: Undecodable) -> tuple[grpc.Statu
 
 
 def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status of an exception the servicer let through: a full disk is the host's state, not a bug, so every call
+    that meets one says so (RESOURCE_EXHAUSTED naming the disk); anything else is INTERNAL, logged with its trace."""
+    if isinstance(exc, DiskFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     log.exception("%s: unexpected error", _rpc(method))
     return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}"
 

@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from h3serve.common import logs
 from h3serve.common.config import GatewayConfig
+from h3serve.common.disk import DiskFull, full_named
 from h3serve.common.guard import AsyncGuard
 from h3serve.common.processes import Refused, lock_directory, refuse
 from h3serve.common.server import EXCLUSIVE_PORT, GRACE_SECONDS, bind, enable_reflection, refuse_port_in_use
@@ -59,12 +60,13 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
 
 
 def _open_store(data_dir: Path) -> JobStore:
-    """The job store; a file no restart can fix (damaged, or locked by another program) is refused, with the way
-    out, and exits EXIT_REFUSED. (A SqliteJobStore is a JobStore: its methods are set from JobStore's own list,
-    which a type checker cannot follow.)"""
+    """The job store; a file no restart can fix (damaged, or locked by another program) or a full disk is refused,
+    with the way out, and exits EXIT_REFUSED. (A SqliteJobStore is a JobStore: its methods are set from JobStore's
+    own list, which a type checker cannot follow.)"""
     try:
-        return cast(JobStore, SqliteJobStore(str(data_dir / "jobs.sqlite")))
-    except Refused as exc:
+        with full_named(str(data_dir)):
+            return cast(JobStore, SqliteJobStore(str(data_dir / "jobs.sqlite")))
+    except (Refused, DiskFull) as exc:
         refuse(f"[gateway] {exc}")
 
 
@@ -142,8 +144,9 @@ def serve(config: GatewayConfig) -> None:
     logs.setup("gateway")
     refuse_port_in_use(f"{config.host}:{config.port}")  # before the store opens: a restart would not free it
     try:
-        lock = lock_directory(config.data_dir)
-    except Refused as exc:
+        with full_named(config.data_dir):  # the lock file records its holder: a write
+            lock = lock_directory(config.data_dir)
+    except (Refused, DiskFull) as exc:
         refuse(f"[gateway] data_dir {exc}")
     with lock:
         asyncio.run(serve_async(config))

@@ -6,10 +6,9 @@ forward variants) on synthetic text embeddings through the same checks and the s
 request, so every rank compiles what a request will run, and a shape that cannot run (memory, a kernel) stops
 the start with its reason instead of failing a user's request.
 
-With compile, each shape runs with prompt lengths of every residue modulo twice the group's ranks, and one more
-unless `compile_dynamic`: the second length makes torch.compile mark the packed sequence's dimension dynamic, and a
-group that splits the sequence over ranks meets new graphs when its ranks' chunks change parity (2 gloo ranks: at
-the first two lengths only, tests/dist_checks.py); after
+With a dynamic compile one rank runs each shape once; a group that splits the sequence over ranks runs prompt lengths
+of every residue modulo twice its ranks, as it meets new graphs when its ranks' chunks change parity (2 gloo ranks: at
+the first two lengths only, tests/dist_checks.py); a static compile runs more (`prompt_lengths`). After
 that, prompts of any length (and, on the tiny model on CPU, other canvases, frame counts and step counts too) run
 without compiling again (tests/test_warmup.py counts the graphs; the last warm-up run's count is logged). Without
 compile one run per shape is enough to load kernels and grow the allocator's pools.
@@ -48,10 +47,10 @@ class WarmRun:
 def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
     """Denoise every warm-up shape on every rank (rank 0 broadcasts; the others follow); ValueError names a shape
     the service cannot run."""
-    runs = []
+    runs, lengths = [], prompt_lengths(config)
     for shape in config.warmup:
-        runs += [warm_run(member, config, shape, tokens) for tokens in prompt_lengths(config)]
-        if config.compile and runs[-1].compiled:
+        runs += [warm_run(member, config, shape, tokens) for tokens in lengths]
+        if config.compile and len(lengths) > 1 and runs[-1].compiled:  # one length is the compile itself
             log.warning(
                 "warm-up %s: its last prompt length still compiled %d graphs; a request of this shape may "
                 "compile (its events say so)",
@@ -65,13 +64,16 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
 
 
 def prompt_lengths(config: DiTConfig) -> list[int]:
-    """Without compile one length. With compile, one per residue of the packed length modulo twice the ranks that
-    split the sequence (a split group compiles its odd and even per-rank chunks apart: tests/dist_checks.py), then
-    one more, which should compile nothing. A static first compile takes one length more: the second length is
-    what makes torch.compile mark the packed sequence's dimension dynamic."""
+    """Without compile one length. With a dynamic compile on one rank one length too: its graphs take any packed length
+    (tests/test_fastpath.py; on one H200 at 768x1344x124 a second length compiled nothing and cost 11.2 s of every
+    start). A group that splits the sequence takes one per residue of the packed length modulo twice its ranks (it
+    compiles its odd and even per-rank chunks apart: tests/dist_checks.py). A static first compile takes one length
+    more, which makes torch.compile mark the packed sequence's dimension dynamic, and then one that should compile
+    nothing."""
     if not config.compile:
         return [PROMPT_TOKENS]
-    count = 2 * config.world_size + (0 if config.compile_dynamic else 1)
+    residues = 2 * config.world_size if config.world_size > 1 else 1
+    count = residues if config.compile_dynamic else max(residues, 2) + 1
     return [PROMPT_TOKENS - k for k in range(count)]
 
 
