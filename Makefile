@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PROTOS := $(wildcard protos/h3serve/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: all demo test test-timing check proto clean
+.PHONY: all demo test test-fast test-timing check proto clean
 
 all: $(VENV)/.installed proto
 
@@ -33,6 +33,13 @@ demo: all
 test: all
 	@started=$$(date +%s); $(PY) -m pytest -q -rs -m "not timing"; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
+
+# The unit tier: no test that starts a process (tests/conftest.py says how they are marked); minutes instead of the
+# whole suite's half hour.
+test-fast: all
+	@started=$$(date +%s); $(PY) -m pytest -q -rs \
+		-m "not processes and not timing and not slow and not distributed"; status=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - started )) s"; exit $$status
 
 test-timing: all
 	$(PY) -m pytest -q -rs -m timing

@@ -112,6 +112,18 @@ def with_store(path: Path, scenario) -> None:
     asyncio.run(go())
 
 
+# `make test-fast` runs the unit tier: every test but those marked `processes` (and the timing, slow and distributed
+# tiers). A test that uses a fixture starting services is marked here; a module whose tests or fixtures start
+# processes themselves says so (`pytestmark = pytest.mark.processes`).
+PROCESS_FIXTURES = {"stack", "adapter_stack"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from h3serve.runtime.tiny import write_tiny_model

@@ -25,6 +25,8 @@ from h3serve.services.dit import adapters, checks, config_check
 from h3serve.services.dit.runner import DenoiseRunner
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
+pytestmark = pytest.mark.processes
+
 T2VA, REF2VA = (workflows.by_value(w) for w in (common_pb2.WORKFLOW_T2VA, common_pb2.WORKFLOW_REF2VA))
 TOLERANCE = 1e-5  # relative, fp32: an unfused LoRA and a merged weight differ in the order of the sums only
 RANK, ALPHA = 4, 2.0  # alpha != rank: every module runs at 0.5 x its weight

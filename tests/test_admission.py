@@ -11,6 +11,8 @@ from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity, pack
 from h3serve.model.rules import Rows
 from h3serve.v1 import common_pb2, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 
 def test_rows_match_the_model_layout():
     # docs/minimax-h3-diffusers.md §3.3: t2va at 124 frames is T + 37,710 at 768x1344 and T + 14,844 at 480x832.

@@ -9,7 +9,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from bench import common, dit_step
+
+pytestmark = pytest.mark.processes
 
 
 def test_quick_dit_step_writes_consistent_records(tmp_path):
@@ -121,9 +125,6 @@ def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
 
 
 def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(tmp_path):
-    import argparse
-
-    import pytest
 
     from bench import e2e
     from bench.common import Size

@@ -17,6 +17,8 @@ from bench.common import Size
 from bench.placement import Placement
 from h3serve.common.config import load_deploy
 
+pytestmark = pytest.mark.processes
+
 
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
     args = argparse.Namespace(

@@ -9,7 +9,7 @@ import torch
 
 from bench import dit_sharded
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.processes]
 
 
 def test_quick_sharded_bench_writes_a_record_per_size_with_each_ranks_peak(tmp_path):

@@ -26,6 +26,8 @@ from h3serve.common.config import load_deploy
 from h3serve.model import rules
 from h3serve.v1 import gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 CLI = [sys.executable, "-m", "h3serve.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison

@@ -31,6 +31,8 @@ from h3serve.client import GatewayClient, GatewayUnreachable, RetryPolicy, defau
 from h3serve.common.config import DeployConfig, load_deploy
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 S = gateway_pb2
 TOKEN = "s3cret"

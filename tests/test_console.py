@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 CHROMIUM = Path("/usr/bin/chromium")
 # Without the background-networking flags Chromium's own connections are refused by a closed network.
 CHROMIUM_ARGS = [

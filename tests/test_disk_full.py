@@ -41,6 +41,8 @@ from h3serve.gateway.stages import STAGE_NAMES
 from h3serve.gateway.stages.calls import StageCaller
 from h3serve.v1 import gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 S = gateway_pb2
 DISK_MIB = 8
 REQUEST = S.ResolvedRequest(prompt="a fox", height=32, width=64, num_frames=124)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sums
 CHECKS = Path(__file__).with_name("dist_checks.py")
 

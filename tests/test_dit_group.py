@@ -29,7 +29,7 @@ from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.processes]
 PROMPT = "two foxes share a sandwich"
 TOLERANCE = 1e-5
 DIT2 = dict(world_size=2, fsdp=True, heartbeat_s=1.0, restart_backoff_s=1.0, max_restarts=5, collective_timeout_s=10.0)

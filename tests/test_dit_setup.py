@@ -24,6 +24,8 @@ from h3serve.services.dit.runner import DenoiseRunner, served
 from h3serve.services.dit.server import SERVICE_NAME, DiTServicer, GroupView
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 CPU = torch.device("cpu")
 
 

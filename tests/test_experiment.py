@@ -29,6 +29,8 @@ from h3serve.experiment.records import Records, job_row, stage_rows
 from h3serve.experiment.sweep import check_sweep
 from h3serve.experiment.workload import JobKind
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 # Tiny jobs, an open loop at about half the one-VAE capacity of the 2-core machine (a VAE pass takes ~0.6 s):
 # the VAE's queue matters with one replica and hardly with two.

@@ -17,6 +17,8 @@ from h3serve.common.config import load_deploy
 from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 SMALL = dict(prompt="a kite over a beach", height=32, width=64, num_inference_steps=8, seed=11)
 
 

@@ -19,6 +19,8 @@ from h3serve.common.processes import children
 from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 DIT = dict(world_size=2)  # two ranks: a rank and the launcher are different processes
 JOBS = 5
 STEPS = 40  # enough forwards that a kill lands mid-denoise on two CPU cores

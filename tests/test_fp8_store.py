@@ -22,6 +22,8 @@ from h3serve.runtime.models import ModelSource
 from h3serve.services.dit import parallel, rank
 from h3serve.services.dit.runner import DenoiseRunner, served
 
+pytestmark = pytest.mark.processes
+
 CPU, ONE_RANK = torch.device("cpu"), parallel.Layout(world_size=1, ulysses_degree=1, ring_degree=1, fsdp=False)
 TOKENS = 12
 

@@ -44,6 +44,8 @@ from h3serve.v1 import (
     vae_pb2_grpc,
 )
 
+pytestmark = pytest.mark.processes
+
 TOKEN = "fuzz-stage-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)

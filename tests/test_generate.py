@@ -15,6 +15,8 @@ from h3serve.client import GatewayClient
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, encoder_pb2_grpc, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 PROMPT = "a paper boat drifting down a rain gutter"
 SMALL = dict(prompt=PROMPT, height=32, width=64, num_frames=124, num_inference_steps=8)
 

@@ -12,6 +12,8 @@ import pytest
 
 from bench import common
 
+pytestmark = pytest.mark.processes
+
 STATUS = """Name:\tpython
 Pid:\t4242
 VmRSS:\t  350000 kB

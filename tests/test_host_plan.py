@@ -16,6 +16,8 @@ from h3serve.model.memory_plan import GIB, TRANSFORMER, plan
 from h3serve.runtime import pinned, weight_stream
 from h3serve.runtime.service import check_host_memory
 
+pytestmark = pytest.mark.processes
+
 CLI = [sys.executable, "-m", "h3serve.cli", "plan"]
 SINGLE = Path(__file__).resolve().parent.parent / "docs" / "deploy" / "single-32gb.toml"
 

@@ -28,7 +28,7 @@ from h3serve.gateway.http.app import max_body_bytes
 from h3serve.gateway.jobs.progress import advance
 from h3serve.v1 import gateway_pb2
 
-pytestmark = pytest.mark.gateway
+pytestmark = [pytest.mark.gateway, pytest.mark.processes]
 warnings.filterwarnings("ignore", category=DeprecationWarning, module="openai")  # its Sora deprecation notes
 SMALL = {"size": "64x32", "extra_body": {"steps": 4, "seed": 5}}
 SLOW = {"size": "64x32", "extra_body": {"steps": 60, "seed": 6}}  # long enough to act on while it runs

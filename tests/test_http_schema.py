@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
 
-pytestmark = [pytest.mark.gateway, pytest.mark.slow]
+pytestmark = [pytest.mark.gateway, pytest.mark.slow, pytest.mark.processes]
 EXAMPLES = 150  # per operation with inputs; the total is checked below
 TRUTHFUL_503 = ("no DiT replica is serving now",)
 

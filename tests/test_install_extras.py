@@ -23,6 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "h3serve"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

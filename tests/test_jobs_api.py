@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from h3serve.client import GatewayClient
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
 
-pytestmark = pytest.mark.gateway
+pytestmark = [pytest.mark.gateway, pytest.mark.processes]
 SMALL = dict(height=32, width=64, num_inference_steps=8)
 S = gateway_pb2
 

@@ -15,6 +15,8 @@ from h3serve.common.config import GatewayConfig
 from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import common_pb2, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 S = gateway_pb2
 REQUEST = S.ResolvedRequest(
     prompt="a fox",

@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import h3serve
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(h3serve.__file__).parent
 # What each package may import of h3serve (itself always). Imports run down this list, never up.

@@ -14,6 +14,9 @@ import logging, warnings
 import torch
 from h3serve.common import logs
 from diffusers import AutoencoderKL
+import pytest
+
+pytestmark = pytest.mark.processes
 logs.setup("vae")
 torch.nn.utils.weight_norm(torch.nn.Linear(2, 2))
 warnings.warn("a genuine warning", UserWarning)

@@ -24,6 +24,8 @@ from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, media_pb2
 
+pytestmark = pytest.mark.processes
+
 GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 LIMITS = dict(max_audio_seconds=4.5, max_rows=1000)
 STEPS, SEED = 4, 11

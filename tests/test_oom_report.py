@@ -28,6 +28,8 @@ from h3serve.common.processes import (
 )
 from h3serve.services.dit.supervisor import Group
 
+pytestmark = pytest.mark.processes
+
 TOTAL = 16 * GIB
 OOM_SAID = "most likely killed by the kernel's OOM killer: host had 0.50 GiB available of 16.00 GiB, "
 

@@ -21,6 +21,8 @@ from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, Refused, lock_dire
 from h3serve.common.server import start_server
 from h3serve.services.dit.supervisor import Group
 
+pytestmark = pytest.mark.processes
+
 CLI = [sys.executable, "-m", "h3serve.cli"]
 
 

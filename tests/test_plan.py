@@ -15,6 +15,8 @@ from h3serve.model import memory_plan
 from h3serve.model.memory_plan import GIB, TRANSFORMER, plan
 from h3serve.runtime import memory
 
+pytestmark = pytest.mark.processes
+
 CLI = [sys.executable, "-m", "h3serve.cli", "plan"]
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
 PROFILES = ("turing-4x22.toml", "single-32gb.toml")

@@ -29,6 +29,8 @@ from h3serve.common.processes import Ending, RepeatedFailure
 from h3serve.common.server import is_serving
 from h3serve.services.dit.supervisor import Group, rank0_serving
 
+pytestmark = pytest.mark.processes
+
 # An exit code that differs at every start: the launcher's restart count (DiT), or the starts counted so far (up).
 DIFFERENT_EXIT_DIT = "import os, sys; sys.exit(10 + int(os.environ['TORCHELASTIC_RESTART_COUNT']))"
 

@@ -17,7 +17,7 @@ from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
-pytestmark = pytest.mark.gateway
+pytestmark = [pytest.mark.gateway, pytest.mark.processes]
 S = gateway_pb2
 CLEAR = {
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -20,7 +20,7 @@ from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
-pytestmark = pytest.mark.gateway
+pytestmark = [pytest.mark.gateway, pytest.mark.processes]
 S = gateway_pb2
 SMALL = dict(height=32, width=64, num_inference_steps=30)
 STALL_S = 4.0

@@ -24,6 +24,8 @@ from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2, media_pb2
 
+pytestmark = pytest.mark.processes
+
 GEOMETRY = Geometry(**ADAPTER_GEOMETRY)
 PROMPT, SEED = "a kite over the dunes at noon", 9
 

@@ -18,6 +18,8 @@ from h3serve.gateway.stages.replicas import HEALTH_TTL_S
 from h3serve.model.rules import Geometry
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
+pytestmark = pytest.mark.processes
+
 GEOMETRY = Geometry(canvas_short_edge=32, canvas_max_pixels=2048, reference_image_short_edge=64)
 NOT_SERVED = "workflow: this deployment serves t2va; its DiT replicas do not load {} (the [dit] workflows setting)"
 

@@ -19,6 +19,8 @@ import torch
 from h3serve.runtime.sharded_load import RandomWeights
 from h3serve.runtime.tiny import build_component
 
+pytestmark = pytest.mark.processes
+
 TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sums
 MARGIN = 48 << 20  # host bytes a rank may hold during a load besides its shards and one block
 # a transformer large enough that its weights stand out of the interpreter's noise (~280 MB fp32), still fast

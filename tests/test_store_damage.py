@@ -13,6 +13,7 @@ import sys
 from contextlib import closing
 from pathlib import Path
 
+import pytest
 from conftest import free_port, with_store, write_config
 
 from h3serve.cli.launcher import ServiceGroup
@@ -22,6 +23,8 @@ from h3serve.common.processes import EXIT_REFUSED, command_line
 from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.sqlite import BUSY_WAIT_S
 from h3serve.v1 import gateway_pb2
+
+pytestmark = pytest.mark.processes
 
 S = gateway_pb2
 CLI = [sys.executable, "-m", "h3serve.cli"]

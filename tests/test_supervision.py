@@ -21,6 +21,8 @@ from h3serve.client import GatewayClient
 from h3serve.common.processes import Proc, children, descendants
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 DIT2 = dict(world_size=2, heartbeat_s=1.0, restart_backoff_s=0.5, max_restarts=5, collective_timeout_s=30.0)
 SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\n"
 

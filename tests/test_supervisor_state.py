@@ -39,6 +39,8 @@ from h3serve.gateway.stages.stage import JobContext
 from h3serve.gateway.stages.watchdog import Watchdog
 from h3serve.v1 import encoder_pb2, encoder_pb2_grpc, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 OUTAGE_S = 0.3
 
 

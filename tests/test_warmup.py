@@ -21,6 +21,8 @@ from h3serve.common.config import ConfigError, load_deploy
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
 
+pytestmark = pytest.mark.processes
+
 WARM = dict(compile=True, warmup=["32x64x124"], warmup_steps=3, workflows=["t2va"])
 
 
