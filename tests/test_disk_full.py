@@ -22,6 +22,7 @@ import openai
 import pytest
 from conftest import free_port, write_config
 from media_files import image
+from up_process import eventually
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
@@ -252,6 +253,17 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
             (lambda: client.stub.Submit(S.GenerateRequest(prompt="no room", **SMALL)), data_dir, SQLITE_FULL),
             # a call with no handler of its own for it (the guard's): the bin is a write too
             (lambda: client.stub.DeleteJob(S.DeleteJobRequest(job_id=ended.job_id)), data_dir, SQLITE_FULL),
+            # the job stops, but its end cannot be written: said at once (twice), not after the space returns
+            (
+                lambda: client.stub.CancelJob(S.CancelJobRequest(job_id=waiting.job_id), timeout=60),
+                data_dir,
+                SQLITE_FULL,
+            ),
+            (
+                lambda: client.stub.CancelJob(S.CancelJobRequest(job_id=waiting.job_id), timeout=60),
+                data_dir,
+                SQLITE_FULL,
+            ),
         ):
             with pytest.raises(grpc.RpcError) as refused:
                 call()
@@ -288,13 +300,16 @@ def test_a_full_disk_refuses_uploads_and_jobs_naming_it_and_the_gateway_carries_
         )
 
         filler.unlink()
-        # The same gateway carries on: uploads and jobs succeed, and the job from before still has its worker.
+        # The same gateway carries on: uploads and jobs succeed, and the cancelled job's worker records its end.
         assert client.stub.UploadAsset(_chunks(pictures[1])).asset_id == _sha256(pictures[1].read_bytes())
         assert door.upload(pictures[2].name, pictures[2].read_bytes())["id"] == _sha256(pictures[2].read_bytes())
         accepted = client.stub.Submit(S.GenerateRequest(prompt="room again", **SMALL))
         assert client.job(accepted.job_id).state in (S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING)
         assert door.create("room again, over HTTP").status in ("queued", "in_progress")
+        # its worker tries again every DISK_RETRY_S (2 s): until then a cancel still hears the full disk
+        assert eventually(lambda: client.job(waiting.job_id).state == S.JOB_STATE_CANCELLED, 30)
         assert client.stub.CancelJob(S.CancelJobRequest(job_id=waiting.job_id)).state == S.JOB_STATE_CANCELLED
+        assert _stored_jobs(data_dir / "jobs.sqlite")[waiting.job_id] == (S.JOB_STATE_CANCELLED, [*kinds, "cancelled"])
 
 
 def test_a_gateway_started_on_a_full_disk_is_refused_naming_it_and_starts_once_there_is_room(disk, tmp_path):

@@ -32,6 +32,7 @@ from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
 
 log = logging.getLogger("h3serve.gateway")
 DOWNLOAD_CHUNK = 1 << 20
+END_POLL_S = 0.1  # a cancel waiting for its job's end looks this often whether a full disk holds it back
 MAX_PAGE_SIZE, DEFAULT_PAGE_SIZE = 1000, 100
 PAGE_TOKEN = re.compile(r"[0-9]{1,19}")  # a row id: ASCII digits within int64 (str.isdigit also takes "²")
 MAX_ROWID = 2**63 - 1
@@ -196,10 +197,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.store.set_deleted(job.job_id, False)
 
     async def _cancel(self, job_id: str) -> None:
-        """Cancel a queued or running job and return once it has reached its terminal state (else at once)."""
-        if self.runner.cancel(job_id):
-            async for _ in self.hub.watch(job_id):
-                pass
+        """Cancel a queued or running job and return once it has reached its terminal state (else at once). While a
+        full disk keeps that state from the store, DiskFull says so at once (the guard's RESOURCE_EXHAUSTED): the job
+        is stopped, and its end is recorded when space returns."""
+        if not self.runner.cancel(job_id):
+            return
+        ended = asyncio.ensure_future(self._terminal(job_id))
+        try:
+            while not (await asyncio.wait({ended}, timeout=END_POLL_S))[0]:
+                if (full := self.runner.end_waiting(job_id)) is not None:
+                    raise full
+        finally:
+            ended.cancel()
+
+    async def _terminal(self, job_id: str) -> None:
+        async for _ in self.hub.watch(job_id):
+            pass
 
     async def DownloadArtifact(self, request, context):
         found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None

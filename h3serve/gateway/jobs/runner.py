@@ -94,6 +94,7 @@ class JobRunner:
         )
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
+        self._ends_waiting: dict[str, DiskFull] = {}  # jobs whose end a full disk keeps from the store, and why
 
     def start(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         task = asyncio.get_running_loop().create_task(self._run(job_id, request), name=f"job-{job_id}")
@@ -105,9 +106,15 @@ class JobRunner:
         task = self._tasks.get(job_id)
         if task is None:
             return False
+        if job_id in self._ends_waiting:  # already ending: cancelled now, its task would never record the end
+            return True
         self._cancel_requested.add(job_id)
         task.cancel()
         return True
+
+    def end_waiting(self, job_id: str) -> DiskFull | None:
+        """Why the job's end is not recorded yet, while a full disk keeps it from the store (else None)."""
+        return self._ends_waiting.get(job_id)
 
     async def shutdown(self) -> None:
         """Stop in-flight jobs without a verdict: they go back to the queue, their attempt not counted, and the
@@ -169,6 +176,9 @@ class JobRunner:
         except StageFailed as exc:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except DiskFull as exc:
+            if job_id in self._cancel_requested:  # met while the cancel was being recorded: the client's word stands
+                await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
+                return
             log.warning("job %s failed: %s", job_id, exc)
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
         except Exception as exc:
@@ -228,12 +238,14 @@ class JobRunner:
         for tries in itertools.count():
             try:
                 self.hub.publish(await self.store.finish(job_id, state, event))
+                self._ends_waiting.pop(job_id, None)
                 return
             except DiskFull as exc:
                 if not tries:
                     log.warning(
                         "job %s: its end waits for space on the disk (tried every %g s): %s", job_id, DISK_RETRY_S, exc
                     )
+                self._ends_waiting[job_id] = exc
                 await asyncio.sleep(DISK_RETRY_S)
 
     async def _pipeline(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> None:
