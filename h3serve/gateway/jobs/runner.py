@@ -106,8 +106,8 @@ class JobRunner:
         task = self._tasks.get(job_id)
         if task is None:
             return False
-        if job_id in self._ends_waiting:  # already ending: cancelled now, its task would never record the end
-            return True
+        if job_id in self._ends_waiting:  # already ending: cancelling its task again would cut the retries
+            return True  # that record its end, leaving it running in the store with no worker
         self._cancel_requested.add(job_id)
         task.cancel()
         return True
