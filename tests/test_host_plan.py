@@ -1,4 +1,4 @@
-"""Host memory as a budget (h3serve/model/memory_plan.py's host part, `h3serve plan --host-gib`, each model service's
+"""Host memory as a budget (h3serve/common/memory_plan.py's host part, `h3serve plan --host-gib`, each model service's
 own check at start): private host memory per service and phase, refusals with the numbers, the measured profile."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from h3serve.cli.plan import host_size
+from h3serve.common import memory_plan
 from h3serve.common.config import load_deploy
-from h3serve.model import memory_plan
-from h3serve.model.memory_plan import GIB, TRANSFORMER, plan
+from h3serve.common.memory_plan import GIB, TRANSFORMER, plan
 from h3serve.runtime import pinned, weight_stream
 from h3serve.runtime.service import check_host_memory
 

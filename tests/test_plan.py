@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3serve.common import memory_plan
 from h3serve.common.config import load_deploy
-from h3serve.model import memory_plan
-from h3serve.model.memory_plan import GIB, TRANSFORMER, plan
+from h3serve.common.memory_plan import GIB, TRANSFORMER, plan
 from h3serve.runtime import memory
 
 pytestmark = pytest.mark.processes

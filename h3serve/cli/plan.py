@@ -1,6 +1,6 @@
 """`h3serve plan --config F`: each GPU's and the host's predicted memory for a deployment file, before anything loads.
 
-Arithmetic from parameter counts (h3serve/model/memory_plan.py): no torch, no GPU. A placement that cannot
+Arithmetic from parameter counts (h3serve/common/memory_plan.py): no torch, no GPU. A placement that cannot
 fit is refused with exit status 2 and one line per problem on stderr, naming the GPU or the host, the processes
 and the numbers. The host's size: --host-gib, else `[supervisor] host_memory_gib`, else this machine's MemTotal.
 """
@@ -34,7 +34,7 @@ def host_size(flag: float | None, configured: float, meminfo: str = MEMINFO) -> 
 
 
 def _run(args) -> None:
-    from h3serve.model import memory_plan
+    from h3serve.common import memory_plan
 
     config = load_deploy(args.config)
     host_gib, source = host_size(args.host_gib, config.supervisor.host_memory_gib)

@@ -5,7 +5,7 @@ Several services may share one GPU; each process's caching allocator keeps what 
 process's cache can starve the next stage (on one H200 at 768x1344x124 the DiT process held 77 GiB, the
 encoder 51 GiB, and the VAE decode ran out of memory). `release` hands the cache back after every request;
 `cap` bounds a process to `memory_limit_gib` (e.g. to emulate a 22 GB card on a bigger one).
-`h3serve plan` predicts whether the caps and the cards fit (h3serve/model/memory_plan.py).
+`h3serve plan` predicts whether the caps and the cards fit (h3serve/common/memory_plan.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from h3serve.model.memory_plan import GIB, limit_fraction
+from h3serve.common.memory_plan import GIB, limit_fraction
 
 log = logging.getLogger("h3serve.memory")
 

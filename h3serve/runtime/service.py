@@ -8,10 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from h3serve.common import logs
+from h3serve.common import logs, memory_plan
 from h3serve.common.config import ModelServiceConfig
 from h3serve.common.processes import GIB, MEMINFO, read_meminfo
-from h3serve.model import memory_plan
 from h3serve.runtime import compile_cache, memory
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2
@@ -31,7 +30,7 @@ def warm_up(service: str, run: Callable[[], None]) -> None:
 
 def check_host_memory(service: str, config: ModelServiceConfig, meminfo: str = MEMINFO) -> None:
     """Before a model service loads anything: its predicted start peak of private host memory
-    (h3serve/model/memory_plan.py) against the host's MemAvailable now, so a host too small refuses with the numbers
+    (h3serve/common/memory_plan.py) against the host's MemAvailable now, so a host too small refuses with the numbers
     instead of the OOM killer taking a process minutes later. memory_plan.HostMemoryError (a ValueError) when it
     does not fit; nothing is checked where meminfo is unreadable."""
     found = read_meminfo(meminfo)

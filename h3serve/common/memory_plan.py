@@ -97,11 +97,17 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from h3serve.common.config import (
+    SERVICES,
+    DeployConfig,
+    DiTConfig,
+    EncoderConfig,
+    ModelServiceConfig,
+    VaeConfig,
+)
 from h3serve.model import rules, workflows
 
 GIB = 1 << 30
@@ -312,11 +318,11 @@ def _listed(gpus: str) -> list[str]:
     return [gpu.strip() for gpu in gpus.split(",") if gpu.strip()]
 
 
-def _on_gpu(service) -> bool:
+def _on_gpu(service: ModelServiceConfig) -> bool:
     return service.device.split(":")[0] == "cuda"
 
 
-def _device_gpus(service, count: int, notes: list[str], name: str) -> list[str]:
+def _device_gpus(service: ModelServiceConfig, count: int, notes: list[str], name: str) -> list[str]:
     """The GPUs (as CUDA_VISIBLE_DEVICES names them) of `count` devices of a process, from the device index on."""
     listed = _listed(service.gpus)
     if not listed:
@@ -328,7 +334,10 @@ def _device_gpus(service, count: int, notes: list[str], name: str) -> list[str]:
 
 
 def workload(
-    config: Any, canvas: tuple[int, int] | None = None, frames: int | None = None, text_rows: int = DEFAULT_TEXT_ROWS
+    config: DeployConfig,
+    canvas: tuple[int, int] | None = None,
+    frames: int | None = None,
+    text_rows: int = DEFAULT_TEXT_ROWS,
 ) -> Workload:
     """The request to plan for (module docstring): by default the largest canvas at the longest clip, bounded by
     admission."""
@@ -344,8 +353,9 @@ def workload(
     limits = {"[gateway] max_rows": config.gateway.max_rows, "[dit] max_rows": config.dit.max_rows}
     tables = [config.gateway.capacity.get(f.name, {}) for f in served]
     per_flow = [table.get(f"{height}x{width}", table.get("*")) for table in tables]
-    if all(limit is not None for limit in per_flow):  # a workflow with no entry is not limited
-        limits[f"[gateway] capacity for {height}x{width}"] = max(per_flow)
+    bounded = [limit for limit in per_flow if limit is not None]
+    if len(bounded) == len(per_flow):  # a workflow with no entry is not limited
+        limits[f"[gateway] capacity for {height}x{width}"] = max(bounded)
     source = min(limits, key=limits.__getitem__)
     if frames is None and limits[source] < rows:
         rows = limits[source]
@@ -359,7 +369,7 @@ def workload(
     return Workload(height, width, longest, rows, bound)
 
 
-def _dit_shares(dit, work: Workload, notes: list[str]) -> list[Share]:
+def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]:
     world, per_node = dit.world_size, dit.world_size // dit.nnodes
     partitions = sorted({workflows.by_name(name).partition for name in dit.workflows})
     count = len(partitions)
@@ -400,7 +410,7 @@ def _file_gib(path: str) -> float:
         return 0.0
 
 
-def _encoder_shares(encoder, notes: list[str]) -> list[Share]:
+def _encoder_shares(encoder: EncoderConfig, notes: list[str]) -> list[Share]:
     if not _on_gpu(encoder):
         return []
     listed = _listed(encoder.gpus)
@@ -417,7 +427,7 @@ def _encoder_shares(encoder, notes: list[str]) -> list[Share]:
     ]
 
 
-def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
+def _vae_shares(vae: VaeConfig, work: Workload, notes: list[str]) -> list[Share]:
     if not _on_gpu(vae):
         return []
     weights = _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))
@@ -434,7 +444,7 @@ def _vae_shares(vae, work: Workload, notes: list[str]) -> list[Share]:
 
 
 def plan(
-    config: Any,
+    config: DeployConfig,
     gpu_gib: float | None = None,
     canvas: tuple[int, int] | None = None,
     frames: int | None = None,
@@ -544,11 +554,11 @@ def pinned_gib(nbytes: float, large: tuple[float, ...] = ()) -> float:
     return math.ceil(_gib(nbytes - sum(large)) / ARENA_GIB) * ARENA_GIB + alone
 
 
-def _runtime(service) -> float:
+def _runtime(service: ModelServiceConfig) -> float:
     return PROCESS_BASE_GIB if _on_gpu(service) else CPU_PROCESS_BASE_GIB
 
 
-def _tiny(service) -> bool:
+def _tiny(service: ModelServiceConfig) -> bool:
     """The built-in tiny preset, or a model directory whose weights are that small (the tiny preset saved, as the
     tests' stacks load it): megabytes of weights, not the released sizes the plan assumes."""
     return not service.model_dir or _small_directory(service.model_dir)
@@ -562,7 +572,7 @@ def _small_directory(model_dir: str) -> bool:
     return weights < SMALL_MODEL_GIB
 
 
-def dit_host(dit) -> HostNeed:
+def dit_host(dit: DiTConfig) -> HostNeed:
     """The DiT's processes on one node: its launcher and world_size / nnodes ranks."""
     ranks = dit.world_size // dit.nnodes
     runtime = {"launcher": LAUNCHER_GIB, "runtime": ranks * _runtime(dit)}
@@ -589,7 +599,7 @@ def dit_host(dit) -> HostNeed:
     return HostNeed("dit", {**runtime, **adapters}, runtime)
 
 
-def encoder_host(encoder, quantize: str | None = None) -> HostNeed:
+def encoder_host(encoder: EncoderConfig, quantize: str | None = None) -> HostNeed:
     """The text encoder's process; `quantize` plans another setting than the configured one."""
     quantize = quantize or encoder.quantize
     runtime = {"runtime": _runtime(encoder)}
@@ -613,7 +623,7 @@ def encoder_host(encoder, quantize: str | None = None) -> HostNeed:
     return HostNeed("encoder", runtime, runtime)
 
 
-def vae_host(vae) -> HostNeed:
+def vae_host(vae: VaeConfig) -> HostNeed:
     runtime = {"runtime": _runtime(vae)}
     if _on_gpu(vae) or _tiny(vae):
         return HostNeed("vae", runtime, runtime)
@@ -621,7 +631,15 @@ def vae_host(vae) -> HostNeed:
     return HostNeed("vae", {**runtime, **weights}, {**runtime, **weights})
 
 
-SERVICE_HOST: dict[str, Callable[[Any], HostNeed]] = {"encoder": encoder_host, "dit": dit_host, "vae": vae_host}
+def host_need(section: ModelServiceConfig) -> HostNeed:
+    """The host memory of the model service that `section` configures."""
+    if isinstance(section, DiTConfig):
+        return dit_host(section)
+    if isinstance(section, EncoderConfig):
+        return encoder_host(section)
+    if isinstance(section, VaeConfig):
+        return vae_host(section)
+    raise TypeError(f"not a model service's section: {type(section).__name__}")
 
 
 @dataclass(frozen=True)
@@ -652,7 +670,7 @@ class HostPlan:
         )
         return out
 
-    def problems(self, config: Any) -> list[str]:
+    def problems(self, config: DeployConfig) -> list[str]:
         if self.usable is None:
             return []
         problems = []
@@ -671,7 +689,7 @@ class HostPlan:
         return problems
 
 
-def _int8_proposal(config: Any, host: HostPlan) -> list[str]:
+def _int8_proposal(config: DeployConfig, host: HostPlan) -> list[str]:
     """Where the encoder's bf16 weights in host memory are what does not fit and its int8 ones would."""
     encoder = config.encoder
     if not (encoder.cpu_offload and encoder.quantize == "none" and _on_gpu(encoder)) or _tiny(encoder):
@@ -690,17 +708,17 @@ def _int8_proposal(config: Any, host: HostPlan) -> list[str]:
     ]
 
 
-def host_plan(config: Any, size: float | None, source: str) -> HostPlan:
-    needs = [SERVICE_HOST[name](config.service(name)) for name in SERVICE_HOST]
+def host_plan(config: DeployConfig, size: float | None, source: str) -> HostPlan:
+    needs = [host_need(config.service(name)) for name in SERVICES]
     gateway = {"runtime": GATEWAY_GIB}
     return HostPlan((*needs, HostNeed("gateway", gateway, gateway)), size, source)
 
 
-def check_host(service: str, section: Any, available_gib: float) -> HostNeed:
+def check_host(service: str, section: ModelServiceConfig, available_gib: float) -> HostNeed:
     """A model service's own check at its start, before it loads anything: its start peak against the host's
     MemAvailable now (the other services may be starting too: this sees only what they hold already).
     HostMemoryError (a ValueError) names the service, the phase and the numbers."""
-    need = SERVICE_HOST[service](section)
+    need = host_need(section)
     if need.start > available_gib:
         raise HostMemoryError(
             f"host memory: {service} needs {need.start:.1f} GiB of private host memory at start "
