@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,8 @@ import pytest
 from bench.deployment import toml_value
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.common.config import load_deploy
+from h3serve.services.dit import hold
+from h3serve.v1 import gateway_pb2
 
 
 def free_port() -> int:
@@ -124,6 +128,44 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.processes)
 
 
+# The denoise step an armed `dit_hold` keeps a job at, and a small job that is mid-denoise there (its 8 steps send 7
+# step events: 5 are still to come).
+HOLD_STEP = 2
+HELD = dict(height=32, width=64, num_inference_steps=8)
+
+
+class DitHold:
+    """The tests' side of the DiT's hold point (h3serve/services/dit/hold.py): inside `armed()`, a job that reaches
+    HOLD_STEP waits there until the block ends or its client cancels, so a kill or a cancel made after seeing its
+    event for that step (`holds`) provably lands mid-denoise, where a long CPU run only made it likely."""
+
+    def __init__(self, point: hold.Hold) -> None:
+        self.point = point
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        self.point.gate.touch()
+        try:
+            yield
+        finally:
+            self.point.gate.unlink()
+
+    @staticmethod
+    def holds(event: gateway_pb2.JobEvent) -> bool:
+        """Whether `event` is its job's step at the hold: armed, the job waits there."""
+        return event.HasField("denoising") and event.denoising.step == HOLD_STEP
+
+
+@pytest.fixture(scope="session")
+def dit_hold(tmp_path_factory) -> Iterator[DitHold]:
+    """The hold point, set in the environment of every process started after this fixture: a fixture or test that
+    starts a DiT and holds its jobs asks for it first (`stack` does)."""
+    point = hold.Hold(HOLD_STEP, tmp_path_factory.mktemp("dit-hold") / "gate")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(hold.ENV, point.setting)
+        yield DitHold(point)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from h3serve.runtime.tiny import write_tiny_model
@@ -132,8 +174,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, tiny_model_dir):
-    """Encoder, DiT, VAE and gateway as real processes, loading the tiny model from its directory."""
+def stack(tmp_path_factory, tiny_model_dir, dit_hold):
+    """Encoder, DiT, VAE and gateway as real processes, loading the tiny model from its directory; started after
+    `dit_hold`, so its DiT, and those tests start beside it, hold jobs while it is armed."""
     root = tmp_path_factory.mktemp("stack")
     ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "metrics", "http")}
     config_path = write_config(

@@ -21,10 +21,11 @@ SLEEP = "import time; time.sleep(600)"
 
 
 def health_server(port: int) -> str:
-    """A child that serves gRPC health (SERVING) on `port` until it is killed."""
+    """A child that serves gRPC health (SERVING) on `port` until it is killed. It holds on to its server: one that is
+    collected stops serving."""
     return (
         "import threading; from h3serve.common.server import start_server; "
-        f"start_server(lambda s: None, [], '127.0.0.1:{port}'); threading.Event().wait()"
+        f"server = start_server(lambda s: None, [], '127.0.0.1:{port}'); threading.Event().wait()"
     )
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import QUICK_OUTAGE, free_port, write_config
+from conftest import HELD, QUICK_OUTAGE, free_port, write_config
 from safetensors.torch import load_file, save_file
 
 from h3serve.cli.launcher import ServiceGroup, is_answering, is_serving
@@ -94,25 +94,25 @@ def test_finished_jobs_survive_a_gateway_restart(stack, tmp_path):
     assert path.stat().st_size == final.done.video.bytes
 
 
-def interrupt_mid_denoise(stack, request: gateway_pb2.GenerateRequest, signum: int):
-    """Submit `request` and restart the gateway with `signum` at its first denoise step: (job, that event)."""
+def interrupt_mid_denoise(stack, dit_hold, request: gateway_pb2.GenerateRequest, signum: int):
+    """Submit `request` and restart the gateway with `signum` while the DiT holds it mid-denoise: (job, the event of
+    the step it is held at)."""
     client = GatewayClient(stack.address("gateway"))
-    job = client.stub.Submit(request)
-    assert job.state in (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING)
-    stream = client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id))
-    first_step = next(e for e in stream if e.HasField("denoising"))
-    stack.group.restart("gateway", signum)
+    with dit_hold.armed():
+        job = client.stub.Submit(request)
+        assert job.state in (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING)
+        stream = client.stub.Watch(gateway_pb2.WatchRequest(job_id=job.job_id))
+        held = next(e for e in stream if dit_hold.holds(e))
+        stack.group.restart("gateway", signum)
     stream.cancel()
     client.close()
-    return job, first_step
+    return job, held
 
 
 @pytest.mark.gateway
-def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_result(stack, tmp_path):
-    request = gateway_pb2.GenerateRequest(
-        prompt="a slow one", height=128, width=224, num_inference_steps=40, seed=2, include_raw=True
-    )
-    job, first_step = interrupt_mid_denoise(stack, request, signal.SIGKILL)  # no terminal event was written
+def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_result(stack, dit_hold, tmp_path):
+    request = gateway_pb2.GenerateRequest(prompt="a slow one", **HELD, seed=2, include_raw=True)
+    job, held = interrupt_mid_denoise(stack, dit_hold, request, signal.SIGKILL)  # no terminal event was written
 
     client = GatewayClient(stack.address("gateway"))
     try:
@@ -125,7 +125,7 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
         client.close()
     kinds = [e.WhichOneof("kind") for e in events]
     assert [e.seq for e in events] == list(range(1, len(events) + 1)), "nothing lost, nothing repeated"
-    assert first_step.seq < kinds.index("retrying") + 1 and kinds[-1] == "done"
+    assert held.seq < kinds.index("retrying") + 1 and kinds[-1] == "done"
     assert kinds.count("accepted") == 1 and kinds.count("retrying") == 1
     # A restart spends no attempt: the killed run is re-run 1 of MAX_RESTART_RERUNS, the job still on attempt 1.
     assert events[kinds.index("retrying")].retrying == gateway_pb2.Retrying(
@@ -146,9 +146,9 @@ def test_a_job_in_flight_when_the_gateway_is_killed_runs_again_to_the_same_resul
 
 
 @pytest.mark.gateway
-def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_attempt(stack):
-    request = gateway_pb2.GenerateRequest(prompt="a stopped one", height=128, width=224, num_inference_steps=40, seed=3)
-    job, _ = interrupt_mid_denoise(stack, request, signal.SIGTERM)  # through the shutdown path
+def test_a_graceful_gateway_stop_requeues_the_job_in_flight_without_using_an_attempt(stack, dit_hold):
+    request = gateway_pb2.GenerateRequest(prompt="a stopped one", **HELD, seed=3)
+    job, _ = interrupt_mid_denoise(stack, dit_hold, request, signal.SIGTERM)  # through the shutdown path
 
     client = GatewayClient(stack.address("gateway"))
     try:

@@ -5,13 +5,16 @@ calls it caught in progress."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
+from conftest import HELD, DitHold
 from up_process import CLEAN_EXIT, Up, environment, wait_until
 
 from h3serve.client import GatewayClient
@@ -23,7 +26,6 @@ pytestmark = pytest.mark.processes
 
 DIT = dict(world_size=2)  # two ranks: a rank and the launcher are different processes
 JOBS = 5
-STEPS = 40  # enough forwards that a kill lands mid-denoise on two CPU cores
 DONE = gateway_pb2.JOB_STATE_SUCCEEDED
 # The two reasons a gateway restart re-runs a job with: a stage call of it was in progress (one of its
 # MAX_RESTART_RERUNS), or it only waited in a queue (free).
@@ -39,7 +41,7 @@ TERMINAL = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gatew
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, tiny_model_dir):
+def deployment(tmp_path_factory, tiny_model_dir, dit_hold):
     up = Up(tmp_path_factory.mktemp("fault-walk"), tiny_model_dir, DIT)
     try:
         up.wait_serving()
@@ -53,10 +55,12 @@ def deployment(tmp_path_factory, tiny_model_dir):
 def submit(up: Up, name: str, count: int = JOBS) -> list[str]:
     client = GatewayClient(f"127.0.0.1:{up.ports['gateway']}")
     try:
-        params = common_pb2.GenerationParams(num_inference_steps=STEPS, seed=7)
+        params = common_pb2.GenerationParams(num_inference_steps=HELD["num_inference_steps"], seed=7)
         return [
             client.stub.Submit(
-                gateway_pb2.GenerateRequest(prompt=f"{name} {i}", height=64, width=128, params=params)
+                gateway_pb2.GenerateRequest(
+                    prompt=f"{name} {i}", height=HELD["height"], width=HELD["width"], params=params
+                )
             ).job_id
             for i in range(count)
         ]
@@ -80,9 +84,13 @@ def events(up: Up, job_id: str) -> list[gateway_pb2.JobEvent]:
     return list(watch(up, job_id, timeout=10.0))
 
 
-def reached(up: Up, job_id: str, kind: str) -> bool:
-    """Whether the job has an event of `kind`: answered the moment it is seen, so a kill lands right after it."""
-    return any(event.HasField(kind) for event in watch(up, job_id, timeout=2.0))
+def has(kind: str) -> Callable[[gateway_pb2.JobEvent], bool]:
+    return lambda event: event.HasField(kind)
+
+
+def reached(up: Up, job_id: str, moment: Callable[[gateway_pb2.JobEvent], bool]) -> bool:
+    """Whether the job has an event `moment` picks: answered the moment it is seen, so a kill lands right after it."""
+    return any(moment(event) for event in watch(up, job_id, timeout=2.0))
 
 
 def final_jobs(up: Up, job_ids: list[str], limit_s: float = 300) -> list[gateway_pb2.Job]:
@@ -105,41 +113,45 @@ def rank_zero(up: Up) -> int:
     raise AssertionError("no DiT rank 0")
 
 
-VICTIMS = {  # the process to kill, and the event of the first job to wait for before killing it
+# The process to kill, and the event of the first job to wait for before killing it: with DitHold.holds, the DiT holds
+# the job at that step (mid-denoise) until the kill has landed.
+VICTIMS = {
     "encoder": (lambda up: up.service("encoder"), None),
-    "dit-rank-0": (rank_zero, "denoising"),
-    "dit-launcher": (lambda up: up.service("dit"), "denoising"),
-    "vae": (lambda up: up.service("vae"), "decoding"),
-    "gateway": (lambda up: up.service("gateway"), "denoising"),
+    "dit-rank-0": (rank_zero, DitHold.holds),
+    "dit-launcher": (lambda up: up.service("dit"), DitHold.holds),
+    "vae": (lambda up: up.service("vae"), has("decoding")),
+    "gateway": (lambda up: up.service("gateway"), DitHold.holds),
 }
 
 
 @pytest.mark.parametrize("victim", VICTIMS)
-def test_every_acknowledged_job_outlives_a_killed_process(deployment, victim):
+def test_every_acknowledged_job_outlives_a_killed_process(deployment, dit_hold, victim):
     up, (pid_of, moment) = deployment, VICTIMS[victim]
     up.wait_serving()
-    jobs = submit(up, victim)
-    if moment:
-        wait_until(lambda: reached(up, jobs[0], moment), 120, f"job 1 {moment}", poll_s=0.05)
-    os.kill(pid_of(up), signal.SIGKILL)
+    with dit_hold.armed() if moment is DitHold.holds else contextlib.nullcontext():
+        jobs = submit(up, victim)
+        if moment:
+            wait_until(lambda: reached(up, jobs[0], moment), 120, f"job 1 at its moment to kill {victim}", poll_s=0.05)
+        os.kill(pid_of(up), signal.SIGKILL)
     ended = final_jobs(up, jobs)
     assert [(job.state, job.error.message) for job in ended] == [(DONE, "")] * JOBS
     up.collect()
 
 
-def test_the_gateway_killed_twice_spends_no_attempt_and_counts_only_the_stage_calls_it_caught(deployment):
+def test_the_gateway_killed_twice_spends_no_attempt_and_counts_only_the_stage_calls_it_caught(deployment, dit_hold):
     up = deployment
     up.wait_serving()
-    jobs = submit(up, "twice")
-    wait_until(lambda: reached(up, jobs[0], "denoising"), 120, "job 1 denoising", poll_s=0.05)
-    for _ in range(2):
-        gateway = up.service("gateway")
-        os.kill(gateway, signal.SIGKILL)
-        wait_until(
-            lambda gateway=gateway: up.service("gateway") not in (None, gateway), 60, "the gateway started again"
-        )
-        wait_until(lambda: reached(up, jobs[0], "accepted"), 120, "the gateway answers again")
-        time.sleep(1.0)  # the jobs are back in the stage queues when it dies again
+    with dit_hold.armed():  # job 1 waits mid-denoise at the first kill, and again wherever the second finds it
+        jobs = submit(up, "twice")
+        wait_until(lambda: reached(up, jobs[0], DitHold.holds), 120, "job 1 held mid-denoise", poll_s=0.05)
+        for _ in range(2):
+            gateway = up.service("gateway")
+            os.kill(gateway, signal.SIGKILL)
+            wait_until(
+                lambda gateway=gateway: up.service("gateway") not in (None, gateway), 60, "the gateway started again"
+            )
+            wait_until(lambda: reached(up, jobs[0], has("accepted")), 120, "the gateway answers again")
+            time.sleep(1.0)  # the jobs are back in the stage queues when it dies again
     ended = final_jobs(up, jobs)
     assert [job.state for job in ended] == [DONE] * JOBS
     first_reasons = []

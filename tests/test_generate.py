@@ -9,6 +9,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
+from conftest import HELD
 
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
@@ -124,24 +125,26 @@ def test_repeated_prompt_hits_the_cache_and_runs_no_model(stack, client):
     assert info.cache_hits >= 1
 
 
-def test_cancel_mid_denoise_stops_within_one_step(stack, client):
+def test_cancel_mid_denoise_stops_within_one_step(stack, client, dit_hold):
     dit = dit_pb2_grpc.DiTStub(grpc.insecure_channel(stack.address("dit")))
     before = dit.Info(common_pb2.InfoRequest()).steps_served
-    request = gateway_pb2.GenerateRequest(prompt=PROMPT, height=256, width=448, num_inference_steps=60, seed=3)
+    request = gateway_pb2.GenerateRequest(prompt=PROMPT, **HELD, seed=3)
     events, cancelled = [], threading.Event()
 
     def on_event(event):
         events.append(event)
-        if event.HasField("denoising") and event.denoising.step == 3 and not cancelled.is_set():
+        if dit_hold.holds(event) and not cancelled.is_set():  # the DiT waits at this step: the cancel lands mid-run
             cancelled.set()
             job = client.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=event.job_id))
             assert job.state == gateway_pb2.JOB_STATE_CANCELLED
 
-    final = client.generate(request, on_event)
+    with dit_hold.armed():
+        final = client.generate(request, on_event)
     assert final.WhichOneof("kind") == "cancelled"
     last_step = max(e.denoising.step for e in events if e.HasField("denoising"))
     ran = dit.Info(common_pb2.InfoRequest()).steps_served - before
-    assert ran <= last_step + 1 < 59, f"the DiT ran {ran} steps after the client saw {last_step}"
+    total = request.num_inference_steps - 1  # step events of a job that runs to its end
+    assert ran <= last_step + 1 < total, f"the DiT ran {ran} steps after the client saw {last_step}"
     job = client.job(final.job_id)
     assert job.state == gateway_pb2.JOB_STATE_CANCELLED
     assert [(r.stage, r.finished, r.error) for r in job.stage_records][-1] == ("dit", 0.0, "cancelled by CancelJob")

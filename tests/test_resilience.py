@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import QUICK_OUTAGE, free_port, write_config
+from conftest import HELD, QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
@@ -77,7 +77,7 @@ class HealthWatch:
         self.channel.close()
 
 
-def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tmp_path):
+def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, dit_hold, tmp_path):
     ports = {**stack.ports, "dit": free_port(), "gateway": free_port()}
     with group(
         tmp_path,
@@ -94,15 +94,14 @@ def test_a_stalled_dit_is_caught_by_the_watchdog_and_health_follows_it(stack, tm
         ranks = dit_ranks(f"127.0.0.1:{ports['dit']}")
         watch = HealthWatch(address)
         try:
-            # Long enough (40 steps at 128x224) that the DiT is still denoising when it is stopped.
-            job = client.stub.Submit(
-                S.GenerateRequest(prompt="a stalled one", seed=4, height=128, width=224, num_inference_steps=40)
-            )
-            stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
-            next(e for e in stream if e.HasField("denoising"))
-            stream.cancel()
-            for pid in ranks:
-                os.kill(pid, signal.SIGSTOP)
+            # Held mid-denoise while its ranks are stopped; released while they are, so it goes on only at SIGCONT.
+            with dit_hold.armed():
+                job = client.stub.Submit(S.GenerateRequest(prompt="a stalled one", seed=4, **HELD))
+                stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
+                next(e for e in stream if dit_hold.holds(e))
+                stream.cancel()
+                for pid in ranks:
+                    os.kill(pid, signal.SIGSTOP)
             try:
                 with pytest.raises(grpc.RpcError) as err:
                     client.stub.Submit(S.GenerateRequest(prompt="one too many", **SMALL))

@@ -81,12 +81,16 @@ class Up:
         self.log_dir, self.output = root / "logs", root / "up.out"
         with open(self.output, "wb") as out:
             self.process = subprocess.Popen(
-                [*CLI, "up", "--config", str(self.config), "--log-dir", str(self.log_dir)],
+                [*self.program(), "up", "--config", str(self.config), "--log-dir", str(self.log_dir)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.seen: set[Proc] = set()
+
+    def program(self) -> list[str]:
+        """The command line before `up`'s own arguments."""
+        return CLI
 
     def collect(self) -> set[Proc]:
         self.seen |= {proc for proc in map(Proc.of, descendants(self.process.pid)) if proc}

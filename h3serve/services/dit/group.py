@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from h3serve.common.errors import describe
 from h3serve.runtime import compile_cache, wire
-from h3serve.services.dit import attention, parallel
+from h3serve.services.dit import attention, hold, parallel
 from h3serve.services.dit.runner import DenoiseRunner, StepClock
 from h3serve.v1 import dit_pb2
 
@@ -190,6 +190,7 @@ class Driver:
         self.current: Ticket | None = None
         self.requests_served = 0
         self.ranks: list[RankStats] = []
+        self.hold = hold.from_environment()  # a test's hold point (hold.py); None outside tests
         self._lock = threading.Lock()
         threading.Thread(target=self._loop, name="dit-group", daemon=True).start()
 
@@ -260,6 +261,8 @@ class Driver:
                     )
                 )
             )
+            if self.hold:
+                self.hold.wait(step, ticket.cancelled.is_set)
 
         outcome = self.member.run(ticket.message, on_step, ticket.cancelled.is_set)
         self.ranks = outcome.ranks
