@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -108,10 +109,34 @@ class GpuPeak:
     mib: list[int] = field(default_factory=list)
     at_s: float = 0.0  # seconds after the part began
     apps: dict[int, int] = field(default_factory=dict)
+    # each compute process's own peak (pid: MiB) whenever it was, and its lineage (itself, then its ancestors) as read
+    # when it was first seen: what `h3serve plan` adds up is each process's peak, not the moment they peaked together
+    processes: dict[int, int] = field(default_factory=dict)
+    lineage: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         listed = ", ".join(f"pid {pid} {mib / 1024:.1f} GiB" for pid, mib in sorted(self.apps.items()))
         return f"reached {self.at_s:.0f} s after the start" + (f" ({listed})" if listed else "")
+
+    def by_process(self, names: dict[int, str]) -> dict[str, float]:
+        """Each process's own peak in GiB, named by the first of its lineage in `names` (a DiT rank by its launcher's
+        name; a name that repeats gets the pid); processes outside `names` are left out."""
+        peaks: dict[str, float] = {}
+        for pid, mib in sorted(self.processes.items()):
+            name = next((names[p] for p in self.lineage.get(pid, (pid,)) if p in names), None)
+            if name is not None:
+                peaks[f"{name} {pid}" if name in peaks else name] = round(mib / 1024, 2)
+        return peaks
+
+
+def _lineage(pid: int) -> tuple[int, ...]:
+    """pid, its parent, its parent's parent ... as /proc has them now (stops where /proc cannot say)."""
+    found = [pid]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        while found[-1] > 1 and len(found) < 16:
+            status = Path(f"/proc/{found[-1]}/status").read_text()
+            found.append(int(next(line for line in status.splitlines() if line.startswith("PPid:")).split()[1]))
+    return tuple(found)
 
 
 def _apps() -> dict[int, int]:
@@ -141,9 +166,14 @@ def gpu_peak(every_s: float = 0.5):
                 # would have dropped the peaks of the GPUs it missed
                 if len(used) != len(highest):
                     continue
+                apps = _apps()
                 if max(used) > max(highest):
-                    moment.at_s, moment.apps = time.monotonic() - began, _apps()
+                    moment.at_s, moment.apps = time.monotonic() - began, apps
                 highest[:] = [max(h, mib) for h, mib in zip(highest, used, strict=True)]
+                for pid, mib in apps.items():
+                    peak.processes[pid] = max(mib, peak.processes.get(pid, 0))
+                    if pid not in peak.lineage:
+                        peak.lineage[pid] = _lineage(pid)
 
     sampler = threading.Thread(target=sample, name="gpu-peak", daemon=True)
     sampler.start()

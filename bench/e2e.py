@@ -156,6 +156,7 @@ class Side:
     host_peak_gib: float = 0.0  # private host memory (RssAnon + RssShmem), all the side's processes together
     host_file_gib: float = 0.0  # mapped file pages (RssFile): page cache, reclaimable
     host_used_gib: float = 0.0  # the system's used memory (MemTotal - MemAvailable) over its value at the start
+    process_peaks_gib: dict[str, float] = field(default_factory=dict)  # services: each process's own GPU peak
 
     @classmethod
     def of(
@@ -468,6 +469,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks, ready_s, first)
                 wait_for_fp8_save(args.fp8_cache)
+                names = {service.process.pid: service.name for service in group.running}
             finally:
                 client.close()
     except BaseException:
@@ -477,7 +479,7 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     if not gpu.mib:
         print(f"services: at most {host.describe()} while they started and ran, all processes together", flush=True)
         return sides
-    peak = round(max(gpu.mib) / 1024, 2)
+    peak, processes = round(max(gpu.mib) / 1024, 2), gpu.by_process(names)
     print(
         f"services: at most {peak} GiB in use on the fullest GPU while they ran, all processes together, "
         + gpu.describe()
@@ -485,7 +487,13 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
         + f"; {host.describe()}",
         flush=True,
     )
-    return {size: replace(side, used_gib=peak) for size, side in sides.items()}
+    if processes:
+        print(f"services: each process's own GPU peak: {process_text(processes)} (what h3serve plan adds up)")
+    return {size: replace(side, used_gib=peak, process_peaks_gib=processes) for size, side in sides.items()}
+
+
+def process_text(peaks: dict[str, float]) -> str:
+    return " + ".join(f"{name} {gib:.2f}" for name, gib in peaks.items()) + f" = {sum(peaks.values()):.2f} GiB"
 
 
 def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
@@ -504,8 +512,10 @@ def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
 
 
 def emulated_card(config: DeployConfig) -> float:
-    """The card that a profile's memory limits emulate on a bigger GPU (the largest limit); 0 without limits."""
-    return max((config.service(name).memory_limit_gib or 0.0) for name in ("encoder", "dit", "vae"))
+    """The card that a profile emulates on a bigger GPU: its [supervisor] gpu_memory_gib, else its largest memory
+    limit; 0 without either."""
+    limits = (config.service(name).memory_limit_gib or 0.0 for name in ("encoder", "dit", "vae"))
+    return config.supervisor.gpu_memory_gib or max(limits)
 
 
 def stage_text(run: Run) -> str:
@@ -581,6 +591,7 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         dtype=args.dtype,
         peak_gib=ours.used_gib,
         rank_peaks_gib=ours.rank_peaks_gib,
+        process_peaks_gib=ours.process_peaks_gib,
         host_peak_gib=ours.host_peak_gib,
         host_file_gib=ours.host_file_gib,
         host_used_gib=ours.host_used_gib,

@@ -30,6 +30,9 @@ class Record:
     bf16_rel_err_fp32: float | None = None
     rel_err_bf16: float | None = None
     rank_peaks_gib: list[float] = field(default_factory=list)  # per rank, for multi-rank measurements
+    # processes sharing GPUs: each one's own peak, whenever it came (what `h3serve plan` adds up); peak_gib is the
+    # most they held together at one moment
+    process_peaks_gib: dict[str, float] = field(default_factory=dict)
     tflops: float | None = None  # achieved rate from the counted FLOPs (bench/flops.py)
     ceiling_tflops: float | None = None  # the device's matmul rate, measured in the same run
     # Host memory, the most its processes held together from their start on (None: not sampled; bench/common.py
@@ -73,6 +76,9 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
 
 
 def _peak(record: Record) -> str:
+    if record.process_peaks_gib:
+        each = " + ".join(f"{name} {gib:.1f}" for name, gib in record.process_peaks_gib.items())
+        return f"{record.peak_gib:.1f} (each at its most: {each} = {sum(record.process_peaks_gib.values()):.1f})"
     if len(record.rank_peaks_gib) > 1:
         return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
     return f"{record.peak_gib:.1f}"

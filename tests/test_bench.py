@@ -269,7 +269,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
         )
     assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, e2e.RAW_BYTES)
     assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
-    assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 31.5, True)
+    assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 14.0, True)
     assert shipped.dit.fp8_cache_dir and not config.dit.fp8_cache_dir, "the bench's own --fp8-cache only"
     assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
     assert e2e.emulated_card(config) == 31.5, "the card printed beside the services' peak"
@@ -365,3 +365,17 @@ def test_gpu_peak_skips_a_reading_that_misses_a_gpu_or_fails(tmp_path, monkeypat
             smi.set(used)
             smi.wait_until_read()
     assert peak.mib == [3000, 2000]
+
+
+def test_gpu_peak_names_each_process_by_its_service_and_the_record_adds_them_up():
+    from bench.results import Record, _peak
+
+    assert common._lineage(os.getpid())[:2] == (os.getpid(), os.getppid())
+    peak = common.GpuPeak(
+        processes={10: 3072, 11: 14336, 12: 12288, 13: 1024, 99: 512},
+        lineage={11: (11, 20, 1), 13: (13, 20, 1)},  # two DiT ranks under their launcher, 20
+    )
+    peaks = peak.by_process({10: "encoder", 20: "dit", 12: "vae"})
+    assert peaks == {"encoder": 3.0, "dit": 14.0, "vae": 12.0, "dit 13": 1.0}, "99 is no service's"
+    record = dict(json.loads(Path("bench/results.json").read_text())[0], peak_gib=25.0, process_peaks_gib=peaks)
+    assert _peak(Record(**record)) == "25.0 (each at its most: encoder 3.0 + dit 14.0 + vae 12.0 + dit 13 1.0 = 30.0)"

@@ -159,6 +159,31 @@ def test_services_sharing_a_gpu_add_up(tmp_path):
     assert gpu.used == pytest.approx(sum(share.total for share in gpu.shares))
 
 
+def test_the_32gb_profile_gives_each_process_its_share_of_the_card():
+    """Caps at the whole card let one process's cache crowd out another's (the DiT's cold warm-up reserved 21.8 GiB for
+    11.5 of tensors): the shipped shares add up to the card with their contexts, and each prediction within
+    its own."""
+    config = load_deploy(DEPLOY / "single-32gb.toml")
+    (gpu,) = plan(config).gpus
+    assert (gpu.card, gpu.card_source) == (31.5, "[supervisor] gpu_memory_gib")
+    assert sum(share.limit + memory_plan.CONTEXT_GIB for share in gpu.shares) == pytest.approx(gpu.card)
+    assert all(share.allocator <= share.limit for share in gpu.shares), [share.describe() for share in gpu.shares]
+    assert not any("crowd out" in note for note in plan(config).notes)
+
+
+def test_caps_that_add_up_over_the_card_are_named(tmp_path):
+    text = (DEPLOY / "single-32gb.toml").read_text()
+    for cap in ("3.75", "14.0", "12.25"):
+        text = text.replace(f"memory_limit_gib = {cap} ", "memory_limit_gib = 31.5 ")
+    result = plan(load_deploy(_config(tmp_path, text)))
+    assert (
+        "GPU 0: the memory_limit_gib caps of its processes add up to 96.0 GiB with their CUDA contexts, over the "
+        "card's 31.5 GiB: a process's cached memory can crowd out another's"
+    ) in " ".join(result.notes)
+    assert not result.problems
+    assert plan(load_deploy(_config(tmp_path, text)), gpu_gib=100).gpus[0].card_source == "--gpu-gib"
+
+
 def test_predictions_cover_our_measured_peaks(tmp_path):
     """BENCHMARKS.md, peak allocated GiB on H200s at 768x1344x124 (t2va): the estimate is at or above each, by
     less than 10 % (fragmentation and context excluded: max_memory_allocated counts neither)."""

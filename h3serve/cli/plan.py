@@ -58,7 +58,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="predict each GPU's memory for a deployment; exit 2 if it cannot fit")
     p.add_argument("--config", required=True, help="deployment TOML file")
     p.add_argument(
-        "--gpu-gib", type=float, help="every GPU's size in GiB (default: the memory_limit_gib of the services on it)"
+        "--gpu-gib",
+        type=float,
+        help="every GPU's size in GiB (default: [supervisor] gpu_memory_gib, else the largest memory_limit_gib on it)",
     )
     p.add_argument(
         "--canvas",

@@ -469,6 +469,9 @@ class SupervisorConfig(Section):
     # the host's memory, GiB, that `h3serve plan` checks every process's private host memory against (less a reserve
     # for the OS); 0: the machine's MemTotal where the plan runs
     host_memory_gib: NonNegativeFloat = 0.0
+    # each GPU's memory, GiB, that `h3serve plan` adds the processes on it up against (a card emulated on a bigger
+    # one: its size); 0: the largest memory_limit_gib of the processes on that GPU
+    gpu_memory_gib: NonNegativeFloat = 0.0
 
     @field_validator("max_backoff_s")
     @classmethod

@@ -455,7 +455,8 @@ def plan(
     """Every GPU's predicted memory for a deployment (h3serve.common.config.DeployConfig), its host memory, and what
     does not fit.
 
-    A GPU's card is `gpu_gib` when given, else the largest `memory_limit_gib` of the processes on it. The host is
+    A GPU's card is `gpu_gib` when given, else `[supervisor] gpu_memory_gib`, else the largest `memory_limit_gib` of
+    the processes on it. The host is
     `host_gib` (from `host_source`), else `[supervisor] host_memory_gib`; None and 0: unknown, not checked (the
     CLI reads the machine's MemTotal)."""
     notes: list[str] = []
@@ -473,6 +474,8 @@ def plan(
         card: float | None
         if gpu_gib:
             card, source = gpu_gib, "--gpu-gib"
+        elif config.supervisor.gpu_memory_gib:
+            card, source = config.supervisor.gpu_memory_gib, "[supervisor] gpu_memory_gib"
         else:
             card, source = (max(limits), "memory_limit_gib") if limits else (None, "")
         gpus.append(GpuPlan(gpu, card, source, here))
@@ -495,6 +498,13 @@ def plan(
                     limit_fraction(share.limit, int(gpu_gib * GIB))
                 except ValueError as exc:
                     problems.append(f"GPU {gpu}: {share.process}: {exc}")
+        capped = sum(share.limit + CONTEXT_GIB + share.nccl for share in here if share.limit)
+        if len(limits) > 1 and capped > card:
+            notes.append(
+                f"GPU {gpu}: the memory_limit_gib caps of its processes add up to {capped:.1f} GiB with their CUDA "
+                f"contexts, over the card's {card:g} GiB: a process's cached memory can crowd out another's; "
+                "give each process its share (docs/deploy/single-32gb.toml)"
+            )
         used = sum(share.total for share in here)
         if used > card:
             parts = " + ".join(f"{share.process} {share.total:.1f}" for share in here)
