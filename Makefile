@@ -40,8 +40,8 @@ test: all
 	@started=$$(date +%s); $(PYTEST) -m "not timing"; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
-# The unit tier: no test that starts a process (tests/conftest.py says how they are marked); minutes instead of the
-# whole suite's half hour.
+# The unit tier: no test that starts a process (tests/conftest.py says how they are marked): under two minutes
+# instead of the whole suite's twenty.
 test-fast: all
 	@started=$$(date +%s); $(PYTEST) -m "not processes and not timing and not slow and not distributed"; status=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - started )) s"; exit $$status

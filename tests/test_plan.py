@@ -19,7 +19,7 @@ pytestmark = pytest.mark.processes
 
 CLI = [sys.executable, "-m", "h3serve.cli", "plan"]
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
-PROFILES = ("turing-4x22.toml", "single-32gb.toml")
+PROFILES = ("turing-4x22.toml", "single-32gb.toml", "single-24gb.toml")
 
 
 def _config(tmp_path: Path, text: str):
@@ -169,6 +169,17 @@ def test_the_32gb_profile_gives_each_process_its_share_of_the_card():
     assert sum(share.limit + memory_plan.CONTEXT_GIB for share in gpu.shares) == pytest.approx(gpu.card)
     assert all(share.allocator <= share.limit for share in gpu.shares), [share.describe() for share in gpu.shares]
     assert not any("crowd out" in note for note in plan(config).notes)
+
+
+def test_a_canvas_that_admits_no_clip_is_named_and_the_24gb_profile_plans_the_canvas_it_serves(tmp_path):
+    config = load_deploy(DEPLOY / "single-24gb.toml")
+    result = plan(config)
+    assert (result.workload.height, result.workload.width, result.workload.frames) == (480, 832, 158)
+    assert all(share.allocator <= share.limit for gpu in result.gpus for share in gpu.shares) and not result.problems
+    larger = plan(config, canvas=(768, 1344)).workload
+    assert larger.frames == 0 and larger.bound.endswith(
+        "0 frames fit it: every 768x1344 request is refused (--canvas plans another canvas)"
+    )
 
 
 def test_caps_that_add_up_over_the_card_are_named(tmp_path):

@@ -365,7 +365,9 @@ def workload(
             if text_rows + condition + rules.generated_rows(height, width, f).total <= rows
         ]
         longest = fitting[-1] if fitting else 0
-        bound = f"bounded by {source}; {longest} frames fit it"
+        bound = f"bounded by {source}; {longest} frames fit it" + (
+            "" if fitting else f": every {height}x{width} request is refused (--canvas plans another canvas)"
+        )
     return Workload(height, width, longest, rows, bound)
 
 
