@@ -103,11 +103,12 @@ from bench.deployment import free_port, profile_deployment
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
-from bench.results import Record, add_output_arguments, command_line, update_results
+from bench.results import Record, add_output_arguments, command_line, summed, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
 from h3serve.cli.reference import ReferenceRequest, load_adapters, reference_pipeline, run_pipeline
 from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
+from h3serve.common.memory_plan import card_size
 from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import encode_mp4
@@ -488,12 +489,8 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
         flush=True,
     )
     if processes:
-        print(f"services: each process's own GPU peak: {process_text(processes)} (what h3serve plan adds up)")
+        print(f"services: each process's own GPU peak: {summed(processes, 2)} GiB (what h3serve plan adds up)")
     return {size: replace(side, used_gib=peak, process_peaks_gib=processes) for size, side in sides.items()}
-
-
-def process_text(peaks: dict[str, float]) -> str:
-    return " + ".join(f"{name} {gib:.2f}" for name, gib in peaks.items()) + f" = {sum(peaks.values()):.2f} GiB"
 
 
 def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
@@ -514,8 +511,8 @@ def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
 def emulated_card(config: DeployConfig) -> float:
     """The card that a profile emulates on a bigger GPU: its [supervisor] gpu_memory_gib, else its largest memory
     limit; 0 without either."""
-    limits = (config.service(name).memory_limit_gib or 0.0 for name in ("encoder", "dit", "vae"))
-    return config.supervisor.gpu_memory_gib or max(limits)
+    card, _ = card_size(config, (config.service(name).memory_limit_gib for name in ("encoder", "dit", "vae")))
+    return card or 0.0
 
 
 def stage_text(run: Run) -> str:

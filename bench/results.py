@@ -77,11 +77,18 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
 
 def _peak(record: Record) -> str:
     if record.process_peaks_gib:
-        each = " + ".join(f"{name} {gib:.1f}" for name, gib in record.process_peaks_gib.items())
-        return f"{record.peak_gib:.1f} (each at its most: {each} = {sum(record.process_peaks_gib.values()):.1f})"
+        return f"{record.peak_gib:.1f} (each at its most: {summed(record.process_peaks_gib, 1)})"
     if len(record.rank_peaks_gib) > 1:
         return f"{record.peak_gib:.1f} (per rank {' / '.join(f'{p:.1f}' for p in record.rank_peaks_gib)})"
     return f"{record.peak_gib:.1f}"
+
+
+def summed(peaks: dict[str, float], digits: int) -> str:
+    """Named figures and their sum: "encoder 3.3 + vae 12.2 = 15.5"."""
+    return (
+        " + ".join(f"{name} {value:.{digits}f}" for name, value in peaks.items())
+        + f" = {sum(peaks.values()):.{digits}f}"
+    )
 
 
 def _host(record: Record) -> str:

@@ -97,6 +97,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -445,6 +446,15 @@ def _vae_shares(vae: VaeConfig, work: Workload, notes: list[str]) -> list[Share]
     ]
 
 
+def card_size(config: DeployConfig, limits: Iterable[float]) -> tuple[float | None, str]:
+    """A GPU's size in GiB and where it comes from, when no --gpu-gib is given: `[supervisor] gpu_memory_gib`, else
+    the largest of the `memory_limit_gib` caps of the processes on it; None when neither is set."""
+    if config.supervisor.gpu_memory_gib:
+        return config.supervisor.gpu_memory_gib, "[supervisor] gpu_memory_gib"
+    caps = [limit for limit in limits if limit]
+    return (max(caps), "memory_limit_gib") if caps else (None, "")
+
+
 def plan(
     config: DeployConfig,
     gpu_gib: float | None = None,
@@ -473,13 +483,7 @@ def plan(
     for gpu in sorted(dict.fromkeys(share.gpu for share in shares), key=lambda g: (not g.isdigit(), g.zfill(8))):
         here = tuple(share for share in shares if share.gpu == gpu)
         limits = [share.limit for share in here if share.limit]
-        card: float | None
-        if gpu_gib:
-            card, source = gpu_gib, "--gpu-gib"
-        elif config.supervisor.gpu_memory_gib:
-            card, source = config.supervisor.gpu_memory_gib, "[supervisor] gpu_memory_gib"
-        else:
-            card, source = (max(limits), "memory_limit_gib") if limits else (None, "")
+        card, source = (gpu_gib, "--gpu-gib") if gpu_gib else card_size(config, limits)
         gpus.append(GpuPlan(gpu, card, source, here))
         if card is None:
             problems.append(
