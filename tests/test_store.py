@@ -175,6 +175,31 @@ def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
     with_store(db_path, check)
 
 
+def test_a_watcher_gets_the_event_whose_emit_was_cancelled_while_the_store_wrote_it(db_path):
+    """CancelJob cancels a running job's task, maybe while its step event is being written: the event is stored
+    (the write runs on in its thread) but never published. A live watcher reads it from the store when the next
+    event shows the gap, so its stream is what the store holds (and Job.progress, folded from the store, is what
+    the stream's last event says)."""
+    from h3serve.gateway.jobs.events import EventHub
+
+    async def check(store):
+        hub = EventHub(store)
+        await store.submit("j", REQUEST, first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted()))
+        watcher = hub.watch("j")
+        assert (await anext(watcher)).HasField("accepted")
+        next_event = asyncio.ensure_future(anext(watcher))
+        # what a cancelled emit leaves: the store's write, which runs on in its thread, and no publish
+        await store.append_event("j", gateway_pb2.JobEvent(denoising=gateway_pb2.Denoising(step=1)))
+        await asyncio.sleep(0.05)
+        assert not next_event.done(), "nothing was published"
+        await hub.emit("j", cancelled=gateway_pb2.Cancelled(reason="by the test"))
+        streamed = [await next_event] + [event async for event in watcher]
+        assert [e.WhichOneof("kind") for e in streamed] == ["denoising", "cancelled"]
+        assert streamed == (await store.events("j"))[1:]
+
+    with_store(db_path, check)
+
+
 def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path):
     async def check(store):
         await store.submit("j", REQUEST)

@@ -1,7 +1,10 @@
 """Job events: persisted first, then fanned out to live watchers.
 
 A watcher replays what the store holds and then follows live events, skipping by sequence
-number what it has already seen, so attaching at any moment loses and repeats nothing.
+number what it has already seen and reading from the store what a live event skipped over, so
+attaching at any moment loses and repeats nothing. (A stored event can miss its live hand-out: an
+emit cancelled while the store wrote it, as a CancelJob does to a running job's step, stores it
+but never publishes it.)
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ class EventHub:
                 event = await queue.get()
                 if event.seq <= last:
                     continue
-                last = event.seq
-                yield event
-                if is_terminal(event):
-                    return
+                missed = await self.store.events(job_id, last) if event.seq > last + 1 else []
+                for event in [e for e in missed if e.seq < event.seq] + [event]:
+                    last = event.seq
+                    yield event
+                    if is_terminal(event):
+                        return
         finally:
             self._watchers[job_id].discard(queue)
             if not self._watchers[job_id]:
