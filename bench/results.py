@@ -41,6 +41,13 @@ class Record:
     host_peak_gib: float | None = None
     host_file_gib: float | None = None
     host_used_gib: float | None = None
+    # The transformer's weights in one format (bench/gguf_step.py; None elsewhere): their bytes on the device, the
+    # seconds to have them there (built, loaded from the file and moved, or converted), the process's peak resident
+    # size meanwhile (VmHWM), the size of the file they were loaded from (GGUF). Such records have their own table.
+    weights_gib: float | None = None
+    load_seconds: float | None = None
+    host_hwm_gib: float | None = None
+    file_gib: float | None = None
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -59,6 +66,22 @@ Generated from `bench/results.json` by the benchmark scripts; do not edit by han
 """
 
 
+WEIGHT_FORMATS = """
+## Weight formats
+
+The transformer's weights in bf16, as GGUF files (loaded by the DiT's `[dit] transformer_file` path, kept quantised,
+dequantised per layer as it runs) and in fp8, each timed against bf16 in the same run (`bench/gguf_step.py`; ratio =
+bf16 seconds / these seconds). Peak GiB: the step's GPU peak less what the bench held besides these weights (as if
+they were alone on the GPU); load s: the seconds to have them on the device (bf16: built; GGUF: checked, loaded and
+moved; fp8: converted); host GiB: the process's peak resident size (VmHWM) from the start of this format (GGUF: the
+file's writing too); error: relative L2 of one forward's output against the bf16 forward on the same inputs.
+
+| date | measurement | device | dtype | weights | seconds | bf16 seconds | ratio | peak GiB | weights GiB | load s |\
+ host GiB (VmHWM) | file GiB | error vs bf16 | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
 def update_results(records: list[Record], results_path: str, markdown_path: str) -> None:
     """Replace records with the same key, keep the rest, rewrite both files."""
     path = Path(results_path)
@@ -71,8 +94,22 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
         f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_host(r)} | {_rate(r)} | {accuracy(r)} | "
         f"{r.software} | `{r.command}` |\n"
         for r in merged
+        if r.weights_gib is None
     )
-    Path(markdown_path).write_text(HEADER + rows)
+    formats = [r for r in merged if r.weights_gib is not None]
+    Path(markdown_path).write_text(
+        HEADER + rows + (WEIGHT_FORMATS + "".join(map(_format_row, formats)) if formats else "")
+    )
+
+
+def _format_row(r: Record) -> str:
+    file = "" if r.file_gib is None else f"{r.file_gib:.1f}"
+    error = "" if r.rel_err_bf16 is None else f"{r.rel_err_bf16:.2e}"
+    return (
+        f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline_seconds:.4f} | "
+        f"{r.ratio:.3f} | {r.peak_gib:.1f} | {r.weights_gib:.1f} | {r.load_seconds:.1f} | {r.host_hwm_gib:.1f} | "
+        f"{file} | {error} | {r.software} | `{r.command}` |\n"
+    )
 
 
 def _peak(record: Record) -> str:

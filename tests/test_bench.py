@@ -33,6 +33,25 @@ def test_quick_dit_step_writes_consistent_records(tmp_path):
     assert "0.00e+00 (0.00e+00)" in markdown.read_text()
 
 
+def test_quick_gguf_step_times_each_weight_format_against_bf16(tmp_path):
+    from bench import gguf_step
+
+    results, markdown, files = tmp_path / "results.json", tmp_path / "BENCHMARKS.md", tmp_path / "gguf"
+    outputs = ["--write", "--results", str(results), "--markdown", str(markdown)]
+    records = gguf_step.main(["--quick", "--weights", "fp8,Q4_0,Q8_0", "--dir", str(files), *outputs])
+    assert [r.variant.split(":")[0] for r in records] == ["bf16", "Q8_0", "Q4_0"], "bf16 always; fp8 needs a GPU"
+    bf16, q8, q4 = records
+    assert bf16.ratio == 1.0 and bf16.rel_err_bf16 is None and bf16.file_gib is None
+    assert all(r.baseline_seconds == bf16.seconds and r.ratio == bf16.seconds / r.seconds for r in records)
+    # one forward of the tiny model in float32: measured 5.3e-3 (Q8_0) and 9.1e-2 (Q4_0)
+    assert 0 < q8.rel_err_bf16 < 0.02 and q8.rel_err_bf16 < q4.rel_err_bf16 < 0.25
+    assert bf16.weights_gib > q8.weights_gib > q4.weights_gib > 0 and q8.file_gib > q4.file_gib > 0
+    assert all(r.load_seconds > 0 and r.host_hwm_gib > 0.1 for r in records)
+    assert list(files.iterdir()) == [], "each GGUF is deleted once loaded"
+    section = markdown.read_text().split("## Weight formats")[1]
+    assert section.count("| dit_step_weights_32x64x124 | cpu | float32 | ") == 3
+
+
 def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     from bench import vae_decode
 

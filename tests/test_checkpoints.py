@@ -1,5 +1,5 @@
 """`[dit] transformer_file`: the checkpoints users already have (the published single-file layout and GGUFs of it),
-written here from the tiny model (tests/checkpoint_files.py) and served by the DiT rank's own load path."""
+written here from the tiny model (bench/checkpoint_files.py) and served by the DiT rank's own load path."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_files import to_published, truncated, write_gguf, write_single_file
 
+from bench.checkpoint_files import stream_gguf, to_published, truncated, write_gguf, write_single_file
 from bench.common import Size, denoise_spec
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy
 from h3serve.runtime import checkpoints
@@ -134,6 +134,27 @@ def test_a_gguf_denoises_within_its_bound(tiny_model_dir, files, kind):
     error = relative_l2(got, latents(served_transformer(tiny_model_dir, "float32"), torch.float32))
     print(f"{kind}: relative L2 of the latents against the unquantised weights {error:.3e}")
     assert 0 < error <= GGUF_BOUNDS[kind]
+
+
+@pytest.mark.parametrize("kind", GGUF_BOUNDS)
+def test_the_streamed_gguf_holds_what_write_gguf_writes(tiny_model_dir, files, kind, tmp_path):
+    """bench.gguf_step's writer (from diffusers' weights, quantised by torch, one tensor at a time) writes write_gguf's
+    tensors byte for byte, and checkpoints.load makes the same transformer of both files."""
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    state = load_file(tiny_model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    streamed = stream_gguf(state, tmp_path / f"streamed-{kind}.gguf", kind)
+
+    def tensors(path: Path) -> dict[str, tuple]:
+        return {t.name: (t.tensor_type.name, t.shape.tolist(), t.data.tobytes()) for t in GGUFReader(path).tensors}
+
+    assert tensors(streamed) == tensors(files[kind])
+    checkpoints.check(streamed, str(tiny_model_dir))
+    assert_same(
+        latents(checkpoints.load(streamed, str(tiny_model_dir), torch.float32), torch.float32),
+        latents(checkpoints.load(files[kind], str(tiny_model_dir), torch.float32), torch.float32),
+    )
 
 
 def test_the_revision_follows_the_file(tiny_model_dir, files, tmp_path):

@@ -54,11 +54,11 @@ class EventHub:
                 if is_terminal(event):
                     return
             while True:
-                event = await queue.get()
-                if event.seq <= last:
+                live = await queue.get()
+                if live.seq <= last:
                     continue
-                missed = await self.store.events(job_id, last) if event.seq > last + 1 else []
-                for event in [e for e in missed if e.seq < event.seq] + [event]:
+                missed = await self.store.events(job_id, last) if live.seq > last + 1 else []
+                for event in [e for e in missed if e.seq < live.seq] + [live]:
                     last = event.seq
                     yield event
                     if is_terminal(event):
