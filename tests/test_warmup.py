@@ -4,6 +4,7 @@ or canvas. Real processes: the session stack's encoder and VAE, a DiT with compi
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +119,13 @@ def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(
     assert final.WhichOneof("kind") == "done", final
     assert info(dit).compiled_graphs == graphs, "the request compiled new graphs after the warm-up"
     assert [e.denoising.compiled_graphs for e in events if e.HasField("denoising")] == [0] * (steps - 1)
+    assert_pipeline_frames(client, final, tmp_path, ReferenceRequest(prompt, height, width, 124, steps, 3))
+
+
+def assert_pipeline_frames(client: GatewayClient, final, tmp_path: Path, request: ReferenceRequest) -> None:
+    """The job's raw frames are the in-process pipeline's for the same request."""
     served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "raw.npz"))
-    expected = run_reference(ModelSource(None), ReferenceRequest(prompt, height, width, 124, steps, 3))
+    expected = run_reference(ModelSource(None), request)
     assert np.abs(served["frames"] - expected["frames"]).max() <= 1e-4  # compiled float32 against eager
 
 
@@ -129,6 +135,27 @@ def test_a_restart_loads_the_compiled_graphs_from_the_compile_cache(warm):
     restarted = info(warm.dit)
     assert list(restarted.warm_shapes) == ["32x64x124"]
     assert restarted.compile_cache_hits == restarted.compiled_graphs > 0, "every graph came from the cache"
+
+
+def test_a_torn_compile_cache_is_set_aside_and_the_restart_compiles_afresh(warm, tmp_path):
+    """Every file of the cache cut in half, as a rename no fsync made durable can leave one after a power loss (torch
+    renames each file into place, so a kill alone tears none): the start that reads one fails, moves the cache aside
+    saying so, and the launcher's restart compiles into an empty cache and serves what the pipeline computes."""
+    for path in (p for p in warm.cache.rglob("*") if p.is_file()):
+        with open(path, "r+b") as file:
+            file.truncate(path.stat().st_size // 2)
+    warm.group.restart("dit", signal.SIGKILL)
+    restarted = info(warm.dit)
+    assert restarted.compiled_graphs > 0 and restarted.compile_cache_hits == 0, "compiled afresh"
+    aside = list(warm.cache.parent.glob(f"{warm.cache.name}.damaged-*"))
+    assert len(aside) == 1 and list(warm.cache.rglob("*.py")), "the torn cache kept aside, a new one filled"
+    log = (warm.cache.parent / "dit.log").read_text()
+    assert f"the compile cache {warm.cache} could not be read: moved to {aside[0]}" in log
+    final = warm.client.generate(
+        gateway_pb2.GenerateRequest(prompt="a fox", height=32, width=64, num_inference_steps=3, seed=3, include_raw=1)
+    )
+    assert final.WhichOneof("kind") == "done", final
+    assert_pipeline_frames(warm.client, final, tmp_path, ReferenceRequest("a fox", 32, 64, 124, 3, 3))
 
 
 @pytest.mark.parametrize(

@@ -4,25 +4,51 @@ torch.compile keeps Inductor's compiled graphs (FX graph and AOTAutograd caches)
 directories, by default under /tmp, which a reboot or a fresh container loses. `compile_cache_dir` puts them where
 the deployment keeps its state; a DiT group's self-healing restart and a service restart then trace the model
 again but load every graph it compiled before (tests/test_warmup.py: every graph of a restart came from the cache).
+
+torch writes each cache file under a temporary name and renames it, so a process killed mid-write leaves no torn
+file; but a rename that no fsync made durable can leave a truncated or empty file after a power loss, and a torn
+file fails every compile that reads it (Inductor raises on the cut generated module instead of compiling again).
+`set_aside_if_damaged` recognises that failure by the cache's own path in it and moves the directory aside, so the
+restart that follows compiles into an empty one instead of failing the same way until its restarts run out.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+import traceback
 from pathlib import Path
 
 log = logging.getLogger("h3serve.compile_cache")
 ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_in_use = ""  # the directory `use` pointed this process's caches into
 
 
 def use(directory: str) -> None:
     """Point this process's Inductor and Triton caches into `directory` (before anything compiles)."""
+    global _in_use
+    _in_use = str(directory)
     for variable, name in ENV.items():
         path = Path(directory) / name
         path.mkdir(parents=True, exist_ok=True)
         os.environ[variable] = str(path)
     log.info("compile caches in %s", directory)
+
+
+def set_aside_if_damaged(exc: BaseException) -> str:
+    """If `exc` came from reading a file of this process's compile cache, move the cache aside (kept, renamed
+    `<dir>.damaged-<UTC time>`, for a look at what tore it) and say so; else "" and nothing moves."""
+    directory = _in_use
+    if not directory or directory not in "".join(traceback.format_exception(exc)):
+        return ""
+    aside = f"{directory}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    try:
+        os.rename(directory, aside)
+    except FileNotFoundError:  # another rank of the group set it aside first
+        return f"the compile cache {directory} could not be read (set aside by another rank)"
+    log.error("the compile cache %s could not be read: moved to %s; the next start compiles afresh", directory, aside)
+    return f"the compile cache {directory} could not be read: moved to {aside}, the next start compiles afresh"
 
 
 def compiled_graphs() -> int:

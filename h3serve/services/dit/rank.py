@@ -35,7 +35,7 @@ from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
 from h3serve.model.adapters import FUSED
-from h3serve.runtime import fastpath, fp8_store, memory, weight_stream
+from h3serve.runtime import compile_cache, fastpath, fp8_store, memory, weight_stream
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES, ModelSource, own_memory
 from h3serve.runtime.service import load_model_service
@@ -88,7 +88,8 @@ class Endpoint:
                 info.warm_shapes.extend(dict.fromkeys(run.shape for run in warmup.warm_up(member, config)))
         except BaseException as exc:
             log.error("rank 0 could not join the DiT group: %s", describe(exc))
-            self.broken(f"start-up failed on rank 0: {describe(exc, lines=1)}")
+            reason = compile_cache.set_aside_if_damaged(exc) or describe(exc, lines=1)
+            self.broken(f"start-up failed on rank 0: {reason}")
             return
         self.ready(Driver(member, config.heartbeat_s, self.broken), info)
 
@@ -318,7 +319,8 @@ class Follower:
         try:
             member, _ = join(self.config, self.rank, self.restart)
         except BaseException as exc:
-            self.failure = f"could not join the DiT group: {describe(exc)}"
+            aside = compile_cache.set_aside_if_damaged(exc)
+            self.failure = f"could not join the DiT group: {aside + '; ' if aside else ''}{describe(exc)}"
             self.done.set()
             return
         self.following = True
