@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,6 +104,51 @@ def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, l
     assert_same(fp8_state(again), expected)
     assert_same(fp8_state(start(tiny_model_dir, tmp_path)), expected)  # and saved whole again
     assert loads[-1] == ["scheduler", "audio_scheduler"]
+
+
+# A DiT start in a process of its own, fp8 on the CPU as fp8_on_cpu allows it, whose writer pauses after each block
+# file (so a kill lands mid-save however fast the tiny model writes) and says where it writes.
+SLOW_SAVE = """
+import sys, time, torch
+from torchao.quantization import quant_api
+from h3serve.runtime import fp8_store
+sys.path.insert(0, sys.argv[3])
+from test_fp8_store import start
+quant_api._check_hardware_support = lambda granularity: None
+save = torch.save
+def paused(state, path):
+    save(state, path)
+    print(path, flush=True)
+    time.sleep(60)
+fp8_store.torch.save = paused
+start(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_start_killed_while_it_saves_leaves_nothing_a_restart_loads(fp8_on_cpu, loads, tiny_model_dir, tmp_path):
+    """SIGKILL while the first start writes its block files: they sit in a partial directory of the dead process,
+    which no start loads; the restart quantises again, deletes the partial, saves whole and gives the weights an
+    unbroken start gives."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, str(tiny_model_dir), str(tmp_path / "cache"), os.path.dirname(__file__)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        written = child.stdout.readline().strip()  # the first block file is on disk, the rest are not
+        assert ".partial-" in written, written
+    finally:
+        child.kill()
+        child.wait()
+    cache = tmp_path / "cache"
+    assert [p.name for p in cache.iterdir()] == [Path(written).parent.name], "only the dead save's partial directory"
+    assert Path(written).parent.name.endswith(f".partial-{child.pid}")
+
+    restarted = start(tiny_model_dir, cache)
+    assert loads == [["transformer", "scheduler", "audio_scheduler"]], "nothing saved to load: quantised again"
+    (saved,) = cache.iterdir()
+    assert saved.name.startswith("transformer-fp8-") and ".partial-" not in saved.name, "partial deleted, saved whole"
+    assert_same(fp8_state(restarted), fp8_state(start(tiny_model_dir, tmp_path / "unbroken")))
 
 
 def test_the_start_goes_on_while_the_served_weights_are_written(

@@ -264,7 +264,7 @@ def test_a_plain_install_runs_the_gateway_without_torch(tmp_path):
         {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
     )
     install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", str(source)],
+        [python, "-m", "pip", "install", "-q", "--no-compile", str(source)],  # byte-compiles on import
         cwd=tmp_path,
         env=env,
         capture_output=True,
