@@ -41,7 +41,7 @@ test: all
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
 # The unit tier: no test that starts a process (tests/conftest.py says how they are marked): under two minutes
-# instead of the whole suite's twenty.
+# instead of the whole suite's twenty-five.
 test-fast: all
 	@started=$$(date +%s); $(PYTEST) -m "not processes and not timing and not slow and not distributed"; status=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - started )) s"; exit $$status

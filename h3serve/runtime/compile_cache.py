@@ -9,7 +9,8 @@ torch writes each cache file under a temporary name and renames it, so a process
 file; but a rename that no fsync made durable can leave a truncated or empty file after a power loss, and a torn
 file fails every compile that reads it (Inductor raises on the cut generated module instead of compiling again).
 `set_aside_if_damaged` recognises that failure by the cache's own path in it and moves the directory aside, so the
-restart that follows compiles into an empty one instead of failing the same way until its restarts run out.
+restart that follows compiles into an empty one instead of failing the same way until its restarts run out. A full
+disk names the cache too, but the cache is whole: it stays.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+
+from h3serve.common import disk
 
 log = logging.getLogger("h3serve.compile_cache")
 ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
@@ -40,7 +44,9 @@ def set_aside_if_damaged(exc: BaseException) -> str:
     """If `exc` came from reading a file of this process's compile cache, move the cache aside (kept, renamed
     `<dir>.damaged-<UTC time>`, for a look at what tore it) and say so; else "" and nothing moves."""
     directory = _in_use
-    if not directory or directory not in "".join(traceback.format_exception(exc)):
+    if not directory or any(disk.is_full(cause) for cause in _chain(exc)):
+        return ""
+    if directory + os.sep not in "".join(traceback.format_exception(exc)):
         return ""
     aside = f"{directory}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     try:
@@ -49,6 +55,13 @@ def set_aside_if_damaged(exc: BaseException) -> str:
         return f"the compile cache {directory} could not be read (set aside by another rank)"
     log.error("the compile cache %s could not be read: moved to %s; the next start compiles afresh", directory, aside)
     return f"the compile cache {directory} could not be read: moved to {aside}, the next start compiles afresh"
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling."""
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def compiled_graphs() -> int:
