@@ -14,7 +14,9 @@ import pytest
 
 from bench.deployment import toml_value
 from h3serve.cli.launcher import ServiceGroup
+from h3serve.common import forkserver
 from h3serve.common.config import load_deploy
+from h3serve.services import preload
 from h3serve.services.dit import hold
 from h3serve.v1 import gateway_pb2
 
@@ -154,6 +156,18 @@ class DitHold:
     def holds(event: gateway_pb2.JobEvent) -> bool:
         """Whether `event` is its job's step at the hold: armed, the job waits there."""
         return event.HasField("denoising") and event.denoising.step == HOLD_STEP
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[forkserver.ForkServer]:
+    """One fork server for every stack this test process starts (its environment names it): each model process and
+    restart is a fork of it instead of 10-12 s of imports. `h3serve up` as a user runs it (up_process.py) starts its
+    own, as it would for a user."""
+    server = forkserver.ForkServer.launch(preload.__name__)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(forkserver.ENV, server.path)
+        yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import free_port, write_config
+from up_process import own_environment
 
 from h3serve.cli.launcher import ServiceGroup, children, is_serving
 from h3serve.cli.main import Progress
@@ -70,6 +71,7 @@ def up(tmp_path_factory, tiny_model_dir):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=own_environment(),  # its own fork server: every process it starts is its descendant
         )
     started = []
     try:

@@ -15,12 +15,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 from conftest import HELD, DitHold
-from up_process import CLEAN_EXIT, Up, environment, wait_until
+from up_process import CLEAN_EXIT, Up, wait_until
 
 from h3serve.client import GatewayClient
-from h3serve.common.processes import children
 from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
-from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = pytest.mark.processes
 
@@ -107,10 +106,12 @@ def final_jobs(up: Up, job_ids: list[str], limit_s: float = 300) -> list[gateway
 
 
 def rank_zero(up: Up) -> int:
-    for pid in children(up.service("dit")):
-        if environment(pid).get("RANK") == "0":
-            return pid
-    raise AssertionError("no DiT rank 0")
+    """Rank 0's pid, as the DiT's Info reports it (a rank is a fork of `up`'s fork server, whose environment
+    /proc shows)."""
+    with grpc.insecure_channel(f"127.0.0.1:{up.ports['dit']}") as channel:
+        info = dit_pb2_grpc.DiTStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+    (pid,) = [rank.pid for rank in info.ranks if rank.rank == 0]
+    return pid
 
 
 # The process to kill, and the event of the first job to wait for before killing it: with DitHold.holds, the DiT holds

@@ -17,7 +17,7 @@ from stand_ins import REFUSE, StandIns, counted, deployment, no_signals, starts
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
-from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, Refused, lock_directory, port_holders
+from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, Refused, command_line, lock_directory, port_holders
 from h3serve.common.server import start_server
 from h3serve.services.dit.supervisor import Group
 
@@ -30,7 +30,7 @@ def test_who_listens_on_a_port_is_named_from_proc():
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         (holder,) = port_holders(port)
-        assert holder.startswith(f"pid {os.getpid()} (") and "python" in holder
+        assert holder == f"pid {os.getpid()} ({command_line(os.getpid())})" and command_line(os.getpid()) != "?"
     assert port_holders(port) is None, "nothing listens on it any more"
 
 

@@ -25,7 +25,19 @@ import pytest
 from conftest import free_port, write_config
 from stand_in_dit_launcher import stand_in_launcher
 from stand_ins import health_server
-from up_process import CLEAN_EXIT, CLI, SMALL, Ended, Up, environment, eventually, kill_tree, living, wait_until
+from up_process import (
+    CLEAN_EXIT,
+    CLI,
+    SMALL,
+    Ended,
+    Up,
+    environment,
+    eventually,
+    kill_tree,
+    living,
+    own_environment,
+    wait_until,
+)
 
 from h3serve.cli.main import ALLOCATOR_SETTING
 from h3serve.client import GatewayClient
@@ -169,7 +181,8 @@ class DiT:
         self.port, self.log = free_port(), root / "dit.log"
         command = stand_in_launcher(self.port) if stand_in else [*CLI, "serve", "dit", "--config", self._config(root)]
         with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            # its own environment: its ranks are its children, whose /proc environment is theirs
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=own_environment())
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.seen: set[Proc] = set()
 

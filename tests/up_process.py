@@ -14,7 +14,8 @@ from conftest import free_port, write_config
 
 from h3serve.cli.launcher import is_serving
 from h3serve.client import GatewayClient
-from h3serve.common.processes import Proc, children, descendants
+from h3serve.common.forkserver import ENV as FORK_SERVER
+from h3serve.common.processes import Proc, descendants
 from h3serve.v1 import gateway_pb2
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
@@ -43,6 +44,20 @@ def environment(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def own_environment() -> dict[str, str]:
+    """The test's environment without its fork server: a process started with it starts its own, as for a user."""
+    return {key: value for key, value in os.environ.items() if key != FORK_SERVER}
+
+
+def command(pid: int) -> bytes:
+    """A process's command line, its arguments joined by spaces (b"" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            return file.read().replace(b"\0", b" ")
+    except OSError:
+        return b""
 
 
 def living(procs) -> list[int]:
@@ -85,6 +100,7 @@ class Up:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=own_environment(),
             )
         self.seen: set[Proc] = set()
 
@@ -97,15 +113,11 @@ class Up:
         return self.seen
 
     def service(self, name: str) -> int | None:
-        """The pid of service `name`'s process (a child of `up`; the DiT's execs its launcher), None while it has
-        none."""
+        """The pid of service `name`'s process (a fork of `up`'s fork server, or a child of `up`; the DiT's execs its
+        launcher), None while it has none."""
         marks = [f"serve {name} ".encode(), *([b"-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
-        for pid in children(self.process.pid):
-            with open(f"/proc/{pid}/cmdline", "rb") as file:
-                command = file.read().replace(b"\0", b" ")
-            if any(mark in command for mark in marks):
-                return pid
-        return None
+        found = [pid for pid in descendants(self.process.pid) if any(mark in command(pid) for mark in marks)]
+        return found[0] if found else None
 
     def wait_serving(self, limit_s: float = 240.0) -> None:
         def serving():

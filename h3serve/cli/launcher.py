@@ -11,6 +11,7 @@ left in its process group included.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from h3serve.common import processes
+from h3serve.common import forkserver, processes
 from h3serve.common.config import SERVICES, DeployConfig
 from h3serve.common.processes import Tree, children, describe_exit, end_trees
 from h3serve.common.server import is_answering, is_serving
 from h3serve.common.supervision import STATE_ENV
+from h3serve.services import preload
 
 __all__ = ["START_ORDER", "Running", "ServiceGroup", "children", "is_answering", "is_serving"]
 
@@ -33,7 +35,7 @@ START_ORDER = (*SERVICES, "gateway")
 class Running:
     name: str
     address: str
-    process: subprocess.Popen
+    process: processes.Child
     started: float = field(default_factory=time.monotonic)  # [supervisor] start_timeout_s runs from here
     started_at: float = field(default_factory=time.time)  # the same moment in unix seconds, for the state file
 
@@ -58,6 +60,8 @@ class ServiceGroup:
         self.grace = config.supervisor.stop_grace_s
         self.supervisor_state = supervisor_state  # `up`'s state file, which the gateway reads (common/supervision.py)
         self.running: list[Running] = []
+        self.fork_server: forkserver.ForkServer | None = None
+        self.owns_fork_server = False
 
     def _command(self, name: str) -> list[str]:
         command = [sys.executable, "-m", "h3serve.cli", "serve", name]
@@ -67,6 +71,8 @@ class ServiceGroup:
         env = dict(os.environ)
         if name != "gateway" and self.config.service(name).gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.config.service(name).gpus
+        if name != "gateway" and self.fork_server:
+            env[forkserver.ENV] = self.fork_server.path  # the DiT's launcher forks its ranks from it too
         if name == "gateway" and self.supervisor_state:
             env[STATE_ENV] = self.supervisor_state
         return env
@@ -83,8 +89,9 @@ class ServiceGroup:
         section = self.config.service(name) if name != "gateway" else self.config.gateway
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else contextlib.nullcontext()
         with log as output:  # the child has its own copy
-            process = processes.spawn(
+            process = forkserver.start(
                 self._command(name),
+                self.fork_server if name != "gateway" else None,  # the gateway imports no torch
                 env=self._env(name),
                 stdout=output,
                 stderr=subprocess.STDOUT if output else None,
@@ -98,9 +105,18 @@ class ServiceGroup:
         self.running[index] = self._spawn(name)
         return self.running[index]
 
+    def _start_fork_server(self) -> None:
+        """The one above this launcher (its environment names it), else one of its own where it starts a model
+        service on a host with the model's packages and `[supervisor] fork_server` is on."""
+        self.fork_server = forkserver.ForkServer.from_env()
+        wanted = self.config.supervisor.fork_server and set(self.names) & set(SERVICES)
+        if not self.fork_server and wanted and importlib.util.find_spec("torch"):
+            self.fork_server, self.owns_fork_server = forkserver.ForkServer.launch(preload.__name__), True
+
     def start(self) -> None:
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
+        self._start_fork_server()
         self.running.extend(self._spawn(name) for name in self.names)
 
     def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
@@ -118,8 +134,8 @@ class ServiceGroup:
         pending = [item for item in self.running if not self.ready(item.address, root_pem=self.root_pem(item.name))]
         while pending:
             for item in list(pending):
-                if item.process.poll() is not None:
-                    raise RuntimeError(f"{item.name} {describe_exit(item.process.returncode)} during start-up")
+                if (code := item.process.poll()) is not None:
+                    raise RuntimeError(f"{item.name} {describe_exit(code)} during start-up")
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
@@ -146,6 +162,9 @@ class ServiceGroup:
                         os.kill(pid, signal.SIGTERM)
         end_trees(trees, time.monotonic() + self.grace)
         self.running.clear()
+        if self.fork_server and self.owns_fork_server:
+            self.fork_server.stop()
+        self.fork_server = None
 
     def __enter__(self) -> ServiceGroup:
         self.start()

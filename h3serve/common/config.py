@@ -466,6 +466,10 @@ class SupervisorConfig(Section):
     # start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
     # shapes compile first (minutes each)
     start_timeout_s: PositiveFloat = 300.0
+    # start the model processes (services, the DiT's ranks, every restart) as forks of one process that imported
+    # torch, diffusers and transformers once (h3serve/common/forkserver.py): 10-12 s of CPU less per start, for about
+    # 1 GiB of host memory that the children share
+    fork_server: bool = True
     # the host's memory, GiB, that `h3serve plan` checks every process's private host memory against (less a reserve
     # for the OS); 0: the machine's MemTotal where the plan runs
     host_memory_gib: NonNegativeFloat = 0.0

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from typing import IO, NoReturn
+from typing import IO, NoReturn, Protocol
 
 PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -50,6 +50,21 @@ def spawn(argv: list[str], death_signal: int = signal.SIGTERM, **popen) -> subpr
     """Popen with a parent-death signal. Call it from a thread that lives as long as the process (the main thread):
     the kernel signals the child when the thread that forked it exits."""
     return subprocess.Popen(argv, preexec_fn=_dies_with(os.getpid(), death_signal), **popen)
+
+
+class Child(Protocol):
+    """A started process as its starter sees it: a `subprocess.Popen`, or a fork server's `Forked`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, signum: int) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 EXIT_REFUSED = 78  # sysexits' EX_CONFIG: a process refused its configuration; restarting it would only refuse again
@@ -130,7 +145,7 @@ class Tree:
     """A child process and what it started: its descendants and, for one spawned as a process group leader (a session
     of its own), every member of that group, including those orphaned by a parent that died."""
 
-    def __init__(self, process: subprocess.Popen, leads_group: bool) -> None:
+    def __init__(self, process: Child, leads_group: bool) -> None:
         self.process, self.leads_group = process, leads_group
         self.procs = {proc for proc in map(Proc.of, (process.pid, *descendants(process.pid))) if proc}
         self.refresh(process_groups() if leads_group else {})

@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,9 +31,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from h3serve.common import logs, processes
+from h3serve.common import forkserver, logs, processes
 from h3serve.common.config import DiTConfig
-from h3serve.common.processes import MEMINFO, Ending, MemoryWatch, RepeatedFailure, StopSignals, Tree, end_trees
+from h3serve.common.forkserver import ForkServer
+from h3serve.common.processes import MEMINFO, Child, Ending, MemoryWatch, RepeatedFailure, StopSignals, Tree, end_trees
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -96,18 +96,20 @@ def rank_env(
 
 def start_ranks(
     config: DiTConfig, argv: list[str], restart: int, master: tuple[str, int], stop: StopSignals, last_exit: str = ""
-) -> list[subprocess.Popen]:
-    """Every rank of one start, unless a stop comes first (what was started is then stopped by the caller)."""
-    ranks = []
+) -> list[Child]:
+    """Every rank of one start, unless a stop comes first (what was started is then stopped by the caller): forks of
+    the fork server that `h3serve up` named, if any."""
+    server = ForkServer.from_env()
+    ranks: list[Child] = []
     for rank in range(config.world_size):
         if stop:
             break
         env = rank_env(config, rank, restart, master, last_exit)
-        ranks.append(processes.spawn(argv, death_signal=signal.SIGKILL, env=env))
+        ranks.append(forkserver.start(argv, server, death_signal=signal.SIGKILL, env=env))
     return ranks
 
 
-def stop_ranks(ranks: list[subprocess.Popen]) -> None:
+def stop_ranks(ranks: list[Child]) -> None:
     """SIGTERM to every rank still running, STOP_GRACE_S for them and what they started, then SIGKILL."""
     trees = [Tree(rank, leads_group=False) for rank in ranks]
     for rank in ranks:
@@ -179,15 +181,15 @@ class Group:
                 return code
             restart += 1
 
-    def first_exits(self, ranks: list[subprocess.Popen]) -> list[tuple[int, Ending]]:
+    def first_exits(self, ranks: list[Child]) -> list[tuple[int, Ending]]:
         """Once a rank has exited, (rank, how it ended) for each exited rank; [] when a stop comes first. Meanwhile
         the ranks' memory is sampled, and rank 0's health until it serves."""
         self.served, probe_at = False, 0.0
         while not self.stop:
             ended = [
-                (rank, self.memory.ending(p.pid, p.returncode, self.served))
+                (rank, self.memory.ending(p.pid, code, self.served))
                 for rank, p in enumerate(ranks)
-                if p.poll() is not None
+                if (code := p.poll()) is not None
             ]
             if ended:
                 return ended
@@ -197,7 +199,7 @@ class Group:
             time.sleep(processes.POLL_S)
         return []
 
-    def verdict(self, ranks: list[subprocess.Popen], ended: list[tuple[int, Ending]], restart: int) -> int | None:
+    def verdict(self, ranks: list[Child], ended: list[tuple[int, Ending]], restart: int) -> int | None:
         """This process's exit code when the group must not start again; None to restart it."""
         if any(rank.returncode == processes.EXIT_REFUSED for rank in ranks):
             log.error(
