@@ -438,11 +438,12 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     started = time.perf_counter()
     try:
         # the host sampler asks for the services' pids at every sample: it starts before they do, so their start-up
-        # (loading, --warm-start's compile) is in the peak
+        # (loading, --warm-start's compile) is in the peak; with the fork server, it and all its children (the DiT's
+        # ranks among them) count, each child's resident pages including those it still shares with the server
         with (
             leaves_gpu_empty(),
             gpu_peak() as gpu,
-            host_peak(lambda: [service.process.pid for service in group.running]) as host,
+            host_peak(group.process_roots) as host,
             group,
         ):
             ready_s = time.perf_counter() - started

@@ -13,9 +13,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import free_port, write_config
 from up_process import command, wait_until
 
+from bench.common import process_tree
+from h3serve.cli.launcher import ServiceGroup
 from h3serve.common import forkserver
+from h3serve.common.config import load_deploy
 from h3serve.common.processes import Proc
 
 pytestmark = pytest.mark.processes
@@ -168,3 +172,18 @@ def test_the_stacks_model_services_are_forks_of_the_fork_server(stack, fork_serv
     for pid in forked.values():
         with open(f"/proc/{pid}/stat") as file:
             assert int(file.read().rsplit(")", 1)[1].split()[1]) == fork_server.process.pid
+
+
+def test_a_group_with_a_fork_server_of_its_own_counts_it_among_its_roots(tiny_model_dir, tmp_path, monkeypatch):
+    """What a bench samples (bench/e2e.py: the trees of `process_roots`) holds the DiT's rank, a child of the group's
+    fork server and not of the DiT's launcher."""
+    monkeypatch.delenv(forkserver.ENV)
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+    config = write_config(tmp_path / "deploy.toml", str(tiny_model_dir), tmp_path / "gateway", ports)
+    with ServiceGroup(load_deploy(config), str(config), names=("dit",)) as group:
+        assert group.fork_server and group.fork_server.process
+        assert group.fork_server.process.pid in group.process_roots()
+        ranks = [pid for pid in process_tree(group.process_roots()) if b"-m h3serve.services.dit.rank " in command(pid)]
+        assert len(ranks) == 1
+        rank = Proc.of(ranks[0])
+    assert rank and not rank.alive(), "the group's stop ended its rank"

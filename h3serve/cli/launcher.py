@@ -99,6 +99,12 @@ class ServiceGroup:
             )
         return Running(name, f"{section.host}:{section.port}", process)
 
+    def process_roots(self) -> list[int]:
+        """Every process this group started is in the tree of one of these: the services and, with a fork server of
+        its own, the server (the model services and the DiT's ranks are its children)."""
+        owned = [self.fork_server.process.pid] if self.fork_server and self.fork_server.process else []
+        return [item.process.pid for item in self.running] + owned
+
     def respawn(self, name: str) -> Running:
         """Start service `name` again in its place (its old process has ended)."""
         index = next(i for i, item in enumerate(self.running) if item.name == name)
