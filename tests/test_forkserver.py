@@ -87,7 +87,7 @@ def test_a_fork_runs_the_module_as_python_m_would(server, modules, tmp_path):
 def test_its_title_is_its_command_line_and_its_status_comes_back(server, tmp_path):
     sleeper = run(server, "sleep", stdout=subprocess.DEVNULL)
     argv = [sys.executable, "-m", "child", "sleep"]
-    wait_until(lambda: command(sleeper.pid).strip() == " ".join(argv).encode(), 10, "the title")
+    wait_until(lambda: command(sleeper.pid) == " ".join(argv), 10, "the title")
     assert sleeper.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         sleeper.wait(0.2)
@@ -183,7 +183,7 @@ def test_a_group_with_a_fork_server_of_its_own_counts_it_among_its_roots(tiny_mo
     with ServiceGroup(load_deploy(config), str(config), names=("dit",)) as group:
         assert group.fork_server and group.fork_server.process
         assert group.fork_server.process.pid in group.process_roots()
-        ranks = [pid for pid in process_tree(group.process_roots()) if b"-m h3serve.services.dit.rank " in command(pid)]
+        ranks = [pid for pid in process_tree(group.process_roots()) if "-m h3serve.services.dit.rank " in command(pid)]
         assert len(ranks) == 1
         rank = Proc.of(ranks[0])
     assert rank and not rank.alive(), "the group's stop ended its rank"

@@ -15,7 +15,7 @@ from conftest import free_port, write_config
 from h3serve.cli.launcher import is_serving
 from h3serve.client import GatewayClient
 from h3serve.common.forkserver import ENV as FORK_SERVER
-from h3serve.common.processes import Proc, descendants
+from h3serve.common.processes import Proc, command_line, descendants
 from h3serve.v1 import gateway_pb2
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
@@ -51,13 +51,9 @@ def own_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key != FORK_SERVER}
 
 
-def command(pid: int) -> bytes:
-    """A process's command line, its arguments joined by spaces (b"" once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as file:
-            return file.read().replace(b"\0", b" ")
-    except OSError:
-        return b""
+def command(pid: int) -> str:
+    """A process's whole command line, its arguments joined by spaces ("?" once it is gone)."""
+    return command_line(pid, limit=1 << 20)
 
 
 def living(procs) -> list[int]:
@@ -115,8 +111,8 @@ class Up:
     def service(self, name: str) -> int | None:
         """The pid of service `name`'s process (a fork of `up`'s fork server, or a child of `up`; the DiT's execs its
         launcher), None while it has none."""
-        marks = [f"serve {name} ".encode(), *([b"-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
-        found = [pid for pid in descendants(self.process.pid) if any(mark in command(pid) for mark in marks)]
+        marks = [f"serve {name} ", *(["-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
+        found = [pid for pid in descendants(self.process.pid) if any(mark in command(pid) + " " for mark in marks)]
         return found[0] if found else None
 
     def wait_serving(self, limit_s: float = 240.0) -> None:
