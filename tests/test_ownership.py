@@ -10,6 +10,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import free_port, write_config
@@ -17,7 +19,15 @@ from stand_ins import REFUSE, StandIns, counted, deployment, no_signals, starts
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
-from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, Refused, command_line, lock_directory, port_holders
+from h3serve.common.processes import (
+    EXIT_REFUSED,
+    LOCK_FILE,
+    Refused,
+    command_line,
+    lock_directory,
+    port_holders,
+    wait_port_released,
+)
 from h3serve.common.server import start_server
 from h3serve.services.dit.supervisor import Group
 
@@ -32,6 +42,19 @@ def test_who_listens_on_a_port_is_named_from_proc():
         (holder,) = port_holders(port)
         assert holder == f"pid {os.getpid()} ({command_line(os.getpid())})" and command_line(os.getpid()) != "?"
     assert port_holders(port) is None, "nothing listens on it any more"
+
+
+def test_a_restart_waits_until_the_old_instance_has_released_its_port():
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    closing = threading.Timer(0.5, listener.close)
+    closing.start()
+    started = time.monotonic()
+    assert wait_port_released(port, started + 30), "released once the listener closed"
+    assert time.monotonic() - started >= 0.5, "not before"
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        deadline = time.monotonic() + 0.3
+        assert not wait_port_released(held.getsockname()[1], deadline) and time.monotonic() >= deadline
 
 
 def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address_and_the_holder():

@@ -29,6 +29,9 @@ from h3serve.services import preload
 __all__ = ["START_ORDER", "Running", "ServiceGroup", "children", "is_answering", "is_serving"]
 
 START_ORDER = (*SERVICES, "gateway")
+# How long a restart waits for its old instance's port to be released before it starts anyway (and is refused):
+# ranks forked for a killed DiT launcher end on their death signal, a moment after it.
+PORT_RELEASE_S = 10.0
 
 
 @dataclass
@@ -106,8 +109,11 @@ class ServiceGroup:
         return [item.process.pid for item in self.running] + owned
 
     def respawn(self, name: str) -> Running:
-        """Start service `name` again in its place (its old process has ended)."""
+        """Start service `name` again in its place (its old process has ended), once its port is free or after
+        PORT_RELEASE_S: a start that found it held would refuse to start, and `up` takes a refusal as final."""
         index = next(i for i, item in enumerate(self.running) if item.name == name)
+        port = self.running[index].address.rsplit(":", 1)[1]
+        processes.wait_port_released(int(port), time.monotonic() + PORT_RELEASE_S)
         self.running[index] = self._spawn(name)
         return self.running[index]
 

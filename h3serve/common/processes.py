@@ -349,18 +349,35 @@ class MemoryWatch:
 TCP_LISTEN = "0A"
 
 
-def port_holders(port: int) -> list[str] | None:
-    """Who listens on TCP `port`, on any address: "pid N (command)" each, best effort (/proc/net/tcp and tcp6, then
-    /proc/*/fd; another user's processes stay unnamed); None when nothing listens on it."""
+def listening_sockets(port: int) -> set[str]:
+    """The inodes of the sockets listening on TCP `port`, on any address (/proc/net/tcp and tcp6)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError), open(table) as file:
             rows = [line.split() for line in file.readlines()[1:]]
         inodes |= {row[9] for row in rows if row[3] == TCP_LISTEN and int(row[1].rsplit(":", 1)[1], 16) == port}
+    return inodes
+
+
+def port_holders(port: int) -> list[str] | None:
+    """Who listens on TCP `port`, on any address: "pid N (command)" each, best effort (then /proc/*/fd; another
+    user's processes stay unnamed); None when nothing listens on it."""
+    inodes = listening_sockets(port)
     if not inodes:
         return None
     sockets = {f"socket:[{inode}]" for inode in inodes}
     return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(sockets))]
+
+
+def wait_port_released(port: int, deadline: float) -> bool:
+    """Until nothing listens on TCP `port`, or `deadline`: whether it was released. What listened for a process may
+    end a moment after it: the DiT's ranks are the fork server's children, which their death signal ends once
+    the server has seen their launcher's connection close."""
+    while listening_sockets(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S / 4)
+    return True
 
 
 def holders_of(targets: set[str]) -> set[int]:
