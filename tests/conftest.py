@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -11,6 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# Inductor's CPU compiles (the compile tests and the compiled DiTs they start) probe which vector instruction sets
+# the compiler and CPU take by building and loading a test kernel per set, once per process and compile cache
+# directory: about 9 s of every cold compile of the tiny DiT here, and the tests compile into fresh caches on purpose.
+# The sets are taken from the CPU's flags instead. Set before torch is imported, here and in every process started.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 from bench.deployment import toml_value
 from h3serve.cli.launcher import ServiceGroup

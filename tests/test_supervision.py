@@ -49,7 +49,9 @@ pytestmark = pytest.mark.processes
 
 STAND_IN_UP = Path(__file__).with_name("stand_in_up.py")
 DIT2 = dict(world_size=2, heartbeat_s=1.0, restart_backoff_s=0.5, max_restarts=5, collective_timeout_s=30.0)
-SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\n"
+# The stand-ins are plain `python -c` processes, which no fork server forks (each would be refused and spawned): `up`
+# over them starts none, instead of importing the model's packages for nothing.
+SUPERVISOR = "[supervisor]\nmax_restarts = 1\nbackoff_s = 0.5\nstop_grace_s = 30.0\nfork_server = false\n"
 
 
 def stand_in(name: str, port: int) -> list[str]:
