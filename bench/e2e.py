@@ -596,16 +596,17 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         command=command,
         date=datetime.date.today().isoformat(),
         software=software(),
-        variant=(
-            f"gRPC services, deployment {args.deploy} as shipped"
-            if args.deploy
-            else f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
-        )
-        + adapted(args)
-        + args.cache_state,
+        variant=services_text(args, place) + adapted(args) + args.cache_state,
         baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args),
     )
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common) for n, s, b in rows]
+
+
+def services_text(args, place: Placement) -> str:
+    """The deployment `deployment` built, as a record names it."""
+    if args.deploy:
+        return f"gRPC services, deployment {args.deploy} as shipped"
+    return f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
 
 
 def adapted(args) -> str:
@@ -697,6 +698,51 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
     ], command
 
 
+def add_deployment_arguments(parser) -> None:
+    """What `deployment` builds the services from: the weights, the fast paths, the placement or a shipped profile,
+    the caches (bench.e2e's and bench.fault_walk's)."""
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
+    parser.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=1,
+        help="GPUs the services use (the DiT group spans them, bench/placement.py); bench.e2e's in-process "
+        "baseline always runs on one. --quick: the DiT's gloo ranks on the CPU",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="shared",
+        help="shared: the DiT on all GPUs, the encoder on GPU 0 and the VAE on the last one beside its "
+        "ranks; dedicated: docs/deploy/h200x4.toml's layout (encoder, DiT, VAE on their own GPUs)",
+    )
+    parser.add_argument(
+        "--dit-fsdp",
+        choices=("on", "off"),
+        default="off",
+        help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)",
+    )
+    parser.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
+    parser.add_argument(
+        "--deploy",
+        help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
+        "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped",
+    )
+    parser.add_argument(
+        "--compile-cache",
+        default="",
+        help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart",
+    )
+    parser.add_argument(
+        "--fp8-cache",
+        default="",
+        help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
+        "assigns them instead of building and quantising",
+    )
+
+
 def main(argv: list[str] | None = None) -> list[Comparison]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
@@ -709,35 +755,7 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         default=3,
         help="num_inference_steps of the warm-up request (3: both DiT forward variants compile)",
     )
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--model-dir", default="random:full", help="random:full, or a local diffusers model directory")
-    p.add_argument("--dit", default="native", help="DiT service fast path: attention[+compile][+fp8]")
-    p.add_argument(
-        "--gpus",
-        type=int,
-        default=1,
-        help="GPUs the services use (the DiT group spans them, bench/placement.py); the in-process "
-        "baseline always runs on one. --quick: the DiT's gloo ranks on the CPU",
-    )
-    p.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default="shared",
-        help="shared: the DiT on all GPUs, the encoder on GPU 0 and the VAE on the last one beside its "
-        "ranks; dedicated: docs/deploy/h200x4.toml's layout (encoder, DiT, VAE on their own GPUs)",
-    )
-    p.add_argument(
-        "--dit-fsdp",
-        choices=("on", "off"),
-        default="off",
-        help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)",
-    )
-    p.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
-    p.add_argument(
-        "--deploy",
-        help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
-        "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped",
-    )
+    add_deployment_arguments(p)
     p.add_argument("--out", help="keep the MP4s and service logs here (default: a temporary directory)")
     p.add_argument(
         "--side",
@@ -760,17 +778,6 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         action="store_true",
         help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
         "the first request after SERVING and start to SERVING become rows of their own",
-    )
-    p.add_argument(
-        "--compile-cache",
-        default="",
-        help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart",
-    )
-    p.add_argument(
-        "--fp8-cache",
-        default="",
-        help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
-        "assigns them instead of building and quantising",
     )
     add_output_arguments(p)
     args = p.parse_args(argv)

@@ -48,6 +48,13 @@ class Record:
     load_seconds: float | None = None
     host_hwm_gib: float | None = None
     file_gib: float | None = None
+    # A fault walk (bench/fault_walk.py; None elsewhere): its acknowledged jobs by how they ended and the attempts they
+    # used (`WALK_COUNTS`), each kill's seconds to the victim SERVING again (None: not within the walk's limit), and
+    # for a kill of the fp8 save what the cache held after; `seconds` runs from the last kill to the last job's end,
+    # and no baseline is measured. Such records have their own table.
+    jobs: dict[str, int] | None = None
+    back_seconds: list[float | None] | None = None
+    fp8_cache_after: str | None = None
 
     def key(self) -> tuple:
         return self.name, self.device, self.world_size, self.dtype, self.variant
@@ -82,6 +89,22 @@ file's writing too); error: relative L2 of one forward's output against the bf16
 """
 
 
+FAULT_WALKS = """
+## Fault walks
+
+`h3serve up` with the shipped supervision defaults, jobs acknowledged, then one process SIGKILLed at its moment
+(`bench/fault_walk.py`): how the acknowledged jobs ended (lost: the gateway no longer knows the job; unfinished: not
+ended within the walk's limit), the attempts they used (`Job.attempts` summed), seconds from each kill to the victim
+SERVING again, and from the last kill to the last job's end; after a kill of the fp8 save, what the cache held once the
+restarted DiT had saved again and how that DiT got its weights.
+
+| date | walk | device | dtype | deployment | acknowledged | succeeded | failed | lost | unfinished | attempts |\
+ kill to SERVING s | kill to last job s | fp8 cache after | software | command |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+WALK_COUNTS = ("acknowledged", "succeeded", "failed", "lost", "unfinished", "attempts")  # the keys of Record.jobs
+
+
 def update_results(records: list[Record], results_path: str, markdown_path: str) -> None:
     """Replace records with the same key, keep the rest, rewrite both files."""
     path = Path(results_path)
@@ -94,11 +117,15 @@ def update_results(records: list[Record], results_path: str, markdown_path: str)
         f"{r.baseline_seconds:.4f} | {r.ratio:.3f} | {_peak(r)} | {_host(r)} | {_rate(r)} | {accuracy(r)} | "
         f"{r.software} | `{r.command}` |\n"
         for r in merged
-        if r.weights_gib is None
+        if r.weights_gib is None and r.jobs is None
     )
     formats = [r for r in merged if r.weights_gib is not None]
+    walks = [r for r in merged if r.jobs is not None]
     Path(markdown_path).write_text(
-        HEADER + rows + (WEIGHT_FORMATS + "".join(map(_format_row, formats)) if formats else "")
+        HEADER
+        + rows
+        + (WEIGHT_FORMATS + "".join(map(_format_row, formats)) if formats else "")
+        + (FAULT_WALKS + "".join(map(_walk_row, walks)) if walks else "")
     )
 
 
@@ -109,6 +136,16 @@ def _format_row(r: Record) -> str:
         f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {r.seconds:.4f} | {r.baseline_seconds:.4f} | "
         f"{r.ratio:.3f} | {r.peak_gib:.1f} | {r.weights_gib:.1f} | {r.load_seconds:.1f} | {r.host_hwm_gib:.1f} | "
         f"{file} | {error} | {r.software} | `{r.command}` |\n"
+    )
+
+
+def _walk_row(r: Record) -> str:
+    assert r.jobs is not None and r.back_seconds is not None  # a fault walk's record
+    counts = " | ".join(str(r.jobs[key]) for key in WALK_COUNTS)
+    back = ", ".join("not back" if s is None else f"{s:.1f}" for s in r.back_seconds)
+    return (
+        f"| {r.date} | {r.name} | {r.device} | {r.dtype} | {r.variant} | {counts} | {back} | {r.seconds:.1f} | "
+        f"{r.fp8_cache_after or ''} | {r.software} | `{r.command}` |\n"
     )
 
 
