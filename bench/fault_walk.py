@@ -13,6 +13,9 @@ Victims and their moments:
   directory aside (`<partition>-fp8-<key>.partial-<pid>`, h3serve/runtime/fp8_store.py) exists in --fp8-cache,
   polled every 50 ms. The cache must start empty, --dit must have fp8, and it needs a GPU (torchao refuses fp8 on a
   CPU; tests/test_fp8_store.py kills a CPU save with that check lifted).
+- `dit-compile`: DiT rank 0 at the first job's first `denoising` event while it compiles into an empty
+  --compile-cache (no warm-up: the first forward compiled one variant, the next one compiles the other and writes
+  it to the cache). Needs --dit with +compile; runs on the CPU too.
 - `dit-rank-0`, `encoder`, `gateway`: at the first job's first `denoising` event; `vae`: at its first `decoding`.
 - `gateway-x3`: the gateway at that event, then twice more, each as soon as the restarted gateway serves again:
   three kills within a minute.
@@ -70,6 +73,7 @@ from h3serve.runtime import fp8_store
 from h3serve.v1 import common_pb2, gateway_pb2
 
 FP8_SAVE = "dit-fp8-save"
+COMPILING = "dit-compile"
 SAVING = "saving"  # the moment of FP8_SAVE: the fp8 save's directory aside exists
 PARTIAL = ".partial-"  # fp8_store's directory aside: `<partition>-fp8-<key>.partial-<writer pid>`
 
@@ -83,6 +87,7 @@ class Victim:
 
 VICTIMS = {
     FP8_SAVE: Victim("dit", SAVING),
+    COMPILING: Victim("dit", "denoising"),
     "dit-rank-0": Victim("dit", "denoising"),
     "vae": Victim("vae", "decoding"),
     "encoder": Victim("encoder", "denoising"),
@@ -90,7 +95,8 @@ VICTIMS = {
     "gateway-x3": Victim("gateway", "denoising", kills=3),
 }
 TERMINAL = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
-QUICK = dict(size="32x64x124", steps=2, dtype="float32", model_dir="")  # the tiny preset: 1 DiT forward a job
+QUICK = dict(size="32x64x124", dtype="float32", model_dir="")  # the tiny preset
+QUICK_STEPS = 2  # 1 DiT forward a job, unless --steps says otherwise
 POLL_S = 0.1  # kill to SERVING is measured to this
 SAVE_POLL_S = 0.05  # the kill lands within this of the fp8 save's start
 JOBS_POLL_S = 1.0
@@ -432,6 +438,8 @@ def refusal(args, device: str) -> str:
     out = Path(args.out)
     if out.is_dir() and any(out.iterdir()):
         return f"--out {out} holds an earlier run (a gateway's jobs, logs): give a new or empty directory"
+    if args.victim == COMPILING:
+        return compiling_refusal(args)
     if args.victim != FP8_SAVE:
         return ""
     if device == "cpu":
@@ -444,6 +452,15 @@ def refusal(args, device: str) -> str:
     if cache.is_dir() and any(cache.iterdir()):
         held = ", ".join(sorted(p.name for p in cache.iterdir()))
         return f"--fp8-cache {cache} is not empty ({held}): a start would assign those weights and save nothing"
+    return ""
+
+
+def compiling_refusal(args) -> str:
+    if args.deploy or not parse_variant(args.dit).compile:
+        return f"--victim {COMPILING} kills the DiT while it compiles: give --dit with +compile (and no --deploy)"
+    cache = Path(args.compile_cache) if args.compile_cache else None
+    if cache is None or (cache.is_dir() and any(cache.iterdir())):
+        return f"--victim {COMPILING} needs --compile-cache DIR, an empty directory the DiT compiles into"
     return ""
 
 
@@ -500,7 +517,7 @@ def main(argv: list[str] | None = None) -> Walk:
     p.add_argument("--victim", required=True, choices=VICTIMS)
     p.add_argument("--jobs", type=int, default=5, help="jobs acknowledged before the kill")
     p.add_argument("--size", default="480x832x124", help="each job's HxWxFRAMES")
-    p.add_argument("--steps", type=int, default=4, help="num_inference_steps of each job")
+    p.add_argument("--steps", type=int, help="num_inference_steps of each job (default 4; --quick: 2)")
     p.add_argument("--limit-s", type=float, default=900.0, help="how long the victim and the jobs may take")
     p.add_argument("--out", help="the deployment, its logs and the gateway's data (default: a new var/ directory)")
     add_deployment_arguments(p)
@@ -509,6 +526,7 @@ def main(argv: list[str] | None = None) -> Walk:
     args.command = command_line("bench.fault_walk", argv)
     if args.quick:
         vars(args).update(QUICK)
+    args.steps = args.steps or (QUICK_STEPS if args.quick else 4)
     args.out = args.out or f"var/fault-walk-{args.victim}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     device = "cpu" if args.quick else "cuda"
     if reason := refusal(args, device):

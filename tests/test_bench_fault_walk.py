@@ -51,6 +51,23 @@ def test_a_kill_of_the_fp8_save_is_refused_before_anything_starts_where_it_could
     assert not out.exists(), "nothing written, nothing started"
 
 
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        (["--dit", "native"], "give --dit with \\+compile"),
+        (["--dit", "native+compile"], "needs --compile-cache DIR, an empty directory"),
+        (["--dit", "native+compile", "--compile-cache", "{cache}"], "needs --compile-cache DIR, an empty directory"),
+    ],
+)
+def test_a_kill_while_compiling_is_refused_without_a_compile_into_an_empty_cache(options, reason, tmp_path):
+    cache, out = tmp_path / "compile-cache", tmp_path / "out"
+    (cache / "inductor").mkdir(parents=True)
+    argv = ["--quick", "--victim", fault_walk.COMPILING, "--out", str(out), *(o.format(cache=cache) for o in options)]
+    with pytest.raises(SystemExit, match=reason):
+        fault_walk.main(argv)
+    assert not out.exists(), "nothing written, nothing started"
+
+
 def test_a_walk_into_an_earlier_runs_directory_is_refused(tmp_path):
     (tmp_path / "up.out").write_text("an earlier walk")
     with pytest.raises(SystemExit, match="holds an earlier run"):

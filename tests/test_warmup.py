@@ -68,9 +68,11 @@ def watch_start(dit, health, timeout: float = 300.0) -> list[tuple[str, int]]:
     """(Info.state, health status) as they change until the DiT says SERVING."""
     seen, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
+        # health first: the DiT says "serving" in Info before its health turns SERVING, so a state read after the
+        # health is never older than it (read the other way round, a start seen as "warming up" while SERVING)
         try:
-            state = dit.Info(common_pb2.InfoRequest(), timeout=5).state
             status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            state = dit.Info(common_pb2.InfoRequest(), timeout=5).state
         except grpc.RpcError:  # the port is not open yet
             time.sleep(0.1)
             continue
