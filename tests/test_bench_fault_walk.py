@@ -33,36 +33,30 @@ def test_quick_walk_kills_the_gateway_and_counts_every_acknowledged_job_done(tmp
     assert "| 2 | 2 | 0 | 0 | 0 | 2 | " in section
 
 
-@pytest.mark.parametrize(
-    "options, reason",
-    [
-        (["--quick", "--dit", "native+fp8"], "needs a GPU: torchao refuses fp8 on a CPU"),
-        (["--dit", "native+compile"], "--dit native\\+compile has no \\+fp8"),
-        (["--dit", "native+fp8"], "needs --fp8-cache DIR, an empty directory"),
-        (["--dit", "native+fp8", "--fp8-cache", "{cache}"], "fp8-cache .* is not empty \\(transformer-fp8-0123\\)"),
-    ],
-)
-def test_a_kill_of_the_fp8_save_is_refused_before_anything_starts_where_it_could_not_happen(options, reason, tmp_path):
-    cache, out = tmp_path / "fp8", tmp_path / "out"
-    (cache / "transformer-fp8-0123").mkdir(parents=True)
-    argv = ["--victim", fault_walk.FP8_SAVE, "--out", str(out), *(o.format(cache=cache) for o in options)]
-    with pytest.raises(SystemExit, match=reason):
-        fault_walk.main(argv)
-    assert not out.exists(), "nothing written, nothing started"
+FP8, COMPILING = fault_walk.FP8_SAVE, fault_walk.COMPILING
 
 
 @pytest.mark.parametrize(
-    "options, reason",
+    "victim, options, reason",
     [
-        (["--dit", "native"], "give --dit with \\+compile"),
-        (["--dit", "native+compile"], "needs --compile-cache DIR, an empty directory"),
-        (["--dit", "native+compile", "--compile-cache", "{cache}"], "needs --compile-cache DIR, an empty directory"),
+        (FP8, ["--quick", "--dit", "native+fp8"], "needs a GPU: torchao refuses fp8 on a CPU"),
+        (FP8, ["--dit", "native+compile"], "--dit native\\+compile has no \\+fp8"),
+        (FP8, ["--dit", "native+fp8"], "needs --fp8-cache DIR, an empty directory"),
+        (
+            FP8,
+            ["--dit", "native+fp8", "--fp8-cache", "{cache}"],
+            "fp8-cache .* is not empty \\(transformer-fp8-0123\\)",
+        ),
+        (COMPILING, ["--quick", "--dit", "native"], "give --dit with \\+compile"),
+        (COMPILING, ["--quick", "--dit", "native+compile"], "needs --compile-cache DIR, an empty directory"),
+        (COMPILING, ["--quick", "--dit", "native+compile", "--compile-cache", "{cache}"], "needs --compile-cache DIR"),
     ],
 )
-def test_a_kill_while_compiling_is_refused_without_a_compile_into_an_empty_cache(options, reason, tmp_path):
-    cache, out = tmp_path / "compile-cache", tmp_path / "out"
-    (cache / "inductor").mkdir(parents=True)
-    argv = ["--quick", "--victim", fault_walk.COMPILING, "--out", str(out), *(o.format(cache=cache) for o in options)]
+def test_a_kill_at_a_moment_that_cannot_come_is_refused_before_anything_starts(victim, options, reason, tmp_path):
+    """An fp8 save (a GPU, fp8 and an empty fp8 cache) or a compile into an empty compile cache, as the victim needs."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    (cache / "transformer-fp8-0123").mkdir(parents=True)  # a cache that is not empty
+    argv = ["--victim", victim, "--out", str(out), *(o.format(cache=cache) for o in options)]
     with pytest.raises(SystemExit, match=reason):
         fault_walk.main(argv)
     assert not out.exists(), "nothing written, nothing started"
