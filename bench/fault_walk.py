@@ -221,11 +221,7 @@ class Stack:
                 return next((rank.pid for rank in dit_info(self.config).ranks if rank.rank == 0), None)
             except grpc.RpcError:  # restarting
                 return None
-        mark = f" serve {service} "
-        return next(
-            (pid for pid in processes.descendants(self.process.pid) if mark in processes.command_line(pid, 1 << 20)),
-            None,
-        )
+        return processes.service_pid(self.process.pid, service)
 
     def dit_log(self) -> Path:
         return self.log_dir / "dit.log"

@@ -15,7 +15,7 @@ from conftest import free_port, write_config
 from h3serve.cli.launcher import is_serving
 from h3serve.client import GatewayClient
 from h3serve.common.forkserver import ENV as FORK_SERVER
-from h3serve.common.processes import Proc, command_line, descendants
+from h3serve.common.processes import Proc, command_line, descendants, service_pid
 from h3serve.v1 import gateway_pb2
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
@@ -109,11 +109,9 @@ class Up:
         return self.seen
 
     def service(self, name: str) -> int | None:
-        """The pid of service `name`'s process (a fork of `up`'s fork server, or a child of `up`; the DiT's execs its
-        launcher), None while it has none."""
-        marks = [f"serve {name} ", *(["-m h3serve.services.dit.supervisor "] if name == "dit" else [])]
-        found = [pid for pid in descendants(self.process.pid) if any(mark in command(pid) + " " for mark in marks)]
-        return found[0] if found else None
+        """The pid of service `name`'s process (a fork of `up`'s fork server, or a child of `up`), None while it has
+        none."""
+        return service_pid(self.process.pid, name)
 
     def wait_serving(self, limit_s: float = 240.0) -> None:
         def serving():

@@ -131,6 +131,15 @@ def descendants(pid: int) -> list[int]:
     return [p for child in children(pid) for p in (child, *descendants(child))]
 
 
+def service_pid(root: int, name: str) -> int | None:
+    """The pid of `h3serve up`'s service `name` among `root`'s descendants, by its command line (`h3serve serve NAME`,
+    a fork of the fork server's too; the DiT's launcher execs itself as its supervisor module); None while it has
+    none."""
+    marks = [f" serve {name} ", *([" -m h3serve.services.dit.supervisor "] if name == "dit" else [])]
+    found = [pid for pid in descendants(root) if any(mark in command_line(pid, 1 << 20) + " " for mark in marks)]
+    return found[0] if found else None
+
+
 def process_groups() -> dict[int, set[Proc]]:
     """Every live process by process group, wherever it was reparented (one pass over /proc)."""
     groups: dict[int, set[Proc]] = {}
