@@ -174,6 +174,15 @@ def test_the_stacks_model_services_are_forks_of_the_fork_server(stack, fork_serv
             assert int(file.read().rsplit(")", 1)[1].split()[1]) == fork_server.process.pid
 
 
+def test_the_launcher_of_a_one_rank_dit_group_never_loads_torch(stack):
+    """One rank keeps its store in its own memory (parallel.attempt_store): its launcher (a fork that exec'd the
+    supervisor) serves none, so it imports no torch (4.6 s of CPU and ~470 MiB resident, at every start)."""
+    (launcher,) = (item.process.pid for item in stack.group.running if item.name == "dit")
+    maps = Path(f"/proc/{launcher}/maps").read_text()
+    assert "h3serve.services.dit.supervisor" in Path(f"/proc/{launcher}/cmdline").read_text().replace("\0", " ")
+    assert "libtorch" not in maps, "the launcher loaded torch"
+
+
 def test_a_group_with_a_fork_server_of_its_own_counts_it_among_its_roots(tiny_model_dir, tmp_path, monkeypatch):
     """What a bench samples (bench/e2e.py: the trees of `process_roots`) holds the DiT's rank, a child of the group's
     fork server and not of the DiT's launcher."""

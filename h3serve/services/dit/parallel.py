@@ -90,11 +90,14 @@ def init_groups(device: torch.device, timeout_s: float) -> dist.ProcessGroup:
 
 
 def attempt_store(timeout: timedelta) -> dist.Store:
-    """The launcher's store (h3serve's supervisor, or torchrun's agent), with keys private to this restart.
+    """The launcher's store (h3serve's supervisor, or torchrun's agent), with keys private to this restart; a group
+    of one rank has nobody to meet, so its store is in its own memory (the supervisor serves none).
 
     After a restart the ranks meet in the same store, where the dead attempt's keys (the old
     ranks' addresses) still lie: a new rank could read one and wait on a dead port.
     """
+    if int(os.environ["WORLD_SIZE"]) == 1:
+        return dist.HashStore()
     rank, restart = int(os.environ["RANK"]), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(

@@ -2,6 +2,8 @@
 
 launch.py execs this module at once (rank 0 checks the configuration). It serves the group's TCPStore on a socket
 it bound itself to the DiT's host: torch's own store server listens on every interface whatever host it is given.
+A group of one rank meets nobody: that rank keeps its store in its own memory (parallel.attempt_store), and this
+process serves none, so it never imports torch (here 4.6 s of CPU and ~470 MiB resident at every start).
 The ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE), so one rank code (rank.py) runs under both launchers, as
 clients of the launcher's store with keys private to each restart.
@@ -75,27 +77,32 @@ LAST_EXIT_ENV = "H3SERVE_DIT_LAST_EXIT"  # how the start before this one ended: 
 
 
 def rank_env(
-    config: DiTConfig, rank: int, restart: int, master: tuple[str, int], last_exit: str = ""
+    config: DiTConfig, rank: int, restart: int, master: tuple[str, int] | None, last_exit: str = ""
 ) -> dict[str, str]:
+    """torchrun's environment for `rank`; `master`: where this process serves the store (None: one rank, no store)."""
     env = {
         **os.environ,
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(config.world_size),
         "LOCAL_WORLD_SIZE": str(config.world_size),
-        "MASTER_ADDR": master[0],
-        "MASTER_PORT": str(master[1]),
         "TORCHELASTIC_RESTART_COUNT": str(restart),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
         LAST_EXIT_ENV: last_exit,
     }
+    if master is not None:
+        env |= {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     if config.world_size > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: ranks sharing the cores do not each take them all
     return env
 
 
 def start_ranks(
-    config: DiTConfig, argv: list[str], restart: int, master: tuple[str, int], stop: StopSignals, last_exit: str = ""
+    config: DiTConfig,
+    argv: list[str],
+    restart: int,
+    master: tuple[str, int] | None,
+    stop: StopSignals,
+    last_exit: str = "",
 ) -> list[Child]:
     """Every rank of one start, unless a stop comes first (what was started is then stopped by the caller): forks of
     the fork server that `h3serve up` named, if any."""
@@ -139,7 +146,7 @@ class Group:
         self,
         config: DiTConfig,
         argv: list[str],
-        master: tuple[str, int],
+        master: tuple[str, int] | None,
         stop: StopSignals,
         ready: Callable[[], bool] | None = None,
         meminfo: str = MEMINFO,
@@ -157,9 +164,9 @@ class Group:
         restart = 0
         while True:
             log.info(
-                "starting the DiT group: %d rank(s), store on %s:%d%s",
+                "starting the DiT group: %d rank(s), store %s%s",
                 self.config.world_size,
-                *self.master,
+                "in the rank's memory" if self.master is None else f"on {self.master[0]}:{self.master[1]}",
                 f" (restart {restart} of {self.config.max_restarts})" if restart else "",
             )
             ranks = start_ranks(self.config, self.argv, restart, self.master, self.stop, self.last_exit)
@@ -227,6 +234,8 @@ def supervise(encoded: str) -> int:
     logs.setup("dit")
     config = DiTConfig.model_validate_json(encoded)
     argv = [sys.executable, "-m", "h3serve.services.dit.rank", encoded]
+    if config.world_size == 1:
+        return Group(config, argv, None, stop).run()
     host = store_host(config.host)
     listener = listen(host)
     master = (host, listener.getsockname()[1])
