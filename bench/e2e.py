@@ -111,7 +111,7 @@ from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
 from h3serve.common.memory_plan import card_size
 from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource
-from h3serve.services.vae.mux import encode_mp4
+from h3serve.services.vae.mux import PRESET, THREADS, encode_mp4
 
 PROMPT = (
     "A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
@@ -262,7 +262,14 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
             pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED, **options)
         )
         muxed = time.perf_counter()
-        video = encode_mp4(result["frames"], result["audio"], int(result["sample_rate"]), lambda *_: None)
+        video = encode_mp4(
+            result["frames"],
+            result["audio"],
+            int(result["sample_rate"]),
+            lambda *_: None,
+            args.x264_preset,
+            x264_threads(args),
+        )
         (out / f"in-process-{size}.mp4").write_bytes(video)
         done = time.perf_counter()
         np.savez(out / f"in-process-{size}.npz", frames=result["frames"], audio=result["audio"])  # untimed
@@ -303,7 +310,9 @@ def deployment(args, device: str, work: Path) -> Path:
         + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "")
         + "\n"
         f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
-        f"compile = {str(vae.fast.compile).lower()}\ntile_batch = {vae.tile_batch}\n{cache_line(args)}"
+        f"compile = {str(vae.fast.compile).lower()}\ncompile_dynamic = {str(vae.fast.dynamic).lower()}\n"
+        f"tile_batch = {vae.tile_batch}\n{cache_line(args)}"
+        f'x264_preset = "{args.x264_preset}"\nx264_threads = {x264_threads(args)}\n'
         f"max_raw_bytes = {RAW_BYTES}\n\n"
         f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
         f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n"
@@ -320,7 +329,7 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         "model": {"dir": args.model_dir or ""},
         "encoder": {"cache_bytes": 0},
         "dit": {},
-        "vae": {"max_raw_bytes": RAW_BYTES},
+        "vae": {"max_raw_bytes": RAW_BYTES} | ({"x264_preset": args.x264_preset} if args.x264_preset != PRESET else {}),
         "gateway": {"data_dir": str(work / "gateway")},
         "supervisor": {"start_timeout_s": START_TIMEOUT_S},
     }
@@ -333,6 +342,11 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
     # only --fp8-cache's: a profile's own directory would carry the quantised weights from one run into the next
     changes["dit"]["fp8_cache_dir"] = args.fp8_cache
     return changes
+
+
+def x264_threads(args) -> int:
+    """--quick compares the two sides' MP4 bytes, which only one x264 thread reproduces (h3serve/common/config.py)."""
+    return 1 if args.quick else THREADS
 
 
 def cache_line(args) -> str:
@@ -606,7 +620,9 @@ def services_text(args, place: Placement) -> str:
     """The deployment `deployment` built, as a record names it."""
     if args.deploy:
         return f"gRPC services, deployment {args.deploy} as shipped"
-    return f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
+    return f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}" + (
+        f", x264 {args.x264_preset}" if args.x264_preset != PRESET else ""
+    )
 
 
 def adapted(args) -> str:
@@ -724,11 +740,18 @@ def add_deployment_arguments(parser) -> None:
         default="off",
         help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)",
     )
-    parser.add_argument("--vae", default="native", help="VAE service fast path: attention[+compile][+tiles=N]")
+    parser.add_argument(
+        "--vae", default="native", help="VAE service fast path: attention[+compile][+dynamic][+tiles=N]"
+    )
     parser.add_argument(
         "--deploy",
         help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
         "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped",
+    )
+    parser.add_argument(
+        "--x264-preset",
+        default=PRESET,
+        help="libx264's preset of the services' muxer ([vae] x264_preset) and of the in-process side's mux",
     )
     parser.add_argument(
         "--compile-cache",

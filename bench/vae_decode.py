@@ -7,8 +7,9 @@ numpy. Ours is the service's decode phase (`h3serve/services/vae/server.py::deco
 it pays before muxing: the same block, the output checks and the uint8 conversion on the device,
 then uint8 frames and the audio to numpy. The baseline is timed first; then each `--variants` entry is
 applied in order, each only adding to the one before (compile cannot be undone in place):
-`attention[+compile][+tiles=N]`, e.g. `native,native+tiles=28,flash4+compile+tiles=28`, where
-`tiles=N` decodes N spatial tiles per decoder call (h3serve/services/vae/tiles.py). With `--errors`, the
+`attention[+compile][+dynamic][+tiles=N]`, e.g. `native,native+tiles=28,_native_cudnn+compile+dynamic+tiles=28`,
+where `tiles=N` decodes N spatial tiles per decoder call (h3serve/services/vae/tiles.py) and the others are the
+fast path's (h3serve/runtime/fastpath.py). With `--errors`, the
 frames of every run are compared with an fp32 decode of the same weights.
 
     python -m bench.vae_decode --sizes 768x1344x124 --variants native,native+tiles=28 --errors --write
@@ -27,8 +28,9 @@ import torch
 
 from bench.accuracy import rel_l2, upcast_to_fp32
 from bench.common import Size, add_variant_arguments, device_label, software, timed
+from bench.dit_step import FastPathLadder, parse_variant
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.runtime import fastpath, random_full
+from h3serve.runtime import random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
 from h3serve.services.vae.server import decode_checked
@@ -44,12 +46,15 @@ class VaeVariant:
 
     @classmethod
     def parse(cls, text: str) -> VaeVariant:
-        attention, *flags = text.split("+")
+        """`attention[+compile][+dynamic][+tiles=N]`: the fast path's attention and compile, and tiles per decoder
+        call. Not fp8: on one H200 the decoder's block linears in fp8 gave NaN frames, every value (its appended
+        all-zero token, whose rowwise scale would be 0, is the suspect, not confirmed)."""
+        flags = text.split("+")
         tiles = [int(f.split("=", 1)[1]) for f in flags if f.startswith("tiles=")]
-        unknown = [f for f in flags if f != "compile" and not f.startswith("tiles=")]
-        if unknown:
-            raise SystemExit(f"--variants: unknown option(s) {unknown} in {text!r} (known: compile, tiles=N)")
-        return cls(FastPath(attention=attention, compile="compile" in flags), tiles[0] if tiles else 1)
+        fast = parse_variant("+".join(f for f in flags if not f.startswith("tiles=")))
+        if fast.fp8:
+            raise SystemExit(f"--variants {text!r}: the VAE has no fp8 path (VaeVariant.parse says why)")
+        return cls(fast, tiles[0] if tiles else 1)
 
     def describe(self) -> str:
         return self.fast.describe() + (f"+tiles={self.tile_batch}" if self.tile_batch > 1 else "")
@@ -101,23 +106,21 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
     if args.errors:
         with upcast_to_fp32(vae):
             reference = baseline()
-    base_seconds, _, base_frames = measure(baseline, args, device)
-    records, compiled = [], False
+    base_seconds, _, base_frames, _ = measure(baseline, args, device)
+    records, ladder = [], FastPathLadder(vae)
     for variant in (VaeVariant.parse(v) for v in args.variants.split(",")):
-        if compiled and not variant.fast.compile:
-            raise SystemExit(f"--variants: {variant.describe()} would undo compile; list it earlier")
-        fastpath.set_attention(vae, variant.fast.attention)
-        if variant.fast.compile and not compiled:
-            vae.compile_repeated_blocks(fullgraph=True)
-            compiled = True
+        ladder.step_to(variant.fast)  # the service's own fast path, each variant adding to the one before
         TileDecoder(vae, variant.tile_batch)
-        seconds, peak, frames = measure(decode, args, device)
+        seconds, peak, frames, first = measure(decode, args, device)
         errors = (
             {}
             if reference is None
             else {"rel_err_fp32": rel_l2(frames.cpu(), reference), "bf16_rel_err_fp32": rel_l2(base_frames, reference)}
         )
-        print(f"  {size} {variant.describe()}: {seconds:.3f} s vs {base_seconds:.3f} {errors}", flush=True)
+        print(
+            f"  {size} {variant.describe()}: {seconds:.3f} s (first call {first:.3f}) vs {base_seconds:.3f} {errors}",
+            flush=True,
+        )
         records.append(
             Record(
                 name=f"vae_decode_{size}",
@@ -139,20 +142,21 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
     return records
 
 
-def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor]:
-    """(median seconds, peak GiB, float frames of the last call) after one warm-up call."""
+def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor, float]:
+    """(median seconds, peak GiB, float frames of the last call, seconds of the first call: a compile, cuDNN's
+    set-up) after that first call."""
     last: dict[str, torch.Tensor] = {}
 
     def call() -> None:
         last["frames"] = fn()
 
     with torch.no_grad():
-        call()
+        first = timed(call, device)
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
         times = [timed(call, device) for _ in range(args.repeats)]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else 0.0
-    return statistics.median(times), round(peak, 2), last["frames"]
+    return statistics.median(times), round(peak, 2), last["frames"], first
 
 
 def main(argv: list[str] | None = None) -> list[Record]:

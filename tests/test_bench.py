@@ -77,6 +77,23 @@ def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     assert all(r["name"] == "vae_decode_32x64x22" and r["rel_err_fp32"] == 0.0 for r in records)
 
 
+def test_vae_variants_take_the_fast_path_flags_and_tiles_but_refuse_fp8():
+    from bench.vae_decode import VaeVariant
+
+    variant = VaeVariant.parse("_native_cudnn+compile+dynamic+tiles=28")
+    assert (variant.fast.attention, variant.fast.compile, variant.fast.dynamic, variant.tile_batch) == (
+        "_native_cudnn",
+        True,
+        True,
+        28,
+    )
+    assert variant.describe() == "_native_cudnn+compile+dynamic+tiles=28"
+    with pytest.raises(SystemExit, match="the VAE has no fp8 path"):
+        VaeVariant.parse("native+compile+fp8")
+    with pytest.raises(SystemExit, match="unknown option"):
+        VaeVariant.parse("native+channels_last")
+
+
 def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     from bench import e2e
 
@@ -201,7 +218,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         model_dir="random:full",
         dtype="bfloat16",
         dit="flash4+compile+fp8",
-        vae="native+compile+tiles=28",
+        vae="native+compile+dynamic+tiles=28",
         gpus=1,
         placement="shared",
         dit_fsdp="off",
@@ -211,6 +228,8 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         sizes="480x832x124",
         compile_cache=str(tmp_path / "cc"),
         fp8_cache="",
+        x264_preset="veryfast",
+        quick=False,
     )
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
@@ -221,7 +240,8 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert (config.dit.world_size, config.dit.fsdp) == (1, False)
     assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
     assert FastPath.of(config.dit) == FastPath("flash4", compile=True, fp8=True)
-    assert FastPath.of(config.vae) == FastPath("native", compile=True) and config.vae.tile_batch == 28
+    assert FastPath.of(config.vae) == FastPath("native", compile=True, dynamic=True) and config.vae.tile_batch == 28
+    assert (config.vae.x264_preset, config.vae.x264_threads) == ("veryfast", 0), "x264's own threads off --quick"
     assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
     assert config.gateway.data_dir == str(tmp_path / "gateway")
 
@@ -246,6 +266,8 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
         sizes="480x832x124",
         compile_cache="",
         fp8_cache=str(fp8),
+        x264_preset="medium",
+        quick=False,
     )
     for deploy in (None, str(profile)):
         args.deploy = deploy
@@ -273,6 +295,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
         sizes="768x1344x124",
         compile_cache="",
         fp8_cache="",
+        x264_preset="medium",
     )
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not

@@ -63,3 +63,13 @@ def test_the_vae_warm_up_gives_every_decoder_replica_a_tile():
         module.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
     VaeDecoder(vae, parts["audio_vae"], tiles.decoders).warm_up()
     assert all(calls), f"decoder calls per replica: {calls}"
+
+
+def test_a_vae_warm_up_with_batched_tiles_makes_a_full_call_and_a_call_of_one():
+    # a compiled decoder compiles a graph per batch size it meets (a size of 1 is specialised): the warm-up meets both
+    parts = ModelSource(None).load(VAE_PARTS, "cpu", "float32")
+    tiles = TileDecoder(parts["vae"], 3)
+    batches: list[int] = []
+    tiles.decoders[0].register_forward_hook(lambda module, args, out: batches.append(out.shape[0]))
+    VaeDecoder(parts["vae"], parts["audio_vae"], tiles.decoders).warm_up(tile_batch=3)
+    assert 3 in batches and 1 in batches, f"decoder calls' batch sizes: {batches}"

@@ -107,9 +107,14 @@ def components():
     return fresh_components()
 
 
+# One x264 thread: threaded encodes of identical frames differed under CPU load (config.py, x264_threads), and the
+# fidelity tests compare MP4 bytes.
+EXACT = VaeConfig(x264_threads=1)
+
+
 @pytest.fixture(scope="module")
 def stub(components):
-    with vae_service(*components) as stub:
+    with vae_service(*components, EXACT) as stub:
         yield stub
 
 
@@ -175,16 +180,16 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
     assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
     # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte, though the
     # service muxed its frames chunk by chunk while the decoder ran.
-    expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore)
+    expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore, threads=1)
     assert files_of(events)["video.mp4"] == expected
 
 
 def test_the_x264_preset_is_the_configured_one(components, latents, in_process):
-    with vae_service(*components, VaeConfig(x264_preset="ultrafast")) as stub:
+    with vae_service(*components, VaeConfig(x264_preset="ultrafast", x264_threads=1)) as stub:
         video = files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"]
     frames, audio = in_process["videos"][0], in_process["audio"][0].numpy()
-    assert video == encode_mp4(frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast")
-    assert video != encode_mp4(frames, audio, in_process["sampling_rate"], ignore)  # medium, the default
+    assert video == encode_mp4(frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast", threads=1)
+    assert video != encode_mp4(frames, audio, in_process["sampling_rate"], ignore, threads=1)  # medium, the default
     with pytest.raises(ValueError, match="x264_preset"):
         VaeConfig(x264_preset="warp")
 

@@ -190,12 +190,15 @@ class VaeDecoder:
             frames=out["videos"][0].permute(0, 2, 3, 1), audio=out["audio"][0], sample_rate=int(out["sampling_rate"])
         )
 
-    def warm_up(self) -> None:
+    def warm_up(self, tile_batch: int = 1) -> None:
         """Decode one clip of zeros at a small canvas before the service serves: a process's first decode pays the
         device's one-time set-up (on one H200 the first request's decode took 3.29-3.30 s, later ones 2.70-2.80 s at
-        480x832x124). The canvas is widened until every decoder replica gets a tile: each GPU pays its own set-up."""
+        480x832x124). The canvas is widened until every decoder replica gets a tile: each GPU pays its own set-up;
+        with `tile_batch` > 1 tiles per call, until each gets a full call and a call of one tile: a compiled decoder
+        compiles a graph for each (torch specialises a size of 1), before a request instead of in it."""
         side = width = WARMUP_LATENT_SIDE
-        while self.vae.use_tiling and spatial_tiles(self.vae, side, width) < len(self.decoders):
+        per_replica = tile_batch + 1 if tile_batch > 1 else 1
+        while self.vae.use_tiling and spatial_tiles(self.vae, side, width) < per_replica * len(self.decoders):
             width += side
         latents = torch.zeros(1, self.vae.config.latent_channels, rules.latent_frames(WARMUP_FRAMES), side, width)
         audio = torch.zeros(

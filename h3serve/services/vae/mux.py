@@ -15,6 +15,7 @@ import torch
 
 FPS = 24
 PRESET = "medium"  # libx264's own default; [vae] x264_preset (bench/mux.py measures the others)
+THREADS = 0  # libx264's own thread count; [vae] x264_threads (1: reproducible bytes, config.py says why)
 
 Progress = Callable[[int, int], None]
 """Called with (seconds of video encoded, seconds in the video)."""
@@ -54,10 +55,11 @@ class Muxer:
         channels: int,
         on_progress: Progress,
         preset: str = PRESET,
+        threads: int = THREADS,
     ) -> None:
         self._buffer = io.BytesIO()
         self._container = av.open(self._buffer, mode="w", format="mp4")
-        self._video = _add_video(self._container, width=width, height=height, preset=preset)
+        self._video = _add_video(self._container, width=width, height=height, preset=preset, threads=threads)
         self._sound = _add_audio(self._container, sample_rate, channels)
         self._frames, self._written, self._on_progress = frames, 0, on_progress
         self._queue: queue.Queue[np.ndarray | None] = queue.Queue()
@@ -113,21 +115,27 @@ class Muxer:
 
 
 def encode_mp4(
-    frames: np.ndarray, audio: np.ndarray, sample_rate: int, on_progress: Progress, preset: str = PRESET
+    frames: np.ndarray,
+    audio: np.ndarray,
+    sample_rate: int,
+    on_progress: Progress,
+    preset: str = PRESET,
+    threads: int = THREADS,
 ) -> bytes:
     """Encode `frames` (F, H, W, 3) at `FPS` and `audio` (channels, S) float to MP4 bytes, as `Muxer` does
     when a decode hands it the same frames. Floats in [0, 1] become levels a second at a time."""
     with Muxer(
-        len(frames), frames.shape[1], frames.shape[2], sample_rate, audio.shape[0], on_progress, preset
+        len(frames), frames.shape[1], frames.shape[2], sample_rate, audio.shape[0], on_progress, preset, threads
     ) as muxer:
         for first in range(0, len(frames), FPS):
             muxer.add(frames[first : first + FPS])
         return muxer.finish(audio)
 
 
-def _add_video(container, width: int, height: int, preset: str):
+def _add_video(container, width: int, height: int, preset: str, threads: int):
     stream = container.add_stream("libx264", rate=FPS, options={"preset": preset})
     stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+    stream.codec_context.thread_count = threads
     return stream
 
 

@@ -190,6 +190,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
                 plan.audio_channels,
                 muxing,
                 self.config.x264_preset,
+                self.config.x264_threads,
             ) as muxer,
         ):
             started = time.perf_counter()
@@ -277,8 +278,8 @@ def serve(config: VaeConfig) -> None:
     for replica in tiles.models:
         fastpath.apply(replica, FastPath.of(config))
     decoder = VaeDecoder(vae, components["audio_vae"], tiles.decoders)
-    if not config.compile:  # compiled, it would compile a graph for a canvas no request has
-        warm_up("vae", decoder.warm_up)
+    if not config.compile or config.compile_dynamic:  # a static compile would compile a canvas no request has
+        warm_up("vae", lambda: decoder.warm_up(config.tile_batch))
         memory.release(vae.device)
     servicer = VaeServicer(decoder, model, config)
     run_server(
