@@ -231,7 +231,7 @@ class VaeConfig(CompiledServiceConfig):
         "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"
     ] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
     x264_threads: NonNegativeInt = 0  # libx264's threads; 0: its own count. 1 gives the same bytes for the same frames
-    # every time: threaded encodes of identical frames differed under CPU load (2 of ~100 here; the suite sets 1)
+    # every time: threaded encodes of identical frames differed under CPU load (3 of ~140 here; the suite sets 1)
 
     @field_validator("decode_gpus")
     @classmethod
