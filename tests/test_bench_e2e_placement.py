@@ -34,6 +34,8 @@ def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
         warm_start=False,
         compile_cache="",
         fp8_cache="",
+        x264_preset="medium",
+        quick=False,
     )
     return load_deploy(e2e.deployment(args, "cuda", tmp_path))
 
@@ -92,6 +94,8 @@ def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_
                     warm_start=False,
                     compile_cache="",
                     fp8_cache="",
+                    x264_preset="medium",
+                    quick=True,
                 ),
                 "cpu",
                 tmp_path,
