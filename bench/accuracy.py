@@ -38,12 +38,16 @@ def forward_output(transformer: torch.nn.Module, inputs: tuple[tuple, dict]) -> 
 
 @contextmanager
 def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model` with every weight in fp32 (no TF32), then put the weights back.
+    """Run `model` with every weight and buffer in fp32 (no TF32), then put them back.
 
     bf16 -> fp32 -> bf16 is exact, so the model is unchanged afterwards. Needs room for an fp32
-    copy of the weights (123 GiB for the released transformer: fits one H200).
+    copy of the weights (123 GiB for the released transformer: fits one H200). Buffers too: they were
+    left in fp32 (the VAE decoder's rope frequencies), so every run after this one was not the model
+    it timed; on one H200 the compiled VAE after it failed with cuDNN's SDPA finding no kernel (the
+    suspected cause, not confirmed there).
     """
-    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    dtypes = {name: t.dtype for name, t in tensors}
     precision = torch.get_float32_matmul_precision()
     model.float()
     torch.set_float32_matmul_precision("highest")
@@ -51,8 +55,8 @@ def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        for name, p in model.named_parameters():
-            p.data = p.data.to(dtypes[name])
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.data = t.data.to(dtypes[name])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import common, dit_step
 
@@ -75,6 +76,20 @@ def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     assert [r["variant"] for r in records] == ["VAE service decoder, native", "VAE service decoder, native+tiles=2"]
     # fp32 weights: the decode is its own fp32 reference.
     assert all(r["name"] == "vae_decode_32x64x22" and r["rel_err_fp32"] == 0.0 for r in records)
+
+
+def test_the_fp32_reference_puts_weights_and_buffers_back_in_their_dtypes():
+    from bench.accuracy import upcast_to_fp32
+    from h3serve.runtime.tiny import build_component
+
+    vae = build_component("vae").to(torch.bfloat16)
+    before = {name: (t.dtype, t.clone()) for name, t in [*vae.named_parameters(), *vae.named_buffers()]}
+    assert any(name for name, _ in vae.named_buffers()), "the VAE has a buffer (its decoder's rope frequencies)"
+    with upcast_to_fp32(vae):
+        assert {t.dtype for t in [*vae.parameters(), *vae.buffers()]} == {torch.float32}
+    after = dict([*vae.named_parameters(), *vae.named_buffers()])
+    for name, (dtype, value) in before.items():
+        assert after[name].dtype == dtype and torch.equal(after[name], value), name
 
 
 def test_vae_variants_take_the_fast_path_flags_and_tiles_but_refuse_fp8():
