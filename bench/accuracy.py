@@ -46,8 +46,7 @@ def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
     it timed; on one H200 the compiled VAE after it failed with cuDNN's SDPA finding no kernel (the
     suspected cause, not confirmed there).
     """
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    dtypes = {name: t.dtype for name, t in tensors}
+    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
     precision = torch.get_float32_matmul_precision()
     model.float()
     torch.set_float32_matmul_precision("highest")
@@ -55,7 +54,7 @@ def upcast_to_fp32(model: torch.nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(precision)
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:  # float() replaced the buffers
             t.data = t.data.to(dtypes[name])
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -267,7 +267,7 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
             result["audio"],
             int(result["sample_rate"]),
             lambda *_: None,
-            args.x264_preset,
+            mux_preset(args),
             x264_threads(args),
         )
         (out / f"in-process-{size}.mp4").write_bytes(video)
@@ -312,7 +312,7 @@ def deployment(args, device: str, work: Path) -> Path:
         f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
         f"compile = {str(vae.fast.compile).lower()}\ncompile_dynamic = {str(vae.fast.dynamic).lower()}\n"
         f"tile_batch = {vae.tile_batch}\n{cache_line(args)}"
-        f'x264_preset = "{args.x264_preset}"\nx264_threads = {x264_threads(args)}\n'
+        f'x264_preset = "{mux_preset(args)}"\nx264_threads = {x264_threads(args)}\n'
         f"max_raw_bytes = {RAW_BYTES}\n\n"
         f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
         f"[supervisor]\nstart_timeout_s = {START_TIMEOUT_S}\n"
@@ -329,7 +329,7 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         "model": {"dir": args.model_dir or ""},
         "encoder": {"cache_bytes": 0},
         "dit": {},
-        "vae": {"max_raw_bytes": RAW_BYTES} | ({"x264_preset": args.x264_preset} if args.x264_preset != PRESET else {}),
+        "vae": {"max_raw_bytes": RAW_BYTES} | ({"x264_preset": args.x264_preset} if args.x264_preset else {}),
         "gateway": {"data_dir": str(work / "gateway")},
         "supervisor": {"start_timeout_s": START_TIMEOUT_S},
     }
@@ -342,6 +342,13 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
     # only --fp8-cache's: a profile's own directory would carry the quantised weights from one run into the next
     changes["dit"]["fp8_cache_dir"] = args.fp8_cache
     return changes
+
+
+def mux_preset(args) -> str:
+    """The x264 preset both sides mux with: --x264-preset, else the --deploy profile's own, else the muxer's default."""
+    if args.x264_preset:
+        return args.x264_preset
+    return load_deploy(args.deploy).vae.x264_preset if args.deploy else PRESET
 
 
 def x264_threads(args) -> int:
@@ -621,7 +628,7 @@ def services_text(args, place: Placement) -> str:
     if args.deploy:
         return f"gRPC services, deployment {args.deploy} as shipped"
     return f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}" + (
-        f", x264 {args.x264_preset}" if args.x264_preset != PRESET else ""
+        f", x264 {mux_preset(args)}" if mux_preset(args) != PRESET else ""
     )
 
 
@@ -750,8 +757,8 @@ def add_deployment_arguments(parser) -> None:
     )
     parser.add_argument(
         "--x264-preset",
-        default=PRESET,
-        help="libx264's preset of the services' muxer ([vae] x264_preset) and of the in-process side's mux",
+        help="libx264's preset of the services' muxer ([vae] x264_preset) and of the in-process side's mux "
+        "(default: --deploy's own, else the muxer's)",
     )
     parser.add_argument(
         "--compile-cache",

@@ -294,6 +294,17 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
     assert e2e.cache_state(args) == ", compile cache empty at start, fp8 cache filled: 3 MiB at start"
 
 
+def test_both_e2e_sides_mux_with_the_shipped_profile_s_preset_unless_told_otherwise():
+    from bench import e2e
+
+    profile = str(Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-h200.toml")
+    args = argparse.Namespace(x264_preset=None, deploy=profile, quick=False)
+    assert e2e.mux_preset(args) == "veryfast", "the profile's own"
+    args.x264_preset = "superfast"
+    assert e2e.mux_preset(args) == "superfast"
+    assert e2e.mux_preset(argparse.Namespace(x264_preset=None, deploy=None)) == "medium"
+
+
 def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_path):
     from bench import e2e
     from h3serve.common.config import load_deploy
