@@ -176,7 +176,7 @@ def test_the_stacks_model_services_are_forks_of_the_fork_server(stack, fork_serv
 
 def test_the_launcher_of_a_one_rank_dit_group_never_loads_torch(stack):
     """One rank keeps its store in its own memory (parallel.attempt_store): its launcher (a fork that exec'd the
-    supervisor) serves none, so it imports no torch (4.6 s of CPU and ~470 MiB resident, at every start)."""
+    supervisor) serves none, so it imports no torch."""
     (launcher,) = (item.process.pid for item in stack.group.running if item.name == "dit")
     maps = Path(f"/proc/{launcher}/maps").read_text()
     assert "h3serve.services.dit.supervisor" in Path(f"/proc/{launcher}/cmdline").read_text().replace("\0", " ")

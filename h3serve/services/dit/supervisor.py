@@ -3,7 +3,7 @@
 launch.py execs this module at once (rank 0 checks the configuration). It serves the group's TCPStore on a socket
 it bound itself to the DiT's host: torch's own store server listens on every interface whatever host it is given.
 A group of one rank meets nobody: that rank keeps its store in its own memory (parallel.attempt_store), and this
-process serves none, so it never imports torch (here 4.6 s of CPU and ~470 MiB resident at every start).
+process serves none, so it never imports torch (seconds of CPU and hundreds of MiB resident at every start).
 The ranks get torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_USE_AGENT_STORE), so one rank code (rank.py) runs under both launchers, as
 clients of the launcher's store with keys private to each restart.
