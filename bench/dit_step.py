@@ -149,11 +149,12 @@ class FastPathLadder:
         undone = [flag for flag in ("compile", "fp8") if getattr(self.applied, flag) and not getattr(fast, flag)]
         if undone:
             raise SystemExit(f"--variants: {fast.describe()} would undo {', '.join(undone)}; list it earlier")
-        recompile = fast.compile and (not self.applied.compile or fast.dynamic != self.applied.dynamic)
+        quantise = fast.fp8 and not self.applied.fp8  # compiled blocks traced the bf16 linears: compiled again
+        recompile = fast.compile and (not self.applied.compile or fast.dynamic != self.applied.dynamic or quantise)
         if self.applied.compile and (recompile or fast.attention != self.applied.attention):
             torch._dynamo.reset()  # the compiled blocks traced the previous kernel or sizes
         fastpath.set_attention(self.transformer, fast.attention)
-        if fast.fp8 and not self.applied.fp8:
+        if quantise:
             fastpath.quantize_fp8(self.transformer)
         if recompile:
             fastpath.compile_blocks(self.transformer, fast)

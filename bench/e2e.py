@@ -311,7 +311,7 @@ def deployment(args, device: str, work: Path) -> Path:
         + "\n"
         f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
         f"compile = {str(vae.fast.compile).lower()}\ncompile_dynamic = {str(vae.fast.dynamic).lower()}\n"
-        f"tile_batch = {vae.tile_batch}\n{cache_line(args)}"
+        f"fp8 = {str(vae.fast.fp8).lower()}\ntile_batch = {vae.tile_batch}\n{cache_line(args)}"
         f'x264_preset = "{mux_preset(args)}"\nx264_threads = {x264_threads(args)}\n'
         f"max_raw_bytes = {RAW_BYTES}\n\n"
         f'[gateway]\nport = {free_port()}\ndata_dir = "{work / "gateway"}"\n\n'
@@ -748,7 +748,7 @@ def add_deployment_arguments(parser) -> None:
         help="shard the DiT weights with FSDP2 (off: replicated, they fit an H200 with room to spare)",
     )
     parser.add_argument(
-        "--vae", default="native", help="VAE service fast path: attention[+compile][+dynamic][+tiles=N]"
+        "--vae", default="native", help="VAE service fast path: attention[+compile][+dynamic][+fp8][+tiles=N]"
     )
     parser.add_argument(
         "--deploy",

@@ -7,10 +7,11 @@ numpy. Ours is the service's decode phase (`h3serve/services/vae/server.py::deco
 it pays before muxing: the same block, the output checks and the uint8 conversion on the device,
 then uint8 frames and the audio to numpy. The baseline is timed first; then each `--variants` entry is
 applied in order, each only adding to the one before (compile cannot be undone in place):
-`attention[+compile][+dynamic][+tiles=N]`, e.g. `native,native+tiles=28,_native_cudnn+compile+dynamic+tiles=28`,
+`attention[+compile][+dynamic][+fp8][+tiles=N]`, e.g. `native,native+tiles=28,_native_cudnn+compile+dynamic+tiles=28`,
 where `tiles=N` decodes N spatial tiles per decoder call (h3serve/services/vae/tiles.py) and the others are the
-fast path's (h3serve/runtime/fastpath.py). With `--errors`, the
-frames of every run are compared with an fp32 decode of the same weights.
+fast path's (h3serve/runtime/fastpath.py; fp8: the ViT decoder's block linears). With `--errors`, the
+frames of every run are compared with an fp32 decode of the same weights; with `--profile` each variant's GPU
+time is printed by kernel group beside its wall time (bench/profile.py).
 
     python -m bench.vae_decode --sizes 768x1344x124 --variants native,native+tiles=28 --errors --write
     python -m bench.vae_decode --quick                                        # CPU smoke test
@@ -26,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from bench import profile
 from bench.accuracy import rel_l2, upcast_to_fp32
 from bench.common import Size, add_variant_arguments, device_label, software, timed
 from bench.dit_step import FastPathLadder, parse_variant
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.runtime import random_full
+from h3serve.runtime import fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
 from h3serve.services.vae.decode import VaeDecoder, pixel_geometry
 from h3serve.services.vae.server import decode_checked
@@ -46,14 +48,10 @@ class VaeVariant:
 
     @classmethod
     def parse(cls, text: str) -> VaeVariant:
-        """`attention[+compile][+dynamic][+tiles=N]`: the fast path's attention and compile, and tiles per decoder
-        call. Not fp8: on one H200 the decoder's block linears in fp8 gave NaN frames, every value (its appended
-        all-zero token, whose rowwise scale would be 0, is the suspect, not confirmed)."""
+        """`attention[+compile][+dynamic][+fp8][+tiles=N]`: the fast path's options, and tiles per decoder call."""
         flags = text.split("+")
         tiles = [int(f.split("=", 1)[1]) for f in flags if f.startswith("tiles=")]
         fast = parse_variant("+".join(f for f in flags if not f.startswith("tiles=")))
-        if fast.fp8:
-            raise SystemExit(f"--variants {text!r}: the VAE has no fp8 path (VaeVariant.parse says why)")
         return cls(fast, tiles[0] if tiles else 1)
 
     def describe(self) -> str:
@@ -73,10 +71,15 @@ def latents_for(size: Size, vae, audio_vae) -> tuple[torch.Tensor, torch.Tensor]
     ratio = vae.spatial_compression_ratio
     chunk, kept = vae.tokens_chunk_size, vae.tokens_chunk_size - vae.config.token_drop
     latent_frames = next(
-        chunk * n + kept
-        for n in range(1, 1000)
-        if pixel_geometry(vae, (1, 1, chunk * n + kept, 1, 1))[0] == size.frames
+        (
+            chunk * n + kept
+            for n in range(1, 1000)
+            if pixel_geometry(vae, (1, 1, chunk * n + kept, 1, 1))[0] == size.frames
+        ),
+        None,
     )
+    if latent_frames is None:
+        raise SystemExit(f"--sizes {size}: the VAE decodes 17n+5 frames, not {size.frames}")
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(
         1, vae.config.latent_channels, latent_frames, size.height // ratio, size.width // ratio, generator=generator
@@ -87,9 +90,13 @@ def latents_for(size: Size, vae, audio_vae) -> tuple[torch.Tensor, torch.Tensor]
     return latents, audio
 
 
-def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
+def run(size: Size, args, device: str) -> list[Record]:
+    """Each size starts from the VAEs as released: the variants of the size before changed them in place, and the
+    attention backend they chose is process-wide (cuDNN's runs no fp32 reference: "No available kernel")."""
     from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
 
+    vae, audio_vae = vaes(args.quick, device, getattr(torch, args.dtype))
+    fastpath.set_attention(vae, "native")
     latents, audio = latents_for(size, vae, audio_vae)
     block = MiniMaxH3DecodeStep().init_pipeline()
     block.update_components(vae=vae, audio_vae=audio_vae)
@@ -112,6 +119,10 @@ def run(size: Size, vae, audio_vae, args, device: str) -> list[Record]:
         ladder.step_to(variant.fast)  # the service's own fast path, each variant adding to the one before
         TileDecoder(vae, variant.tile_batch)
         seconds, peak, frames, first = measure(decode, args, device)
+        if args.profile:
+            with torch.no_grad():
+                rows = profile.kernels(decode)
+            profile.print_breakdown(f"one decode, {size}, {variant.describe()} ({seconds:.3f} s wall)", rows, top=24)
         errors = (
             {}
             if reference is None
@@ -162,6 +173,7 @@ def measure(fn, args, device: str) -> tuple[float, float, torch.Tensor, float]:
 def main(argv: list[str] | None = None) -> list[Record]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_variant_arguments(p, sizes="768x1344x124", repeats=2)
+    p.add_argument("--profile", action="store_true", help="print each variant's kernel time breakdown (CUDA)")
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.vae_decode", argv)
@@ -169,15 +181,17 @@ def main(argv: list[str] | None = None) -> list[Record]:
         args.dtype = "float32"
         args.sizes = "32x64x22" if args.sizes == p.get_default("sizes") else args.sizes
     device = "cpu" if args.quick else "cuda"
-    vae, audio_vae = vaes(args.quick, device, getattr(torch, args.dtype))
-    records = [r for s in args.sizes.split(",") for r in run(Size.parse(s), vae, audio_vae, args, device)]
-    for r in records:
-        print(
-            f"{r.name:26} {r.variant:48} {r.seconds:8.3f} s  diffusers {r.baseline_seconds:8.3f} s  "
-            f"ratio {r.ratio:6.3f}  peak {r.peak_gib:6.2f} GiB"
-        )
-    if args.write:
-        update_results(records, args.results, args.markdown)
+    records = []
+    for size in args.sizes.split(","):  # written as each size ends: a later size that fails keeps them
+        done = run(Size.parse(size), args, device)
+        for r in done:
+            print(
+                f"{r.name:26} {r.variant:48} {r.seconds:8.3f} s  diffusers {r.baseline_seconds:8.3f} s  "
+                f"ratio {r.ratio:6.3f}  peak {r.peak_gib:6.2f} GiB"
+            )
+        if args.write:
+            update_results(done, args.results, args.markdown)
+        records += done
     return records
 
 

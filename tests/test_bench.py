@@ -92,7 +92,7 @@ def test_the_fp32_reference_puts_weights_and_buffers_back_in_their_dtypes():
         assert after[name].dtype == dtype and torch.equal(after[name], value), name
 
 
-def test_vae_variants_take_the_fast_path_flags_and_tiles_but_refuse_fp8():
+def test_vae_variants_take_the_fast_path_flags_and_tiles():
     from bench.vae_decode import VaeVariant
 
     variant = VaeVariant.parse("_native_cudnn+compile+dynamic+tiles=28")
@@ -103,8 +103,7 @@ def test_vae_variants_take_the_fast_path_flags_and_tiles_but_refuse_fp8():
         28,
     )
     assert variant.describe() == "_native_cudnn+compile+dynamic+tiles=28"
-    with pytest.raises(SystemExit, match="the VAE has no fp8 path"):
-        VaeVariant.parse("native+compile+fp8")
+    assert VaeVariant.parse("native+compile+fp8+tiles=4").describe() == "native+compile+fp8+tiles=4"
     with pytest.raises(SystemExit, match="unknown option"):
         VaeVariant.parse("native+channels_last")
 
@@ -233,7 +232,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         model_dir="random:full",
         dtype="bfloat16",
         dit="flash4+compile+fp8",
-        vae="native+compile+dynamic+tiles=28",
+        vae="native+compile+dynamic+fp8+tiles=28",
         gpus=1,
         placement="shared",
         dit_fsdp="off",
@@ -255,7 +254,8 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
     assert (config.dit.world_size, config.dit.fsdp) == (1, False)
     assert config.encoder.cache_bytes == 0 and config.dit.workflows == ("t2va",)
     assert FastPath.of(config.dit) == FastPath("flash4", compile=True, fp8=True)
-    assert FastPath.of(config.vae) == FastPath("native", compile=True, dynamic=True) and config.vae.tile_batch == 28
+    assert FastPath.of(config.vae) == FastPath("native", compile=True, dynamic=True, fp8=True)
+    assert config.vae.tile_batch == 28
     assert (config.vae.x264_preset, config.vae.x264_threads) == ("veryfast", 0), "x264's own threads off --quick"
     assert [config.gateway.encoder, config.gateway.dit, config.gateway.vae] == [s.address for s in services]
     assert config.gateway.data_dir == str(tmp_path / "gateway")
@@ -447,3 +447,15 @@ def test_gpu_peak_names_each_process_by_its_service_and_the_record_adds_them_up(
     assert peaks == {"encoder": 3.0, "dit": 14.0, "vae": 12.0, "dit 13": 1.0}, "99 is no service's"
     record = Record("e2e", "1xH200", 1, "bfloat16", 1.0, 1.0, 1.0, 25.0, "", "", "", "", "", process_peaks_gib=peaks)
     assert _peak(record) == "25.0 (each at its most: encoder 3.0 + dit 14.0 + vae 12.0 + dit 13 1.0 = 30.0)"
+
+
+def test_vae_decode_writes_each_size_s_rows_before_the_next_size_runs(tmp_path):
+    """A run that fails at its second size (on one H200 the compiled cuDNN attention left process-wide met the fp32
+    reference) keeps the first size's rows."""
+    from bench import vae_decode
+
+    results = tmp_path / "results.json"
+    argv = ["--quick", "--repeats", "1", "--sizes", "32x64x22,32x64x23", "--write", "--results", str(results)]
+    with pytest.raises(SystemExit, match="17n\\+5 frames, not 23"):
+        vae_decode.main([*argv, "--markdown", str(tmp_path / "BENCHMARKS.md")])
+    assert [r["name"] for r in json.loads(results.read_text())] == ["vae_decode_32x64x22"]

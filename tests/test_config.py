@@ -46,7 +46,7 @@ def refusal(tmp_path: Path, text: str) -> str:
             "[encoder]\ntile_batch = 2",
             "deploy.toml [encoder] tile_batch: not a key of this section; it belongs in [vae]",
         ),
-        ("[encoder]\nfp8 = true", "deploy.toml [encoder] fp8: not a key of this section; it belongs in [dit]"),
+        ("[encoder]\nfp8 = true", "deploy.toml [encoder] fp8: not a key of this section; it belongs in [dit] or [vae]"),
         (
             "[encoder]\ncompile = true",
             "deploy.toml [encoder] compile: not a key of this section; it belongs in [dit] or [vae]",

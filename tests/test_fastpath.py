@@ -135,3 +135,27 @@ def test_one_graph_per_block_kind_serves_both_forward_variants():
         lambda step, total: None,
     )
     assert compile_cache.compiled_graphs() - graphs == len(parts["transformer"]._repeated_blocks)
+
+
+@pytest.mark.parametrize("floor", [fastpath.ZERO_ROW_FLOOR, None])
+def test_a_vae_decoder_in_fp8_quantises_its_zero_token_to_zeros_not_nan(fp8_on_cpu, monkeypatch, floor):
+    """The ViT decoder appends an all-zero token to every tile; a rowwise scale of 0 made every frame NaN (one H200,
+    bench.vae_decode). With the floor the frames stay finite and near bf16's; without it (None) they are NaN."""
+    monkeypatch.setattr(fastpath, "ZERO_ROW_FLOOR", floor)
+    vae = build_component("vae")
+    vae.decoder.transformer_blocks.to(torch.bfloat16)  # what fp8 quantises; the rest as dtype = "bfloat16" pins it
+    with torch.no_grad():  # block outputs are scaled by scale1/2, zeros as diffusers builds them: give them a say
+        for block in vae.decoder.transformer_blocks:
+            block.scale1.fill_(1.0), block.scale2.fill_(1.0)
+    latents = torch.randn(1, 24, 7, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        bf16 = vae.decode(latents).sample
+        fastpath.apply(vae, FastPath(fp8=True))
+        fp8 = vae.decode(latents).sample
+    quantised = {name for name, m in vae.named_modules() if type(getattr(m, "weight", None)).__name__ == "Float8Tensor"}
+    assert quantised and all(name.startswith("decoder.transformer_blocks.") for name in quantised)
+    if floor is None:
+        assert fp8.isnan().all(), "the zero token's 0/0 reaches every frame"
+        return
+    assert fp8.isfinite().all()
+    assert 0 < (fp8 - bf16).abs().max() < 0.1 * bf16.abs().max()

@@ -215,6 +215,7 @@ class CompiledServiceConfig(ModelServiceConfig):
     # cold compile: 125 of 153 s at 480x832x124 with fp8 on one H200)
     compile_cache_dir: str = ""  # with compile: Inductor's and Triton's caches here, so a restart loads
     # the compiled graphs (empty: torch's default, under /tmp)
+    fp8: bool = False  # fp8 W8A8 block linears (torchao, Hopper; the VAE's: its ViT decoder's); changes the numbers
 
     @property
     def compile_cache(self) -> str:
@@ -275,7 +276,6 @@ class DiTConfig(CompiledServiceConfig):
     """
 
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
-    fp8: bool = False  # fp8 W8A8 block linears (torchao, Hopper); changes the numbers
     world_size: PositiveInt = 1  # ranks in the group (all nodes together); 1 runs the same code path
     nnodes: PositiveInt = 1  # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
     rdzv_endpoint: str = ""  # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)

@@ -11,8 +11,8 @@ it. None changes the math of the released model; what each costs in accuracy is 
   block; the hooks diffusers wraps around blocks stay outside it). torch's default compiles a graph for the first
   sizes it meets and a second, dynamic one when a size changes; `dynamic` compiles the dynamic one from the first
   call (every canvas, frame count and prompt length runs it); `tune` adds Inductor's coordinate-descent tuning.
-- `fp8` (DiT only): dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks;
-  the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
+- `fp8`: dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks (the DiT's, and the video
+  VAE's ViT decoder's); the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
   Opt-in: it changes the numbers.
 """
 
@@ -38,6 +38,7 @@ FLAGS = ("compile", "dynamic", "tune", "fp8")  # in the order `describe` and the
 SPLIT_RECOMPILE_LIMIT = 64  # torch's recompile limit for blocks compiled around a sequence split (`apply`)
 NOISE_LEVEL_ROWS = "temb"  # the block argument with one row per distinct noise level (`_rows_unbacked`)
 EAGER_FORWARD = "_h3serve_eager_forward"  # a compiled block's own forward, kept for a recompile
+ZERO_ROW_FLOOR = 1e-12  # fp8's smallest row maximum for a rowwise scale, where rows of zeros reach it (`quantize_fp8`)
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,14 @@ class FastPath:
     def of(cls, config) -> FastPath:
         """The fast path a model service's config selects (h3serve/common/config.py: `attention_backend`,
         `compile`, `compile_dynamic`, `fp8`); fp8 quantises bf16 weights, so it needs `dtype = "bfloat16"`."""
-        fp8 = getattr(config, "fp8", False)  # a key of [dit] only
-        if fp8 and config.dtype != "bfloat16":
+        if config.fp8 and config.dtype != "bfloat16":
             raise ValueError(f'fp8 needs dtype = "bfloat16" (the weights it quantises), got {config.dtype!r}')
         return cls(
             attention=config.attention_backend,
             compile=config.compile,
             dynamic=config.compile and config.compile_dynamic,
             tune=config.compile_tuning,
-            fp8=fp8,
+            fp8=config.fp8,
         )
 
     def describe(self) -> str:
@@ -134,17 +134,25 @@ def set_attention(model: ModelMixin, backend: str) -> None:
         model.set_attention_backend(backend)
 
 
-def quantize_fp8(transformer: torch.nn.Module, prefix: str = "") -> None:
-    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`) on the device its weights are on;
-    `prefix` is the name of `transformer` in the whole model when it is a part of it (one block: fp8_store.build)."""
+def quantize_fp8(model: torch.nn.Module, prefix: str = "") -> None:
+    """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`), or of a video VAE's ViT decoder
+    (named as the transformer's are), on the device its weights are on; `prefix` is the name of `model` in the whole
+    transformer when it is a part of it (one block: fp8_store.build)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
         raise RuntimeError(f"fp8 needs the torchao package: {exc}") from exc
 
+    floor = {}
+    decoder = getattr(model, "decoder", None)
+    if isinstance(decoder, torch.nn.Module):  # the video VAE
+        # Its decoder appends an all-zero token to every tile, which the first block's norm keeps at zero: that row's
+        # scale would be 0 and its fp8 values 0/0, NaN in every frame. A floor under any real row's largest value
+        # quantises it to zeros and leaves every other row's scale as it was.
+        model, floor = decoder, {"activation_value_lb": ZERO_ROW_FLOOR}
     # set_inductor_config: torchao would turn on Inductor's coordinate-descent tuning process-wide (`compile_tuning`)
-    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
-    quantize_(transformer, config, filter_fn=lambda module, name: fp8_target(module, prefix + name))
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False, **floor)
+    quantize_(model, config, filter_fn=lambda module, name: fp8_target(module, prefix + name))
 
 
 def fp8_target(module: torch.nn.Module, name: str) -> bool:
