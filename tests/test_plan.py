@@ -150,6 +150,8 @@ def test_a_vae_spread_over_gpus_plans_a_decoder_replica_on_each_and_the_frames_o
     assert (first.gpu, first.process, replica.gpu, replica.process) == ("2", "vae", "3", "vae decode replica")
     assert first.total == pytest.approx(alone.total)
     assert replica.weights < first.weights and replica.activations < first.activations  # no frames, no audio VAE
+    (fp8,) = vae('gpus = "3"\nfp8 = true')
+    assert alone.weights - fp8.weights == pytest.approx(memory_plan.VIDEO_VAE.fp8_linears / GIB)  # a byte each
 
 
 def test_services_sharing_a_gpu_add_up(tmp_path):
@@ -241,6 +243,8 @@ def test_parameter_counts_match_the_classes_built_on_the_meta_device():
     assert count.total - sum(p.numel() for m in units for p in m.parameters()) == count.fsdp_root
     for model, expected in ((vae, memory_plan.VIDEO_VAE), (audio, memory_plan.AUDIO_VAE)):
         assert (sum(p.numel() for p in model.parameters()), fp32(model)) == (expected.total, expected.fp32)
+    quantised = sum(m.weight.numel() for name, m in vae.decoder.named_modules() if fp8_target(m, name))
+    assert quantised == memory_plan.VIDEO_VAE.fp8_linears
     text = memory_plan.TEXT_ENCODER
     layers = encoder.model.language_model.layers
     assert (sum(p.numel() for p in encoder.parameters()), len(layers)) == (text.total, text.layers)

@@ -168,9 +168,11 @@ class TransformerCounts:
 class VaeCounts:
     total: int
     fp32: int  # _keep_in_fp32_modules
+    fp8_linears: int = 0  # the ViT decoder's block linears `fastpath.quantize_fp8` picks (the video VAE's)
 
-    def bytes(self, dtype: str) -> float:
-        return self.fp32 * 4 + (self.total - self.fp32) * DTYPE_BYTES[dtype]
+    def bytes(self, dtype: str, fp8: bool = False) -> float:
+        quantised = self.fp8_linears if fp8 else 0
+        return self.fp32 * 4 + (self.total - self.fp32 - quantised) * DTYPE_BYTES[dtype] + quantised
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ class TextEncoderCounts:
 
 
 TRANSFORMER = TransformerCounts()
-VIDEO_VAE = VaeCounts(total=2_603_868_984, fp32=180_636_896)
+VIDEO_VAE = VaeCounts(total=2_603_868_984, fp32=180_636_896, fp8_linears=2_415_919_104)
 AUDIO_VAE = VaeCounts(total=151_321_489, fp32=151_321_489)
 TEXT_ENCODER = TextEncoderCounts()
 
@@ -433,7 +435,7 @@ def _encoder_shares(encoder: EncoderConfig, notes: list[str]) -> list[Share]:
 def _vae_shares(vae: VaeConfig, work: Workload, notes: list[str]) -> list[Share]:
     if not _on_gpu(vae):
         return []
-    weights = _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))
+    weights = _gib(VIDEO_VAE.bytes(vae.dtype, vae.fp8) + AUDIO_VAE.bytes(vae.dtype))
     frames = _gib(2 * work.pixels_frames * 3 * 4)  # held on the first GPU only: replicas send their tiles there
     tiles = VAE_ACT_FIXED_GIB + VAE_ACT_PER_TILE_GIB * (vae.tile_batch - 1)
     gpus = _device_gpus(vae, vae.decode_gpus, notes, "vae")
@@ -441,7 +443,7 @@ def _vae_shares(vae: VaeConfig, work: Workload, notes: list[str]) -> list[Share]
         return []
     # A decode replica holds the video VAE without its encoder; planned as the whole video VAE (a little more).
     return [Share(gpus[0], "vae", weights, 0.0, tiles + frames, vae.memory_limit_gib)] + [
-        Share(gpu, "vae decode replica", _gib(VIDEO_VAE.bytes(vae.dtype)), 0.0, tiles, vae.memory_limit_gib)
+        Share(gpu, "vae decode replica", _gib(VIDEO_VAE.bytes(vae.dtype, vae.fp8)), 0.0, tiles, vae.memory_limit_gib)
         for gpu in gpus[1:]
     ]
 
