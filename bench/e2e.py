@@ -60,6 +60,10 @@ it runs as one `--side in-process` call (the diffusers pipeline on one GPU: star
 on --gpus, --placement or the fast paths, so all of them compare with it):
 
     python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 1 --side in-process
+    # 1 x H200, the fast path warmed at start: the first request after SERVING alone (--repeats 0), ~3.5 min of
+    # denoise, then its untimed raw run
+    python -m bench.e2e --sizes 768x1344x124 --steps 50 --repeats 0 --warm-start --side services \\
+        --dit cudnn_fp8+compile+dynamic+fp8 --vae _native_cudnn+compile+dynamic+tiles=28 --write
     # 2 x H200: 49 x 3.6 s = 3 min of denoise + start-up and warm-up: ~5 min
     python -m bench.e2e --gpus 2 --dit _native_cudnn --sizes 768x1344x124 --steps 50 --repeats 1 --side services --write
     # 4 x H200 (issue 7): Ulysses 4, ~1.9 s a step if it scales 3.5x: ~1.5 min of denoise, ~4 min in all;
@@ -486,7 +490,10 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                         + f"{args.repeats} runs",
                         flush=True,
                     )
-                    runs = [once(args.steps) for _ in range(args.repeats)] if first else repeated(once, args)
+                    if first_run:  # --repeats 0: the first request after SERVING is the one timed
+                        runs = [once(args.steps) for _ in range(args.repeats)] or [first_run]
+                    else:
+                        runs = repeated(once, args)
                     served_raw(client, size, args.steps, work, args)
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
@@ -778,7 +785,13 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
     p.add_argument("--sizes", default="768x1344x124,480x832x124")
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps (N gives N-1 DiT forwards)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed requests after the warm-up; with --warm-start --side services 0 times the first request after "
+        "SERVING alone (a 50-step 768x1344x124 request and its untimed raw run then fit one 10-minute call)",
+    )
     p.add_argument(
         "--warmup-steps",
         type=int,
@@ -812,6 +825,8 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
+    if args.repeats < 0 or (args.repeats == 0 and not (args.warm_start and args.side == "services")):
+        p.error("--repeats 0 times the first request after SERVING alone: it needs --warm-start --side services")
     args.cache_state = cache_state(args)
     if args.quick:
         args.sizes, args.dtype, args.model_dir = "32x64x124", "float32", ""

@@ -459,3 +459,14 @@ def test_vae_decode_writes_each_size_s_rows_before_the_next_size_runs(tmp_path):
     with pytest.raises(SystemExit, match="17n\\+5 frames, not 23"):
         vae_decode.main([*argv, "--markdown", str(tmp_path / "BENCHMARKS.md")])
     assert [r["name"] for r in json.loads(results.read_text())] == ["vae_decode_32x64x22"]
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--warm-start"], ["--side", "services"], ["--side", "in-process", "--warm-start"]]
+)
+def test_e2e_times_no_request_only_as_a_services_warm_start(extra, capsys):
+    from bench import e2e
+
+    with pytest.raises(SystemExit):
+        e2e.main(["--quick", "--repeats", "0", *extra])
+    assert "--repeats 0 times the first request after SERVING alone" in capsys.readouterr().err
