@@ -825,7 +825,9 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
-    if args.repeats < 0 or (args.repeats == 0 and not (args.warm_start and args.side == "services")):
+    if args.repeats < 0:
+        p.error(f"--repeats {args.repeats}: a count of timed requests, 0 or more")
+    if args.repeats == 0 and not (args.warm_start and args.side == "services"):
         p.error("--repeats 0 times the first request after SERVING alone: it needs --warm-start --side services")
     args.cache_state = cache_state(args)
     if args.quick:

@@ -470,3 +470,11 @@ def test_e2e_times_no_request_only_as_a_services_warm_start(extra, capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--quick", "--repeats", "0", *extra])
     assert "--repeats 0 times the first request after SERVING alone" in capsys.readouterr().err
+
+
+def test_e2e_refuses_a_negative_count_of_timed_requests(capsys):
+    from bench import e2e
+
+    with pytest.raises(SystemExit):
+        e2e.main(["--quick", "--repeats", "-1", "--warm-start", "--side", "services"])
+    assert "--repeats -1: a count of timed requests, 0 or more" in capsys.readouterr().err
