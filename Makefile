@@ -28,10 +28,11 @@ demo: all
 	$(VENV)/bin/h3serve demo --config docs/deploy/tiny-cpu.toml
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (--dist loadfile: its
-# module fixtures start once). Most process tests wait on the services they started, so on the 2-core machine two
+# module fixtures start once), the longest modules first (tests/conftest.py's LONGEST_FIRST, kept in that order by
+# --no-loadscope-reorder). Most process tests wait on the services they started, so on the 2-core machine two
 # workers ran the suite in 1042 s against 2007 s serially, with the same 1738 passed.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The timing tier (measured latencies against a tolerance) runs on its own and serially: on the shared 2-core machine
 # the same experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone

@@ -61,6 +61,9 @@ def write_config(
 # Test deployments give up on a stage that stays down after a second (the shipped defaults wait minutes).
 QUICK_OUTAGE = {stage: 1.0 for stage in ("encoder", "vae-encode", "dit", "vae")}
 
+# The stack's image references are encoded at a 64 px short edge: the released 2048 px took 17 s per image on CPU.
+STACK_MODEL = {"reference_image_short_edge": 64}
+
 # The stack's admission table: one canvas no other test uses, so only the admission test meets the limit.
 STACK_CAPACITY = {"t2va": {"512x512": 20000}}
 
@@ -131,10 +134,43 @@ def with_store(path: Path, scenario) -> None:
 PROCESS_FIXTURES = {"stack", "adapter_stack"}
 
 
+# The modules that take longest (`--durations`, summed per module, on the 2-core machine), longest first. Under
+# `--dist loadfile --no-loadscope-reorder` (Makefile) the workers take modules in collection order, so these start
+# first and the short ones fill in after them: the workers end within seconds of each other. By default xdist orders
+# modules by their test count, which put these few-test, minute-long modules last, one worker idle behind them.
+LONGEST_FIRST = (
+    "test_warmup",
+    "test_supervision",
+    "test_distributed",
+    "test_fault_walk",
+    "test_fastpath",
+    "test_adapters",
+    "test_cli",
+    "test_experiment",
+    "test_install_extras",
+    "test_dit_group",
+    "test_bench_sharded",
+    "test_fuzz",
+    "test_served_adapters",
+    "test_bench",
+    "test_media",
+    "test_console",
+    "test_resilience",
+    "test_client",
+    "test_failures",
+    "test_http_door",
+)
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.processes)
+    unknown = [name for name in LONGEST_FIRST if not Path(__file__).with_name(f"{name}.py").exists()]
+    if unknown:  # a renamed module would silently go back to the end
+        raise pytest.UsageError(f"tests/conftest.py LONGEST_FIRST names no test module: {', '.join(unknown)}")
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.stem, len(order)))  # stable: the rest keep collection order
 
 
 # The denoise step an armed `dit_hold` keeps a job at, and a small job that is mid-denoise there (its 8 steps send 7
@@ -205,6 +241,7 @@ def stack(tmp_path_factory, tiny_model_dir, dit_hold):
         str(tiny_model_dir),
         root / "gateway",
         ports,
+        model=STACK_MODEL,
         outage_s=QUICK_OUTAGE,
         retry_backoff_s=0.1,
         metrics_port=ports["metrics"],
