@@ -37,8 +37,9 @@ PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadsco
 # The timing tier (measured latencies against a tolerance) runs on its own and serially: on the shared 2-core machine
 # the same experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone
 # (+18.7 / +11.5 %), so it must not decide whether the rest of the suite passed (.ci/run reports it after).
+# --durations: the slowest tests of this run, what tests/conftest.py's LONGEST_FIRST is kept up to date from.
 test: all
-	@started=$$(date +%s); $(PYTEST) -m "not timing"; status=$$?; \
+	@started=$$(date +%s); $(PYTEST) -m "not timing" --durations=25; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
 # The unit tier: no test that starts a process (tests/conftest.py says how they are marked): under two minutes
