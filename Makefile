@@ -43,7 +43,7 @@ test: all
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
 # The unit tier: no test that starts a process (tests/conftest.py says how they are marked): under two minutes
-# instead of the whole suite's twenty-five.
+# instead of the whole suite's thirteen to fifteen.
 test-fast: all
 	@started=$$(date +%s); $(PYTEST) -m "not processes and not timing and not slow and not distributed"; status=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - started )) s"; exit $$status
