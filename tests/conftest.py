@@ -27,11 +27,37 @@ from h3serve.services import preload
 from h3serve.services.dit import hold
 from h3serve.v1 import gateway_pb2
 
+# The ports the tests' servers listen on come from a block of this pytest worker's own, below the kernel's ephemeral
+# range (32768-60999 by default). The kernel's bind(0) handed out ports as free that another free_port() of this
+# worker or the other's had just handed out too, not yet bound: CI's shared stack once started its gateway with two
+# listeners on one port. A process started by a test (tests/up_process.py) walks the block from another point.
+PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
+def _port_block() -> range:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = len(PORTS) // workers
+    return range(PORTS.start + worker * size, PORTS.start + (worker + 1) * size)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on that no earlier call of this process handed out."""
+    block = _port_block()
+    start = os.getpid() * 7919 % len(block)  # a prime stride: processes of one worker start apart
+    for step in range(len(block)):
+        port = block[(start + step) % len(block)]
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {block}")
 
 
 def write_config(

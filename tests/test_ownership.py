@@ -17,8 +17,9 @@ import pytest
 from conftest import free_port, write_config
 from stand_ins import REFUSE, StandIns, counted, deployment, no_signals, starts
 
+from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.supervise import Watch
-from h3serve.common.config import DiTConfig
+from h3serve.common.config import ConfigError, DiTConfig, load_deploy
 from h3serve.common.processes import (
     EXIT_REFUSED,
     LOCK_FILE,
@@ -75,6 +76,44 @@ def test_a_second_server_on_a_port_in_use_is_refused_naming_the_address_and_the_
         server.stop(0)
     assert second.returncode == EXIT_REFUSED, second.stderr
     assert f"refused: cannot listen on 127.0.0.1:{port}: port {port} is in use by pid {os.getpid()} (" in second.stderr
+
+
+@pytest.mark.parametrize("key", ["metrics_port", "http_port"])
+def test_a_gateway_whose_metrics_or_http_port_is_in_use_is_refused_naming_the_address(tmp_path, key):
+    ports = dict(encoder=free_port(), dit=free_port(), vae=free_port(), gateway=free_port())
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        config = write_config(tmp_path / "deploy.toml", "", tmp_path / "gateway", ports, **{key: port})
+        second = subprocess.run(
+            [*CLI, "serve", "gateway", "--config", str(config)], capture_output=True, text=True, timeout=120
+        )
+    assert second.returncode == EXIT_REFUSED, second.stderr
+    assert f"refused: cannot listen on 127.0.0.1:{port}: port {port} is in use by pid {os.getpid()} (" in second.stderr
+
+
+def test_two_listeners_of_one_group_on_one_port_are_refused_before_anything_starts(tmp_path):
+    ports = dict(encoder=free_port(), dit=free_port(), vae=free_port(), gateway=free_port())
+    config = write_config(tmp_path / "deploy.toml", "", tmp_path / "gateway", ports, http_port=ports["vae"])
+    group = ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path / "logs"))
+    with pytest.raises(ConfigError) as refused:
+        group.start()
+    assert (
+        str(refused.value)
+        == f"{config} [gateway] http_port = {ports['vae']} is also [vae] port: give each listener a port of its own"
+    )
+    assert group.running == [] and not (tmp_path / "logs").exists()
+    ServiceGroup(load_deploy(config), str(config), names=("encoder", "dit", "gateway")).check_ports()  # no VAE here
+
+
+def test_a_service_that_ends_during_start_up_is_reported_with_the_end_of_its_log(tmp_path):
+    data_dir = tmp_path / "gateway"
+    config = write_config(tmp_path / "deploy.toml", "", data_dir, dict(encoder=1, dit=2, vae=3, gateway=free_port()))
+    group = ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path / "logs"), names=("gateway",))
+    with lock_directory(str(data_dir)), pytest.raises(RuntimeError) as ended:
+        group.__enter__()
+    log = tmp_path / "logs" / "gateway.log"
+    assert str(ended.value).startswith(f"gateway refused to start (exit code 78) during start-up; the end of {log}:\n")
+    assert f"refused: [gateway] data_dir {data_dir} is in use by pid {os.getpid()} (" in str(ended.value)
 
 
 def test_a_data_directory_has_one_holder_for_as_long_as_it_holds_the_lock(tmp_path):

@@ -1,7 +1,9 @@
-"""The suite's own scheduling (tests/conftest.py): the longest modules are collected first, the rest in order."""
+"""The suite's own scheduling (tests/conftest.py): the longest modules are collected first, the rest in order; each
+worker hands out ports of its own."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,3 +27,20 @@ def test_a_name_that_is_no_test_module_stops_the_collection(monkeypatch):
     monkeypatch.setattr(conftest, "LONGEST_FIRST", (*conftest.LONGEST_FIRST, "test_renamed_away"))
     with pytest.raises(pytest.UsageError, match="names no test module: test_renamed_away"):
         conftest.pytest_collection_modifyitems([item("test_wire", "a")])
+
+
+def test_each_worker_hands_out_ports_of_its_own_below_the_ephemeral_range_and_none_twice(monkeypatch):
+    ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    blocks = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setattr(conftest, "_handed_out", set())
+        blocks.append(conftest._port_block())
+        ports = [conftest.free_port() for _ in range(50)]
+        assert len(set(ports)) == 50 and all(port in blocks[-1] for port in ports)
+    assert not set(blocks[0]) & set(blocks[1]) and blocks[1].stop <= ephemeral
+    with socket.create_server(("127.0.0.1", blocks[1][0])):  # held: not handed out
+        monkeypatch.setattr(conftest, "_handed_out", set(blocks[1][1:]))
+        with pytest.raises(RuntimeError, match="no free port left"):
+            conftest.free_port()

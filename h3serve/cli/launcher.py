@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from h3serve.common import forkserver, processes
-from h3serve.common.config import SERVICES, DeployConfig
+from h3serve.common.config import SERVICES, ConfigError, DeployConfig
 from h3serve.common.processes import Tree, children, describe_exit, end_trees
 from h3serve.common.server import is_answering, is_serving
 from h3serve.common.supervision import STATE_ENV
@@ -32,6 +32,8 @@ START_ORDER = (*SERVICES, "gateway")
 # How long a restart waits for its old instance's port to be released before it starts anyway (and is refused):
 # ranks forked for a killed DiT launcher end on their death signal, a moment after it.
 PORT_RELEASE_S = 10.0
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+START_ERROR_LINES = 20  # of a service's log, in the error when it ends during start-up
 
 
 @dataclass
@@ -125,7 +127,32 @@ class ServiceGroup:
         if not self.fork_server and wanted and importlib.util.find_spec("torch"):
             self.fork_server, self.owns_fork_server = forkserver.ForkServer.launch(preload.__name__), True
 
+    def listeners(self) -> list[tuple[str, str, int]]:
+        """(config key, host, port) of every port the services of this group listen on."""
+        gateway = self.config.gateway
+        every = {name: [("port", self.config.service(name).host, self.config.service(name).port)] for name in SERVICES}
+        every["gateway"] = [
+            ("port", gateway.host, gateway.port),
+            ("metrics_port", gateway.metrics_host, gateway.metrics_port),
+            ("http_port", gateway.http_host, gateway.http_port),
+        ]
+        return [(f"[{name}] {key}", host, port) for name in self.names for key, host, port in every[name] if port]
+
+    def check_ports(self) -> None:
+        """Refuse two listeners on one port of this host before anything starts: the later one would fail its bind,
+        a failure that reads as a crash."""
+        listeners = self.listeners()
+        shared = [
+            f"{key} = {port} is also {other_key}: give each listener a port of its own"
+            for i, (key, host, port) in enumerate(listeners)
+            for other_key, other_host, other_port in listeners[:i]
+            if port == other_port and (host == other_host or host in WILDCARD_HOSTS or other_host in WILDCARD_HOSTS)
+        ]
+        if shared:
+            raise ConfigError("\n".join(f"{self.config_path or 'the deployment'} {line}" for line in shared))
+
     def start(self) -> None:
+        self.check_ports()
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
         self._start_fork_server()
@@ -147,7 +174,7 @@ class ServiceGroup:
         while pending:
             for item in list(pending):
                 if (code := item.process.poll()) is not None:
-                    raise RuntimeError(f"{item.name} {describe_exit(code)} during start-up")
+                    raise RuntimeError(f"{item.name} {describe_exit(code)} during start-up{self.log_tail(item.name)}")
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
             if time.monotonic() > deadline:
@@ -156,6 +183,17 @@ class ServiceGroup:
                     f"{', '.join(i.name for i in pending)}"
                 )
             time.sleep(0.2)
+
+    def log_tail(self, name: str) -> str:
+        """The end of service `name`'s log, for an error that would otherwise not say why it ended ("" without a
+        log directory: its output went to the launcher's terminal)."""
+        if not self.log_dir:
+            return ""
+        path = os.path.join(self.log_dir, f"{name}.log")
+        with contextlib.suppress(OSError), open(path, errors="replace") as log:
+            lines = log.read().splitlines()[-START_ERROR_LINES:]
+            return f"; the end of {path}:\n" + "\n".join(lines)
+        return ""
 
     def _stop_targets(self, item: Running) -> list[int]:
         """Who gets the stop signal: the service's process, except for a DiT over several nodes, whose process is

@@ -142,7 +142,11 @@ def serve(config: GatewayConfig) -> None:
     """Serve until SIGTERM or SIGINT, owning `data_dir` alone: two gateways on one job store and artifact tree
     would run each other's jobs again and delete each other's files. A second one exits EXIT_REFUSED."""
     logs.setup("gateway")
-    refuse_port_in_use(f"{config.host}:{config.port}")  # before the store opens: a restart would not free it
+    # before the store opens: a restart would not free them
+    refuse_port_in_use(f"{config.host}:{config.port}")
+    for host, port in ((config.metrics_host, config.metrics_port), (config.http_host, config.http_port)):
+        if port:
+            refuse_port_in_use(f"{host}:{port}")
     try:
         with full_named(config.data_dir):  # the lock file records its holder: a write
             lock = lock_directory(config.data_dir)
