@@ -6,6 +6,7 @@ loads them (h3serve/services/dit/adapters.py) into the service's runner. Each ph
 since compile and fp8 cannot be undone in place:
 
 - eager: adapters resident (peft's own switch); the request with adapter `a`, and with none (LoRA off);
+- every phase with adapters: their load (read, checked, installed), as a start spends it;
 - `+compile` (and `+fp8`): first the DiT with no adapters configured (the base), then a fresh one with adapter
   slots (switching writes the slot's weights and scale, so nothing recompiles): a request with `a`, one with none
   (an empty slot still runs its matmuls), the swap a -> b (the weight copy, timed alone) and the compiled graphs
@@ -64,7 +65,11 @@ class Phase:
         config = DiTConfig(
             compile=fast.compile, adapters={k: str(v) for k, v in (files or {}).items()}, adapter_slots=1
         )
+        started = time.perf_counter()
         self.held = adapters.install(config, {"transformer": transformer})  # before the fast path, as rank.py
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.load_s = time.perf_counter() - started  # read, checked and installed: what a start spends on them
         fastpath.apply(transformer, fast)
         self.runner = DenoiseRunner(parts, served(["t2va"]), self.held)
         self.embeds = torch.randn(
@@ -142,11 +147,13 @@ def run_phase(name: str, size: Size, files: dict[str, Path], args, device: str) 
     holder = "slots" if fast.compile else "resident"
     with_a = phase.seconds_per_step(size, ["a"])
     without = phase.seconds_per_step(size, [])
+    load = f"{fast.describe()}, load of {len(files)} adapters (rank {args.rank}, {holder})"
     records = [
         record(size, f"{fast.describe()}, adapter a (rank {args.rank}, {holder})", with_a, base_s, args, device),
         record(size, f"{fast.describe()}, adapters loaded, none named ({holder})", without, base_s, args, device),
+        record(size, load, phase.load_s, phase.load_s, args, device),
     ]
-    line = f"  {name}: adapter {with_a:.4f}, none named {without:.4f} s/step"
+    line = f"  {name}: load {phase.load_s:.2f} s, adapter {with_a:.4f}, none named {without:.4f} s/step"
     if fast.compile:
         swap, graphs = phase.swap_seconds(size)
         records.append(

@@ -291,19 +291,21 @@ def _lora_layers(model: torch.nn.Module) -> dict:
 
 
 def _extract(adapter: AdapterFile, partitions: Partitions) -> dict[str, dict[str, Factors]]:
-    """The adapter's factors and per-module scales as peft computes them (injected, read, removed again)."""
+    """The adapter's factors as read (the values peft loads, in the file's dtype: no copy back from the device) with
+    each module's scale as peft computes it (injected, read, removed again)."""
     inject(adapter, partitions)
-    out = {}
-    for partition in set(adapter.routes.values()):
-        model = partitions[partition]
+    out: dict[str, dict[str, Factors]] = {}
+    for prefix, partition in adapter.routes.items():
+        model, part = partitions[partition], adapter.part(prefix)
+        layers = _lora_layers(model)
+        modules = {match["module"] for key in part if (match := FACTOR.fullmatch(key.removeprefix(f"{prefix}.")))}
         out[partition] = {
-            name: Factors(
-                layer.lora_A[adapter.name].weight.detach().cpu().clone(),
-                layer.lora_B[adapter.name].weight.detach().cpu().clone(),
-                float(layer.scaling[adapter.name]),
+            module: Factors(
+                part[f"{prefix}.{module}.lora_A.weight"],
+                part[f"{prefix}.{module}.lora_B.weight"],
+                float(layers[module].scaling[adapter.name]),
             )
-            for name, layer in _lora_layers(model).items()
-            if adapter.name in layer.lora_A
+            for module in sorted(modules)
         }
         model.delete_adapters(adapter.name)
     return out
