@@ -189,9 +189,10 @@ def test_tls_and_the_bearer_token_reach_the_server(certificate):
 # --- against the real stack ----------------------------------------------------------------------------------------
 
 
-def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(stack, tmp_path):
+def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(stack, dit_hold, tmp_path):
     """A job is followed by `client.events()` and by `h3serve generate` (the same job: the same request_id) while
-    the gateway is killed mid-denoise and started again: the job runs again, and both see all of it, in order."""
+    the gateway is killed mid-denoise (the DiT holds the job at HOLD_STEP until then: a clean clone's run once saw
+    the 30 steps end before the kill) and started again: the job runs again, and both see all of it, in order."""
     job_request = request("a lighthouse in a gale", steps=30, seed=7, request_id="restart-followed-1")
     # --connect-timeout: the gateway may already be down for its restart when this process first connects (its
     # start takes seconds on a loaded machine), and that wait is not what this test is about
@@ -224,22 +225,23 @@ def test_events_and_generate_follow_a_job_exactly_once_across_a_gateway_restart(
         stderr=subprocess.PIPE,
         text=True,
     )
-    first_step = threading.Event()
+    held = threading.Event()
 
     def follow(client: GatewayClient, job_id: str) -> list[gateway_pb2.JobEvent]:
         seen = []
         for event in client.events(job_id):
             seen.append(event)
-            if event.HasField("denoising"):
-                first_step.set()
+            if dit_hold.holds(event):
+                held.set()
         return seen
 
     with GatewayClient(stack.address("gateway")) as client, ThreadPoolExecutor(1) as pool:
-        job = client.submit(job_request)
-        following = pool.submit(follow, client, job.job_id)
-        assert first_step.wait(120), "no denoising step"
-        # From this thread: a service's parent-death signal follows the thread that started it.
-        stack.group.restart("gateway", signal.SIGKILL)
+        with dit_hold.armed():
+            job = client.submit(job_request)
+            following = pool.submit(follow, client, job.job_id)
+            assert held.wait(120), "the job did not reach the hold step"
+            # From this thread: a service's parent-death signal follows the thread that started it.
+            stack.group.restart("gateway", signal.SIGKILL)
         seen = following.result(timeout=300)
         stored = list(client.stub.Watch(S.WatchRequest(job_id=job.job_id)))
     out, err = cli.communicate(timeout=300)

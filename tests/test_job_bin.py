@@ -31,17 +31,18 @@ def refused(call, request) -> grpc.RpcError:
     return err.value
 
 
-def test_delete_cancels_a_running_job_and_restore_brings_it_back(client):
-    job = client.stub.Submit(
-        S.GenerateRequest(prompt="into the bin", seed=5, height=32, width=64, num_inference_steps=40)
-    )
-    stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.HasField("denoising") and event.denoising.step == 2:
-            break
-    binned = client.stub.DeleteJob(S.DeleteJobRequest(job_id=job.job_id))
+def test_delete_cancels_a_running_job_and_restore_brings_it_back(client, dit_hold):
+    with dit_hold.armed():  # the job waits at HOLD_STEP: the delete provably lands mid-denoise
+        job = client.stub.Submit(
+            S.GenerateRequest(prompt="into the bin", seed=5, height=32, width=64, num_inference_steps=40)
+        )
+        stream = client.stub.Watch(S.WatchRequest(job_id=job.job_id))
+        events = []
+        for event in stream:
+            events.append(event)
+            if dit_hold.holds(event):
+                break
+        binned = client.stub.DeleteJob(S.DeleteJobRequest(job_id=job.job_id))
     events += list(stream)
     assert events[-1].HasField("cancelled"), "the delete really cancelled the run"
     assert [e.denoising.step for e in events if e.HasField("denoising")][-1] < 39
