@@ -193,6 +193,20 @@ def test_compiled_slots_switch_adapters_without_recompiling(files):
     assert counters["stats"]["unique_graphs"] > graphs
 
 
+def test_slots_hold_each_adapters_factors_as_peft_loaded_them_in_its_dtype(files):
+    # float32 files on bf16 weights: peft loads the factors as bf16, and the slots' host copies are those values at
+    # that size (the file's float32 would be twice the host memory of a released adapter's factors)
+    transformer = build_component("transformer").to(torch.bfloat16)
+    config = DiTConfig(adapters={"kohya": str(files["kohya"])}, compile=True)
+    holder = adapters.install(config, {"transformer": transformer}).holder
+    held = holder.factors["transformer"]["kohya"]
+    assert held and {(f.down.dtype, f.up.dtype) for f in held.values()} == {(torch.bfloat16, torch.bfloat16)}
+    read = adapters.read("kohya", config.adapters["kohya"], ["transformer"]).part("transformer")
+    for module, f in held.items():
+        assert torch.equal(f.down, read[f"transformer.{module}.lora_A.weight"].to(torch.bfloat16))
+        assert torch.equal(f.up, read[f"transformer.{module}.lora_B.weight"].to(torch.bfloat16))
+
+
 def test_fused_mode_merges_the_one_adapter_and_every_request_runs_it(files):
     fused = runner(files, ["qkv"], adapter_mode="fused")
     (facts,) = fused.adapters.facts

@@ -291,24 +291,26 @@ def _lora_layers(model: torch.nn.Module) -> dict:
 
 
 def _extract(adapter: AdapterFile, partitions: Partitions) -> dict[str, dict[str, Factors]]:
-    """The adapter's factors as read (the values peft loads, in the file's dtype: no copy back from the device) with
-    each module's scale as peft computes it (injected, read, removed again)."""
+    """The adapter's factors as read, in the dtype peft loaded them in (the values it holds, without copying them back
+    from the device), with each module's scale as peft computes it (injected, read, removed again)."""
     inject(adapter, partitions)
     out: dict[str, dict[str, Factors]] = {}
     for prefix, partition in adapter.routes.items():
         model, part = partitions[partition], adapter.part(prefix)
         layers = _lora_layers(model)
         modules = {match["module"] for key in part if (match := FACTOR.fullmatch(key.removeprefix(f"{prefix}.")))}
-        out[partition] = {
-            module: Factors(
-                part[f"{prefix}.{module}.lora_A.weight"],
-                part[f"{prefix}.{module}.lora_B.weight"],
-                float(layers[module].scaling[adapter.name]),
-            )
-            for module in sorted(modules)
-        }
+        out[partition] = {module: _factors(part, prefix, module, layers[module], adapter.name) for module in modules}
         model.delete_adapters(adapter.name)
     return out
+
+
+def _factors(part: dict[str, torch.Tensor], prefix: str, module: str, layer, name: str) -> Factors:
+    dtype = layer.lora_A[name].weight.dtype  # peft casts what it loads to this: a float32 file to bf16 layers
+    return Factors(
+        part[f"{prefix}.{module}.lora_A.weight"].to(dtype),
+        part[f"{prefix}.{module}.lora_B.weight"].to(dtype),
+        float(layer.scaling[name]),
+    )
 
 
 def _add_slots(model: MiniMaxH3Transformer3DModel, adapters: dict[str, dict[str, Factors]], count: int) -> None:
