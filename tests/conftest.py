@@ -28,9 +28,9 @@ from h3serve.services.dit import hold
 from h3serve.v1 import gateway_pb2
 
 # The ports the tests' servers listen on come from a block of this pytest worker's own, below the kernel's ephemeral
-# range (32768-60999 by default). The kernel's bind(0) handed out ports as free that another free_port() of this
-# worker or the other's had just handed out too, not yet bound: CI's shared stack once started its gateway with two
-# listeners on one port. A process started by a test (tests/up_process.py) walks the block from another point.
+# range (32768-60999 by default). The kernel's bind(0) can hand out a port as free that another free_port() of this
+# worker or the other's has just handed out too, not yet bound (the likeliest cause of CI's shared stack once losing
+# its gateway at start). A process started by a test (tests/up_process.py) walks the block from another point.
 PORTS = range(20000, 32768)
 _handed_out: set[int] = set()
 

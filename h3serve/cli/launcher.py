@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from h3serve.common import forkserver, processes
-from h3serve.common.config import SERVICES, ConfigError, DeployConfig
+from h3serve.common.config import SERVICES, WILDCARD_HOSTS, ConfigError, DeployConfig
 from h3serve.common.processes import Tree, children, describe_exit, end_trees
 from h3serve.common.server import is_answering, is_serving
 from h3serve.common.supervision import STATE_ENV
@@ -32,7 +32,6 @@ START_ORDER = (*SERVICES, "gateway")
 # How long a restart waits for its old instance's port to be released before it starts anyway (and is refused):
 # ranks forked for a killed DiT launcher end on their death signal, a moment after it.
 PORT_RELEASE_S = 10.0
-WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 START_ERROR_LINES = 20  # of a service's log, in the error when it ends during start-up
 
 

@@ -499,6 +499,8 @@ class DeployConfig(Section):
 
 
 SERVICES = ("encoder", "dit", "vae")
+# A `host` that listens on every interface: a client on the same machine reaches it on loopback.
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 SECTIONS = ("model", *SERVICES, "gateway", "supervisor")
 SECTION_MODELS: dict[str, type[Section]] = {
     "model": ModelSection,

@@ -13,7 +13,7 @@ from typing import TextIO
 import grpc
 
 from h3serve.client import GatewayClient, RetryPolicy
-from h3serve.common.config import GatewayConfig
+from h3serve.common.config import WILDCARD_HOSTS, GatewayConfig
 from h3serve.experiment.driver import Drive, Driver, warm_up
 from h3serve.experiment.loadspec import LoadSpec
 from h3serve.experiment.media import Uploads
@@ -22,14 +22,13 @@ from h3serve.experiment.records import METRICS_JSON, RUN_JSON, Records, job_row,
 from h3serve.experiment.scrape import Scraper, Scrapes
 from h3serve.experiment.workload import Mix, prepare
 
-WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 # Only a gateway that is down or restarting is waited for; a full queue is the experiment's result (driver.py).
 RETRY = RetryPolicy(codes=frozenset({grpc.StatusCode.UNAVAILABLE}))
 
 
 def _reachable(host: str) -> str:
     """Where a client on this host reaches a server bound to `host` (a wildcard: loopback)."""
-    return "127.0.0.1" if host in WILDCARDS else host
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 @dataclass(frozen=True)

@@ -297,9 +297,11 @@ def _extract(adapter: AdapterFile, partitions: Partitions) -> dict[str, dict[str
     out: dict[str, dict[str, Factors]] = {}
     for prefix, partition in adapter.routes.items():
         model, part = partitions[partition], adapter.part(prefix)
-        layers = _lora_layers(model)
-        modules = {match["module"] for key in part if (match := FACTOR.fullmatch(key.removeprefix(f"{prefix}.")))}
-        out[partition] = {module: _factors(part, prefix, module, layers[module], adapter.name) for module in modules}
+        out[partition] = {
+            module: _factors(part, prefix, module, layer, adapter.name)
+            for module, layer in _lora_layers(model).items()
+            if adapter.name in layer.lora_A
+        }
         model.delete_adapters(adapter.name)
     return out
 
