@@ -59,6 +59,9 @@ def test_compile_dynamic_needs_compile_and_is_the_dits_default():
     assert warmup.prompt_lengths(DiTConfig(compile=True)) == [256], "one rank: any length after (the test below)"
     assert warmup.prompt_lengths(DiTConfig(compile=True, world_size=2)) == [256, 255, 254, 253], "each residue mod 4"
     assert warmup.prompt_lengths(DiTConfig(compile=True, compile_dynamic=False)) == [256, 255, 254]
+    assert warmup.steps(DiTConfig(compile=True)) == 2, "one forward: its graph serves both variants (the test below)"
+    assert [warmup.steps(DiTConfig(**c)) for c in ({}, {"compile": True, "world_size": 2})] == [3, 3]
+    assert warmup.steps(DiTConfig(compile=True, warmup_steps=4)) == 4, "the config's own count wins"
 
 
 @pytest.mark.parametrize("dynamic,recompiles", [(True, False), (False, True)])
@@ -72,21 +75,25 @@ def test_a_dynamic_compile_runs_a_new_canvas_and_prompt_length_without_compiling
     fastpath.apply(parts["transformer"], FastPath(compile=True, dynamic=dynamic))
     runner = DenoiseRunner(parts, served(["t2va"]))
 
-    def graphs_of(size: str, tokens: int) -> int:
+    def graphs_of(size: str, tokens: int, forwards: int) -> int:
         embeds = torch.randn(
             1, tokens, parts["transformer"].config.text_dim, generator=torch.Generator().manual_seed(0)
         )
         before = compile_cache.compiled_graphs()
         runner.run(
-            denoise_spec(Size.parse(size), forwards=2),
+            denoise_spec(Size.parse(size), forwards=forwards),
             embeds,
             torch.ones(tokens, dtype=torch.int64),
             lambda step, total: None,
         )
         return compile_cache.compiled_graphs() - before
 
-    assert graphs_of("32x64x124", 12) > 0, "the first call compiles both forward variants"
-    assert (graphs_of("64x32x141", 7) > 0) == recompiles  # static: a new size makes torch compile a dynamic graph
+    # the first call is the warm-up's: one forward when dynamic (warmup.steps), both variants when static
+    warm_forwards = warmup.steps(DiTConfig(compile=True, compile_dynamic=dynamic)) - 1
+    assert graphs_of("32x64x124", 12, warm_forwards) > 0, "the warm-up compiles"
+    # dynamic: a request's both forward variants, at a new size and prompt length, compile nothing more;
+    # static: a new size makes torch compile a dynamic graph
+    assert (graphs_of("64x32x141", 7, 2) > 0) == recompiles
 
 
 def test_inductor_tuning_is_the_configs_choice_not_a_side_effect():

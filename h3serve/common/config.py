@@ -306,7 +306,8 @@ class DiTConfig(CompiledServiceConfig):
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See README "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
-    warmup_steps: Steps = 3  # num_inference_steps of each warm-up run: 3 runs both forward variants
+    # num_inference_steps of each warm-up run; unset: what the compile needs (h3serve/services/dit/warmup.py:steps)
+    warmup_steps: Steps | None = None
     # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
     # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
     offload: Literal["none", "group"] = "none"

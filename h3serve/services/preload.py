@@ -15,6 +15,7 @@ driver makes the server refuse every fork (the children then start as plain proc
 
 import ast
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -52,32 +53,56 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 CAPABILITIES = "import torch; print([torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())])"
 
 
-def _capabilities() -> list[tuple[int, int]]:
-    """Each visible GPU's compute capability, read by a process of its own (the driver starts there, not here)."""
-    found = subprocess.run([sys.executable, "-c", CAPABILITIES], capture_output=True, text=True, timeout=300)
-    lines = found.stdout.strip().splitlines()
-    return [tuple(each) for each in ast.literal_eval(lines[-1])] if found.returncode == 0 and lines else []
+DRIVER_NODE = "/dev/nvidiactl"  # where an NVIDIA driver is loaded: a host worth probing
+
+
+def _probe() -> subprocess.Popen | None:
+    """Start reading each visible GPU's compute capability in a process of its own (the driver starts there, not
+    here) at once: its interpreter, torch import and driver start take seconds, spent while this one imports."""
+    if not os.path.exists(DRIVER_NODE):
+        return None
+    return subprocess.Popen(
+        [sys.executable, "-c", CAPABILITIES], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+
+
+def _capabilities(probe: subprocess.Popen) -> list[tuple[int, int]]:
+    try:
+        out, _ = probe.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        probe.communicate()
+        return []
+    lines = out.strip().splitlines()
+    return [tuple(each) for each in ast.literal_eval(lines[-1])] if probe.returncode == 0 and lines else []
 
 
 @contextlib.contextmanager
-def _capabilities_without_the_driver() -> Iterator[None]:
+def _capabilities_without_the_driver(probe: subprocess.Popen | None) -> Iterator[None]:
+    """torch.cuda.get_device_capability answered from the probe, which is waited for at the first question (an
+    import's), not before the imports; without an answer the question goes to torch (which starts the driver)."""
     import torch
 
-    capabilities = _capabilities() if torch.cuda.is_available() else []
-    if not capabilities:
+    if probe is None or not torch.cuda.is_available():
+        if probe is not None:
+            probe.kill()  # a driver, but no GPU this process may use
+            probe.wait()
         yield
         return
-    asked = torch.cuda.get_device_capability
+    asked, known = torch.cuda.get_device_capability, functools.cache(lambda: _capabilities(probe))
 
     def answer(device=None) -> tuple[int, int]:
+        if not known():
+            return asked(device)
         index = device if isinstance(device, int) else getattr(torch.device(device or "cuda"), "index", None)
-        return capabilities[index or 0]
+        return known()[index or 0]
 
     torch.cuda.get_device_capability = answer
     try:
         yield
     finally:
         torch.cuda.get_device_capability = asked
+        known()  # the probe reaped, asked or not
 
 
 @contextlib.contextmanager
@@ -104,7 +129,8 @@ def _no_device_detection() -> Iterator[None]:
 
 def preload() -> None:
     """Import MODULES; one that fails to import is left to the child, which reports it as a plain start would."""
-    with _no_device_detection(), _capabilities_without_the_driver():
+    probe = _probe()  # before torch's import, which it overlaps
+    with _no_device_detection(), _capabilities_without_the_driver(probe):
         for name in MODULES:
             with contextlib.suppress(Exception):
                 __import__(name)

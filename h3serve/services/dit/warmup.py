@@ -1,10 +1,10 @@
 """Warm before SERVING: the group denoises each `[dit] warmup` shape once before health says SERVING.
 
 A compiled transformer otherwise compiles inside a user's first request (seconds to minutes), and again at the
-request's second forward, whose inputs differ from the first's. Each shape runs `warmup_steps` steps (3: both
-forward variants) on synthetic text embeddings through the same checks and the same group broadcast as a
-request, so every rank compiles what a request will run, and a shape that cannot run (memory, a kernel) stops
-the start with its reason instead of failing a user's request.
+request's second forward, whose inputs differ from the first's. Each shape runs `steps(config)` steps on synthetic
+text embeddings through the same checks and the same group broadcast as a request, so every rank compiles what a
+request will run, and a shape that cannot run (memory, a kernel) stops the start with its reason instead of failing
+a user's request.
 
 With a dynamic compile one rank runs each shape once; a group that splits the sequence over ranks runs prompt lengths
 of every residue modulo twice its ranks, as it meets new graphs when its ranks' chunks change parity (2 gloo ranks: at
@@ -63,6 +63,15 @@ def warm_up(member: GroupMember, config: DiTConfig) -> list[WarmRun]:
     return runs
 
 
+def steps(config: DiTConfig) -> int:
+    """`warmup_steps`, else 2 (one forward) for a dynamic compile on one rank: its one graph per block serves both
+    forward variants (the noise-level rows are unbacked, h3serve/runtime/fastpath.py), so a second forward would only
+    repeat the work (tests/test_fastpath.py); else 3, which runs both variants."""
+    if config.warmup_steps is not None:
+        return config.warmup_steps
+    return 2 if config.compile and config.compile_dynamic and config.world_size == 1 else 3
+
+
 def prompt_lengths(config: DiTConfig) -> list[int]:
     """Without compile one length. With a dynamic compile on one rank one length too: its graphs take any packed length
     (tests/test_fastpath.py; on one H200 at 768x1344x124 a second length compiled nothing and cost 11.2 s of every
@@ -89,7 +98,7 @@ def warm_run(member: GroupMember, config: DiTConfig, shape: str, tokens: int) ->
         "warm-up %s with a %d-token prompt: %d steps in %.1f s, %d graphs compiled",
         shape,
         tokens,
-        config.warmup_steps - 1,
+        steps(config) - 1,
         run.seconds,
         run.compiled,
     )
@@ -105,7 +114,7 @@ def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int
         height=height,
         width=width,
         num_frames=frames,
-        params=common_pb2.GenerationParams(num_inference_steps=config.warmup_steps, seed=SEED),
+        params=common_pb2.GenerationParams(num_inference_steps=steps(config), seed=SEED),
     )
     check = checks.DenoiseCheck(
         config, [flow.value for flow in served(config.workflows)], lambda flow: checks.model_dims(member.runner, flow)
