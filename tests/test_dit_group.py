@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -18,12 +17,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import QUICK_OUTAGE, free_port, write_config
+from conftest import HELD, HOLD_STEP, QUICK_OUTAGE, free_port, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
+from h3serve.common import forkserver
 from h3serve.common.config import load_deploy
 from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
@@ -108,11 +108,15 @@ class AtStep:
             self.action(event)
 
 
-def test_cancel_stops_both_ranks_at_the_same_step_and_the_next_job_runs(group):
+def test_cancel_stops_both_ranks_at_the_same_step_and_the_next_job_runs(group, dit_hold):
+    # the group's DiT started after dit_hold (its fixture asks for the stack first), so rank 0 holds the job at
+    # HOLD_STEP while the gate is armed: the cancel provably lands there, however slow the machine (a loaded one ran
+    # 4 steps of a long job before the cancel arrived)
     before = group.info().steps_served
-    cancel = AtStep(2, lambda e: group.gateway.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=e.job_id)))
-    final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, **LONG, seed=4), cancel)
-    assert final.WhichOneof("kind") == "cancelled"
+    cancel = AtStep(HOLD_STEP, lambda e: group.gateway.stub.CancelJob(gateway_pb2.CancelJobRequest(job_id=e.job_id)))
+    with dit_hold.armed():
+        final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, **HELD, seed=4), cancel)
+    assert cancel.fired.is_set() and final.WhichOneof("kind") == "cancelled", final
     info = group.idle_info()
     ran = info.steps_served - before
     assert 2 <= ran <= 3, f"the group ran {ran} steps; the client cancelled after step 2"
@@ -209,36 +213,46 @@ def test_a_hung_rank_times_out_the_collective_and_the_group_comes_back(group):
     assert group.info().restarts == before.restarts + 1
 
 
-def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group):
+def test_the_gateway_retries_a_job_whose_dit_rank_died_and_it_completes(group, dit_hold):
     ranks = group.info().ranks
-    kill = AtStep(2, lambda e: os.kill(ranks[1].pid, signal.SIGKILL))
-    final = group.gateway.generate(
-        gateway_pb2.GenerateRequest(prompt=PROMPT, height=64, width=128, num_inference_steps=30, seed=6), kill
-    )
-    assert kill.fired.is_set()
+
+    def kill(event) -> None:  # while rank 0 holds the job at HOLD_STEP: the kill provably lands mid-denoise
+        os.kill(ranks[1].pid, signal.SIGKILL)
+        dit_hold.release()  # rank 0 goes on into the step's vote, which the dead rank fails; the retry runs through
+
+    kill_at = AtStep(HOLD_STEP, kill)
+    with dit_hold.armed():
+        final = group.gateway.generate(gateway_pb2.GenerateRequest(prompt=PROMPT, **HELD, seed=6), kill_at)
+    assert kill_at.fired.is_set()
     assert final.WhichOneof("kind") == "done", final
     assert group.gateway.job(final.job_id).state == gateway_pb2.JOB_STATE_SUCCEEDED
     assert group.info().state == "serving"
 
 
-def test_an_unusable_attention_backend_fails_the_start_with_the_reason():
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "h3serve.cli",
-            "serve",
-            "dit",
-            "--world-size",
-            "2",
-            "--port",
-            str(free_port()),
-            "--attention-backend",
-            "flash",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert "attention backend 'flash'" in result.stderr and "flash-attn" in result.stderr, result.stderr[-2000:]
+def test_an_unusable_attention_backend_fails_the_start_with_the_reason(fork_server, tmp_path):
+    # a fork of the session's fork server (h3serve/common/forkserver.py), as `h3serve up` starts it: what it checks is
+    # the DiT's own start, not a fresh interpreter's imports of the CLI
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out, "wb") as stdout, open(err, "wb") as stderr:
+        started = forkserver.start(
+            [
+                sys.executable,
+                "-m",
+                "h3serve.cli",
+                "serve",
+                "dit",
+                "--world-size",
+                "2",
+                "--port",
+                str(free_port()),
+                "--attention-backend",
+                "flash",
+            ],
+            fork_server,
+            stdout=stdout,
+            stderr=stderr,
+        )
+        returncode = started.wait(120)
+    stderr_text = err.read_text()
+    assert returncode != 0
+    assert "attention backend 'flash'" in stderr_text and "flash-attn" in stderr_text, stderr_text[-2000:]
