@@ -88,6 +88,41 @@ def test_stage_queue_runs_as_many_as_it_has_workers():
         StageQueue("vae", 0)
 
 
+@pytest.mark.parametrize("turns", [False, True])
+def test_stages_take_turns_on_a_shared_card_only_when_told(tmp_path, turns):
+    """Three jobs, each in another stage at once: they overlap, unless `stages_take_turns` makes them wait for the
+    card, in arrival order."""
+    from h3serve.gateway.jobs.events import EventHub
+    from h3serve.gateway.jobs.runner import JobRunner
+
+    async def scenario(store):
+        config = GatewayConfig(stages_take_turns=turns)
+        metrics = GatewayMetrics(STAGE_NAMES)
+        runner = JobRunner(config, store, EventHub(store), StageCaller(config, metrics), None, metrics, None)
+        running: list[str] = []
+        order, most = [], 0
+
+        async def call(stage, job, record, watchdog):
+            nonlocal most
+            running.append(stage.name)
+            order.append(stage.name)
+            most = max(most, len(running))
+            await asyncio.sleep(0.05)
+            running.remove(stage.name)
+
+        runner.caller.run = call
+        stages = [runner.caller.stages[name] for name in ("encoder", "dit", "vae")]
+        for job_id, _ in zip("abc", stages, strict=True):
+            await store.submit(job_id, REQUEST, first_event=S.JobEvent(accepted=S.Accepted()))
+            await store.start_attempt(job_id)
+        jobs = [JobContext(job_id, REQUEST, [], None, None) for job_id in "abc"]
+        await asyncio.gather(*(runner._stage(job, 1, stage) for job, stage in zip(jobs, stages, strict=True)))
+        await runner.caller.close()
+        assert (most, order) == ((1, ["encoder", "dit", "vae"]) if turns else (3, order))
+
+    with_store(tmp_path / "jobs.db", scenario)
+
+
 # The watchdog.
 
 

@@ -173,12 +173,23 @@ def test_the_32gb_profile_gives_each_process_its_share_of_the_card():
     assert not any("crowd out" in note for note in plan(config).notes)
 
 
-def test_a_canvas_that_admits_no_clip_is_named_and_the_24gb_profile_plans_the_canvas_it_serves(tmp_path):
-    config = load_deploy(DEPLOY / "single-24gb.toml")
-    result = plan(config)
-    assert (result.workload.height, result.workload.width, result.workload.frames) == (480, 832, 124)
-    assert not result.problems and any("crowd out" in note for note in result.notes), "caps not yet shares"
-    larger = plan(config, canvas=(768, 1344)).workload
+def test_the_24gb_profile_plans_768x1344_as_turns_and_a_canvas_that_admits_no_clip_is_named(tmp_path):
+    """Stages taking turns, the card holds one process at its peak and the others idle: 768x1344x124 fits there, and
+    would not with every process at its peak at once; the VAE's weights are onloaded per request."""
+    text = (DEPLOY / "single-24gb.toml").read_text()
+    result = plan(load_deploy(DEPLOY / "single-24gb.toml"), canvas=(768, 1344), frames=124)
+    (gpu,) = result.gpus
+    assert gpu.turns and not result.problems and result.workload.rows > 39_000
+    busiest = max(s.total + sum(o.idle for o in gpu.shares if o is not s) for s in gpu.shares)
+    assert gpu.used == pytest.approx(busiest) and "idle" in gpu.breakdown()
+    vae = next(share for share in gpu.shares if share.process == "vae")
+    assert vae.weights == 0 and vae.host == vae.transient > 5, vae.describe()
+    together = plan(load_deploy(_config(tmp_path, text.replace("stages_take_turns = true", ""))), canvas=(768, 1344))
+    assert sum(s.total for s in together.gpus[0].shares) == pytest.approx(together.gpus[0].used)
+    assert together.gpus[0].used > gpu.card
+    assert any("over the card's 23.5 GiB" in problem for problem in together.problems)
+    smaller = text.replace("max_rows = 42000", "max_rows = 16000")
+    larger = plan(load_deploy(_config(tmp_path, smaller)), canvas=(768, 1344)).workload
     assert larger.frames == 0 and larger.bound.endswith(
         "0 frames fit it: every 768x1344 request is refused (--canvas plans another canvas)"
     )

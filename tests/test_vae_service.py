@@ -25,6 +25,7 @@ from h3serve.model.presets import TINY_REVISION
 from h3serve.model.rules import Geometry
 from h3serve.runtime import wire
 from h3serve.runtime.media import MediaPreparer, read_media_stream
+from h3serve.runtime.offload import HostWhileIdle
 from h3serve.runtime.tiny import build_component
 from h3serve.services.vae.conditions import ConditionEncoder
 from h3serve.services.vae.decode import COMPONENTS, VaeDecoder, pixel_geometry
@@ -56,10 +57,10 @@ def make_latents() -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def vae_server(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[str]:
+def vae_server(vae, audio_vae, config: VaeConfig = VaeConfig(), idle: HostWhileIdle | None = None) -> Iterator[str]:
     """A VaeServicer over `vae`/`audio_vae` on a gRPC server bound to loopback; yields its address."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    vae_pb2_grpc.add_VAEServicer_to_server(VaeServicer(VaeDecoder(vae, audio_vae), MODEL, config), server)
+    vae_pb2_grpc.add_VAEServicer_to_server(VaeServicer(VaeDecoder(vae, audio_vae), MODEL, config, idle), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -69,9 +70,14 @@ def vae_server(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[str]
 
 
 @contextmanager
-def vae_service(vae, audio_vae, config: VaeConfig = VaeConfig()) -> Iterator[vae_pb2_grpc.VAEStub]:
+def vae_service(
+    vae, audio_vae, config: VaeConfig = VaeConfig(), idle: HostWhileIdle | None = None
+) -> Iterator[vae_pb2_grpc.VAEStub]:
     """A stub to a `vae_server`."""
-    with vae_server(vae, audio_vae, config) as address, grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:
+    with (
+        vae_server(vae, audio_vae, config, idle) as address,
+        grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel,
+    ):
         yield vae_pb2_grpc.VAEStub(channel)
 
 
@@ -166,6 +172,31 @@ def test_raw_output_is_bit_identical_to_the_in_process_block(events, in_process)
     assert np.array_equal(archive["frames"], expected["videos"][0])
     assert np.array_equal(archive["audio"], expected["audio"][0].numpy())
     assert int(archive["sample_rate"]) == expected["sampling_rate"] == 32000
+
+
+@pytest.mark.fidelity
+def test_offload_idle_keeps_the_weights_in_host_arenas_between_requests_and_decodes_the_same(latents, in_process):
+    vae, audio_vae = fresh_components()
+    idle = HostWhileIdle([vae, audio_vae], torch.device("cpu"))
+    arenas = {arena.untyped_storage().data_ptr() for arena in idle.arenas.arenas}
+
+    def in_arenas() -> bool:
+        weights = [t for m in (vae, audio_vae) for t in (*m.parameters(), *m.buffers())]
+        return all(t.untyped_storage().data_ptr() in arenas for t in weights)
+
+    assert in_arenas()
+    with vae_service(vae, audio_vae, EXACT, idle) as stub:
+        for _ in range(2):
+            raw = np.load(io.BytesIO(files_of(list(stub.Decode(iter(requests(latents, include_raw=True)))))["raw.npz"]))
+            assert np.array_equal(raw["frames"], in_process["videos"][0])
+            assert in_arenas(), "between requests the weights are the host copies again"
+
+
+def test_offload_idle_refuses_fp8_and_decoder_replicas():
+    with pytest.raises(ValueError, match="it needs fp8 = false"):
+        VaeConfig(fp8=True, offload="idle")
+    with pytest.raises(ValueError, match="it needs decode_gpus = 1"):
+        VaeConfig(device="cuda", decode_gpus=2, offload="idle")
 
 
 @pytest.mark.fidelity

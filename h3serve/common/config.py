@@ -233,6 +233,9 @@ class VaeConfig(CompiledServiceConfig):
     ] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
     x264_threads: NonNegativeInt = 0  # libx264's threads; 0: its own count. 1 gives the same bytes for the same frames
     # every time: threaded encodes of identical frames differed under CPU load (3 of ~140 here; the suite sets 1)
+    # "idle": the weights (5.75 GiB for the released VAEs) in pinned host memory between requests, on the GPU only
+    # during one, so that a card shared with the DiT holds none of them while it denoises (h3serve/runtime/offload.py)
+    offload: Literal["none", "idle"] = "none"
 
     @field_validator("decode_gpus")
     @classmethod
@@ -245,6 +248,15 @@ class VaeConfig(CompiledServiceConfig):
         if pinned and len(pinned) < count:
             raise ValueError(f'{count} GPUs, but gpus = "{info.data["gpus"]}" lists {len(pinned)}')
         return count
+
+    @field_validator("offload")
+    @classmethod
+    def _whole_plain_weights(cls, offload: str, info: ValidationInfo) -> str:
+        if offload == "idle" and info.data.get("fp8"):
+            raise ValueError('"idle" moves plain weights between host and GPU: it needs fp8 = false')
+        if offload == "idle" and info.data.get("decode_gpus", 1) > 1:
+            raise ValueError('"idle" moves the one VAE a request uses: it needs decode_gpus = 1')
+        return offload
 
 
 class EncoderConfig(ModelServiceConfig):
@@ -411,6 +423,9 @@ class GatewayConfig(Section):
     max_audio_seconds: PositiveFloat = 60.0
     max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
     # conditioning, generated)
+    # The encoder, DiT and VAE share one card too small for two of their stages at once: every stage call waits for
+    # the card (one at a time, in arrival order) instead of overlapping with another job's (README "Small GPUs")
+    stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor
     # A stage address may also be a list (or a comma-separated string) of replica addresses.

@@ -39,7 +39,11 @@ that cannot fit. Every number is an estimate; where each constant comes from:
 - VAE decode (`VAE_ACT_*`): calibrated on OUR measurement (BENCHMARKS.md vae_decode_768x1344x124: 11.2 GiB
   peak at tile_batch 1, 14.0 GiB at 28): the weights (5.75 GiB in bf16: fp32 encoder and audio VAE), the
   decoded frames twice in fp32 on the device, 2.6 GiB of tile work and 0.104 GiB per extra tile per call.
-  Condition encoding (fl2va / ref2va media) is not modelled.
+  Condition encoding (fl2va / ref2va media) is not modelled. `offload = "idle"`: the weights are onloaded for
+  a request and held in host memory (pinned arenas) between requests.
+- A card's total: every process at its own peak, added up; with `[gateway] stages_take_turns` (one stage call at a
+  time) the busiest turn instead: one process at its peak, every other idle (its resident weights and context:
+  each service hands its allocator's cache back after every request).
 - Per process and GPU (estimates): 0.5 GiB of CUDA context (outside the allocator and outside
   `memory_limit_gib`'s cap), 0.25 GiB more of NCCL buffers on a DiT rank of a group, and 5 % of the allocator's
   peak for fragmentation (inside the cap).
@@ -75,7 +79,8 @@ file pages, page cache the kernel reclaims. From the current code (read, not mea
   is loaded into host memory first.
   Without cpu_offload on a GPU: quantize or spread stage the bf16 model in host memory at start; a plain load
   goes to the GPU (the runtime only).
-- VAE: the runtime (weights on the GPU). Any service on the CPU (the demo): its weights are private host memory.
+- VAE: the runtime (weights on the GPU; with `offload = "idle"`, pinned in arenas as well). Any service on the CPU
+  (the demo): its weights are private host memory.
   The tiny preset (`[model] dir` empty, or a directory of under `SMALL_MODEL_GIB` of safetensors files) has no
   weights worth counting; any other directory is planned at the released sizes, as above.
 - `h3serve up` starts the processes together, so the deployment's start peak is planned as the sum of every
@@ -263,6 +268,11 @@ class Share:
     def total(self) -> float:
         return self.allocator + CONTEXT_GIB + self.nccl
 
+    @property
+    def idle(self) -> float:
+        """Between its requests: its resident weights (the allocator's cache handed back) and context."""
+        return self.weights + CONTEXT_GIB + self.nccl
+
     def parts(self) -> str:
         parts = [f"weights {self.weights:.1f}"]
         if self.transient:
@@ -285,10 +295,23 @@ class GpuPlan:
     card: float | None  # GiB; None: unknown
     card_source: str
     shares: tuple[Share, ...]
+    turns: bool = False  # [gateway] stages_take_turns: one process at its peak at a time
 
     @property
     def used(self) -> float:
-        return sum(share.total for share in self.shares)
+        return max(self._turn(busy) for busy in self.shares) if self.turns else sum(s.total for s in self.shares)
+
+    def breakdown(self) -> str:
+        """What `used` adds up: every process at its peak, or the busiest turn's."""
+        if not self.turns:
+            return " + ".join(f"{share.process} {share.total:.1f}" for share in self.shares)
+        busy = max(self.shares, key=self._turn)
+        return " + ".join(
+            f"{s.process} {s.total:.1f}" if s is busy else f"{s.process} idle {s.idle:.1f}" for s in self.shares
+        )
+
+    def _turn(self, busy: Share) -> float:
+        return busy.total + sum(share.idle for share in self.shares if share is not busy)
 
 
 @dataclass(frozen=True)
@@ -305,7 +328,8 @@ class Plan:
         for gpu in self.gpus:
             card = f"card {gpu.card:g} GiB ({gpu.card_source})" if gpu.card else "card size unknown"
             free = f", {gpu.card - gpu.used:.1f} free" if gpu.card else ""
-            out.append(f"GPU {gpu.gpu}: {gpu.used:.1f} GiB predicted, {card}{free}")
+            turns = " (stages take turns: the busiest turn)" if gpu.turns else ""
+            out.append(f"GPU {gpu.gpu}: {gpu.used:.1f} GiB predicted{turns}, {card}{free}")
             out += [f"  {share.describe()}" for share in gpu.shares]
         out += self.host.lines()
         out += [f"note: {note}" for note in self.notes]
@@ -441,8 +465,14 @@ def _vae_shares(vae: VaeConfig, work: Workload, notes: list[str]) -> list[Share]
     gpus = _device_gpus(vae, vae.decode_gpus, notes, "vae")
     if not gpus:
         return []
+    # offload = "idle": the weights onloaded for each request, in host memory between them
+    first = (
+        Share(gpus[0], "vae", 0.0, weights, tiles + frames, vae.memory_limit_gib, host=weights)
+        if vae.offload == "idle"
+        else Share(gpus[0], "vae", weights, 0.0, tiles + frames, vae.memory_limit_gib)
+    )
     # A decode replica holds the video VAE without its encoder; planned as the whole video VAE (a little more).
-    return [Share(gpus[0], "vae", weights, 0.0, tiles + frames, vae.memory_limit_gib)] + [
+    return [first] + [
         Share(gpu, "vae decode replica", _gib(VIDEO_VAE.bytes(vae.dtype, vae.fp8)), 0.0, tiles, vae.memory_limit_gib)
         for gpu in gpus[1:]
     ]
@@ -486,7 +516,7 @@ def plan(
         here = tuple(share for share in shares if share.gpu == gpu)
         limits = [share.limit for share in here if share.limit]
         card, source = (gpu_gib, "--gpu-gib") if gpu_gib else card_size(config, limits)
-        gpus.append(GpuPlan(gpu, card, source, here))
+        gpus.append(GpuPlan(gpu, card, source, here, config.gateway.stages_take_turns))
         if card is None:
             problems.append(
                 f"GPU {gpu}: card size unknown ({', '.join(s.process for s in here)}): "
@@ -513,10 +543,11 @@ def plan(
                 f"contexts, over the card's {card:g} GiB: a process's cached memory can crowd out another's; "
                 "give each process its share (docs/deploy/single-32gb.toml)"
             )
-        used = sum(share.total for share in here)
-        if used > card:
-            parts = " + ".join(f"{share.process} {share.total:.1f}" for share in here)
-            problems.append(f"GPU {gpu}: {parts} = {used:.1f} GiB predicted, over the card's {card:g} GiB ({source})")
+        if gpus[-1].used > card:
+            problems.append(
+                f"GPU {gpu}: {gpus[-1].breakdown()} = {gpus[-1].used:.1f} GiB predicted, over the card's {card:g} GiB "
+                f"({source})"
+            )
     if not shares:
         notes.append('no model service is on a GPU (device = "cpu"): nothing to place')
     if host_gib is None and config.supervisor.host_memory_gib:
@@ -643,10 +674,11 @@ def encoder_host(encoder: EncoderConfig, quantize: str | None = None) -> HostNee
 
 def vae_host(vae: VaeConfig) -> HostNeed:
     runtime = {"runtime": _runtime(vae)}
-    if _on_gpu(vae) or _tiny(vae):
+    if _tiny(vae) or (_on_gpu(vae) and vae.offload == "none"):
         return HostNeed("vae", runtime, runtime)
-    weights = {"weights": _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))}
-    return HostNeed("vae", {**runtime, **weights}, {**runtime, **weights})
+    weights = _gib(VIDEO_VAE.bytes(vae.dtype) + AUDIO_VAE.bytes(vae.dtype))
+    held = {"pinned weights": pinned_gib(weights * GIB)} if _on_gpu(vae) else {"weights": weights}
+    return HostNeed("vae", {**runtime, **held}, {**runtime, **held})
 
 
 def host_need(section: ModelServiceConfig) -> HostNeed:

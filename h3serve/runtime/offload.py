@@ -1,5 +1,5 @@
-"""Weights kept in pinned host memory and streamed to a GPU block by block (`[dit] offload = "group"`,
-`[encoder] cpu_offload = true`).
+"""Weights kept in pinned host memory: streamed to a GPU block by block (`[dit] offload = "group"`, `[encoder]
+cpu_offload = true`), or copied to it whole for each request (`[vae] offload = "idle"`: `HostWhileIdle`).
 
 diffusers' block-level group offload: each block of a ModuleList (one block per group) is copied to the GPU on a
 side CUDA stream while the block before it runs, and dropped after it. The rest of the module it is applied to (and
@@ -10,6 +10,9 @@ in the arenas (read in diffusers 0.42.1, not measured). The weights are pinned i
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -59,3 +62,30 @@ def _own_host_copies(module: torch.nn.Module) -> None:
             for tensor, copy in copies.items():
                 if copy is tensor and pinned.parts(tensor):
                     copies[tensor] = pinned.alias(tensor)
+
+
+class HostWhileIdle:
+    """`[vae] offload = "idle"`: the modules' weights in pinned host memory between requests, copied to `device`
+    whole for one (`on_device`) and dropped from it after. A service that shares a small card with others then holds
+    none of it while they run; each request pays the copy (in its decode's time)."""
+
+    def __init__(self, modules: list[torch.nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.arenas = pinned.Arenas(pin=device.type == "cuda")
+        self._host: list[tuple[torch.Tensor, torch.Tensor]] = []  # each weight and its pinned copy
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if pinned.parts(tensor):
+                    raise ValueError('offload = "idle" moves plain weights: it cannot take fp8 (torchao) ones')
+                tensor.data = self.arenas.place(tensor.data)
+                self._host.append((tensor, tensor.data))
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        for tensor, host in self._host:
+            tensor.data = host.to(self.device, non_blocking=True)
+        try:
+            yield
+        finally:
+            for tensor, host in self._host:
+                tensor.data = host

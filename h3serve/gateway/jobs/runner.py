@@ -16,6 +16,7 @@ and records it once space returns (`_finish`), so it never stays "running" witho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -89,6 +90,7 @@ class JobRunner:
             name: StageQueue(name, len(caller.replicas[stage.service].replicas))
             for name, stage in caller.stages.items()
         }
+        self.card = StageQueue("card", 1) if config.stages_take_turns else None  # stage calls one at a time
         self.retention = Retention(
             store, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
         )
@@ -271,7 +273,7 @@ class JobRunner:
         """Wait for a worker of `stage`, run its call, record the pass."""
         record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name)
         waited = time.monotonic()
-        async with self.queues[stage.name].worker():
+        async with self.queues[stage.name].worker(), self.card.worker() if self.card else contextlib.nullcontext():
             started = time.monotonic()
             self.metrics.queue_seconds.labels(stage.name).observe(started - waited)
             await self.store.stage_update(record_id, started=time.time())

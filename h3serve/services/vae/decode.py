@@ -21,7 +21,7 @@ from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import Min
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_AUDIO_CHANNELS
 
 from h3serve.model import rules
-from h3serve.services.vae.mux import to_uint8
+from h3serve.services.vae.mux import LandingFrames, handed_over
 from h3serve.services.vae.stream import streamed
 
 COMPONENTS = ["vae", "audio_vae"]
@@ -30,8 +30,9 @@ WARMUP_FRAMES, WARMUP_LATENT_SIDE = 22, 8  # the warm-up decode: one clip (7 lat
 Progress = Callable[[int, int], None]
 """Called with (units done, units in the phase); it may raise to stop the decode."""
 
-OnPixels = Callable[[np.ndarray], None]
-"""Called with each final chunk of the video as uint8 levels (f, H, W, 3) on the CPU, in order."""
+OnPixels = Callable[[np.ndarray | LandingFrames], None]
+"""Called with each final chunk of the video as uint8 levels (f, H, W, 3) on the CPU, in order (from a GPU, still
+landing: `LandingFrames.numpy` waits for them)."""
 
 
 class InvalidLatents(ValueError):
@@ -213,7 +214,7 @@ class VaeDecoder:
             return lambda chunk: None
         mean = torch.tensor(self.pipe.pixel_mean, device=device).view(1, -1, 1, 1, 1)
         std = torch.tensor(self.pipe.pixel_std, device=device).view(1, -1, 1, 1, 1)
-        return lambda chunk: on_pixels(to_uint8((chunk.float() * std + mean).clamp(0, 1)[0].permute(1, 2, 3, 0)))
+        return lambda chunk: on_pixels(handed_over((chunk.float() * std + mean).clamp(0, 1)[0].permute(1, 2, 3, 0)))
 
 
 def _ignored(done: int, total: int) -> None:

@@ -8,6 +8,7 @@ import queue
 import threading
 from collections.abc import Callable
 from fractions import Fraction
+from typing import overload
 
 import av
 import numpy as np
@@ -28,13 +29,50 @@ def to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
     A tensor is converted where it is, so a decode on the GPU sends a quarter of the float bytes; numpy
     frames (the in-process pipeline's) stay in numpy.
     """
+    levels = _levels(frames)
+    return levels if isinstance(levels, np.ndarray) else levels.cpu().numpy()
+
+
+def handed_over(frames: torch.Tensor) -> np.ndarray | LandingFrames:
+    """`to_uint8` for a decode handing frames to the muxer: from a GPU, a copy queued behind the decode's own work
+    instead of one it waits for (`LandingFrames`)."""
+    levels = _levels(frames)
+    return LandingFrames(levels) if levels.is_cuda else levels.numpy()
+
+
+@overload
+def _levels(frames: np.ndarray) -> np.ndarray: ...
+@overload
+def _levels(frames: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _levels(frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor: ...
+def _levels(frames: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
     xp = torch if isinstance(frames, torch.Tensor) else np  # the same arithmetic in either library
     levels = frames * 255
     xp.round(levels, out=levels)  # in place: no second frames-sized buffer
     xp.clip(levels, 0, 255, out=levels)
     if isinstance(levels, np.ndarray):  # xp is np
         return levels.astype(np.uint8)
-    return levels.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
+    return levels.to(torch.uint8, memory_format=torch.contiguous_format)
+
+
+class LandingFrames:
+    """uint8 frames on their way from a GPU to page-locked host memory. A decode that copied each chunk to the CPU
+    waited for its GPU every chunk, and the GPU then waited for the decode to queue the next one; the muxer's
+    worker waits for the copy instead (`numpy`)."""
+
+    def __init__(self, levels: torch.Tensor) -> None:
+        self._host = torch.empty(levels.shape, dtype=levels.dtype, pin_memory=True)
+        self._host.copy_(levels, non_blocking=True)
+        self._landed = torch.cuda.Event()
+        self._landed.record()
+
+    def __len__(self) -> int:
+        return self._host.shape[0]
+
+    def numpy(self) -> np.ndarray:
+        self._landed.synchronize()
+        return self._host.numpy()
 
 
 class Muxer:
@@ -62,13 +100,14 @@ class Muxer:
         self._video = _add_video(self._container, width=width, height=height, preset=preset, threads=threads)
         self._sound = _add_audio(self._container, sample_rate, channels)
         self._frames, self._written, self._on_progress = frames, 0, on_progress
-        self._queue: queue.Queue[np.ndarray | None] = queue.Queue()
+        self._queue: queue.Queue[np.ndarray | LandingFrames | None] = queue.Queue()
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._encode_video, name="mux", daemon=True)
         self._worker.start()
 
-    def add(self, frames: np.ndarray) -> None:
-        """Queue the next frames (f, H, W, 3): uint8 levels, or floats in [0, 1] (`to_uint8`)."""
+    def add(self, frames: np.ndarray | LandingFrames) -> None:
+        """Queue the next frames (f, H, W, 3): uint8 levels, floats in [0, 1] (`to_uint8`), or levels still landing
+        from a GPU (`handed_over`)."""
         if self._error is not None:
             raise self._error
         self._queue.put(frames)
@@ -106,7 +145,8 @@ class Muxer:
         try:
             while (frames := self._queue.get()) is not None:
                 first, self._written = self._written, self._written + len(frames)
-                _write_video(self._container, self._video, frames, first)
+                pixels = frames.numpy() if isinstance(frames, LandingFrames) else frames
+                _write_video(self._container, self._video, pixels, first)
                 for second in range(self._seconds_done(first) + 1, self._seconds_done(self._written) + 1):
                     self._on_progress(second, seconds)
             self._container.mux(self._video.encode(None))  # the encoder's delayed packets

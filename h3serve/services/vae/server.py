@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +24,7 @@ from h3serve.runtime import fastpath, memory, wire
 from h3serve.runtime.checks import check_media_spec, spec_checked
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.media import MediaPreparer, read_media_stream
+from h3serve.runtime.offload import HostWhileIdle
 from h3serve.runtime.pump import ClientGone, pump
 from h3serve.runtime.service import check_host_memory, load_model_service, warm_up
 from h3serve.services.vae import checks, mux
@@ -117,8 +120,17 @@ def unless_cancelled(report: Report, context) -> Report:
 
 
 class VaeServicer(vae_pb2_grpc.VAEServicer):
-    def __init__(self, decoder: VaeDecoder, model: common_pb2.ModelInfo, config: VaeConfig) -> None:
+    def __init__(
+        self,
+        decoder: VaeDecoder,
+        model: common_pb2.ModelInfo,
+        config: VaeConfig,
+        idle: HostWhileIdle | None = None,
+    ) -> None:
         self.decoder = decoder
+        self.device = decoder.vae.device if idle is None else idle.device  # idle, the weights are on the CPU
+        # the weights on the GPU for one request (offload = "idle"), else where they always are
+        self.on_device: Callable[[], AbstractContextManager] = idle.on_device if idle else contextlib.nullcontext
         self.conditions = ConditionEncoder(decoder.vae, decoder.audio_vae)
         self.media = MediaPreparer(config.geometry)
         self.model = model
@@ -173,7 +185,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         finally:
             # After every Decode / EncodeConditions (cancelled and failed ones too): the allocator's cache goes
             # back to the driver, so a stage sharing this GPU can use it. Cheap: milliseconds against a decode.
-            memory.release(self.decoder.vae.device)
+            memory.release(self.device)
 
     def _run(
         self, spec: vae_pb2.DecodeSpec, tensors: dict[str, torch.Tensor], plan: DecodePlan, report: Report
@@ -182,6 +194,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         muxing = phase_reporter(report, vae_pb2.DECODE_PHASE_MUX)
         with (
             self._lock,
+            self.on_device(),
             mux.Muxer(
                 plan.frames,
                 plan.height,
@@ -253,7 +266,7 @@ class VaeServicer(vae_pb2_grpc.VAEServicer):
         def progress(done: int, total: int) -> None:
             report(vae_pb2.ConditionEvent(progress=vae_pb2.ConditionProgress(done=done, total=total)))
 
-        with self._lock:
+        with self._lock, self.on_device():
             started = time.perf_counter()
             conditions = self.conditions.encode(spec.workflow, self.media.prepare(spec, assets), progress)
         summary = vae_pb2.ConditionSummary(seconds=time.perf_counter() - started, **conditions.manifest)
@@ -280,8 +293,10 @@ def serve(config: VaeConfig) -> None:
     decoder = VaeDecoder(vae, components["audio_vae"], tiles.decoders)
     if not config.compile or config.compile_dynamic:  # a static compile would compile a canvas no request has
         warm_up("vae", lambda: decoder.warm_up(config.tile_batch))
-        memory.release(vae.device)
-    servicer = VaeServicer(decoder, model, config)
+    device = vae.device  # offload = "idle" moves the weights to the host: release where they were
+    idle = HostWhileIdle([vae, components["audio_vae"]], device) if config.offload == "idle" else None
+    memory.release(device)
+    servicer = VaeServicer(decoder, model, config, idle)
     run_server(
         lambda server: vae_pb2_grpc.add_VAEServicer_to_server(servicer, server),
         [vae_pb2.DESCRIPTOR.services_by_name["VAE"].full_name],
