@@ -1,6 +1,7 @@
-"""Every check of the sharded DiT that needs ranks, in one torchrun launch (tests/test_distributed.py runs it).
+"""Every check of the sharded DiT that needs ranks, in one launch of 2 ranks (tests/test_distributed.py forks them
+from its fork server with torchrun's environment; from the checkout's root, torchrun runs them as well):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/dist_checks.py OUT.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.dist_checks OUT.json
 
 Each variant builds the tiny transformer afresh (same seed, same weights), prepares it exactly
 as the service does (`prepare_transformer`) and runs a request through the service's own group
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lora_files import diffusers_lora, original_lora
 from torch.distributed.tensor import DTensor
 
 from h3serve.common.config import DiTConfig
@@ -150,6 +150,9 @@ def adapter_member(control: ControlPlane, layout: parallel.Layout, config: DiTCo
 def adapter_checks(control: ControlPlane, root: Path) -> dict:
     """Adapters switched per request on 2 ranks with FSDP2 (peft's own switch, and the compiled path's slots, whose
     sharded factors are written in place) against one rank."""
+    # here, not at the top: tests/test_sharded_load.py's ranks import this module from tests/ as `dist_checks`
+    from tests.lora_files import diffusers_lora, original_lora
+
     root.mkdir(parents=True, exist_ok=True)
     loras = {
         "a": str(original_lora(root / "a.safetensors", 1, 4, 2.0)),

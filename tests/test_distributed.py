@@ -4,27 +4,62 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import signal
 import sys
-from pathlib import Path
+import time
 
 import pytest
+from conftest import free_port
+
+from h3serve.common import forkserver
 
 pytestmark = pytest.mark.processes
 
 TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sums
-CHECKS = Path(__file__).with_name("dist_checks.py")
+CHECKS = "tests.dist_checks"  # run from the checkout's root, where the fork server runs
+WORLD_SIZE = 2
+
+
+def rank_env(rank: int, port: int) -> dict[str, str]:
+    """torchrun's environment for `rank` of a standalone group on this host: rank 0 serves its store."""
+    return {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(WORLD_SIZE),
+        "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("dist") / "checks.json"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(CHECKS), str(out)],
-        check=True,
-        timeout=420,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+def report(tmp_path_factory, fork_server) -> dict:
+    """The ranks as forks of the session's fork server, as h3serve's own DiT launcher starts them (services/dit/
+    supervisor.py), instead of torchrun's fresh interpreters: torchrun's agent and each rank's imports were 20 CPU
+    seconds of this module's 60, and a rank here starts on a machine where the other worker is busy too."""
+    root = tmp_path_factory.mktemp("dist")
+    out, port = root / "checks.json", free_port()
+    ranks = [
+        forkserver.start(
+            [sys.executable, "-m", CHECKS, str(out)],
+            fork_server,
+            death_signal=signal.SIGKILL,
+            env=rank_env(rank, port),
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+    deadline = time.monotonic() + 420
+    try:
+        while (codes := [rank.poll() for rank in ranks]).count(0) < WORLD_SIZE:
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            assert not failed, f"rank(s) failed (rank, exit code): {failed}"  # as torchrun, the others are killed
+            assert time.monotonic() < deadline, "the ranks did not finish in 420 s"
+            time.sleep(0.2)
+    finally:
+        for rank in ranks:
+            rank.kill()
     return json.loads(out.read_text())
 
 
