@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -241,6 +244,40 @@ def fork_server() -> Iterator[forkserver.ForkServer]:
         patch.setenv(forkserver.ENV, server.path)
         yield server
     server.stop()
+
+
+def run_ranks(server: forkserver.ForkServer, module: str, args: list[str], world_size: int = 2, timeout_s=420) -> None:
+    """`python -m module args` as `world_size` ranks of a standalone group on this host, forks of `server` with
+    torchrun's environment (rank 0 serves the store), as h3serve's own DiT launcher starts its ranks: torchrun's
+    agent and each rank's imports cost 16 CPU seconds a launch. A rank that fails stops the others, as torchrun."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    ranks = [
+        forkserver.start(
+            [sys.executable, "-m", module, *args],
+            server,
+            death_signal=signal.SIGKILL,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (codes := [rank.poll() for rank in ranks]).count(0) < world_size:
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            assert not failed, f"{module}: rank(s) failed (rank, exit code): {failed}"
+            assert time.monotonic() < deadline, f"{module}: the ranks did not finish in {timeout_s} s"
+            time.sleep(0.2)
+    finally:
+        for rank in ranks:
+            rank.kill()
 
 
 @pytest.fixture(scope="session")

@@ -3,63 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
-import time
 
 import pytest
-from conftest import free_port
-
-from h3serve.common import forkserver
+from conftest import run_ranks
 
 pytestmark = pytest.mark.processes
 
 TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sums
-CHECKS = "tests.dist_checks"  # run from the checkout's root, where the fork server runs
-WORLD_SIZE = 2
-
-
-def rank_env(rank: int, port: int) -> dict[str, str]:
-    """torchrun's environment for `rank` of a standalone group on this host: rank 0 serves its store."""
-    return {
-        **os.environ,
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(WORLD_SIZE),
-        "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, fork_server) -> dict:
-    """The ranks as forks of the session's fork server, as h3serve's own DiT launcher starts them (services/dit/
-    supervisor.py), instead of torchrun's fresh interpreters: torchrun's agent and each rank's imports were 20 CPU
-    seconds of this module's 60, and a rank here starts on a machine where the other worker is busy too."""
-    root = tmp_path_factory.mktemp("dist")
-    out, port = root / "checks.json", free_port()
-    ranks = [
-        forkserver.start(
-            [sys.executable, "-m", CHECKS, str(out)],
-            fork_server,
-            death_signal=signal.SIGKILL,
-            env=rank_env(rank, port),
-        )
-        for rank in range(WORLD_SIZE)
-    ]
-    deadline = time.monotonic() + 420
-    try:
-        while (codes := [rank.poll() for rank in ranks]).count(0) < WORLD_SIZE:
-            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
-            assert not failed, f"rank(s) failed (rank, exit code): {failed}"  # as torchrun, the others are killed
-            assert time.monotonic() < deadline, "the ranks did not finish in 420 s"
-            time.sleep(0.2)
-    finally:
-        for rank in ranks:
-            rank.kill()
+    """The ranks as forks of the session's fork server (conftest.run_ranks), from the checkout's root."""
+    out = tmp_path_factory.mktemp("dist") / "checks.json"
+    run_ranks(fork_server, "tests.dist_checks", [str(out)])
     return json.loads(out.read_text())
 
 
