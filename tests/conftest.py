@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -244,6 +245,24 @@ def fork_server() -> Iterator[forkserver.ForkServer]:
         patch.setenv(forkserver.ENV, server.path)
         yield server
     server.stop()
+
+
+def run_forked(
+    server: forkserver.ForkServer, argv: list[str], timeout_s: float = 240, check: bool = True
+) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True)` for `python -m MODULE ...`, as a fork of `server`: the
+    model's imports done (a fresh interpreter's `h3serve reference` or `serve dit` spends 10 CPU seconds on them)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = forkserver.start(argv, server, stdout=out, stderr=err)
+        try:
+            code = child.wait(timeout_s)
+        finally:
+            child.kill()
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(argv, code, out.read().decode(), err.read().decode())
+    if check:
+        done.check_returncode()
+    return done
 
 
 def run_ranks(server: forkserver.ForkServer, module: str, args: list[str], world_size: int = 2, timeout_s=420) -> None:

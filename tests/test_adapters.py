@@ -5,12 +5,11 @@ tests/test_served_adapters.py; on 2 ranks with FSDP2: tests/test_distributed.py.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import write_config
+from conftest import run_forked, write_config
 from lora_files import diffusers_lora, factors, manual_merge, original_lora
 
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy
@@ -252,7 +251,9 @@ def _bad_file(path, key: str, shape=(RANK, 32)):
         ("transformer.transformer_blocks.0.attn.to_q.lora_A.weight", "shape (4, 48)"),
     ],
 )
-def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_the_key(tmp_path, files, key, problem):
+def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_the_key(
+    tmp_path, files, fork_server, key, problem
+):
     bad = _bad_file(tmp_path / "bad.safetensors", key, (RANK, 48) if "to_q" in key else (RANK, 32))
     config = DiTConfig(adapters={"good": str(files["kohya"]), "bad": str(bad)})
     with pytest.raises(adapters.AdapterRefused) as err:
@@ -267,11 +268,8 @@ def test_a_file_that_does_not_fit_the_transformer_stops_the_dit_at_start_naming_
         dict(encoder=1, dit=2, vae=3, gateway=4),
         dit={"adapters": {"bad": str(bad)}},
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "h3serve.cli", "serve", "dit", "--config", str(deploy)],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run_forked(  # a fork of the session's fork server, as `h3serve up` starts it: its imports done
+        fork_server, [sys.executable, "-m", "h3serve.cli", "serve", "dit", "--config", str(deploy)], 120, check=False
     )
     assert done.returncode == 78  # processes.EXIT_REFUSED: `h3serve up` does not restart it either
     assert f"h3serve serve dit: adapters.bad: {bad}: key {key!r} does not fit transformer" in done.stderr

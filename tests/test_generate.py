@@ -9,7 +9,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from conftest import HELD
+from conftest import HELD, run_forked
 
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
@@ -36,7 +36,7 @@ def run(client, **fields):
 
 
 @pytest.mark.fidelity
-def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
+def test_gateway_output_is_bit_identical_to_diffusers(stack, client, fork_server, tmp_path):
     final, events = run(client, **SMALL, seed=1234, include_raw=True)
     assert final.WhichOneof("kind") == "done", final
     served = np.load(client.download(final.done.raw.artifact_id, tmp_path / "served.npz"))
@@ -51,7 +51,8 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
     assert (accepted.text_rows, accepted.total_rows) == (int(expected["text_rows"]), int(expected["packed_rows"]))
 
     cli_out = tmp_path / "reference.npz"
-    subprocess.run(
+    run_forked(  # the CLI as a fork of the session's fork server: its imports done
+        fork_server,
         [
             sys.executable,
             "-m",
@@ -72,8 +73,6 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, tmp_path):
             "--raw",
             str(cli_out),
         ],
-        check=True,
-        capture_output=True,
     )
     reference = np.load(cli_out)
     assert np.array_equal(reference["frames"], served["frames"])
@@ -216,7 +215,6 @@ def test_dit_refuses_a_spec_the_model_rejects(stack):
 
 
 def test_cli_generate_with_a_request_id_runs_the_job_once(stack, client, tmp_path):
-    import subprocess
     import sys
 
     def generate(out: str) -> bytes:

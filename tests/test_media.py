@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import free_port, write_config
+from conftest import free_port, run_forked, write_config
 from media_files import image, mp4, wav
 
 from h3serve.cli.launcher import ServiceGroup
@@ -300,7 +300,7 @@ def test_request_over_capacity_is_refused_at_submit_with_the_numbers(client, fil
     )
 
 
-def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_model_dir, tmp_path):
+def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_model_dir, fork_server, tmp_path):
     """`generate --first-frame --last-frame` uploads and runs; `reference` with the same files, the deployment's
     geometry (--config) and the model directory writes the same frames and waveform."""
     import subprocess
@@ -338,7 +338,8 @@ def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_
     )
     assert (tmp_path / "fl.mp4").stat().st_size > 0
     assert "stages: encode" in out.stdout and "condition" in out.stdout
-    subprocess.run(
+    run_forked(  # a fork of the session's fork server: its imports done
+        fork_server,
         [
             sys.executable,
             "-m",
@@ -352,8 +353,6 @@ def test_cli_generate_and_reference_agree_on_keyframes(media_stack, files, tiny_
             "--raw",
             str(tmp_path / "ref.npz"),
         ],
-        capture_output=True,
-        check=True,
     )
     served, reference = np.load(tmp_path / "served.npz"), np.load(tmp_path / "ref.npz")
     assert served["frames"].shape == (124, 32, 64, 3)
