@@ -268,10 +268,9 @@ def run_forked(
 def run_ranks(server: forkserver.ForkServer, module: str, args: list[str], world_size: int = 2, timeout_s=420) -> None:
     """`python -m module args` as `world_size` ranks of a standalone group on this host, forks of `server` with
     torchrun's environment, as h3serve's own DiT launcher starts its ranks: torchrun's agent and each rank's imports
-    cost 16 CPU seconds a launch. As under torchrun the store is served outside the ranks (here, by this process):
-    served by rank 0 its threads and buffers came into the host-memory peak rank 0 measures while it loads
-    (test_sharded_load: 49.5 MiB above its shard and block once, in a full suite, against a 48 MiB margin). A rank that
-    fails stops the others, as torchrun."""
+    cost 16 CPU seconds a launch. As under torchrun the store is served outside the ranks (here, by this process). A
+    rank that fails stops the others, as torchrun. Not for a rank that measures its own host memory: test_sharded_load's
+    forked rank 0 measured 48-50 MiB above its shard and block in two full suites (13 MiB alone), over its margin."""
     from torch.distributed import TCPStore
 
     port = free_port()

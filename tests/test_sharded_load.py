@@ -1,14 +1,16 @@
 """Each DiT rank loads only its FSDP2 shards (h3serve/runtime/sharded_load.py), on 2 CPU ranks (gloo).
 
-The rank-side checks run in one launch of 2 ranks of this module (forks of the session's fork server,
-conftest.run_ranks; from the checkout's root, torchrun runs them as well):
+The rank-side checks run in one torchrun launch of this file (fresh interpreters, not forks of the fork server:
+conftest.run_ranks says why):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.test_sharded_load OUT TINY_DIR BIG_DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/test_sharded_load.py OUT TINY_DIR BIG_DIR
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,14 +43,28 @@ BIG_TRANSFORMER = dict(
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory, tiny_model_dir, fork_server) -> dict:
-    from conftest import run_ranks  # here: the ranks import this module, as tests.test_sharded_load, without it
+def report(tmp_path_factory, tiny_model_dir) -> dict:
     from diffusers import MiniMaxH3Transformer3DModel
 
     root = tmp_path_factory.mktemp("sharded-load")
     MiniMaxH3Transformer3DModel(**BIG_TRANSFORMER).save_pretrained(str(root / "big" / "transformer"))
     out = root / "checks.json"
-    run_ranks(fork_server, "tests.test_sharded_load", [str(out), str(tiny_model_dir), str(root / "big")], timeout_s=240)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            __file__,
+            str(out),
+            str(tiny_model_dir),
+            str(root / "big"),
+        ],
+        check=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return json.loads(out.read_text())
 
 
@@ -86,7 +102,7 @@ def test_group_offload_is_refused_on_a_cpu_rank_with_the_reason():
         parallel.offload_groups(build_component("transformer"), torch.device("cpu"))
 
 
-# ---- rank side (run as tests.test_sharded_load by run_ranks) ----
+# ---- rank side (run by torchrun) ----
 
 
 class TinyRandom(RandomWeights):
@@ -131,6 +147,7 @@ def host_peak(big_dir: str) -> dict[str, int]:
 
 def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
     import torch.distributed as dist
+    from dist_checks import JOB_SPEC, T2VA, inputs, max_diff, run
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from h3serve.runtime.fastpath import FastPath
@@ -138,7 +155,6 @@ def main(out_path: str, tiny_dir: str, big_dir: str) -> None:
     from h3serve.services.dit import parallel
     from h3serve.services.dit.group import JOB, ControlPlane, GroupMember, Message
     from h3serve.services.dit.runner import SCHEDULERS, DenoiseRunner
-    from tests.dist_checks import JOB_SPEC, T2VA, inputs, max_diff, run
 
     control = ControlPlane(parallel.init_groups(torch.device("cpu"), timeout_s=120))
     host = control.gather(host_peak(big_dir))  # first: nothing loaded before it raises the process's heap
