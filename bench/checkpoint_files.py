@@ -5,6 +5,11 @@ it, Q8_0 and Q4_0 (the `gguf` package writes no k-quant such as Q4_K).
 Two GGUF writers: `write_gguf` (the tests' tiny model, through the `gguf` package's numpy quantiser) and
 `stream_gguf` (the released size, bench/gguf_step.py: 33e9 weights on a GPU, quantised there by `quantize`, which
 gives gguf's bytes exactly, and written one tensor at a time, so host memory holds one tensor, not the 35 GB file).
+
+As a command, the released-size transformer with random weights (`[model] dir = "random:full"`'s, built in bf16 on
+the GPU) written as a GGUF, for a benchmark to serve as `[dit] transformer_file` (bench.e2e --transformer-file):
+
+    python -m bench.checkpoint_files Q4_0 /root/h3-Q4_0.gguf
 """
 
 from __future__ import annotations
@@ -198,3 +203,26 @@ def truncated(path: Path, out: Path, keep: float = 0.6) -> Path:
     data = path.read_bytes()
     out.write_bytes(data[: int(len(data) * keep)])
     return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    import argparse
+    import time
+
+    from h3serve.runtime import random_full
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=tuple(QUANTISERS))
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    transformer = random_full.build_component("transformer", args.device, torch.bfloat16)
+    stream_gguf(transformer.state_dict(), args.path, args.kind)
+    size = args.path.stat().st_size
+    print(f"{args.path}: {args.kind}, {size / 2**30:.2f} GiB, written in {time.perf_counter() - started:.1f} s")
+    return args.path
+
+
+if __name__ == "__main__":
+    main()

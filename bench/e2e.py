@@ -312,6 +312,7 @@ def deployment(args, device: str, work: Path) -> Path:
         + (f'fp8_cache_dir = "{args.fp8_cache}"\n' if args.fp8_cache else "")
         + (f"warmup = {json.dumps(args.sizes.split(','))}\n" if args.warm_start else "")
         + (f'adapters = {{ {ADAPTER} = "{args.adapter_file}" }}\n' if args.adapter_file else "")
+        + (f'transformer_file = "{args.transformer_file}"\n' if args.transformer_file else "")
         + "\n"
         f'[vae]\n{common(place.vae)}attention_backend = "{vae.fast.attention}"\n'
         f"compile = {str(vae.fast.compile).lower()}\ncompile_dynamic = {str(vae.fast.dynamic).lower()}\n"
@@ -339,6 +340,8 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
     }
     if args.adapter_file:
         changes["dit"]["adapters"] = {ADAPTER: args.adapter_file}
+    if args.transformer_file:
+        changes["dit"]["transformer_file"] = args.transformer_file
     if args.warm_start:
         changes["dit"]["warmup"] = args.sizes.split(",")
     if args.compile_cache:
@@ -632,10 +635,13 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
 
 def services_text(args, place: Placement) -> str:
     """The deployment `deployment` built, as a record names it."""
+    weights = f", DiT transformer_file {Path(args.transformer_file).name}" if args.transformer_file else ""
     if args.deploy:
-        return f"gRPC services, deployment {args.deploy} as shipped"
-    return f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}" + (
-        f", x264 {mux_preset(args)}" if mux_preset(args) != PRESET else ""
+        return f"gRPC services, deployment {args.deploy} as shipped{weights}"
+    return (
+        f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
+        + (f", x264 {mux_preset(args)}" if mux_preset(args) != PRESET else "")
+        + weights
     )
 
 
@@ -771,6 +777,12 @@ def add_deployment_arguments(parser) -> None:
         "--compile-cache",
         default="",
         help="the services' compile_cache_dir: run twice to measure a cold start, then a warm restart",
+    )
+    parser.add_argument(
+        "--transformer-file",
+        default="",
+        help="the DiT's [dit] transformer_file (e.g. a GGUF of random:full's transformer, written by "
+        "python -m bench.checkpoint_files KIND PATH)",
     )
     parser.add_argument(
         "--fp8-cache",

@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_files import diffusers_lora
 
 from bench.checkpoint_files import stream_gguf, to_published, truncated, write_gguf, write_single_file
 from bench.common import Size, denoise_spec
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy
-from h3serve.runtime import checkpoints
+from h3serve.runtime import checkpoints, offload
 from h3serve.runtime.models import ModelSource, own_memory
-from h3serve.services.dit import config_check, parallel, rank, transformer_file
-from h3serve.services.dit.runner import DenoiseRunner, served
+from h3serve.services.dit import config_check, parallel, rank
+from h3serve.services.dit.adapters import Adapters
+from h3serve.services.dit.runner import DenoiseRunner
+from h3serve.services.dit.runner import served as served_flows
 
 CPU, ONE_RANK = torch.device("cpu"), parallel.Layout(world_size=1, ulysses_degree=1, ring_degree=1, fsdp=False)
 TOKENS = 12
@@ -32,16 +35,25 @@ def files(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return {"single": single, **{kind: write_gguf(single, root / f"h3-{kind}.gguf", kind) for kind in GGUF_BOUNDS}}
 
 
-def served_transformer(model_dir, dtype: str, transformer_file: str = "") -> torch.nn.Module:
+def served_transformer(model_dir, dtype: str, transformer_file: str = "", **options) -> torch.nn.Module:
     """The transformer as a DiT rank loads it (rank.load_whole), after the start-up check passed."""
-    config = DiTConfig(model_dir=str(model_dir), dtype=dtype, workflows=("t2va",), transformer_file=transformer_file)
+    return served(model_dir, dtype, transformer_file, **options)[0]
+
+
+def served(model_dir, dtype: str, transformer_file: str = "", **options) -> tuple[torch.nn.Module, Adapters]:
+    """The transformer and its adapters as a DiT rank loads them, after the start-up check passed."""
+    config = DiTConfig(
+        model_dir=str(model_dir), dtype=dtype, workflows=("t2va",), transformer_file=transformer_file, **options
+    )
     config_check.check(config)
-    components, model, _ = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
+    components, model, held = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
     assert "transformer" in model.components
-    return components["transformer"]
+    return components["transformer"], held
 
 
-def latents(transformer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def latents(
+    transformer: torch.nn.Module, dtype: torch.dtype, held: Adapters | None = None, adapters: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     from h3serve.runtime.tiny import build_component
 
     parts = {
@@ -50,9 +62,12 @@ def latents(transformer: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch
         "audio_scheduler": build_component("audio_scheduler"),
     }
     embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
-    runner = DenoiseRunner(parts, served(["t2va"]), device=CPU)
+    runner = DenoiseRunner(parts, served_flows(["t2va"]), held, device=CPU)
+    spec = denoise_spec(Size.parse("32x64x124"), forwards=2)
+    for name in adapters:
+        spec.params.adapters.add(name=name, weight=1.0)
     return runner.run(
-        denoise_spec(Size.parse("32x64x124"), forwards=2),
+        spec,
         embeds.to(dtype),
         torch.ones(TOKENS, dtype=torch.int64),
         lambda step, total: None,
@@ -168,6 +183,21 @@ def test_the_revision_follows_the_file(tiny_model_dir, files, tmp_path):
     assert ModelSource(str(tiny_model_dir), str(copy)).revision() != first, "a rewritten file is another revision"
 
 
+def test_the_benchmarks_random_full_source_takes_a_file_against_the_released_config(files):
+    """`[model] dir = "random:full"` (bench.e2e --transformer-file): the file is checked against the released
+    transformer, the one random_full builds, and its weights are another revision."""
+    from h3serve.model import presets
+    from h3serve.runtime import random_full
+
+    built = random_full.build_component("transformer", "meta", torch.bfloat16)
+    assert {n: t.shape for n, t in checkpoints.skeleton(presets.RANDOM_FULL).state_dict().items()} == {
+        n: t.shape for n, t in built.state_dict().items()
+    }
+    with_file = ModelSource(presets.RANDOM_FULL, str(files["Q8_0"]))
+    assert with_file.revision() != ModelSource(presets.RANDOM_FULL).revision() and with_file.from_file("transformer")
+    assert DiTConfig(model_dir=presets.RANDOM_FULL, transformer_file=str(files["Q8_0"])).transformer_file
+
+
 def refusal(model_dir, path, **options) -> str:
     """The start-up check's one line; nothing was loaded (rank.load_whole never ran)."""
     with pytest.raises(ValueError) as refused:
@@ -223,15 +253,58 @@ def test_a_gguf_of_another_transformer_is_refused(tiny_model_dir, files, tmp_pat
     [
         ({"fp8": True, "dtype": "bfloat16"}, "fp8 = true cannot re-quantise them"),
         ({"compile": True}, "compile = true is untested"),
-        ({"offload": "group", "device": "cpu"}, 'offload = "group" is untested'),
-        ({"adapters": {"turbo": "ADAPTER"}}, "adapters are untested"),
+        ({"adapters": {"turbo": "ADAPTER"}, "adapter_mode": "fused"}, 'adapter_mode = "fused" cannot merge'),
     ],
 )
-def test_gguf_refuses_the_fast_path_options_that_cannot_apply(tiny_model_dir, files, options, reason, monkeypatch):
-    if "adapters" in options:  # an adapter file is not needed to show the refusal
-        options = {**options, "adapters": {}}
-        monkeypatch.setattr(transformer_file, "has_adapters", lambda config: True)
+def test_gguf_refuses_the_fast_path_options_that_cannot_apply(tiny_model_dir, files, options, reason, tmp_path):
+    if "adapters" in options:
+        options = {**options, "adapters": {"turbo": str(diffusers_lora(tmp_path / "turbo", 1, 4, 8.0))}}
     assert f"a GGUF's weights stay quantised, so {reason}" in refusal(tiny_model_dir, files["Q8_0"], **options)
+
+
+def test_a_gguf_streamed_by_group_offload_gives_the_resident_latents(tiny_model_dir, files):
+    """Group offload's hooks (on the CPU: both devices the CPU, no side stream, as tests/test_group_offload.py) move
+    the GGUF parameters' quantised bytes; the linears keep dequantising them as they run. The served path streams to
+    a GPU (`offload = "group"` is refused on a CPU rank): BENCHMARKS.md's single-24gb-gguf.toml rows."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    expected = latents(served_transformer(tiny_model_dir, "float32", str(files["Q4_0"])), torch.float32)
+    streamed = served_transformer(tiny_model_dir, "float32", str(files["Q4_0"]))
+    offload.stream_from_host(streamed, CPU, use_stream=False)
+    quantised = [p for p in streamed.parameters() if isinstance(p, GGUFParameter) and p.quant_type.name == "Q4_0"]
+    assert quantised and all(p.dtype == torch.uint8 for p in quantised), "moved as the file's quantised bytes"
+    assert_same(latents(streamed, torch.float32), expected)
+
+
+def test_a_gguf_serves_an_unfused_adapter_as_diffusers_loads_it(tiny_model_dir, files, tmp_path):
+    """The DiT's adapter (a peft LoRA layer around each targeted GGUF linear) against diffusers' own load of the same
+    file into the same GGUF transformer in process; a request without it runs the bare GGUF."""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers import MiniMaxH3Transformer3DModel as Transformer
+    from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin as Loader
+    from diffusers.quantizers.gguf.utils import GGUFLinear
+    from peft.tuners.lora import LoraLayer
+
+    path = diffusers_lora(tmp_path / "turbo", 1, 4, 8.0)
+    transformer, held = served(tiny_model_dir, "float32", str(files["Q4_0"]), adapters={"turbo": str(path)})
+    wrapped = [m.base_layer for n, m in transformer.named_modules() if isinstance(m, LoraLayer) and "blocks." in n]
+    assert wrapped and all(isinstance(layer, GGUFLinear) for layer in wrapped), "the blocks' linears stay quantised"
+    got = latents(transformer, torch.float32, held, ("turbo",))
+    bare = latents(transformer, torch.float32, held)
+
+    plain = Transformer.from_single_file(
+        str(files["Q4_0"]),
+        config=str(tiny_model_dir),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+    )
+    own_memory(plain)
+    expected_bare = latents(plain, torch.float32)
+    state, metadata = Loader.lora_state_dict(str(path), return_lora_metadata=True)
+    plain.load_lora_adapter(state, prefix="transformer", adapter_name="turbo", metadata=metadata)
+    assert_same(got, latents(plain, torch.float32))
+    assert_same(bare, expected_bare)
+    assert relative_l2(got, bare) > 1e-3, "the adapter changes what the GGUF computes"
 
 
 def test_the_fp8_store_is_refused_with_any_file(tiny_model_dir, files, tmp_path):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.processes
 
 CLI = [sys.executable, "-m", "h3serve.cli", "plan"]
 DEPLOY = Path(__file__).resolve().parent.parent / "docs" / "deploy"
-PROFILES = ("turing-4x22.toml", "single-32gb.toml", "single-24gb.toml")
+PROFILES = ("turing-4x22.toml", "single-32gb.toml", "single-24gb.toml", "single-24gb-gguf.toml")
 
 
 def _config(tmp_path: Path, text: str):

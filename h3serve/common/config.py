@@ -77,6 +77,10 @@ else:
 
 
 SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
+# [dit] transformer_file: its formats, and the partition it replaces (h3serve/runtime/checkpoints.py loads it)
+SAFETENSORS, GGUF = ".safetensors", ".gguf"
+FILE_FORMATS = (SAFETENSORS, GGUF)
+FILE_PARTITION = "transformer"
 
 
 def parse_shape(shape: str) -> tuple[int, int, int]:
@@ -331,10 +335,10 @@ class DiTConfig(CompiledServiceConfig):
     @field_validator("transformer_file")
     @classmethod
     def _file_with_a_model_dir(cls, path: str, info: ValidationInfo) -> str:
-        if path and info.data.get("model_dir", "") in ("", "random:full"):
+        if path and not info.data.get("model_dir", ""):  # with random:full (benchmarks): the released config
             raise ValueError("the transformer's config and every other component come from [model] dir: set it")
-        if path and Path(path).suffix.lower() not in (".safetensors", ".gguf"):
-            raise ValueError(f"a transformer file is .safetensors or .gguf, got {path!r}")
+        if path and Path(path).suffix.lower() not in FILE_FORMATS:
+            raise ValueError(f"a transformer file is {' or '.join(FILE_FORMATS)}, got {path!r}")
         return path
 
     @field_validator("dtype")

@@ -107,6 +107,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3serve.common.config import (
+    FILE_PARTITION,
+    GGUF,
     SERVICES,
     DeployConfig,
     DiTConfig,
@@ -402,10 +404,10 @@ def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]
     world, per_node = dit.world_size, dit.world_size // dit.nnodes
     partitions = sorted({workflows.by_name(name).partition for name in dit.workflows})
     count = len(partitions)
-    fp8 = dit.fp8
-    total = _gib(TRANSFORMER.bytes(dit.dtype, fp8)) * count
+    total, block = (_gib(nbytes) for nbytes in dit_weights(dit))
     fsdp = dit.fsdp and world > 1
-    block = _gib(TRANSFORMER.block_bytes(dit.dtype, fp8))
+    if dit.transformer_file.lower().endswith(GGUF) and _gguf_bytes(dit) is None:
+        notes.append(f"[dit] transformer_file {dit.transformer_file!r} is not here: its partition counted in bf16")
     if dit.offload == "group":
         # one partition runs at a time: its outside-the-blocks group and two blocks are on the GPU
         weights, transient, host = 0.0, _gib(TRANSFORMER.outside_blocks_bytes(dit.dtype)) + 2 * block, total
@@ -430,6 +432,29 @@ def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]
         Share(gpu, f"dit rank {rank}", weights, transient, activations, dit.memory_limit_gib, host, nccl)
         for rank, gpu in enumerate(gpus)
     ]
+
+
+def dit_weights(dit: DiTConfig) -> tuple[float, float]:
+    """(every partition's weights, the largest block's) in bytes, each partition counted from the dtype and fp8, or
+    a GGUF transformer_file's as the file holds it (kept quantised: the file's size, its blocks an equal share)."""
+    partitions = {workflows.by_name(name).partition for name in dit.workflows}
+    counted = TRANSFORMER.bytes(dit.dtype, dit.fp8), TRANSFORMER.block_bytes(dit.dtype, dit.fp8)
+    gguf = _gguf_bytes(dit)
+    sizes = [
+        (gguf, gguf / TRANSFORMER.blocks) if gguf is not None and partition == FILE_PARTITION else counted
+        for partition in partitions
+    ]
+    return sum(total for total, _ in sizes), max(block for _, block in sizes)
+
+
+def _gguf_bytes(dit: DiTConfig) -> float | None:
+    """A GGUF transformer_file's size, None for none or when it is not on this machine."""
+    if not dit.transformer_file.lower().endswith(GGUF):
+        return None
+    try:
+        return float(os.path.getsize(dit.transformer_file))
+    except OSError:
+        return None
 
 
 def _file_gib(path: str) -> float:
@@ -627,21 +652,24 @@ def dit_host(dit: DiTConfig) -> HostNeed:
     runtime = {"launcher": LAUNCHER_GIB, "runtime": ranks * _runtime(dit)}
     adapters = {"adapters": ranks * sum(_file_gib(source.path) for source in dit.adapters.values())}
     count = len({workflows.by_name(name).partition for name in dit.workflows})
-    fp8, weights = dit.fp8, TRANSFORMER.bytes(dit.dtype, dit.fp8) * count
+    weights, block = dit_weights(dit)
     if _tiny(dit):
         return HostNeed("dit", {**runtime, **adapters}, runtime)
     if not _on_gpu(dit):
         held = {"weights": ranks * _gib(weights)}
         return HostNeed("dit", {**runtime, **held, **adapters}, {**runtime, **held})
     if dit.offload == "group" and dit.fp8_cache_dir:
-        block = TRANSFORMER.block_bytes(dit.dtype, fp8)
         staging = {"staging": STAGING_SLOTS * pinned_gib(block, (block,) if block > ARENA_GIB * GIB else ())}
         build = {"fp8 build": FP8_BUILD_BLOCKS * _gib(block)}
         return HostNeed("dit", {**runtime, **staging, **adapters, **build}, {**runtime, **staging}, _gib(weights))
     if dit.offload == "group":
         pinned = {"pinned weights": pinned_gib(weights)}
-        built = max(_gib(TRANSFORMER.bytes(dit.dtype, False) * count), pinned["pinned weights"])
-        return HostNeed("dit", {**runtime, "bf16 build": built, **adapters}, {**runtime, **pinned})
+        # at start the weights are built in bf16 (fp8 quantises them after); a GGUF is read as it stays, quantised
+        read = (
+            ("GGUF read", weights) if _gguf_bytes(dit) else ("bf16 build", TRANSFORMER.bytes(dit.dtype, False) * count)
+        )
+        start = {read[0]: max(_gib(read[1]), pinned["pinned weights"])}
+        return HostNeed("dit", {**runtime, **start, **adapters}, {**runtime, **pinned})
     if dit.fsdp and dit.fsdp_offload and dit.world_size > 1:
         shards = {"pinned shards": ranks * _gib(weights) / dit.world_size}
         return HostNeed("dit", {**runtime, **shards, **adapters}, {**runtime, **shards})

@@ -4,7 +4,8 @@ layout (`.safetensors`, the ComfyUI repackaging) or a GGUF of it (`.gguf`, dequa
 diffusers reads both: `MiniMaxH3Transformer3DModel.from_single_file` converts the layout
 (`convert_minimax_h3_transformer_checkpoint_to_diffusers`, `qkv_layout="stacked"`, the order of every published
 file), and `GGUFQuantizationConfig` keeps GGUF weights quantised. The model's config always comes from the model
-directory's `transformer/config.json`, so nothing is fetched.
+directory's `transformer/config.json`, so nothing is fetched (the benchmarks' `random:full` source has no directory:
+its config is the released one, the class's defaults, written once per process).
 
 `check` reads only the file's header (names, shapes, GGUF types) and runs diffusers' own converter on meta tensors,
 so a file that cannot load is refused at start, in one line naming it, before any weight reaches a GPU.
@@ -12,18 +13,22 @@ so a file that cannot load is refused at start, in one line naming it, before an
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from h3serve.common.config import FILE_FORMATS as FORMATS
+from h3serve.common.config import FILE_PARTITION, GGUF
+from h3serve.model import presets
+
 if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-SAFETENSORS, GGUF = ".safetensors", ".gguf"
-FORMATS = (SAFETENSORS, GGUF)
-PARTITION = "transformer"  # the published files are the t2va / fl2va transformer; transformer_ref stays as released
+PARTITION = FILE_PARTITION  # the published files are the t2va / fl2va transformer; transformer_ref stays as released
 DETECTION_KEY = "token_refiner.blocks.0.attn.qkv_proj.weight"  # diffusers' CHECKPOINT_KEY_NAMES["minimax-h3"]
 QKV_LAYOUT = "stacked"
 FINGERPRINT_BYTES = 1 << 20  # the header (names, shapes, offsets) and the first weights
@@ -53,7 +58,20 @@ def fingerprint(path: str | Path) -> str:
 
 
 def config_folder(model_dir: str) -> Path:
+    """The folder of the transformer's config.json."""
+    if model_dir == presets.RANDOM_FULL:
+        return _released_config()
     return Path(model_dir) / PARTITION
+
+
+@functools.cache
+def _released_config() -> Path:
+    from diffusers import MiniMaxH3Transformer3DModel as Transformer
+
+    folder = Path(tempfile.mkdtemp(prefix="h3serve-config-")) / PARTITION
+    with torch.device("meta"):
+        Transformer().save_config(str(folder))
+    return folder
 
 
 def skeleton(model_dir: str) -> torch.nn.Module:
@@ -164,7 +182,7 @@ def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     if is_gguf(path):  # the quantiser keeps `_keep_in_fp32_modules` in float32 itself
         return Transformer.from_single_file(
             str(path),
-            config=str(model_dir),
+            config=str(config_folder(model_dir).parent),
             subfolder=PARTITION,
             torch_dtype=dtype,
             local_files_only=True,
@@ -173,7 +191,11 @@ def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
         )
     state = converted(path, model_dir)
     model = Transformer.from_single_file(
-        state, config=str(model_dir), subfolder=PARTITION, torch_dtype=dtype, local_files_only=True
+        state,
+        config=str(config_folder(model_dir).parent),
+        subfolder=PARTITION,
+        torch_dtype=dtype,
+        local_files_only=True,
     )
     keep_fp32_modules(model, state)
     return model

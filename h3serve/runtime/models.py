@@ -34,11 +34,13 @@ class ModelSource:
         return self.model_dir or presets.TINY
 
     def revision(self) -> str:
-        """Identifies the weights: part of every cache key derived from model outputs."""
+        """Identifies the weights: part of every cache key derived from model outputs. Another transformer file is
+        other weights: the caches keyed by the revision must not mix them."""
+        file = checkpoints.fingerprint(self.transformer_file) if self.transformer_file else ""
         if self.model_dir is None:
             return presets.TINY_REVISION
         if self.model_dir == presets.RANDOM_FULL:
-            return presets.RANDOM_FULL_REVISION
+            return presets.RANDOM_FULL_REVISION + (f"-{hashlib.sha256(file.encode()).hexdigest()[:16]}" if file else "")
         digest = hashlib.sha256()
         root = Path(self.model_dir)
         for path in sorted(root.rglob("*")):
@@ -47,26 +49,30 @@ class ModelSource:
                 digest.update(f"{path.relative_to(root)}:{stat.st_size}".encode())
                 if path.suffix == ".json":
                     digest.update(path.read_bytes())
-        if self.transformer_file:  # another file, other weights: the caches keyed by the revision must not mix them
-            digest.update(checkpoints.fingerprint(self.transformer_file).encode())
+        digest.update(file.encode())
         return "dir-" + digest.hexdigest()[:16]
 
     def load(self, names: list[str], device: str, dtype: str) -> dict[str, Any]:
         """Load the named pipeline components onto `device` in `dtype` (fp32-pinned modules stay fp32)."""
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if self.model_dir == presets.RANDOM_FULL:
-            return drop_unread_parts(random_full.build(names, device, DTYPES[dtype]))  # already on the device
+        if self.model_dir == presets.RANDOM_FULL:  # built on the device; a transformer_file's partition read from it
+            built = random_full.build([name for name in names if not self.from_file(name)], device, DTYPES[dtype])
+            files = {name: self._from_file(DTYPES[dtype]) for name in names if self.from_file(name)}
+            return drop_unread_parts({**built, **self._placed(files, device)})
         if self.model_dir is None:
             if dtype != "float32":
                 raise ValueError("the tiny preset is built in float32 only; use a model directory for other dtypes")
-            components = {name: tiny.build_component(name) for name in names}
-        else:
-            components = drop_unread_parts(self._load_dir(names, DTYPES[dtype]))
+            return self._placed({name: tiny.build_component(name) for name in names}, device, own=False)
+        return self._placed(drop_unread_parts(self._load_dir(names, DTYPES[dtype])), device)
+
+    @staticmethod
+    def _placed(components: dict[str, Any], device: str, own: bool = True) -> dict[str, Any]:
+        """`components`' modules moved to `device`; loaded ones on the CPU in memory of their own (own_memory)."""
         for value in components.values():
             if isinstance(value, torch.nn.Module):
                 value.to(device)
-                if self.model_dir is not None and torch.device(device).type == "cpu":
+                if own and torch.device(device).type == "cpu":
                     own_memory(value)
         return components
 
@@ -94,12 +100,11 @@ class ModelSource:
         released = [name for name in names if not self.from_file(name)]
         if released:
             pipe.load_components(names=released, dtype=dtype)
-        return {
-            name: checkpoints.load(self.transformer_file, model_dir, dtype)
-            if self.from_file(name)
-            else getattr(pipe, name)
-            for name in names
-        }
+        return {name: self._from_file(dtype) if self.from_file(name) else getattr(pipe, name) for name in names}
+
+    def _from_file(self, dtype: torch.dtype) -> torch.nn.Module:
+        assert self.model_dir is not None  # the config refuses a transformer_file without [model] dir
+        return checkpoints.load(self.transformer_file, self.model_dir, dtype)
 
     def from_file(self, name: str) -> bool:
         return bool(self.transformer_file) and name == checkpoints.PARTITION

@@ -6,7 +6,9 @@ model directory's released layout, as no published single file holds it.
 
 A safetensors file holds plain weights: everything applies but what reads the released layout's files directly
 (the fp8 store; FSDP's per-rank shard loading, replaced by a whole load, then sharding). A GGUF keeps its weights
-quantised (diffusers' GGUFLinear dequantises each as it runs), which rules out more.
+quantised (diffusers' GGUFLinear dequantises each as it runs), which rules out more: fp8, FSDP, a fused adapter and
+compile. What does apply to it: unfused adapters (peft's LoRA layers wrap the GGUF linears and add their branch to
+what they compute) and group offload (the quantised bytes pinned in host memory and streamed block by block).
 """
 
 from __future__ import annotations
@@ -47,23 +49,8 @@ def gguf_refusals(config: DiTConfig) -> list[str]:
             "fsdp = true cannot shard them (FSDP2 flattens plain tensors): replicate (fsdp = false) or "
             "serve a .safetensors file"
         )
-    if has_adapters(config):
-        refused.append(
-            (
-                'adapter_mode = "fused" cannot merge an adapter into them'
-                if config.adapter_mode == FUSED
-                else "adapters are untested as unfused LoRA over diffusers' GGUF linears"
-            )
-            + ": serve a .safetensors file with adapters"
-        )
+    if config.adapters and config.adapter_mode == FUSED:
+        refused.append('adapter_mode = "fused" cannot merge an adapter into them: set adapter_mode = "unfused"')
     if config.compile:
         refused.append("compile = true is untested over diffusers' GGUF linears here: set compile = false")
-    if config.offload == "group":
-        refused.append(
-            'offload = "group" is untested with them (pinning and streaming GGUF parameters): set offload = "none"'
-        )
     return refused
-
-
-def has_adapters(config: DiTConfig) -> bool:
-    return bool(config.adapters)
