@@ -242,6 +242,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         sizes="480x832x124",
         compile_cache=str(tmp_path / "cc"),
         fp8_cache="",
+        transformer_file="",
         x264_preset="veryfast",
         quick=False,
     )
@@ -281,6 +282,7 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
         sizes="480x832x124",
         compile_cache="",
         fp8_cache=str(fp8),
+        transformer_file="",
         x264_preset="medium",
         quick=False,
     )
@@ -321,6 +323,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
         sizes="768x1344x124",
         compile_cache="",
         fp8_cache="",
+        transformer_file="",
         x264_preset="medium",
     )
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))

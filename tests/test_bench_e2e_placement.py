@@ -34,6 +34,7 @@ def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
         warm_start=False,
         compile_cache="",
         fp8_cache="",
+        transformer_file="",
         x264_preset="medium",
         quick=False,
     )
@@ -94,6 +95,7 @@ def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_
                     warm_start=False,
                     compile_cache="",
                     fp8_cache="",
+                    transformer_file="",
                     x264_preset="medium",
                     quick=True,
                 ),
