@@ -792,7 +792,8 @@ def add_deployment_arguments(parser) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> list[Comparison]:
+def parser() -> argparse.ArgumentParser:
+    """bench.e2e's arguments (the tests build theirs from it, so a new one reaches them with its default)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
     p.add_argument("--sizes", default="768x1344x124,480x832x124")
@@ -835,6 +836,11 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         "the first request after SERVING and start to SERVING become rows of their own",
     )
     add_output_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> list[Comparison]:
+    p = parser()
     args = p.parse_args(argv)
     args.command = command_line("bench.e2e", argv)
     if args.repeats < 0:

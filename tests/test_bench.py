@@ -220,7 +220,6 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
 
 
 def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):
-    import argparse
 
     from bench import e2e
     from h3serve.common.config import load_deploy
@@ -228,24 +227,11 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
 
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
-    args = argparse.Namespace(
-        model_dir="random:full",
-        dtype="bfloat16",
-        dit="flash4+compile+fp8",
-        vae="native+compile+dynamic+fp8+tiles=28",
-        gpus=1,
-        placement="shared",
-        dit_fsdp="off",
-        adapter_file=str(lora),
-        deploy=None,
-        warm_start=False,
-        sizes="480x832x124",
-        compile_cache=str(tmp_path / "cc"),
-        fp8_cache="",
-        transformer_file="",
-        x264_preset="veryfast",
-        quick=False,
+    args = e2e.parser().parse_args(
+        ["--dit", "flash4+compile+fp8", "--vae", "native+compile+dynamic+fp8+tiles=28", "--sizes", "480x832x124"]
+        + ["--compile-cache", str(tmp_path / "cc"), "--x264-preset", "veryfast"]
     )
+    args.adapter_file = str(lora)  # as main makes it
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
@@ -268,24 +254,10 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
 
     profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
     fp8 = tmp_path / "fp8"
-    args = argparse.Namespace(
-        model_dir="random:full",
-        dtype="bfloat16",
-        dit="_native_cudnn+compile+fp8",
-        vae="native",
-        gpus=1,
-        placement="shared",
-        dit_fsdp="off",
-        adapter_file="",
-        deploy=None,
-        warm_start=True,
-        sizes="480x832x124",
-        compile_cache="",
-        fp8_cache=str(fp8),
-        transformer_file="",
-        x264_preset="medium",
-        quick=False,
+    args = e2e.parser().parse_args(
+        ["--dit", "_native_cudnn+compile+fp8", "--warm-start", "--sizes", "480x832x124", "--fp8-cache", str(fp8)]
     )
+    args.adapter_file = ""
     for deploy in (None, str(profile)):
         args.deploy = deploy
         assert load_deploy(e2e.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)
@@ -315,17 +287,8 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     shipped = load_deploy(profile)
     lora = tmp_path / "turbo.safetensors"
     lora.touch()
-    args = argparse.Namespace(
-        deploy=str(profile),
-        model_dir="random:full",
-        adapter_file=str(lora),
-        warm_start=True,
-        sizes="768x1344x124",
-        compile_cache="",
-        fp8_cache="",
-        transformer_file="",
-        x264_preset="medium",
-    )
+    args = e2e.parser().parse_args(["--deploy", str(profile), "--warm-start", "--sizes", "768x1344x124"])
+    args.adapter_file = str(lora)
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
         ours, theirs = config.service(name), shipped.service(name)

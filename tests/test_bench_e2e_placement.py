@@ -6,7 +6,6 @@ loader); the run starts the real services with a 2-rank gloo DiT group on the CP
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -21,23 +20,10 @@ pytestmark = pytest.mark.processes
 
 
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
-    args = argparse.Namespace(
-        model_dir="random:full",
-        dtype="bfloat16",
-        dit="_native_cudnn",
-        vae="native",
-        gpus=gpus,
-        placement=placement,
-        dit_fsdp=fsdp,
-        adapter_file="",
-        deploy=None,
-        warm_start=False,
-        compile_cache="",
-        fp8_cache="",
-        transformer_file="",
-        x264_preset="medium",
-        quick=False,
+    args = e2e.parser().parse_args(
+        ["--dit", "_native_cudnn", "--gpus", str(gpus), "--placement", placement, "--dit-fsdp", fsdp]
     )
+    args.adapter_file = ""
     return load_deploy(e2e.deployment(args, "cuda", tmp_path))
 
 
@@ -79,30 +65,10 @@ def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_
     ):
         e2e.main(["--quick", "--gpus", "2", "--dit", "_native_math", "--out", str(out)])
     assert not list(out.glob("*.mp4")) and not list(out.glob("*.log"))  # neither side started
+    args = e2e.parser().parse_args(["--quick", "--model-dir", "", "--dtype", "float32", "--dit", "_native_math"])
+    args.adapter_file = ""
     e2e.refuse_early(
-        load_deploy(
-            e2e.deployment(
-                argparse.Namespace(
-                    model_dir="",
-                    dtype="float32",
-                    dit="_native_math",
-                    vae="native",
-                    gpus=1,
-                    placement="shared",
-                    dit_fsdp="off",
-                    adapter_file="",
-                    deploy=None,
-                    warm_start=False,
-                    compile_cache="",
-                    fp8_cache="",
-                    transformer_file="",
-                    x264_preset="medium",
-                    quick=True,
-                ),
-                "cpu",
-                tmp_path,
-            )
-        ),
+        load_deploy(e2e.deployment(args, "cpu", tmp_path)),
         Placement.plan(1),
         "cpu",
     )

@@ -665,10 +665,9 @@ def dit_host(dit: DiTConfig) -> HostNeed:
     if dit.offload == "group":
         pinned = {"pinned weights": pinned_gib(weights)}
         # at start the weights are built in bf16 (fp8 quantises them after); a GGUF is read as it stays, quantised
-        read = (
-            ("GGUF read", weights) if _gguf_bytes(dit) else ("bf16 build", TRANSFORMER.bytes(dit.dtype, False) * count)
-        )
-        start = {read[0]: max(_gib(read[1]), pinned["pinned weights"])}
+        gguf = _gguf_bytes(dit) is not None
+        read = weights if gguf else TRANSFORMER.bytes(dit.dtype, False) * count
+        start = {"GGUF read" if gguf else "bf16 build": max(_gib(read), pinned["pinned weights"])}
         return HostNeed("dit", {**runtime, **start, **adapters}, {**runtime, **pinned})
     if dit.fsdp and dit.fsdp_offload and dit.world_size > 1:
         shards = {"pinned shards": ranks * _gib(weights) / dit.world_size}
