@@ -406,7 +406,7 @@ def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]
     count = len(partitions)
     total, block = (_gib(nbytes) for nbytes in dit_weights(dit))
     fsdp = dit.fsdp and world > 1
-    if dit.transformer_file.lower().endswith(GGUF) and _gguf_bytes(dit) is None:
+    if _is_gguf(dit) and _gguf_bytes(dit) is None:
         notes.append(f"[dit] transformer_file {dit.transformer_file!r} is not here: its partition counted in bf16")
     if dit.offload == "group":
         # one partition runs at a time: its outside-the-blocks group and two blocks are on the GPU
@@ -447,9 +447,13 @@ def dit_weights(dit: DiTConfig) -> tuple[float, float]:
     return sum(total for total, _ in sizes), max(block for _, block in sizes)
 
 
+def _is_gguf(dit: DiTConfig) -> bool:
+    return dit.transformer_file.lower().endswith(GGUF)
+
+
 def _gguf_bytes(dit: DiTConfig) -> float | None:
     """A GGUF transformer_file's size, None for none or when it is not on this machine."""
-    if not dit.transformer_file.lower().endswith(GGUF):
+    if not _is_gguf(dit):
         return None
     try:
         return float(os.path.getsize(dit.transformer_file))

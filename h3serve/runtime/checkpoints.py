@@ -13,8 +13,10 @@ so a file that cannot load is refused at start, in one line naming it, before an
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -68,7 +70,9 @@ def config_folder(model_dir: str) -> Path:
 def _released_config() -> Path:
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
 
-    folder = Path(tempfile.mkdtemp(prefix="h3serve-config-")) / PARTITION
+    root = tempfile.mkdtemp(prefix="h3serve-config-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    folder = Path(root) / PARTITION
     with torch.device("meta"):
         Transformer().save_config(str(folder))
     return folder
