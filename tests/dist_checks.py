@@ -124,7 +124,26 @@ def run(member: GroupMember, message: Message | None, stop_at: int = 0):
     )
 
 
-def max_diff(a: dict, b: dict) -> float:
+def one_rank(
+    control: ControlPlane,
+    job: dit_pb2.DenoiseSpec,
+    tokens: int,
+    conditioning: dict | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict | None:
+    """The one-rank runner's latents for `job`, on rank 0 only: it compares and reports, and a reference computed on
+    rank 1 too only took CPU from rank 0 (on the 2-core machine, a tenth of this launch)."""
+    if control.rank != 0:
+        return None
+    flow = workflows.by_value(job.workflow)
+    runner = DenoiseRunner(components(dtype, flow.partition), [flow])
+    return runner.run(job, *inputs(tokens).values(), lambda s, t: None, conditioning)
+
+
+def max_diff(a: dict, b: dict | None) -> float | None:
+    """The largest difference of the video and audio latents; None on a rank without the reference (it reports none)."""
+    if b is None:
+        return None
     return max((a[k] - b[k]).abs().max().item() for k in ("latents", "audio_latents"))
 
 
@@ -169,13 +188,15 @@ def adapter_checks(control: ControlPlane, root: Path) -> dict:
     report = {}
     for mode, config in (("resident", DiTConfig(adapters=loras)), ("slots", DiTConfig(adapters=loras, compile=True))):
         parts = components()
-        one_rank = DenoiseRunner(parts, [T2VA], adapters.install(config, {"transformer": parts["transformer"]}))
+        reference = None  # rank 0's one-rank runner (one_rank's reason)
+        if control.rank == 0:
+            reference = DenoiseRunner(parts, [T2VA], adapters.install(config, {"transformer": parts["transformer"]}))
         member = adapter_member(control, VARIANTS[2], config)
         lora = [p for n, p in member.runner.pipes[T2VA.value].transformer.named_parameters() if ".lora_" in n]
         report[f"{mode} sharded"] = bool(lora) and all(isinstance(p, DTensor) for p in lora)
         for job, named in zip(jobs, requests, strict=True):
             message = Message(JOB, job, inputs(11)) if control.rank == 0 else None
-            expected = one_rank.run(job, *inputs(11).values(), lambda s, t: None)
+            expected = reference and reference.run(job, *inputs(11).values(), lambda s, t: None)
             report[f"{mode} {named}"] = max_diff(run(member, message).latents, expected)
     return report
 
@@ -185,7 +206,7 @@ def main(out_path: str) -> None:
     report = {"latents": {}, "applied": {}}
     for tokens in TEXT_TOKENS:
         message = Message(JOB, JOB_SPEC, inputs(tokens)) if control.rank == 0 else None
-        reference = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(tokens).values(), lambda s, t: None)
+        reference = one_rank(control, JOB_SPEC, tokens)
         for layout in VARIANTS:
             member = member_for(control, layout)
             outcome = run(member, message)
@@ -196,10 +217,7 @@ def main(out_path: str) -> None:
     report["workflows"] = {}
     for workflow in (common_pb2.WORKFLOW_FL2VA, common_pb2.WORKFLOW_REF2VA):
         job, conditioning = conditioned(workflow)
-        flow = workflows.by_value(workflow)
-        reference = DenoiseRunner(components(partition=flow.partition), [flow]).run(
-            job, *inputs(11).values(), lambda s, t: None, conditioning
-        )
+        reference = one_rank(control, job, 11, conditioning)
         for layout in VARIANTS[:2]:
             message = Message(JOB, job, inputs(11), conditioning) if control.rank == 0 else None
             outcome = run(member_for(control, layout, workflow=workflow), message)
@@ -207,7 +225,7 @@ def main(out_path: str) -> None:
             report["workflows"][name] = max_diff(outcome.latents, reference)
 
     message = Message(JOB, JOB_SPEC, inputs(11)) if control.rank == 0 else None
-    reference = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(11).values(), lambda s, t: None)
+    reference = one_rank(control, JOB_SPEC, 11)
     report["local_kernel_slot"] = {
         layout.split + f" fsdp={layout.fsdp}": max_diff(run(slot_member(control, layout), message).latents, reference)
         for layout in (VARIANTS[0], VARIANTS[2])
@@ -220,13 +238,14 @@ def main(out_path: str) -> None:
         graphs = compile_cache.compiled_graphs()
         outcome = run(compiled, Message(JOB, JOB_SPEC, inputs(tokens)) if control.rank == 0 else None)
         report["compiled_graphs"].append(compile_cache.compiled_graphs() - graphs)
-        expected = DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(tokens).values(), lambda s, t: None)
-        report["compiled_ulysses"] = max(report["compiled_ulysses"], max_diff(outcome.latents, expected))
+        if control.rank == 0:
+            diff = max_diff(outcome.latents, one_rank(control, JOB_SPEC, tokens))
+            report["compiled_ulysses"] = max(report["compiled_ulysses"], diff)
 
     # production dtypes: bf16 blocks next to fp32-pinned projections, sharded by FSDP2
     message = Message(JOB, JOB_SPEC, inputs(10)) if control.rank == 0 else None
     mixed = run(member_for(control, VARIANTS[2], torch.bfloat16), message)
-    reference = DenoiseRunner(components(torch.bfloat16), [T2VA]).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
+    reference = one_rank(control, JOB_SPEC, 10, dtype=torch.bfloat16)
     report["mixed_dtype_fsdp"] = max_diff(mixed.latents, reference)
 
     report["adapters"] = adapter_checks(control, Path(out_path).parent / f"loras-{control.rank}")
@@ -237,9 +256,7 @@ def main(out_path: str) -> None:
     report["cancel"] = {
         "cancelled": cancelled.cancelled,
         "steps": [r.steps_served for r in cancelled.ranks],
-        "next_matches": max_diff(
-            after.latents, DenoiseRunner(components(), [T2VA]).run(JOB_SPEC, *inputs(10).values(), lambda s, t: None)
-        ),
+        "next_matches": max_diff(after.latents, one_rank(control, JOB_SPEC, 10)),
         "steps_after": [r.steps_served for r in after.ranks],
     }
     if control.rank == 0:
