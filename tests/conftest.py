@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,13 +22,6 @@ import pytest
 # directory: about 9 s of every cold compile of the tiny DiT here, and the tests compile into fresh caches on purpose.
 # The sets are taken from the CPU's flags instead. Set before torch is imported, here and in every process started.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
-# Inductor's C++ builds go through tests/cxx_cache.sh: a kernel another compile of this run built is copied (the
-# compile tests build the same tiny DiT's kernels into fresh compile caches: about 40 s of g++ in the suite). The store
-# is made once, by the process that imports this first (pytest-xdist's controller), and its workers inherit it.
-if "H3SERVE_TEST_CXX_STORE" not in os.environ:
-    os.environ["H3SERVE_TEST_CXX_STORE"] = tempfile.mkdtemp(prefix="h3serve-cxx-")
-    atexit.register(shutil.rmtree, os.environ["H3SERVE_TEST_CXX_STORE"], ignore_errors=True)
-os.environ.setdefault("CXX", str(Path(__file__).with_name("cxx_cache.sh")))
 
 from bench.deployment import toml_value
 from h3serve.cli.launcher import ServiceGroup
