@@ -6,14 +6,13 @@ and refuses what neither may run; the DiT refuses it again at its own boundary."
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
 import time
 
 import grpc
 import numpy as np
 import pytest
-from conftest import ADAPTER_GEOMETRY
+from conftest import ADAPTER_GEOMETRY, run_forked
 from media_files import image
 
 from h3serve.cli.reference import ReferenceRequest, run_reference
@@ -80,7 +79,7 @@ def assert_same(served: dict, expected: dict) -> None:
 
 
 @pytest.mark.fidelity
-def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, client, tmp_path):
+def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, client, tmp_path, fork_server):
     served, resolved = served_and_resolved(client, tmp_path, request(("turbo", 0.7), ("style", 0.0)))
     params = resolved.params
     assert [(a.name, a.weight) for a in params.adapters] == [("turbo", 0.7), ("style", 1.0)]
@@ -91,7 +90,8 @@ def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, cli
 
     # and through `h3serve reference`, which reads the same deployment file and resolves as the gateway does
     out = tmp_path / "cli.npz"
-    subprocess.run(
+    run_forked(  # a fork of the session's fork server: its imports done
+        fork_server,
         [
             sys.executable,
             "-m",
@@ -114,8 +114,6 @@ def test_t2va_with_two_adapters_is_bit_identical_to_diffusers(adapter_stack, cli
             "--adapter",
             "style",
         ],
-        check=True,
-        capture_output=True,
     )
     assert_same(served, np.load(out))
 
