@@ -131,8 +131,8 @@ def one_rank(
     conditioning: dict | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict | None:
-    """The one-rank runner's latents for `job`, on rank 0 only: it compares and reports, and a reference computed on
-    rank 1 too only took CPU from rank 0 (on the 2-core machine, a tenth of this launch)."""
+    """The one-rank runner's latents for `job`, on rank 0 only: rank 0 compares and reports, and a reference computed
+    on rank 1 as well only took the CPU that rank 0's share of the group needed."""
     if control.rank != 0:
         return None
     flow = workflows.by_value(job.workflow)
