@@ -836,6 +836,7 @@ def parser() -> argparse.ArgumentParser:
         "the first request after SERVING and start to SERVING become rows of their own",
     )
     add_output_arguments(p)
+    p.set_defaults(adapter_file="")  # not an option: main writes --adapter-rank's adapter here, deployment() reads it
     return p
 
 
@@ -855,7 +856,8 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
     with tempfile.TemporaryDirectory(prefix="h3serve-e2e-") as scratch:
         work = Path(args.out or scratch)
         work.mkdir(parents=True, exist_ok=True)
-        args.adapter_file = adapter_file(args, work) if args.adapter_rank else ""
+        if args.adapter_rank:
+            args.adapter_file = adapter_file(args, work)
         comparisons, command = run(args, sizes, device, work)
     if not comparisons:
         return []

@@ -220,7 +220,6 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
 
 
 def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):
-
     from bench import e2e
     from h3serve.common.config import load_deploy
     from h3serve.runtime.fastpath import FastPath
@@ -231,7 +230,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         ["--dit", "flash4+compile+fp8", "--vae", "native+compile+dynamic+fp8+tiles=28", "--sizes", "480x832x124"]
         + ["--compile-cache", str(tmp_path / "cc"), "--x264-preset", "veryfast"]
     )
-    args.adapter_file = str(lora)  # as main makes it
+    args.adapter_file = str(lora)  # as main writes it for --adapter-rank
     config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
@@ -257,7 +256,6 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
     args = e2e.parser().parse_args(
         ["--dit", "_native_cudnn+compile+fp8", "--warm-start", "--sizes", "480x832x124", "--fp8-cache", str(fp8)]
     )
-    args.adapter_file = ""
     for deploy in (None, str(profile)):
         args.deploy = deploy
         assert load_deploy(e2e.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)

@@ -23,7 +23,6 @@ def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
     args = e2e.parser().parse_args(
         ["--dit", "_native_cudnn", "--gpus", str(gpus), "--placement", placement, "--dit-fsdp", fsdp]
     )
-    args.adapter_file = ""
     return load_deploy(e2e.deployment(args, "cuda", tmp_path))
 
 
@@ -66,7 +65,6 @@ def test_a_backend_a_dit_group_cannot_split_the_sequence_with_is_refused_before_
         e2e.main(["--quick", "--gpus", "2", "--dit", "_native_math", "--out", str(out)])
     assert not list(out.glob("*.mp4")) and not list(out.glob("*.log"))  # neither side started
     args = e2e.parser().parse_args(["--quick", "--model-dir", "", "--dtype", "float32", "--dit", "_native_math"])
-    args.adapter_file = ""
     e2e.refuse_early(
         load_deploy(e2e.deployment(args, "cpu", tmp_path)),
         Placement.plan(1),
