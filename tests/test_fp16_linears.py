@@ -9,10 +9,12 @@ check asserts that they did. There plain fp16 overflows and fp16_scaled stays fi
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
+from bench import overflow
 from bench.accuracy import capture_forward, forward_output, rel_l2
 from bench.common import Size, denoise_spec
 from h3serve.common.config import DiTConfig
@@ -21,22 +23,10 @@ from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit.runner import DenoiseRunner, served
 
-RESIDUAL_MAX = 4.3e6  # the report's residual stream after 50 blocks
-BRANCH_MAX = 2e6  # the report's "past 2M" for attn.to_out.0 and ff.net.2
-BRANCH_TARGET = 2.5e6  # where `drive` aims them (to_out.0's K = 64 overflows past 64 x 65504 = 4.2M)
-CONTEXT_INPUT_MAX = 9.6e4  # the report's condition_proj (context_embedder) magnitude, above fp16's 65504
-FP16_MAX = torch.finfo(torch.float16).max
 # fp16_scaled rounds its GEMM operands to fp16 (11-bit significand) where bf16 rounds to 8 bits: it must be at least
 # as close to fp32 as the bf16 path is (measured on the tiny model: bf16 5.3e-3, fp16_scaled 2.4e-3)
 FP16_TOLERANCE = 1e-2
 INT8_TOLERANCE = 2e-2  # int8 weights add a rounding of 1/254 of each row's range (measured 2.4e-3 on the tiny model)
-BRANCHES = ("attn.to_out.0", "ff.net.2")
-# the linear whose output feeds each branch: `drive` scales both (the branch's weight alone would leave fp16's range
-# on the tiny model, whose few input channels make a small sum)
-# and the root of the factor each takes: the attention is linear in V, SwiGLU's product quadratic in its projection
-FEEDERS = {"attn.to_out.0": ("attn.to_v", 1 / 2), "ff.net.2": ("ff.net.0.proj", 1 / 3)}
-DRIVE_PASSES = 4
-RESIDUAL_ENTRY = 1.1 * RESIDUAL_MAX  # the video rows' entry into the stream: the branches add to it and subtract
 
 
 def bf16(transformer: torch.nn.Module) -> torch.nn.Module:
@@ -117,79 +107,22 @@ def test_config_selects_the_linears_and_refuses_what_cannot_run_with_them():
             DiTConfig(**{"dtype": "bfloat16", **refused, "linear_precision": "fp16_scaled"})
 
 
-# ---- activations driven to the reported maxima ----
-
-
-class Maxima:
-    """The largest |output| of each branch linear and block (the residual stream) during the forwards it watches."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.values: dict[str, float] = {}
-        watched = [
-            (name, module)
-            for name, module in model.named_modules()
-            if name.endswith(BRANCHES) or type(module).__name__ == "MiniMaxH3TransformerBlock"
-        ]
-        self.handles = [module.register_forward_hook(self._hook(name)) for name, module in watched]
-
-    def _hook(self, name: str):
-        def record(_module, _args, out) -> None:
-            self.values[name] = max(self.values.get(name, 0.0), float(out.detach().float().abs().max()))
-
-        return record
-
-    def of(self, kind: str) -> float:
-        """The largest over the modules of a kind: a branch (`BRANCHES`) or "block"."""
-        blocks = [v for name, v in self.values.items() if not name.endswith(BRANCHES)]
-        return max(blocks if kind == "block" else [v for name, v in self.values.items() if name.endswith(kind)])
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def drive(model: torch.nn.Module, run, passes: int = DRIVE_PASSES) -> dict[str, float]:
-    """Scale each of `model`'s block branches and their feeders (`FEEDERS`) by a root of what its output lacks of
-    BRANCH_TARGET, pass after pass (a branch's input moves with the branches before it: the passes converge); the
-    maxima seen at the end."""
-    watch = Maxima(model)
-    branches = [name for name, _ in model.named_modules() if name.endswith(BRANCHES) and name.startswith("transformer")]
-    with torch.no_grad():
-        for _ in range(passes):
-            watch.values.clear()
-            run()
-            for name in branches:
-                kind = next(kind for kind in BRANCHES if name.endswith(kind))
-                feeder, root = FEEDERS[kind]
-                factor = (BRANCH_TARGET / watch.values[name]) ** root
-                feeder = name.removesuffix(kind) + feeder
-                model.get_submodule(name).weight.mul_(factor)
-                model.get_submodule(feeder).weight.mul_(factor)
-        watch.values.clear()
-        run()
-    watch.remove()
-    return {kind: watch.of(kind) for kind in (*BRANCHES, "block")}
+# ---- activations driven to the reported maxima (bench/overflow.py) ----
 
 
 @pytest.fixture(scope="module")
 def driven_tiny(tiny) -> tuple[torch.nn.Module, tuple, dict]:
-    """The tiny transformer (fp32) with its video rows entering the stream at RESIDUAL_ENTRY, its text input at
-    CONTEXT_INPUT_MAX and its branches past BRANCH_MAX."""
+    """The tiny transformer (fp32) driven to the reported maxima, its inputs, and the maxima it reached."""
     model = copy.deepcopy(tiny[0])
     args, kwargs = copy.deepcopy(tiny[1])
-    text = kwargs["encoder_hidden_states"]
-    kwargs["encoder_hidden_states"] = text * (CONTEXT_INPUT_MAX / text.abs().max())
-    with torch.no_grad():
-        start = model.proj_in(kwargs["hidden_states"]).abs().max()
-        for param in model.proj_in.parameters():
-            param.mul_(RESIDUAL_ENTRY / start)
-    maxima = drive(model, lambda: forward_output(model, (args, kwargs)))
+    kwargs = overflow.drive_inputs(model, kwargs)
+    maxima = overflow.drive(model, lambda: forward_output(model, (args, kwargs)))
     return model, (args, kwargs), maxima
 
 
 def test_the_tiny_model_driven_to_the_reported_maxima_overflows_fp16_but_not_fp16_scaled(driven_tiny):
     model, inputs, maxima = driven_tiny
-    assert maxima["block"] >= RESIDUAL_MAX and min(maxima[kind] for kind in BRANCHES) >= BRANCH_MAX, maxima
+    assert overflow.reached(maxima), maxima
     reference = forward_output(model, inputs)
     assert reference.isfinite().all()
     assert not forward_output(copy.deepcopy(model).half(), inputs).isfinite().all(), "plain fp16 overflows"
@@ -197,3 +130,102 @@ def test_the_tiny_model_driven_to_the_reported_maxima_overflows_fp16_but_not_fp1
         out = forward_output(scaled(bf16(model), weights), inputs)
         assert out.isfinite().all(), weights
         assert rel_l2(out, reference) <= tolerance, (weights, rel_l2(out, reference))
+
+
+# ---- one block of the released sizes ----
+
+FULL_BLOCK = dict(
+    hidden_size=5376,
+    num_attention_heads=56,
+    attention_head_dim=128,
+    ffn_dim=14336,
+    time_embed_dim=2688,
+    norm_eps=1e-5,
+    qk_norm_eps=1e-5,
+)  # MiniMaxH3Transformer3DModel's defaults, the released ones: ~0.65 B parameters
+ROWS = 8  # rows of the packed sequence: the overflow is per row, the cost is per row
+TILE = 256  # rows of random values repeated down each weight (divides every full-size output width)
+
+
+class OneBlock(torch.nn.Module):
+    """One transformer block under the name the model gives it, so that convert and drive see it as they see the
+    model's blocks."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList([block])
+
+    def forward(self, hidden: torch.Tensor, *rest) -> torch.Tensor:
+        return self.transformer_blocks[0](hidden, *rest)
+
+
+def full_size_block() -> OneBlock:
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    with torch.device("meta"):
+        return OneBlock(MiniMaxH3TransformerBlock(**FULL_BLOCK))
+
+
+def copy_as(block: OneBlock, dtype: torch.dtype) -> OneBlock:
+    """`block` in `dtype`, never holding a second copy in its own dtype (a full-size block is 2.6 GB in fp32)."""
+    twin = full_size_block()
+    twin.load_state_dict({name: value.to(dtype) for name, value in block.state_dict().items()}, assign=True)
+    return twin
+
+
+@pytest.fixture(scope="module")
+def full_block() -> tuple[OneBlock, torch.Tensor, tuple, dict]:
+    """One full-size block in fp32 (bf16-representable values: the bf16 weights a load gives, widened) driven to the
+    reported branch maxima, its residual input at RESIDUAL_ENTRY, the block's other inputs, and the maxima."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
+
+    block = full_size_block()
+    generator = torch.Generator().manual_seed(5)
+    block.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in block.named_parameters():
+            if param.ndim == 1:
+                param.fill_(0.0 if name.endswith("bias") else 1.0)
+                continue
+            bound = param.shape[1] ** -0.5  # PyTorch's default init range, as random:full draws
+            tile = torch.empty(TILE, param.shape[1]).uniform_(-bound, bound, generator=generator)
+            param.copy_(tile.to(torch.bfloat16).repeat(param.shape[0] // TILE, 1))
+    rope = MiniMaxH3RotaryPosEmbed(rope_freq_dim=16, rope_theta=10000.0)
+    rest = (
+        torch.randn(1, FULL_BLOCK["time_embed_dim"], generator=generator),  # temb: one noise level
+        torch.zeros(ROWS, dtype=torch.int64),  # adaln_indices: video rows of it
+        rope(torch.stack([torch.arange(ROWS)] * 3, dim=1)),
+    )
+    hidden = torch.randn(1, ROWS, FULL_BLOCK["hidden_size"], generator=generator)
+    hidden *= overflow.RESIDUAL_ENTRY / hidden.abs().max()
+    maxima = overflow.drive(block, lambda: block(hidden, *rest))
+    return block, hidden, rest, maxima
+
+
+def test_a_full_size_block_driven_to_the_reported_maxima_overflows_fp16_but_not_fp16_scaled(full_block):
+    block, hidden, rest, maxima = full_block
+    assert overflow.reached(maxima), maxima
+    with torch.no_grad():
+        reference = block(hidden, *rest)
+        plain = copy_as(block, torch.float16)
+        within = hidden * (3e4 / hidden.abs().max())  # a residual fp16 can hold: the norm gives the branches the same
+        assert not plain(within.half(), *rest).isfinite().all(), "plain fp16: the branches overflow"
+        del plain
+        for weights, tolerance in (("bf16", FP16_TOLERANCE), ("int8", INT8_TOLERANCE)):
+            converted = copy_as(block, torch.bfloat16)
+            fastpath.convert_linears(converted, FastPath(linears="fp16_scaled", weights=weights))
+            out = converted(hidden, *rest)
+            assert out.dtype == torch.float32 and out.isfinite().all(), weights
+            assert rel_l2(out, reference) <= tolerance, (weights, rel_l2(out, reference))
+
+
+def test_the_gpu_bench_runs_its_steps_on_the_tiny_model(tmp_path, monkeypatch):
+    from bench import turing_linears
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rows = turing_linears.main(["--quick"])
+    assert [r.name for r in rows] == ["turing_linears_32x64x124"] * 2 + ["turing_linears_driven_32x64x124"]
+    assert all(r.rel_err_bf16 is not None and r.rel_err_bf16 <= INT8_TOLERANCE for r in rows)
+    driven = json.loads((tmp_path / "turing_linears.json").read_text())["driven"]
+    assert driven["reached"] and driven["scaled_finite"]
+    assert not driven["plain_fp16_block_finite"] and not driven["plain_fp16_branch_finite"]

@@ -123,13 +123,17 @@ def convert(model: nn.Module, dtype: torch.dtype, int8: bool = False) -> dict[st
         for name, param in model.named_parameters()
         if param.dtype == dtype and not _attention_norm(name)
     }
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and module.weight.dtype == dtype:
-            owner, _, attribute = name.rpartition(".")
-            setattr(model.get_submodule(owner), attribute, _converted(name, module, dtype, int8))
-            if _held_int8(name, int8):
-                weight = f"{name}.weight"
-                changed[weight + int8_weights.SCALE_SUFFIX] = SourceParam(weight, dtype, module.weight.shape)
+    # by name, one module at a time: a list of the modules would keep every replaced weight alive until the end
+    # (the released transformer's bf16 weights twice over)
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.dtype == dtype]
+    for name in linears:
+        owner, _, attribute = name.rpartition(".")
+        module = model.get_submodule(name)
+        setattr(model.get_submodule(owner), attribute, _converted(name, module, dtype, int8))
+        if _held_int8(name, int8):
+            weight = f"{name}.weight"
+            changed[weight + int8_weights.SCALE_SUFFIX] = SourceParam(weight, dtype, module.weight.shape)
+        del module
     for name, param in model.named_parameters():
         if name in changed and param.dtype == dtype:
             param.data = param.data.to(STREAM_DTYPE)
