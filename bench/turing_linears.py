@@ -205,9 +205,9 @@ def driven(args, size: Size, device: str) -> Driven:
     hidden, *rest = block_inputs["args"]
     within = hidden * (FP16_RESIDUAL / hidden.float().abs().max())  # the norms make the branches see the same rows
     with torch.no_grad():
-        plain_finite = [
+        block_finite, branch_finite = (
             bool(plain(h.half(), *rest, **block_inputs["kwargs"]).isfinite().all()) for h in (hidden, within)
-        ]
+        )
     del plain, hidden, within, rest
     fastpath.convert_linears(transformer, VARIANTS["fp16_scaled"])
     release(device)
@@ -215,7 +215,8 @@ def driven(args, size: Size, device: str) -> Driven:
     return Driven(
         maxima,
         overflow.reached(maxima),
-        *plain_finite,
+        block_finite,
+        branch_finite,
         out.finite,
         rel_l2(out.output, reference.output),
         out.seconds,

@@ -21,6 +21,7 @@ with its per-output-channel scale as it runs, then takes the same GEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -128,7 +129,7 @@ def convert(model: nn.Module, dtype: torch.dtype, int8: bool = False) -> dict[st
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.dtype == dtype]
     for name in linears:
         owner, _, attribute = name.rpartition(".")
-        module = model.get_submodule(name)
+        module = cast(nn.Linear, model.get_submodule(name))
         setattr(model.get_submodule(owner), attribute, _converted(name, module, dtype, int8))
         if _held_int8(name, int8):
             weight = f"{name}.weight"
