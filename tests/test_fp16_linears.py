@@ -74,7 +74,8 @@ def test_every_bf16_linear_is_converted_by_its_kind_and_the_stream_is_fp32(tiny)
     block = "transformer_blocks.0."
     assert linears[block + "attn.to_out.0"].k == 64 and linears[block + "ff.net.2"].k == 256
     assert linears[block + "attn.to_q"].out_dtype == torch.bfloat16, "the attention takes the model dtype"
-    assert linears[block + "ff.net.0.proj"].out_dtype == torch.float32
+    assert linears[block + "ff.net.0.proj"].out_dtype == torch.bfloat16, "SwiGLU too"
+    assert linears[block + "adaln_proj.linear"].out_dtype == torch.float32, "the modulation of the fp32 stream"
     assert linears[block + "ff.net.2"].weight.dtype == torch.int8, "int8 holds the block linears"
     assert linears["token_refiner.refiner_blocks.0.attn.to_out.0"].weight.dtype == torch.float16, "the rest: fp16"
     assert model.transformer_blocks[0].norm1.weight.dtype == torch.float32

@@ -70,6 +70,46 @@ def test_turing_profile_places_what_the_brief_asks():
     assert (single.dit.fp8, single.dit.compile, single.dit.offload) == (True, True, "group")
 
 
+def test_the_turing_profile_fits_a_64_gib_host_with_int8_weights_resident_on_the_cards():
+    config = load_deploy(DEPLOY / "turing-4x22.toml")
+    assert (config.dit.linear_precision, config.dit.weights, config.dit.fsdp_offload) == ("fp16_scaled", "int8", False)
+    out = subprocess.run(
+        [*CLI, "--config", str(DEPLOY / "turing-4x22.toml"), "--host-gib", "64"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("fits"), out.stdout + out.stderr
+    result = plan(config, host_gib=64)
+    rank = _rank0(result)
+    assert rank.host == 0.0, "nothing of the DiT pinned in host memory"
+    assert rank.weights == pytest.approx(TRANSFORMER.bytes("bfloat16", False, int8=True) / GIB / 4)
+    assert 7.5 < rank.weights < 8.0, "a quarter of 31.7 GiB"
+    usable = 64 - memory_plan.HOST_RESERVE_GIB
+    assert max(result.host.total("start"), result.host.total("serving")) <= usable
+    encoder = next(need for need in result.host.needs if need.service == "encoder")
+    assert "bf16 load" not in encoder.start_parts, "the nf4 encoder is built layer by layer on its GPUs"
+
+
+def test_the_fp16_path_and_sage_add_their_workspace_and_int8_weights_shrink_a_rank(tmp_path):
+    base = 'gpus = "0,1,2,3"\nworld_size = 4\nfsdp = true\n'
+    bf16 = _rank0(plan(_dit_only(tmp_path, base), gpu_gib=140))
+    scaled = _rank0(plan(_dit_only(tmp_path, base + 'linear_precision = "fp16_scaled"\n'), gpu_gib=140))
+    int8 = _rank0(plan(_dit_only(tmp_path, base + 'linear_precision = "fp16_scaled"\nweights = "int8"\n'), gpu_gib=140))
+    sage = _rank0(plan(_dit_only(tmp_path, base + 'attention_backend = "sage"\n'), gpu_gib=140))
+    assert scaled.activations == pytest.approx(bf16.activations * memory_plan.FP16_SCALED_ACT_FACTOR)
+    assert int8.weights < bf16.weights / 1.9 and scaled.weights == bf16.weights
+    widened = TRANSFORMER.largest_linear * 2 / GIB
+    assert int8.transient == pytest.approx(
+        bf16.transient
+        - 2 * TRANSFORMER.block_bytes("bfloat16", False) / GIB
+        + 2 * TRANSFORMER.block_bytes("bfloat16", False, int8=True) / GIB
+        + widened
+    )
+    assert sage.activations > bf16.activations
+
+
 def test_the_whole_bf16_dit_on_one_22_gib_card_is_refused_with_the_numbers(tmp_path):
     path = _config(
         tmp_path,
@@ -252,6 +292,10 @@ def test_parameter_counts_match_the_classes_built_on_the_meta_device():
     assert sum(m.weight.numel() for name, m in transformer.named_modules() if fp8_target(m, name)) == count.fp8_linears
     units = [m for m in transformer.modules() if type(m).__name__ in transformer._no_split_modules]
     assert count.total - sum(p.numel() for m in units for p in m.parameters()) == count.fsdp_root
+    block_linears = [m.weight for m in transformer.transformer_blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(w.numel() for w in block_linears) == count.int8_linears, "weights = int8 holds these"
+    assert sum(w.shape[0] for w in block_linears) == count.int8_rows, "an fp32 scale per output row"
+    assert max(w.numel() for w in block_linears) == count.largest_linear
     for model, expected in ((vae, memory_plan.VIDEO_VAE), (audio, memory_plan.AUDIO_VAE)):
         assert (sum(p.numel() for p in model.parameters()), fp32(model)) == (expected.total, expected.fp32)
     quantised = sum(m.weight.numel() for name, m in vae.decoder.named_modules() if fp8_target(m, name))

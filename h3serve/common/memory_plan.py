@@ -147,10 +147,10 @@ ARENA_GIB = 1  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py 
 STAGING_SLOTS = 2  # h3serve/runtime/weight_stream.py's (the same check)
 SMALL_MODEL_GIB = 1.0  # a model directory with fewer GiB of weights is not the released model
 FP8_BUILD_BLOCKS = 2  # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
-# linear_precision = "fp16_scaled": the stream and the SwiGLU product in fp32 (fp16_linears.py); an ESTIMATE from the
-# tensors alive per row at the FFN's peak (fp16 and fp32 copies of the 28,672-wide projection, two fp32 14,336-wide
-# halves: ~2 x the bf16 path's), not measured: bench/turing_linears.py prints the measured peak at 480x832x124
-FP16_SCALED_ACT_FACTOR = 2.0
+# linear_precision = "fp16_scaled": the residual stream in fp32 (fp16_linears.py); an ESTIMATE, not measured: of the
+# ~188 KB a row the bf16 path holds, ~64 KB are stream-wide (5,376) tensors, which double; the FFN's wide ones stay
+# bf16. bench/turing_linears.py prints the measured peaks at 480x832x124 to check it against
+FP16_SCALED_ACT_FACTOR = 1.4
 # attention_backend = "sage": its int8 Q and K copies and fp16 V, per element of q/k/v (56 heads x 128 per row)
 SAGE_WORKSPACE_BYTES_PER_ROW = (2 * 1 + 2) * 56 * 128
 

@@ -6,13 +6,15 @@ sm_75 (Turing) has fp16 tensor cores and none for bf16, so the DiT's bf16 GEMMs 
 ~96k, the residual stream at 81k growing to 4.3M over the 50 blocks, and `attn.out_proj` / the MLP's `fc2` (our
 `attn.to_out.0` / `ff.net.2`) past 2M, all beyond fp16's 65504. `convert` applies its cure:
 
-- the residual stream and every non-linear part (norms, gates, modulation, SwiGLU) in fp32;
+- the residual stream and the parts on it (norms, gates, modulation) in fp32;
 - every bf16 linear becomes a `ScaledFp16Linear`: y = fp16_gemm(x / K, W) * K + b, the GEMM on fp16 tensor cores
   with fp32 accumulation, K a power of two so the scaling is exact, K per layer kind in `SCALES` (data: random
   weights do not reproduce a trained model's ranges, so these are the reported ones);
 - `context_embedder`, whose input passes 65504, stays a plain fp32 linear (its text rows are few);
-- the attention's own path (to_q/to_k/to_v outputs, qk-norm, rope, the kernel) keeps the model dtype (bf16): the
-  attention kernel takes bf16 and carries V beyond fp16's range itself.
+- the linears whose output feeds a branch's inside rather than the stream return the model dtype (bf16: fp32's
+  range, as the released model computes there): to_q/to_k/to_v (qk-norm, rope and the attention kernel, which
+  takes bf16 and carries V beyond fp16's range itself) and ff.net.0.proj (SwiGLU; in fp32 its 28,672-wide output
+  would double the FFN's activation peak on a 22 GB card).
 
 The same module holds int8 weights (`weights = "int8"`, h3serve/runtime/int8_weights.py): each is widened to fp16
 with its per-output-channel scale as it runs, then takes the same GEMM.
@@ -39,11 +41,11 @@ FP32 = None  # a `Scale.k` meaning: no fp16 GEMM, the layer runs in fp32
 @dataclass(frozen=True)
 class Scale:
     """How one layer kind runs: `k`, the power of two its input is divided by before the fp16 GEMM and its output
-    multiplied by after (FP32: a plain fp32 linear); `to_attention`, whether its output feeds the attention kernel
-    (kept in the model dtype) rather than the fp32 stream."""
+    multiplied by after (FP32: a plain fp32 linear); `inside`, whether its output feeds a branch's inside (returned
+    in the model dtype) rather than the fp32 stream."""
 
     k: int | None = 1
-    to_attention: bool = False
+    inside: bool = False
 
 
 # Per layer kind, by the end of the module's name (diffusers' MiniMax-H3 names; the token refiner's blocks share
@@ -52,11 +54,12 @@ SCALES: tuple[tuple[str, Scale], ...] = (
     ("context_embedder", Scale(FP32)),  # its input (Qwen3-VL hidden states) reaches ~96k
     ("attn.to_out.0", Scale(64)),  # out_proj: past 2M
     ("ff.net.2", Scale(256)),  # fc2: past 2M
-    ("attn.to_q", Scale(1, to_attention=True)),
-    ("attn.to_k", Scale(1, to_attention=True)),
-    ("attn.to_v", Scale(1, to_attention=True)),
+    ("attn.to_q", Scale(1, inside=True)),
+    ("attn.to_k", Scale(1, inside=True)),
+    ("attn.to_v", Scale(1, inside=True)),
+    ("ff.net.0.proj", Scale(1, inside=True)),
 )
-DEFAULT = Scale(1)  # ff.net.0.proj, adaln_proj.linear, norm_out.linear
+DEFAULT = Scale(1)  # adaln_proj.linear, norm_out.linear: the modulation, in fp32
 
 
 def scale_of(name: str) -> Scale:
@@ -146,7 +149,7 @@ def _converted(name: str, linear: nn.Linear, dtype: torch.dtype, int8: bool) -> 
     bias = None if linear.bias is None else linear.bias.data.to(STREAM_DTYPE)
     if scale.k is FP32:
         return linear.to(STREAM_DTYPE).requires_grad_(False)
-    out_dtype = dtype if scale.to_attention else STREAM_DTYPE
+    out_dtype = dtype if scale.inside else STREAM_DTYPE
     if _held_int8(name, int8):
         weight, weight_scale = int8_weights.quantize(linear.weight.data)
         return ScaledFp16Linear(weight, bias, scale.k, out_dtype, weight_scale)
