@@ -1,4 +1,4 @@
-"""Host memory as a budget (h3serve/common/memory_plan.py's host part, `h3serve plan --host-gib`, each model service's
+"""Host memory as a budget (h3serve/common/memory_plan/'s host part, `h3serve plan --host-gib`, each model service's
 own check at start): private host memory per service and phase, refusals with the numbers, the measured profile."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_the_shipped_profile_prints_the_host_block_and_fits_a_64_gib_host():
 
 
 def test_the_measured_profile_fits_64_gib_and_lands_within_10_percent(tmp_path):
-    """Documented measurement (BENCHMARKS.md, bench.e2e on one H200, the module docstring): 49.2 GiB private at most
+    """Documented measurement (BENCHMARKS.md, bench.e2e on one H200, docs/memory-plan.md): 49.2 GiB private at most
     with empty caches. The prediction's start total is within 10 % of it; `PROCESS_BASE_GIB` was calibrated on it."""
     config, adapter = _bench_profile(tmp_path, 2_603_435_000)  # the rank-128 LoRA's 1.30 B bf16 factors
     config = config.model_copy(update={"dit": config.dit.replace(adapters={"turbo": str(adapter)})})

@@ -1,6 +1,6 @@
 """`h3serve plan --config F`: each GPU's and the host's predicted memory for a deployment file, before anything loads.
 
-Arithmetic from parameter counts (h3serve/common/memory_plan.py): no torch, no GPU. A placement that cannot
+Arithmetic from parameter counts (h3serve/common/memory_plan/): no torch, no GPU. A placement that cannot
 fit is refused with exit status 2 and one line per problem on stderr, naming the GPU or the host, the processes
 and the numbers. The host's size: --host-gib, else `[supervisor] host_memory_gib`, else this machine's MemTotal.
 """
