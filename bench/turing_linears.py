@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import logging
 import os
@@ -135,6 +136,9 @@ def forward(transformer: torch.nn.Module, inputs: dict, device: str) -> Forward:
 
 
 def release(device: str) -> None:
+    """Give back what the last model held: it sits in reference cycles (the capture's traceback, module hooks) that
+    only the cyclic collector frees, and the next full-size model needs the card's memory."""
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
