@@ -13,8 +13,7 @@
    (finite; distance to the driven bf16 output).
 
 Times are the lent card's (an H100 or H200 runs the bf16 GEMMs on tensor cores, which a 2080 Ti cannot): they are no
-Turing figure. The host memory of this process (sampled) is recorded too; random:full draws the weights on the GPU,
-so it shows only that nothing in the conversion holds a host copy. Needs one GPU with ~76 GiB (the fp16 weights
+Turing figure. The host memory of this process (sampled) is recorded too. Needs one GPU with ~76 GiB (the fp16 weights
 are as large as the bf16 ones; the fp32 stream's activations at 480x832x124 come on top). Prints a table; `--write`
 updates bench/results.json and BENCHMARKS.md; with $OUT set, writes turing_linears.json there.
 
@@ -31,6 +30,8 @@ import gc
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ from h3serve.runtime.fastpath import FastPath
 from h3serve.services.dit.runner import DenoiseRunner, served
 
 TEXT_TOKENS = 256
+RANK_BLOCKS = 13  # one rank of four holds a quarter of the 50 blocks' rows: as much as 12.5 whole blocks
+RANK_SHARE = "--rank-share"  # the child of step 3
 FP16_RESIDUAL = 3e4  # block 0's residual input brought within fp16's range, to see its branches overflow alone
 VARIANTS = {
     "fp16_scaled": FastPath(linears="fp16_scaled"),
@@ -228,7 +231,47 @@ def driven(args, size: Size, device: str) -> Driven:
     )
 
 
-def records(size: Size, drive_size: Size, compared: list[Comparison], drove: Driven, args, device: str) -> list[Record]:
+def rank_share(quick: bool, device: str) -> dict:
+    """Step 3's child: RANK_BLOCKS blocks (the tiny preset's with `quick`) converted to int8 on the meta device and
+    filled on `device` through fp16_linears.ConvertedRows, as parallel.load_sharded fills a rank's rows."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3serve.model import presets
+    from h3serve.runtime.fp16_linears import ConvertedRows
+    from h3serve.runtime.sharded_load import RandomWeights, fill_module
+
+    sizes = presets.TINY_TRANSFORMER if quick else {"num_layers": RANK_BLOCKS}
+    started = time.perf_counter()
+    model = random_full.skeleton(lambda: MiniMaxH3Transformer3DModel(**sizes), torch.bfloat16)
+    changed = fastpath.convert_linears(model, VARIANTS["fp16_scaled+int8"])
+    fill_module(model, ConvertedRows(RandomWeights("transformer"), changed), "", torch.device(device))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    seconds = round(time.perf_counter() - started, 1)
+    return {"blocks": len(model.transformer_blocks), "weights_gib": round(weights, 2), "seconds": seconds}
+
+
+def rank_share_host(quick: bool) -> dict:
+    """Step 3: the child's build, its private host memory sampled from its start (bench/common.py host_peak)."""
+    from h3serve.common.memory_plan import PROCESS_BASE_GIB
+
+    command = [sys.executable, "-m", "bench.turing_linears", RANK_SHARE, *(["--quick"] if quick else [])]
+    print(f"[turing_linears] one rank's share built in a process of its own: {' '.join(command)}", flush=True)
+    children: list[int] = []
+    with host_peak(lambda: children) as host:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        children.append(child.pid)
+        out, _ = child.communicate(timeout=600)
+    if child.returncode != 0:
+        raise RuntimeError(f"the rank-share process failed (exit {child.returncode})")
+    built = json.loads(out.strip().splitlines()[-1])
+    return {**built, "host_private_gib": round(host.private_gib, 2), "planned_runtime_gib": PROCESS_BASE_GIB}
+
+
+def records(
+    size: Size, drive_size: Size, compared: list[Comparison], drove: Driven, share: dict, args, device: str
+) -> list[Record]:
     common = dict(
         device=device_label(device),
         world_size=1,
@@ -268,6 +311,20 @@ def records(size: Size, drive_size: Size, compared: list[Comparison], drove: Dri
             **common,
         ),
     )
+    rows.append(
+        Record(
+            name="turing_linears_rank_share_host",
+            seconds=share["seconds"],
+            baseline_seconds=share["seconds"],
+            ratio=1.0,
+            peak_gib=share["weights_gib"],
+            variant=f"one rank's share ({share['blocks']} int8 blocks, {share['weights_gib']} GiB on the device) built "
+            f"as a rank fills its rows, in a process of its own: host private {share['host_private_gib']} GiB "
+            f"(h3serve plan: {share['planned_runtime_gib']} GiB runtime a rank, nothing pinned)",
+            baseline="none (a build time and a host peak)",
+            **{**common, "host_peak_gib": share["host_private_gib"]},
+        )
+    )
     return rows
 
 
@@ -276,31 +333,35 @@ def main(argv: list[str] | None = None) -> list[Record]:
     p.add_argument("--size", default="480x832x124", help="HxWxF of the bf16 comparison")
     p.add_argument("--drive-size", default="128x224x124", help="HxWxF of the driven forwards (several run)")
     p.add_argument("--quick", action="store_true", help="the tiny model on the CPU (a smoke test)")
+    p.add_argument(RANK_SHARE, action="store_true", help=argparse.SUPPRESS)  # step 3's child
     add_output_arguments(p)
     args = p.parse_args(argv)
     args.command = command_line("bench.turing_linears", argv)
     if args.quick:
         args.size = args.drive_size = "32x64x124"
     device = "cpu" if args.quick else "cuda"
+    if args.rank_share:
+        print(json.dumps(rank_share(args.quick, device)), flush=True)
+        return []
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the fp32 stream's big temporaries
     size, drive_size = Size.parse(args.size), Size.parse(args.drive_size)
     with host_peak(lambda: [os.getpid()]) as host:
         compared = compare(args, size, device)
         drove = driven(args, drive_size, device)
     args.host_peak_gib = round(host.private_gib, 2)
-    rows = records(size, drive_size, compared, drove, args, device)
+    share = rank_share_host(args.quick)
+    rows = records(size, drive_size, compared, drove, share, args, device)
     print(f"{'measurement':34} {'seconds':>8} {'bf16 s':>8} {'peak GiB':>8} {'rel L2 vs bf16':>14}  variant")
     for r in rows:
-        print(
-            f"{r.name:34} {r.seconds:8.3f} {r.baseline_seconds:8.3f} {r.peak_gib:8.2f} {r.rel_err_bf16:14.3e}  "
-            f"{r.variant}"
-        )
+        error = "" if r.rel_err_bf16 is None else f"{r.rel_err_bf16:.3e}"
+        print(f"{r.name:34} {r.seconds:8.3f} {r.baseline_seconds:8.3f} {r.peak_gib:8.2f} {error:>14}  {r.variant}")
     print(f"host peak (this process, private): {args.host_peak_gib} GiB; device {device_label(device)}")
     if os.environ.get("OUT"):
         payload = {
             "compared": [asdict(c) for c in compared],
             "driven": asdict(drove),
             "host_peak_gib": args.host_peak_gib,
+            "rank_share": share,
         }
         Path(os.environ["OUT"], "turing_linears.json").write_text(json.dumps(payload, indent=1))
     if args.write:

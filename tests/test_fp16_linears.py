@@ -237,8 +237,11 @@ def test_the_gpu_bench_runs_its_steps_on_the_tiny_model(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OUT", str(tmp_path))
     rows = turing_linears.main(["--quick"])
-    assert [r.name for r in rows] == ["turing_linears_32x64x124"] * 2 + ["turing_linears_driven_32x64x124"]
-    assert all(r.rel_err_bf16 is not None and r.rel_err_bf16 <= INT8_TOLERANCE for r in rows)
-    driven = json.loads((tmp_path / "turing_linears.json").read_text())["driven"]
+    names = ["turing_linears_32x64x124"] * 2 + ["turing_linears_driven_32x64x124", "turing_linears_rank_share_host"]
+    assert [r.name for r in rows] == names
+    assert all(r.rel_err_bf16 is not None and r.rel_err_bf16 <= INT8_TOLERANCE for r in rows[:3])
+    report = json.loads((tmp_path / "turing_linears.json").read_text())
+    assert report["rank_share"]["blocks"] == 2 and report["rank_share"]["host_private_gib"] > 0, "sampled"
+    driven = report["driven"]
     assert driven["reached"] and driven["scaled_finite"]
     assert not driven["plain_fp16_block_finite"] and not driven["plain_fp16_branch_finite"]
