@@ -265,7 +265,7 @@ class VaeConfig(CompiledServiceConfig):
 
 class EncoderConfig(ModelServiceConfig):
     """The text encoder service. Qwen3-VL-32B is ~62 GiB in bf16: on small cards it is spread over the
-    process's `gpus`, quantized, or offloaded (README "Small GPUs")."""
+    process's `gpus`, quantized, or offloaded (docs/deploy/small-gpus.md)."""
 
     cache_bytes: NonNegativeInt = 256 << 20  # embedding cache bound
     max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # longest prompt accepted
@@ -288,7 +288,7 @@ class DiTConfig(CompiledServiceConfig):
     """The DiT service: one process group of `world_size` ranks, started by h3serve's launcher on one node
     (h3serve/services/dit/supervisor.py) and by torchrun over several.
 
-    Rank 0 hosts the gRPC server; every rank holds the transformer. See README "The sharded DiT".
+    Rank 0 hosts the gRPC server; every rank holds the transformer. See docs/deploy/sharded-dit.md.
     """
 
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
@@ -310,7 +310,7 @@ class DiTConfig(CompiledServiceConfig):
     max_steps: Steps = MAX_STEPS  # num_inference_steps accepted (at least the gateway's max_steps)
     max_rows: PositiveInt = MAX_ROWS  # packed rows of one request (at least the gateway's max_rows)
     # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
-    # (GenerationParams.adapters). See README "Adapters (LoRA) and few-step clips per request".
+    # (GenerationParams.adapters). See docs/adapters.md.
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1  # compile = true: adapters one request may name (slots switched in place)
@@ -320,7 +320,7 @@ class DiTConfig(CompiledServiceConfig):
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
-    # request is as fast as the hundredth. See README "Warm start".
+    # request is as fast as the hundredth. See docs/performance.md, "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
     # num_inference_steps of each warm-up run; unset: what the compile needs (h3serve/services/dit/warmup.py:steps)
     warmup_steps: Steps | None = None
@@ -428,7 +428,7 @@ class GatewayConfig(Section):
     max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
     # conditioning, generated)
     # The encoder, DiT and VAE share one card too small for two of their stages at once: every stage call waits for
-    # the card (one at a time, in arrival order) instead of overlapping with another job's (README "Small GPUs")
+    # the card (one at a time, in arrival order) instead of overlapping with another job's (docs/deploy/small-gpus.md)
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor

@@ -19,7 +19,7 @@ as unmerged low-rank branches (h3serve/services/dit/adapters.py), so one cache s
 that does not load (a truncated file, an incompatible torchao) is deleted with a warning and quantised again; a save
 that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
 
-Writing took 69.9 s of a 137.5 s cold start of a resident transformer on one H200 (44 GiB; README "Warm start"), so
+Writing took 69.9 s of a 137.5 s cold start of a resident transformer on one H200 (44 GiB; docs/performance.md), so
 weights that are served from the GPU are written in the background (`save_later`): the tensors written are the ones
 served, which nothing changes, so the save holds no second copy of them.
 """

@@ -8,7 +8,7 @@ the local slot (h3serve/runtime/kernels/local.py), so it is Ulysses-capable like
 K is smoothed here, out of place: the package's own `smooth_k` subtracts the mean from the caller's keys in
 place, which an opaque custom op must not do. Subtracting K's mean over the tokens moves every score of one
 query row by the same amount, so the softmax is unchanged and the int8 range is spent on what differs.
-diffusers' own `sage*` backends need a SageAttention >= 2.1.1 build (from source; README "Small GPUs").
+diffusers' own `sage*` backends need a SageAttention >= 2.1.1 build (from source; docs/deploy/small-gpus.md).
 
 Which build runs where: 1.x is Triton only, and Triton (3.3 on) targets sm_80 and newer; below that its matrix
 products run without tensor cores. On sm_75 the package's `sageattn` must come from a SageAttention 2.x build for
@@ -38,7 +38,7 @@ def check_build(capability: tuple[int, int]) -> None:
         raise RuntimeError(
             f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
             f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
-            f'for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, README "Small GPUs")'
+            f'for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, docs/deploy/small-gpus.md)'
         )
 
 
