@@ -9,8 +9,9 @@ STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 all: $(VENV)/.installed proto
 
 # The extras `make demo` and `make test` use (pyproject.toml): the model services, the experiment tool, the
-# suite, and dev's grpcio-tools for the stubs. A gateway-only host installs the base alone (`pip install .`).
-EXTRAS := model,experiment,test,dev
+# suite, dev's tools (grpcio-tools, ruff, mypy, pre-commit) and the docs site, which the suite builds.
+# A gateway-only host installs the base alone (`pip install .`).
+EXTRAS := model,experiment,test,dev,docs
 
 # torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
 $(VENV)/.installed: pyproject.toml

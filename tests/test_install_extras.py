@@ -227,7 +227,7 @@ def test_a_gateway_host_installs_no_torch_and_no_build_tool():
 def test_make_installs_every_extra_demo_and_test_use():
     makefile = (ROOT / "Makefile").read_text()
     extras = set(re.search(r"^EXTRAS :?= *(\S+)", makefile, re.M).group(1).split(","))
-    assert {"model", "experiment", "test", "dev"} <= extras <= set(EXTRAS), extras
+    assert {"model", "experiment", "test", "dev", "docs"} <= extras <= set(EXTRAS), extras
     assert "install -q -e '.[$(EXTRAS)]'" in makefile
 
 

@@ -315,7 +315,7 @@ class DiTConfig(CompiledServiceConfig):
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1  # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False  # fsdp = true: parameters live in host memory, each block's gathered to the GPU
-    # fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
+    # With fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
     # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
@@ -401,6 +401,7 @@ class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
     data_dir: str = "var/gateway"  # SQLite database and artifacts
+    # A stage address may also be a list (or a comma-separated string) of replica addresses.
     encoder: Addresses = "127.0.0.1:50051"  # stage addresses
     dit: Addresses = "127.0.0.1:50052"
     vae: Addresses = "127.0.0.1:50053"
@@ -432,9 +433,8 @@ class GatewayConfig(Section):
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor
-    # A stage address may also be a list (or a comma-separated string) of replica addresses.
-    max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is
-    # RESOURCE_EXHAUSTED (0: no bound)
+    max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is refused
+    # with RESOURCE_EXHAUSTED (0: no bound)
     max_attempts: PositiveInt = 3  # runs of one job: re-runs after a stalled stage; a gateway restart spends none
     # (its own bound: runner.MAX_RESTART_RERUNS re-runs of a job caught in a stage)
     # Per-phase stall limits in seconds, measured from the phase's last progress event.
@@ -485,7 +485,7 @@ class SupervisorConfig(Section):
     backoff_s: NonNegativeFloat = 1.0  # wait before the k-th restart within the window: backoff_s * 2^(k-1) ...
     max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
     stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
-    # start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
+    # Start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
     # shapes compile first (minutes each)
     start_timeout_s: PositiveFloat = 300.0
     # start the model processes (services, the DiT's ranks, every restart) as forks of one process that imported
