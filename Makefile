@@ -43,7 +43,17 @@ PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadsco
 # the same experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone
 # (+18.7 / +11.5 %), so it must not decide whether the rest of the suite passed (.ci/run reports it after).
 # --durations: the slowest tests of this run, what tests/conftest.py's LONGEST_FIRST is kept up to date from.
-test: all
+# The console's tests drive Debian's Chromium through Playwright (tests/test_console.py): installed here with apt-get
+# where that can run (as root), as CI's machine does; elsewhere the tests skip and say so, and the README names it
+# among the prerequisites.
+CHROMIUM := /usr/bin/chromium
+.PHONY: chromium
+chromium:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "make: no Chromium at $(CHROMIUM), and apt-get cannot install it here: the console tests will skip"
+
+test: all chromium
 	@started=$$(date +%s); $(PYTEST) -m "not timing" --durations=25; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
