@@ -23,8 +23,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-pytestmark = pytest.mark.processes
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "h3serve"
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -232,6 +230,7 @@ def test_make_installs_every_extra_demo_and_test_use():
 
 
 @pytest.mark.slow
+@pytest.mark.processes  # a fresh venv, pip, the CLI
 @pytest.mark.timeout(600)
 def test_a_plain_install_runs_the_gateway_without_torch(tmp_path):
     """`pip install <checkout>` (no extras) into a fresh venv with this machine's pip and package index, from the

@@ -222,6 +222,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
                 f"removed by the retention policy)",
             )
+        assert found is not None  # context.abort raised otherwise
         artifact, path = found
         file = await asyncio.to_thread(open, path, "rb")
         try:

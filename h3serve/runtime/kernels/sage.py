@@ -38,7 +38,7 @@ def check_build(capability: tuple[int, int]) -> None:
         raise RuntimeError(
             f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
             f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
-            f'for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, docs/deploy/small-gpus.md)'
+            f"for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, docs/deploy/small-gpus.md)"
         )
 
 
