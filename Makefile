@@ -14,12 +14,13 @@ all: $(VENV)/.installed proto
 EXTRAS := model,experiment,test,dev,docs
 
 # torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
+# The install generates the stubs (setup.py); after editing a proto in an editable checkout, this makes them again.
 proto: $(STUBS)
 
 h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed

@@ -186,9 +186,7 @@ def refusal_heard(messages: Iterable) -> Iterator[None]:
         raise
 
 
-def read_spec_stream(
-    messages: Iterable, expect: Callable[[Any], Expected]
-) -> tuple[Any, dict[str, torch.Tensor]]:
+def read_spec_stream(messages: Iterable, expect: Callable[[Any], Expected]) -> tuple[Any, dict[str, torch.Tensor]]:
     """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
 
     `expect(spec)` runs as soon as the spec arrives, before any chunk is read: it checks the spec (raising to
