@@ -70,7 +70,7 @@ test-timing: all
 # Lint, format and types ([tool.ruff] and [tool.mypy] in pyproject.toml say what each checks).
 check: all
 	$(PY) -m ruff check
-	$(PY) -m ruff format --check h3serve tests bench tools
+	$(PY) -m ruff format --check h3serve tests bench tools setup.py
 	$(PY) -m mypy
 
 clean:
