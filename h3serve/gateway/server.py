@@ -73,6 +73,8 @@ def admission(config: GatewayConfig) -> CapacityTable:
         refuse(f"[gateway] {config.deploy_file}: {reason}")
     if not planned.bounded:
         log.info("admission: max_rows and the capacity table only: the plan bounds nothing (%s)", planned.unbounded)
+    for line in planned.lines() if planned.bounded else []:
+        log.info("admission: %s", line.strip())
     for line in planned.lowered():
         log.warning("admission: %s", line)
     return CapacityTable(config.capacity, config.max_rows, planned)
