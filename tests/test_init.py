@@ -99,6 +99,7 @@ def test_a_small_disk_leaves_out_a_profile_whose_fp8_store_it_cannot_hold(tmp_pa
 def test_the_box_readers():
     smi = "81559, 519, 9.0\n24564, 340, 8.9\n"
     assert boxes.parse_nvidia_smi(smi) == (boxes.Gpu(79.1, (9, 0)), boxes.Gpu(23.7, (8, 9)))
+    assert boxes.parse_nvidia_smi("81559, 9.0\n") == (boxes.Gpu(79.6, (9, 0)),), "a driver without memory.reserved"
     assert [boxes.capability(v) for v in ("9.0", "sm_75", "120", [8, 9], 8.9)] == [
         (9, 0),
         (7, 5),

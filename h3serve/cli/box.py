@@ -23,7 +23,8 @@ from pathlib import Path
 from h3serve.common.processes import GIB, MEMINFO, read_meminfo
 
 NVIDIA_SMI = ("nvidia-smi", "--format=csv,noheader,nounits")
-FIELDS = "memory.total,memory.reserved,compute_cap"  # MiB, MiB, "9.0"
+# MiB, MiB, "9.0"; a driver that knows no memory.reserved refuses the query, and is asked without it
+FIELDS = ("memory.total,memory.reserved,compute_cap", "memory.total,compute_cap")
 MIB = 1 << 20
 
 
@@ -99,18 +100,20 @@ def read_file(path: str | Path) -> Box:
 
 
 def parse_nvidia_smi(output: str) -> tuple[Gpu, ...]:
-    """nvidia-smi's `--query-gpu=memory.total,memory.reserved,compute_cap` CSV (no header, no units), one GPU a line."""
+    """nvidia-smi's `--query-gpu` CSV of FIELDS (no header, no units), one GPU a line: total and reserved MiB (or the
+    total alone) and the compute capability."""
     gpus = []
     for line in output.strip().splitlines():
-        total, reserved, cap = (field.strip() for field in line.split(","))
-        gpus.append(Gpu(round((int(total) - int(reserved)) * MIB / GIB, 1), capability(cap)))
+        *memory, cap = (field.strip() for field in line.split(","))
+        total, reserved = int(memory[0]), int(memory[1]) if len(memory) > 1 else 0
+        gpus.append(Gpu(round((total - reserved) * MIB / GIB, 1), capability(cap)))
     return tuple(gpus)
 
 
 def machine_gpus() -> tuple[tuple[Gpu, ...], str]:
     """This machine's GPUs and how they were read: nvidia-smi, else torch (where installed), else none."""
-    if shutil.which(NVIDIA_SMI[0]):
-        done = subprocess.run([*NVIDIA_SMI, f"--query-gpu={FIELDS}"], capture_output=True, text=True, timeout=60)
+    for fields in FIELDS if shutil.which(NVIDIA_SMI[0]) else ():
+        done = subprocess.run([*NVIDIA_SMI, f"--query-gpu={fields}"], capture_output=True, text=True, timeout=60)
         if done.returncode == 0:
             return parse_nvidia_smi(done.stdout), "nvidia-smi"
     try:

@@ -48,6 +48,9 @@ def _run(args) -> None:
     print("\n".join(lines), flush=True)
     if not verdicts[-1].fits:
         raise SystemExit(REFUSED)
+    chosen = verdicts[-1].config
+    if not args.model_dir and chosen is not None:
+        print(f"[model] dir is the profile's {chosen.gateway.model_dir!r}: --model-dir sets yours", flush=True)
     text = deployment(verdicts[-1], lines)
     if args.dry_run:
         print(f"\n--dry-run: not written to {args.out}:\n\n{text}", end="")

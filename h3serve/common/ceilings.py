@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from h3serve.common.config import ConfigError, DeployConfig
+from h3serve.common.config import ConfigError, DeployConfig, parse_shape
 from h3serve.common.memory_plan import DEFAULT_TEXT_ROWS, Plan, plan, workload
 from h3serve.model import rules
 
@@ -135,7 +135,7 @@ class Ceilings:
         """The canvases to print: the deployment's default, its warm-up shapes' and the model's usual sizes that it
         serves, largest first."""
         geometry = self.config.gateway.geometry
-        shapes = [tuple(int(side) for side in shape.split("x")[:2]) for shape in self.config.dit.warmup]
+        shapes = [parse_shape(shape)[:2] for shape in self.config.dit.warmup]
         listed = [geometry.default_canvas, *shapes, *NAMED_CANVASES]
         served = [(h, w) for h, w in listed if h * w <= geometry.canvas_max_pixels]
         return sorted(dict.fromkeys(served), key=lambda canvas: -canvas[0] * canvas[1])
