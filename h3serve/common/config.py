@@ -319,6 +319,11 @@ class DiTConfig(CompiledServiceConfig):
     # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
+    # When a start that quantised writes the served fp8 weights to fp8_cache_dir (resident weights only: a streamed or
+    # sharded start writes them before it goes on): "before_serving" holds health NOT_SERVING until they are written
+    # (beside the warm-up), so no request runs under the save; "background" turns SERVING without waiting, and the
+    # first requests share the machine with the save (h3serve/runtime/fp8_store.py)
+    fp8_save: Literal["before_serving", "background"] = "before_serving"
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See docs/performance.md, "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
@@ -433,6 +438,9 @@ class GatewayConfig(Section):
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor
+    # the deployment file it was read from (load_deploy sets it): admission plans the largest request each workflow
+    # can hold from the whole deployment (h3serve/common/ceilings.py); empty: no plan, max_rows and capacity only
+    deploy_file: str = ""
     max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is refused
     # with RESOURCE_EXHAUSTED (0: no bound)
     max_attempts: PositiveInt = 3  # runs of one job: re-runs after a stalled stage; a gateway restart spends none
@@ -544,7 +552,9 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
         name: _checked(config.service(name), {**shared, **tables[name]}, f"{path} [{name}]") for name in SERVICES
     }
     stages = {name: service.address for name, service in services.items()}
-    gateway = _checked(config.gateway, {**shared, **stages, **tables["gateway"]}, f"{path} [gateway]")
+    gateway = _checked(
+        config.gateway, {**shared, **stages, **tables["gateway"], "deploy_file": str(path)}, f"{path} [gateway]"
+    )
     supervisor = _checked(config.supervisor, tables["supervisor"], f"{path} [supervisor]")
     deploy = DeployConfig(gateway=gateway, supervisor=supervisor, **services)
     problems = _gateway_within_services(deploy)
