@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch  # noqa: F401  # its import loads the NVRTC of torch's CUDA wheel, which cuda-bindings then uses
+
 log = logging.getLogger("h3serve.nvrtc_cache")
 DIRECTORY_ENV = "H3SERVE_KERNEL_CACHE"  # overrides the directory below
 TARGET = re.compile(r"^(sm|compute)_(\d+)$")
