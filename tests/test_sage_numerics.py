@@ -1,9 +1,7 @@
-"""A CPU model of the sage_fp16 kernel's arithmetic against fp64 attention (issue 49's accuracy bars).
+"""The sage_fp16 kernel's arithmetic (its CPU model, tests/sage_model.py) against fp64 attention: issue 49's bars.
 
-The model takes the kernel's own inputs (h3serve/runtime/kernels/sage_prepare.py runs here as on the GPU) and
-repeats its loop: 64-key tiles, int8 Q.K^T exact in int32, scores = float(int32) * (q_scale * k_scale) in fp32,
-online softmax in fp32 with exp2, P rounded to fp16, P.V accumulated in fp32, O / l * v_scale rounded to bf16.
-Two points differ by less than the bars can see: the kernel's ex2.approx (2 ulp) and its fp32 summation order.
+On a GPU (`-m gpu`), the kernel itself against the model: the same numbers but for the kernel's ex2.approx and
+its fp32 summation order.
 """
 
 from __future__ import annotations
@@ -13,42 +11,14 @@ import torch
 
 from bench.common import Size, denoise_spec
 from h3serve.runtime.kernels import local, sage_prepare
-from h3serve.runtime.kernels.sage_prepare import BLOCK_K, HEAD_DIM, WARP_ROWS, Prepared
+from h3serve.runtime.kernels.sage_prepare import HEAD_DIM
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit.runner import DenoiseRunner, served
+from tests.sage_model import attention_fp64, kernel_model, kernel_vs_model
 
 ROWS, HEADS = 2000, 2  # not a multiple of 64: the tail keys and rows are exercised
 GAUSSIAN = {"cosine": 0.9999, "rel_l1": 0.015}
 DIT_LIKE = {"cosine": 0.999, "rel_l1": 0.03}
-
-
-def kernel_model(p: Prepared) -> torch.Tensor:
-    """What the kernel writes, (batch, rows, heads, HEAD_DIM) bf16."""
-    q8, k8, vt = p.q.double(), p.k.double(), p.vt.float()
-    q_scale = p.q_scale.repeat_interleave(WARP_ROWS, dim=1)  # (batch*heads, n_pad): each warp's scale
-    m = torch.full(q_scale.shape, float("-inf"))
-    total = torch.zeros(q_scale.shape)  # the softmax denominator
-    o = torch.zeros(*q_scale.shape, HEAD_DIM)
-    keys = torch.arange(BLOCK_K)
-    for tile in range(p.n_pad // BLOCK_K):
-        window = slice(tile * BLOCK_K, (tile + 1) * BLOCK_K)
-        acc = (q8 @ k8[:, window].transpose(1, 2)).float()  # exact: |acc| <= 127 * 127 * 128 < 2**24
-        scores = acc * (q_scale * p.k_scale[:, tile : tile + 1])[..., None]
-        scores = scores.masked_fill(tile * BLOCK_K + keys >= p.rows, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(dim=-1))
-        alpha = torch.exp2(m - m_new)
-        probs = torch.exp2(scores - m_new[..., None])
-        total = total * alpha + probs.sum(dim=-1)
-        o = o * alpha[..., None] + probs.half().float() @ vt[:, :, window].transpose(1, 2)
-        m = m_new
-    out = o * (1 / total)[..., None] * p.v_scale[:, None, :]
-    out = out[:, : p.rows].view(p.batch, p.heads, p.rows, HEAD_DIM).transpose(1, 2)
-    return out.to(torch.bfloat16)
-
-
-def attention_fp64(q, k, v, scale):
-    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
-    return (torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v).transpose(1, 2)
 
 
 def errors(q, k, v) -> dict[str, float]:
@@ -163,3 +133,16 @@ def test_the_tiny_models_real_attention_inputs_meet_the_dit_bar(tiny_attention_i
         rel_l1 = ((got - want).abs().sum() / want.abs().sum()).item()
         print(f"tiny attention {tuple(q.shape)}: cosine {cosine:.6f}, rel L1 {rel_l1:.4f}")
         assert torch.isfinite(got).all() and meets({"cosine": cosine, "rel_l1": rel_l1}, DIT_LIKE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("target", ["native", "compute_75"])
+def test_the_kernel_on_a_gpu_computes_what_its_model_does(target):
+    from h3serve.runtime.kernels import sage
+
+    major, minor = torch.cuda.get_device_capability()
+    loaded = sage.kernel(torch.cuda.current_device(), f"sm_{major}{minor}" if target == "native" else target)
+    measured = kernel_vs_model(loaded, *gaussian(5, rows=1000))
+    print(target, measured)
+    assert measured["written"] and measured["matches"], measured
