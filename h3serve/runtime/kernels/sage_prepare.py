@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 HEAD_DIM = 128  # the DiT's; the kernel's fragment loops are unrolled for it
 BLOCK_Q = 64  # query rows per thread block
@@ -52,39 +51,40 @@ def padded_rows(rows: int) -> int:
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> Prepared:
-    """(batch, rows, heads, HEAD_DIM) q, k, v of any float dtype -> the kernel's inputs."""
+    """(batch, rows, heads, HEAD_DIM) q, k, v of any float dtype -> the kernel's inputs. Each is copied once to fp32
+    head-major and worked on in place there: the pre-pass holds about two fp32 copies of one input at a time."""
     batch, rows, heads, head_dim = q.shape
     if head_dim != HEAD_DIM or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"sage_fp16 takes q, k, v of one shape (batch, rows, heads, {HEAD_DIM}); got {q.shape}")
     n_pad = padded_rows(rows)
-    keys = k.float()
-    keys = keys - keys.mean(dim=1, keepdim=True)
-    q8, q_scale = quantise(q, WARP_ROWS, n_pad)
-    k8, k_scale = quantise(keys, BLOCK_K, n_pad)
-    vt, v_scale = fp16_channels(v, n_pad)
+    q8, q_scale = quantise(head_major(q, n_pad), WARP_ROWS)
+    keys = head_major(k, n_pad)
+    keys[:, :rows] -= keys[:, :rows].mean(dim=1, keepdim=True)  # the padding rows stay zero
+    k8, k_scale = quantise(keys, BLOCK_K)
+    vt, v_scale = fp16_channels(head_major(v, n_pad))
     return Prepared(q8, q_scale * (softmax_scale * math.log2(math.e)), k8, k_scale, vt, v_scale, batch, rows, heads)
 
 
 def head_major(x: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """(batch, rows, heads, d) -> fp32 (batch*heads, n_pad, d), the padding rows zero."""
+    """(batch, rows, heads, d) -> a new fp32 (batch*heads, n_pad, d), the padding rows zero."""
     batch, rows, heads, d = x.shape
-    x = x.float().transpose(1, 2).reshape(batch * heads, rows, d)
-    return F.pad(x, (0, 0, 0, n_pad - rows))
+    out = torch.zeros(batch * heads, n_pad, d, dtype=torch.float32, device=x.device)
+    out.view(batch, heads, n_pad, d)[:, :, :rows].copy_(x.transpose(1, 2))
+    return out
 
 
-def quantise(x: torch.Tensor, block: int, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 (batch*heads, n_pad, d) rounded half to even, and one fp32 scale per `block` rows of a head."""
-    rows = head_major(x, n_pad)
-    blocks = rows.view(rows.shape[0], n_pad // block, block, rows.shape[-1])
+def quantise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (batch*heads, n_pad, d), overwritten -> int8 of the same shape, rounded half to even, and one fp32
+    scale per `block` rows."""
+    blocks = rows.view(rows.shape[0], rows.shape[1] // block, block, rows.shape[-1])
     scale = blocks.abs().amax(dim=(2, 3)).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
-    q8 = (blocks / scale[..., None, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q8.view_as(rows), scale
+    q8 = blocks.div_(scale[..., None, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q8.view(rows.shape), scale
 
 
-def fp16_channels(v: torch.Tensor, n_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """V / v_scale in fp16, channel-major (batch*heads, d, n_pad), and v_scale (batch*heads, d): per channel
-    the power of two that brings max |V| under 2**V_RANGE_LOG2."""
-    rows = head_major(v, n_pad)
+def fp16_channels(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (batch*heads, n_pad, d), overwritten -> V / v_scale in fp16, channel-major (batch*heads, d, n_pad), and
+    v_scale (batch*heads, d): per channel the power of two that brings max |V| under 2**V_RANGE_LOG2."""
     _, exponent = torch.frexp(rows.abs().amax(dim=1))  # amax < 2**exponent (0 for an all-zero channel)
     scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - V_RANGE_LOG2)
-    return (rows / scale[:, None, :]).to(torch.float16).transpose(1, 2).contiguous(), scale
+    return rows.div_(scale[:, None, :]).to(torch.float16).transpose(1, 2).contiguous(), scale
