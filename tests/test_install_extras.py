@@ -184,7 +184,7 @@ def test_the_cli_starts_on_the_base_and_its_commands_use_their_extras():
 
 def test_the_model_services_need_the_model_extra():
     kernels = local_kernel_modules()
-    assert {"cudnn", "flash_attn", "sageattention"} <= kernels, kernels
+    assert {"cudnn", "flash_attn", "cuda"} <= kernels, kernels
     wrong = check(files("runtime", "services"), ("", "model", "gpu"), (), extra=kernels)
     assert not wrong, "\n".join(wrong)
 
