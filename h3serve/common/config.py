@@ -51,8 +51,8 @@ DAY_S = 24 * 3600.0
 
 FLOAT16_REFUSED = (
     "float16 is refused for the MiniMax-H3 DiT: its activations pass float16's largest value (65504) "
-    "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
-    'inside attention_backend = "sage")'
+    "and the video turns black; use bfloat16, and for fp16 tensor cores (sm_75) "
+    'linear_precision = "fp16_scaled" (fp16 GEMMs that cannot overflow)'
 )
 
 # Limits both the gateway and a service hold to: one definition, the default of both sections; a deployment whose
@@ -332,6 +332,11 @@ class DiTConfig(CompiledServiceConfig):
     # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
     # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
     offload: Literal["none", "group"] = "none"
+    # "fp16_scaled": the linears on fp16 tensor cores (sm_75 has none for bf16) without overflow: fp32 residual stream,
+    # fp16 GEMMs of x / K times K per layer kind (h3serve/runtime/fp16_linears.py; docs/turing-memory.md)
+    linear_precision: Literal["bf16", "fp16_scaled"] = "bf16"
+    # "int8": the block linears held as int8 with per-channel scales (~31 GiB), widened to fp16 as each runs
+    weights: Literal["bf16", "int8"] = "bf16"
     # The `transformer` partition (t2va, fl2va) from one file users already have: the published single-file layout
     # (.safetensors) or a GGUF of it (.gguf, kept quantised); its config and every other component from [model] dir.
     # A missing or unloadable file is refused at the DiT's start (h3serve/services/dit/transformer_file.py).
@@ -391,6 +396,24 @@ class DiTConfig(CompiledServiceConfig):
         if offload == "group" and info.data.get("world_size", 1) > 1:
             raise ValueError('"group" offload runs one rank; a group of ranks shards with fsdp (and fsdp_offload)')
         return offload
+
+    @field_validator("linear_precision")
+    @classmethod
+    def _scaled_from_bf16(cls, precision: str, info: ValidationInfo) -> str:
+        if precision == "bf16":
+            return precision
+        if info.data.get("dtype") != "bfloat16" or info.data.get("fp8"):
+            raise ValueError('"fp16_scaled" converts the bf16 linears: it needs dtype = "bfloat16" and fp8 = false')
+        if info.data.get("adapters") or info.data.get("offload") == "group":
+            raise ValueError('"fp16_scaled" is not served with adapters or offload = "group"')
+        return precision
+
+    @field_validator("weights")
+    @classmethod
+    def _int8_through_fp16(cls, weights: str, info: ValidationInfo) -> str:
+        if weights == "int8" and info.data.get("linear_precision") != "fp16_scaled":
+            raise ValueError('"int8" weights are widened into the fp16 GEMM: it needs linear_precision = "fp16_scaled"')
+        return weights
 
     @field_validator("adapter_mode")
     @classmethod
