@@ -11,21 +11,10 @@ on disk (h3serve/runtime/kernels/nvrtc_cache.py): a pip install needs no nvcc. T
 on torch's current stream, all inside the `h3serve::sage` custom op, so torch.compile, FSDP2 and Ulysses (the
 local slot, h3serve/runtime/kernels/local.py) see one opaque op. bf16 in, bf16 out (the input dtype returned).
 
-<<<<<<< HEAD
-K is smoothed here, out of place: the package's own `smooth_k` subtracts the mean from the caller's keys in
-place, which an opaque custom op must not do. Subtracting K's mean over the tokens moves every score of one
-query row by the same amount, so the softmax is unchanged and the int8 range is spent on what differs.
-diffusers' own `sage*` backends need a SageAttention >= 2.1.1 build (from source; docs/deploy/small-gpus.md).
-
-Which build runs where: 1.x is Triton only, and Triton (3.3 on) targets sm_80 and newer; below that its matrix
-products run without tensor cores. On sm_75 the package's `sageattn` must come from a SageAttention 2.x build for
-that card (`TORCH_CUDA_ARCH_LIST=7.5`), whose `sageattn` dispatches to CUDA kernels; `check_build` refuses 1.x there.
-=======
 It runs on any NVIDIA GPU from sm_75. On sm_80+ a SageAttention 2.x build stays choosable through diffusers'
 own backend names (e.g. `_sage_qk_int8_pv_fp16_cuda`). H3SERVE_SAGE_TARGET forces the NVRTC target:
 `compute_75` gives Turing's PTX, which the driver JIT-compiles for a newer card, so an H100 runs (and checks
 the numbers of) the sm_75 code path; bench/sage_turing.py does that.
->>>>>>> kernel
 """
 
 from __future__ import annotations
@@ -106,11 +95,6 @@ def check_build(capability: tuple[int, int]) -> None:
         supported = nvrtc_cache.supported_architectures()
     except Exception as exc:  # cuda-bindings raises its own error types when the library is missing
         raise RuntimeError(
-<<<<<<< HEAD
-            f"attention backend {NAME!r}: sageattention {installed} is Triton only, and Triton targets "
-            f"sm_80 and newer; on sm_{capability[0]}{capability[1]} install a SageAttention 2.x build "
-            f"for it (TORCH_CUDA_ARCH_LIST={capability[0]}.{capability[1]}, docs/deploy/small-gpus.md)"
-=======
             f"attention backend {NAME!r} compiles its kernel at first use with NVRTC, which cannot be loaded "
             f"(install nvidia-cuda-nvrtc, which torch's CUDA wheels depend on): {exc}"
         ) from exc
@@ -118,7 +102,6 @@ def check_build(capability: tuple[int, int]) -> None:
         raise RuntimeError(
             f"attention backend {NAME!r}: NVRTC {nvrtc_cache.nvrtc_version()} cannot compile for {target} "
             f"(it supports {', '.join(map(str, supported))})"
->>>>>>> kernel
         )
     kernel(torch.cuda.current_device(), target)
 
