@@ -91,7 +91,11 @@ def test_same_sign_large_values_stay_finite_and_accurate(magnitude):
 @pytest.fixture(scope="module")
 def tiny_attention_inputs() -> list[tuple[torch.Tensor, ...]]:
     """The q, k, v of every attention call in one forward of the tiny MiniMax-H3 (through the local slot)."""
-    from diffusers.models.attention_dispatch import _HUB_KERNELS_REGISTRY, AttentionBackendName
+    from diffusers.models.attention_dispatch import (
+        _HUB_KERNELS_REGISTRY,
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+    )
 
     calls = []
 
@@ -100,7 +104,7 @@ def tiny_attention_inputs() -> list[tuple[torch.Tensor, ...]]:
         return attention_fp64(q, k, v, q.shape[-1] ** -0.5).to(q.dtype)
 
     slot = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB]
-    before = slot.kernel_fn
+    before, active = slot.kernel_fn, _AttentionBackendRegistry._active_backend  # process-wide: put back after
     transformer = build_component("transformer")
     local.install(capture)
     local.use(transformer)
@@ -116,6 +120,7 @@ def tiny_attention_inputs() -> list[tuple[torch.Tensor, ...]]:
         runner.run(spec, embeds, torch.ones(12, dtype=torch.int64), lambda step, total: None)
     finally:
         slot.kernel_fn = before
+        _AttentionBackendRegistry.set_active_backend(active)
     return calls
 
 

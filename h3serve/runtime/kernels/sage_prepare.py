@@ -52,7 +52,8 @@ def padded_rows(rows: int) -> int:
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> Prepared:
     """(batch, rows, heads, HEAD_DIM) q, k, v of any float dtype -> the kernel's inputs. Each is copied once to fp32
-    head-major and worked on in place there: the pre-pass holds about two fp32 copies of one input at a time."""
+    head-major and worked on in place there: at its peak (V's turn) the pre-pass holds int8 Q and K, one fp32 copy
+    and the fp16 V, 8 bytes per element of one input (the op's bf16 output adds 2)."""
     batch, rows, heads, head_dim = q.shape
     if head_dim != HEAD_DIM or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"sage_fp16 takes q, k, v of one shape (batch, rows, heads, {HEAD_DIM}); got {q.shape}")
@@ -76,15 +77,22 @@ def head_major(x: torch.Tensor, n_pad: int) -> torch.Tensor:
 def quantise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (batch*heads, n_pad, d), overwritten -> int8 of the same shape, rounded half to even, and one fp32
     scale per `block` rows."""
-    blocks = rows.view(rows.shape[0], rows.shape[1] // block, block, rows.shape[-1])
-    scale = blocks.abs().amax(dim=(2, 3)).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
-    q8 = blocks.div_(scale[..., None, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    blocks = rows.view(rows.shape[0], rows.shape[1] // block, block * rows.shape[-1])
+    scale = abs_max(blocks, dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
+    q8 = blocks.div_(scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q8.view(rows.shape), scale
 
 
 def fp16_channels(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (batch*heads, n_pad, d), overwritten -> V / v_scale in fp16, channel-major (batch*heads, d, n_pad), and
     v_scale (batch*heads, d): per channel the power of two that brings max |V| under 2**V_RANGE_LOG2."""
-    _, exponent = torch.frexp(rows.abs().amax(dim=1))  # amax < 2**exponent (0 for an all-zero channel)
+    _, exponent = torch.frexp(abs_max(rows, dim=1))  # amax < 2**exponent (0 for an all-zero channel)
     scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent - V_RANGE_LOG2)
-    return rows.div_(scale[:, None, :]).to(torch.float16).transpose(1, 2).contiguous(), scale
+    vt = torch.empty(rows.shape[0], rows.shape[2], rows.shape[1], dtype=torch.float16, device=rows.device)
+    return vt.copy_(rows.div_(scale[:, None, :]).transpose(1, 2)), scale
+
+
+def abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along `dim` without a full-size |x| temporary."""
+    low, high = torch.aminmax(x, dim=dim)
+    return torch.maximum(-low, high)
