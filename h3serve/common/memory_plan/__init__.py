@@ -21,6 +21,7 @@ from h3serve.common.memory_plan.counts import (
 )
 from h3serve.common.memory_plan.gpu import (
     CONTEXT_GIB,
+    DEFAULT_TEXT_ROWS,
     DIT_ACT_FIXED_GIB,
     DIT_ACT_PER_ROW_GIB,
     DIT_SPLIT_FACTOR,
@@ -62,6 +63,7 @@ __all__ = [
     "AUDIO_VAE",
     "CONTEXT_GIB",
     "CPU_PROCESS_BASE_GIB",
+    "DEFAULT_TEXT_ROWS",
     "DIT_ACT_FIXED_GIB",
     "DIT_ACT_PER_ROW_GIB",
     "DIT_SPLIT_FACTOR",

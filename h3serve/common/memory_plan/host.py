@@ -261,6 +261,6 @@ def check_host(service: str, section: ModelServiceConfig, available_gib: float) 
         raise HostMemoryError(
             f"host memory: {service} needs {need.start:.1f} GiB of private host memory at start "
             f"({need.parts('start')}), but the host has {available_gib:.1f} GiB available (MemAvailable); "
-            f'`h3serve plan` shows every service\'s part (README "Host memory")'
+            f"`h3serve plan` shows every service's part (docs/deploy/host-memory.md)"
         )
     return need

@@ -27,8 +27,8 @@ Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` cho
   to `device` on a side CUDA stream while the one before it runs (h3serve/runtime/offload.py, as the DiT's
   `offload = "group"`); the embedding, the norms and the vision tower's patch and position embeddings and merger
   are copied whole, without the stream, when their module runs. Every request not in the embedding cache still
-  moves the whole model over PCIe: 2.2-2.6 s for a 256-token prompt in the 32 GB profile on one H200 (README
-  "Small GPUs"), where accelerate's `cpu_offload`, which this replaced (synchronous copies from pageable memory),
+  moves the whole model over PCIe: 2.2-2.6 s for a 256-token prompt in the 32 GB profile on one H200 (docs/deploy/
+  small-gpus.md), where accelerate's `cpu_offload`, which this replaced (synchronous copies from pageable memory),
   took 8.8-9.0 s. Needs a CUDA `device` (on the CPU the weights are in host memory
   already: refused as doing nothing). With `quantize = "int8"` the int8 weights are what host memory holds (25.7
   GiB for the released encoder instead of 48.9: what makes the 32 GB profile fit a 64 GB host); each decoder
