@@ -29,7 +29,7 @@ class QueueFull(Exception):
 
     def __init__(self, depth: int, bound: int):
         self.depth, self.bound = depth, bound
-        super().__init__(f"the job queue is full: {depth} unfinished jobs, the bound is {bound}; retry later")
+        super().__init__(f"the job queue is full: {depth} unfinished jobs, the bound is {bound}")
 
 
 class RequestIdConflict(Exception):
