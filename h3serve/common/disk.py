@@ -47,6 +47,12 @@ def full_named(directory: str) -> Iterator[None]:
         raise
 
 
+def space_wanted(directory: str, needed: int) -> str:
+    """Where a write waits for space, what is free there and what it needs: "disk full: DIR (N MiB free of M MiB on
+    the file system mounted at MOUNT): N MiB needed"."""
+    return f"{MARK}: {directory} ({_space(directory)}): {_size(needed)} needed"
+
+
 def _reason(cause: BaseException) -> str:
     return cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
 
