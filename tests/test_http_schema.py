@@ -7,8 +7,10 @@ The gateway runs alone (its stages down), so a valid create only queues a job; t
 full-queue 429 is reached too. Two 503s tell the truth and are the only ones allowed: `/healthz` while the stages are
 down, and a create naming adapters while no DiT replica can check them (`UNAVAILABLE`, "try again"). Every other
 answer is below 500, and every 4xx is OpenAI's error JSON. A schema-valid request may still be refused (400) where
-validity depends on what is stored, which no schema can say: an upload's bytes (a real PNG, MP4...) and a create
-naming an uploaded asset of the wrong kind; only there is 400 an accepted answer to positive data.
+validity depends on what is stored or on several fields at once, which no schema can say: an upload's bytes (a real
+PNG, MP4...), and a create's rules across fields (the canvas budget of height x width, the keyframes a workflow needs,
+adapters the DiT serves, an uploaded asset of the right kind); only there is 400 an accepted answer to positive data.
+Every rule of one field is in the document (h3serve/gateway/http/schema.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ checks.positive_data_acceptance.expected-statuses = {ACCEPTED}
 include-path = "/v1/videos"
 include-method = "POST"
 checks.positive_data_acceptance.expected-statuses = {ACCEPTED}
+
 """
 TRUTHFUL_503 = ("no DiT replica is serving now",)
 

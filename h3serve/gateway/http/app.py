@@ -346,7 +346,7 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
         return FileResponse(CONSOLE / "index.html", headers=REVALIDATE)
 
     app.mount("/console", _ConsoleFiles(directory=CONSOLE), name="console")
-    schema.install(app, config, MAX_LIMIT)
+    schema.install(app, config, MAX_LIMIT, videos.SIZE.pattern)
     return app
 
 

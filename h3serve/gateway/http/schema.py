@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 
 from h3serve.common.config import GatewayConfig
 from h3serve.model.adapters import MAX_SHIFT
-from h3serve.model.rules import MIN_STEPS
+from h3serve.model.rules import MAX_SECONDS_EXACT, MIN_SECONDS, MIN_STEPS
 
 ERROR = {
     "type": "object",
@@ -49,19 +49,21 @@ REFUSALS = {
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer", "minimum": 0}}}
 
 
-def install(app: FastAPI, config: GatewayConfig, max_limit: int) -> None:
+def install(app: FastAPI, config: GatewayConfig, max_limit: int, size_pattern: str) -> None:
     """Serve the completed document at /openapi.json (built once, on its first request)."""
-    app.openapi = _document(app, config, max_limit)  # type: ignore[method-assign]
+    app.openapi = _document(app, config, max_limit, size_pattern)  # type: ignore[method-assign]
 
 
-def _document(app: FastAPI, config: GatewayConfig, max_limit: int) -> Callable[[], dict[str, Any]]:
+def _document(app: FastAPI, config: GatewayConfig, max_limit: int, size_pattern: str) -> Callable[[], dict[str, Any]]:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             for path, operations in schema["paths"].items():
                 for method, operation in operations.items():
                     _refusals(operation)
-                    _constraints(path, method, operation, config, max_limit)
+                    _constraints(path, operation, max_limit)
+                    if (path, method) == ("/v1/videos", "post"):
+                        _create_body(operation, config, size_pattern)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -78,7 +80,7 @@ def _refusals(operation: dict) -> None:
         responses.setdefault(status, response)
 
 
-def _constraints(path: str, method: str, operation: dict, config: GatewayConfig, max_limit: int) -> None:
+def _constraints(path: str, operation: dict, max_limit: int) -> None:
     """What the routes check by hand (app.py), said in the schema."""
     query = {
         "limit": {"type": "integer", "minimum": 1, "maximum": max_limit},
@@ -95,12 +97,19 @@ def _constraints(path: str, method: str, operation: dict, config: GatewayConfig,
             "description": "not serving: a stage is down",
             "content": {"application/json": {"schema": {"type": "object", "properties": {"serving": {}}}}},
         }
-    if (path, method) == ("/v1/videos", "post"):
-        body = operation["requestBody"]["content"]["application/json"]["schema"]
-        fields = body["properties"]
-        fields["prompt"].update(minLength=1, maxLength=config.max_prompt_chars, pattern=r"\S")
-        steps = {"type": "integer", "minimum": MIN_STEPS, "maximum": config.max_steps}
-        fields["steps"] = {"anyOf": [steps, {"const": 0}, {"type": "null"}], "description": "0 or null: the default"}
-        shift = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SHIFT}
-        for name in ("flow_shift", "audio_flow_shift"):
-            fields[name] = {"anyOf": [shift, {"type": "null"}]}
+
+
+def _create_body(operation: dict, config: GatewayConfig, size_pattern: str) -> None:
+    """The create body's rules of one field each. The rules across fields (the canvas budget of height x width,
+    the keyframes a workflow needs, adapters the DiT serves, an uploaded asset of the right kind) are the
+    gateway's, refused with 400 naming the field: no schema says them."""
+    fields = operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    seconds = {"type": "number", "minimum": MIN_SECONDS, "maximum": MAX_SECONDS_EXACT}
+    fields["seconds"] = {"anyOf": [seconds, {"const": 0}, {"type": "null"}], "description": "0 or null: the default"}
+    fields["size"] = {"anyOf": [{"type": "string", "pattern": f"^{size_pattern}$"}, {"type": "null"}]}
+    fields["prompt"].update(minLength=1, maxLength=config.max_prompt_chars, pattern=r"\S")
+    steps = {"type": "integer", "minimum": MIN_STEPS, "maximum": config.max_steps}
+    fields["steps"] = {"anyOf": [steps, {"const": 0}, {"type": "null"}], "description": "0 or null: the default"}
+    shift = {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SHIFT}
+    for name in ("flow_shift", "audio_flow_shift"):
+        fields[name] = {"anyOf": [shift, {"type": "null"}]}
