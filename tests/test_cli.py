@@ -19,8 +19,8 @@ import pytest
 from conftest import free_port, run_forked, write_config
 from up_process import own_environment
 
+from h3serve.cli.generate import Progress
 from h3serve.cli.launcher import ServiceGroup, children, is_serving
-from h3serve.cli.main import Progress
 from h3serve.cli.main import main as cli_main
 from h3serve.client import describe_event
 from h3serve.common.config import load_deploy
