@@ -103,7 +103,7 @@ import numpy as np
 import torch
 
 from bench.common import HostPeak, Size, device_label, gpu_peak, host_peak, leaves_gpu_empty, software
-from bench.deployment import free_port, profile_deployment
+from bench.deployment import profile_deployment
 from bench.dit_step import parse_variant
 from bench.media_diff import FramesDiff, MediaDiff
 from bench.placement import PLACEMENTS, Placement
@@ -112,6 +112,7 @@ from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
 from h3serve.cli.reference import ReferenceRequest, load_adapters, reference_pipeline, run_pipeline
 from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.memory_plan import card_size
 from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, run_forked, write_config
+from deployments import write_config
+from forked import run_forked
 from up_process import own_environment
 
 from h3serve.cli.generate import Progress
@@ -24,6 +25,7 @@ from h3serve.cli.launcher import ServiceGroup, children, is_serving
 from h3serve.cli.main import main as cli_main
 from h3serve.client import describe_event
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.model import rules
 from h3serve.v1 import gateway_pb2
 

@@ -17,7 +17,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import HELD, HOLD_STEP, QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
+from dit_holding import HELD, HOLD_STEP
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
@@ -25,6 +26,7 @@ from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common import forkserver
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2

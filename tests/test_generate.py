@@ -9,7 +9,8 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from conftest import HELD, run_forked
+from dit_holding import HELD
+from forked import run_forked
 
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient

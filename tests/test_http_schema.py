@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
-from conftest import free_port, write_config
+from deployments import write_config
 from hypothesis import HealthCheck, given, settings
 
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 
 pytestmark = [pytest.mark.gateway, pytest.mark.slow, pytest.mark.processes]
 EXAMPLES = 150  # per operation with inputs; the total is checked below

@@ -13,13 +13,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import free_port, run_forked, write_config
+from deployments import write_config
+from forked import run_forked
 from media_files import image, mp4, wav
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, media_pb2

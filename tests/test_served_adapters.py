@@ -12,7 +12,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import ADAPTER_GEOMETRY, run_forked
+from deployments import ADAPTER_GEOMETRY
+from forked import run_forked
 from media_files import image
 
 from h3serve.cli.reference import ReferenceRequest, run_reference

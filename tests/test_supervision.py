@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from stand_in_dit_launcher import stand_in_launcher
 from stand_ins import health_server
 from up_process import (
@@ -41,6 +41,7 @@ from up_process import (
 
 from h3serve.cli.serve import ALLOCATOR_SETTING
 from h3serve.client import GatewayClient
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Proc, children, descendants
 from h3serve.common.server import is_serving
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
