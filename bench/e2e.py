@@ -110,13 +110,20 @@ from bench.placement import PLACEMENTS, Placement
 from bench.results import Record, add_output_arguments, command_line, summed, update_results
 from bench.stage_clock import StageClock
 from bench.vae_decode import VaeVariant
-from h3serve.cli.reference import ReferenceRequest, load_adapters, reference_pipeline, run_pipeline
+from h3serve.cli.reference import (
+    ReferenceRequest,
+    load_adapters,
+    reference_pipeline,
+    resolved_params,
+    run_pipeline,
+)
 from h3serve.common.config import AdapterSource, DeployConfig, load_deploy
 from h3serve.common.free_ports import free_port
 from h3serve.common.memory_plan import card_size
 from h3serve.runtime import fp8_store
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import PRESET, THREADS, encode_mp4
+from h3serve.v1 import common_pb2
 
 PROMPT = (
     "A red fox trots through fresh snow between tall pines at dawn; wind lifts powder from the "
@@ -254,17 +261,28 @@ def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, S
 def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
     started = time.perf_counter()
     pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
-    if args.adapter_file:  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
-        load_adapters(pipe, {ADAPTER: AdapterSource(path=args.adapter_file)})
+    sources = {ADAPTER: AdapterSource(path=args.adapter_file)} if args.adapter_file else {}
+    load_adapters(pipe, sources)  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
     ready_s = time.perf_counter() - started
     clock = StageClock(pipe, PIPELINE_STAGES, device)
-    options = dict(adapters=((ADAPTER, 1.0),) if args.adapter_file else (), flow_shift=args.flow_shift)
+
+    def params(steps: int) -> common_pb2.GenerationParams:  # the adapter (if any) at weight 1, the given shift
+        given = common_pb2.GenerationParams(num_inference_steps=steps, seed=SEED, flow_shift=args.flow_shift)
+        given.adapters.extend(common_pb2.Adapter(name=name) for name in sources)
+        return resolved_params(sources, given, steps)
 
     def once(size: Size, steps: int) -> Run:
         clock.reset()
         started = time.perf_counter()
         result = run_pipeline(
-            pipe, ReferenceRequest(PROMPT, size.height, size.width, size.frames, steps, SEED, **options)
+            pipe,
+            ReferenceRequest(
+                PROMPT,
+                size.height,
+                size.width,
+                size.frames,
+                params(steps),
+            ),
         )
         muxed = time.perf_counter()
         video = encode_mp4(

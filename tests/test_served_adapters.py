@@ -54,20 +54,10 @@ def served_and_resolved(client, tmp_path, req) -> tuple[dict, gateway_pb2.Resolv
 
 
 def reference(adapter_stack, resolved: gateway_pb2.ResolvedRequest, **media) -> dict:
-    params = resolved.params
     return run_reference(
         ModelSource(str(load_deploy(adapter_stack.config_path).dit.model_dir)),
         ReferenceRequest(
-            resolved.prompt,
-            resolved.height,
-            resolved.width,
-            resolved.num_frames,
-            params.num_inference_steps,
-            params.seed,
-            adapters=tuple((a.name, a.weight) for a in params.adapters),
-            flow_shift=params.flow_shift,
-            audio_flow_shift=params.audio_flow_shift,
-            **media,
+            resolved.prompt, resolved.height, resolved.width, resolved.num_frames, resolved.params, **media
         ),
         geometry=GEOMETRY,
         adapter_sources=load_deploy(adapter_stack.config_path).dit.adapters,

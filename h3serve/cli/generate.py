@@ -148,7 +148,6 @@ def add_parser(subparsers) -> None:
     add_request_args(p, steps=None)
     p.add_argument("--num-frames", type=int, help=generate_help.num_frames())
     p.add_argument("--seconds", type=float, help=generate_help.seconds())
-    p.add_argument("--seed", type=int)
     p.add_argument("--raw", help="also save decoded frames + waveform (.npz) for comparison")
     p.add_argument(
         "--request-id",

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from h3serve.cli import generate_help
-from h3serve.cli.request_flags import add_media_args, add_request_args, request
+from h3serve.cli.request_flags import add_media_args, add_request_args, option_values
 from h3serve.common.config import load_deploy
-from h3serve.model import rules
+from h3serve.model import options, rules
 
 
 def _run(args) -> None:
@@ -26,27 +26,16 @@ def _run(args) -> None:
     if threads:
         torch.set_num_threads(threads)
     frames = {dest: path for dest, path in args.media if dest in ("first_frame", "last_frame")}
-    references = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
+    refs = tuple((dest.removeprefix("ref_"), path) for dest, path in args.media if dest.startswith("ref_"))
     try:
-        params = resolved_params(config.dit.adapters, request(args).params, config.gateway.default_steps)
+        given = options.params(option_values(args))
+        params = resolved_params(config.dit.adapters, given, config.gateway.default_steps)
     except ValueError as exc:
         raise SystemExit(f"h3serve reference: {exc}") from None
     source = ModelSource(args.model_dir or config.dit.model_dir or None, config.dit.transformer_file)  # the DiT's file
     result = run_reference(
         source,
-        ReferenceRequest(
-            args.prompt,
-            args.height,
-            args.width,
-            args.num_frames,
-            params.num_inference_steps,
-            args.seed,
-            references=references,
-            adapters=tuple((a.name, a.weight) for a in params.adapters),
-            flow_shift=params.flow_shift,
-            audio_flow_shift=params.audio_flow_shift,
-            **frames,
-        ),
+        ReferenceRequest(args.prompt, args.height, args.width, args.num_frames, params, references=refs, **frames),
         args.device,
         args.dtype,
         config.gateway.geometry,
@@ -64,9 +53,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    add_request_args(p, steps=None)  # unset: an adapter's recommendation, else the deployment's default_steps
+    add_request_args(
+        p, steps=None, required=("seed",)
+    )  # unset: an adapter's recommendation, else the deployment's default_steps
     p.add_argument("--num-frames", type=int, default=rules.DEFAULT_NUM_FRAMES, help=generate_help.num_frames())
-    p.add_argument("--seed", type=int, required=True)
     p.add_argument("--raw", required=True)
     p.add_argument(
         "--config",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from h3serve.cli import generate_help
+from h3serve.model import adapters, options
 
 
 class _OrderedMedia(argparse.Action):
@@ -15,48 +16,58 @@ class _OrderedMedia(argparse.Action):
         namespace.media = [*(getattr(namespace, "media", None) or []), (self.dest, value)]
 
 
+def option_values(args) -> dict[str, object]:
+    """The request options the flags set, by GenerationParams field (include_raw: whether --raw names a file)."""
+    values = {option.name: getattr(args, option.name, None) for option in options.OPTIONS if option.cli}
+    return {**values, "include_raw": bool(getattr(args, "raw", None))}
+
+
 def request(args):
     """The GenerateRequest the flags describe (media files are attached after upload, see cli/generate.py)."""
-    from h3serve.v1 import common_pb2, gateway_pb2
+    from h3serve.v1 import gateway_pb2
 
     def given(name):
         return getattr(args, name, None)
 
-    params = common_pb2.GenerationParams(
-        num_inference_steps=args.steps or 0,
-        include_raw=bool(given("raw")),
-        adapters=args.adapter,
-        flow_shift=args.flow_shift,
-        audio_flow_shift=args.audio_flow_shift,
-    )
-    if given("seed") is not None:
-        params.seed = args.seed
     return gateway_pb2.GenerateRequest(
         prompt=args.prompt,
         height=args.height or 0,
         width=args.width or 0,
         num_frames=given("num_frames") or 0,
         seconds=given("seconds") or 0.0,
-        params=params,
+        params=options.params(option_values(args)),
         request_id=given("request_id") or "",
     )
 
 
-def add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None) -> None:
+def add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None, required=()) -> None:
+    """The prompt, the canvas, and a flag per request option of h3serve/model/options.py (`required`: by name)."""
     p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
     p.add_argument("--height", type=int, default=height, help=generate_help.canvas(height, width))
     p.add_argument("--width", type=int, default=width, help="see --height")
-    p.add_argument("--steps", type=int, default=steps, help="num_inference_steps (N gives N-1 denoise steps)")
-    p.add_argument(
-        "--adapter",
-        action="append",
-        type=_adapter,
-        default=[],
-        metavar="NAME[:WEIGHT]",
-        help="a LoRA adapter of the DiT's [dit] adapters, weight 1 by default (repeatable, in order)",
-    )
-    p.add_argument("--flow-shift", type=float, help="the video schedule's shift (default: an adapter's, else 12)")
-    p.add_argument("--audio-flow-shift", type=float, help="the audio schedule's shift (default: an adapter's, else 3)")
+    for option in options.OPTIONS:
+        if not option.cli:
+            continue
+        if option.repeated:
+            p.add_argument(
+                option.flag,
+                dest=option.name,
+                help=option.help,
+                action="append",
+                type=_adapter,
+                default=[],
+                metavar="NAME[:WEIGHT]",
+            )
+        else:
+            p.add_argument(
+                option.flag,
+                dest=option.name,
+                help=option.help,
+                type=option.type,
+                required=option.name in required,
+                metavar=option.flag.removeprefix("--").upper().replace("-", "_"),
+            )
+    p.set_defaults(num_inference_steps=steps)
     p.add_argument(
         "--out",
         help="file or directory for the MP4 (default: h3-<job id>.mp4 in the current directory; the demo uses out/)",
@@ -64,8 +75,6 @@ def add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None,
 
 
 def _adapter(text: str):
-    from h3serve.model import adapters
-
     try:
         return adapters.parse(text)
     except ValueError as exc:

@@ -14,14 +14,12 @@ import secrets
 from dataclasses import dataclass
 
 from h3serve.common.config import DEFAULT_STEPS, MAX_PROMPT_CHARS, MAX_STEPS, GatewayConfig
-from h3serve.model import adapters, rules, workflows
+from h3serve.model import adapters, options, rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import VALID_NUM_FRAMES, Geometry, InvalidRequest
 from h3serve.model.workflows.base import AssetLookup, Workflow
 from h3serve.v1 import common_pb2, gateway_pb2
 
-# Top-level GenerateRequest fields from before GenerationParams; each is the params field of the same name.
-LEGACY_PARAMS = ("num_inference_steps", "seed", "include_raw")
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 
 
@@ -33,8 +31,11 @@ class RequestLimits:
     geometry: Geometry = Geometry()
 
     def __post_init__(self):
-        if not 2 <= self.default_steps <= self.max_steps:
-            raise ValueError(f"default_steps must be within 2..max_steps ({self.max_steps}), got {self.default_steps}")
+        if not rules.MIN_STEPS <= self.default_steps <= self.max_steps:
+            raise ValueError(
+                f"default_steps must be within {rules.MIN_STEPS}..max_steps ({self.max_steps}), "
+                f"got {self.default_steps}"
+            )
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> RequestLimits:
@@ -66,10 +67,8 @@ def resolve(
         num_frames=_num_frames(req.num_frames, req.seconds),
         workflow=workflow.value,
         params=params,
-        num_inference_steps=params.num_inference_steps,
-        seed=params.seed,
-        include_raw=params.include_raw,
     )
+    options.write_legacy(resolved)
     workflow.resolve_media(req, resolved, assets, limits.geometry)
     _check_labels(resolved.prompt, workflow.label_counts(resolved))
     resolved.condition_rows = workflow.condition_rows(resolved, assets, limits.geometry).condition
@@ -138,39 +137,13 @@ def _params(
 ) -> common_pb2.GenerationParams:
     """The request's options with the deprecated top-level fields folded in, every default applied: the adapters'
     weights, and the steps and shifts their sidecars recommend when the request leaves them unset."""
-    params = common_pb2.GenerationParams()
-    params.CopyFrom(req.params)
-    for name in LEGACY_PARAMS:
-        if not _is_set(req, name):
-            continue
-        if _is_set(params, name) and getattr(params, name) != getattr(req, name):
-            raise InvalidRequest(
-                name,
-                f"set at the top level ({getattr(req, name)}) and in params "
-                f"({getattr(params, name)}); set params.{name} only",
-            )
-        setattr(params, name, getattr(req, name))
+    params = options.folded(req)
     adapters.check(params, workflow, catalog)
     adapters.resolve(params, catalog, limits.default_steps)
-    steps = params.num_inference_steps
-    if not 2 <= steps <= limits.max_steps:
-        raise InvalidRequest(
-            "num_inference_steps",
-            f"must be between 2 and {limits.max_steps} (sigma grid points: "
-            f"N gives N-1 denoise steps, so 1 would denoise nothing), "
-            f"got {steps}",
-        )
-    params.num_inference_steps = steps
+    rules.check_steps(params.num_inference_steps, limits.max_steps)
     if not params.HasField("seed"):
         params.seed = secrets.randbits(63)
     return params
-
-
-def _is_set(message, name: str) -> bool:
-    """Set by the client: present for fields with presence, non-zero for the others."""
-    if message.DESCRIPTOR.fields_by_name[name].has_presence:
-        return message.HasField(name)
-    return bool(getattr(message, name))
 
 
 def _check_labels(prompt: str, available: dict[str, int]) -> None:
