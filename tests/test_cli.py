@@ -283,7 +283,7 @@ def test_capacity_states_the_max_rows_bound_on_single_32gb():
     # the file's own note: "max_rows = 42,000 admits 768x1344 x 124 frames"
     assert (
         f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
-        f"768x1344: at most 124 frames (text 256 rows, no conditioning)"
+        f"768x1344 (height x width): at most 124 frames (text 256 rows, no conditioning)"
     ) in out, out
 
 

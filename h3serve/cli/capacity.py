@@ -16,7 +16,7 @@ def _run(args) -> None:
     rows = table.table(args.text_rows)
     assumed = f"text {args.text_rows} rows, no conditioning"
     if rows:
-        print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames ({assumed})")
+        print(f"{'workflow':<9} {'canvas HxW':<10} {'max rows':>9}  max frames ({assumed})")
     else:
         print("no capacity table in this deployment ([gateway] capacity): max_rows alone bounds a request")
     for workflow, canvas, limit, frames in rows:
@@ -27,7 +27,7 @@ def _run(args) -> None:
     fit = f"at most {frames} frames" if frames else f"no clip, not even {rules.VALID_NUM_FRAMES[0]} frames"
     print(
         f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
-        f"{height}x{width}: {fit} ({assumed})"
+        f"{height}x{width} (height x width): {fit} ({assumed})"
     )
 
 
