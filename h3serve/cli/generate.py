@@ -102,16 +102,34 @@ def _gateway_address(args) -> str:
     return f"127.0.0.1:{load_deploy(args.config).gateway.port}" if args.config else default_address()
 
 
+def checked_request(args):
+    """The request the flags describe, refused here when it breaks a rule the gateway would refuse it for whatever
+    it serves (h3serve/gateway/admission/request.py:check_fields): with --config, under that deployment's limits,
+    else the shipped defaults'. A request that can never succeed is not sent."""
+    from h3serve.gateway.admission.request import RequestLimits, check_fields
+    from h3serve.model.rules import InvalidRequest
+
+    made = request(args)
+    limits = RequestLimits.from_config(load_deploy(args.config).gateway) if args.config else RequestLimits()
+    try:
+        check_fields(made, limits)
+    except InvalidRequest as exc:
+        whose = f"the limits of {args.config}" if args.config else "the shipped limits; --config names a deployment's"
+        raise SystemExit(f"h3serve generate: not sent: {exc} ({whose})") from None
+    return made
+
+
 def _run(args) -> None:
     import grpc
 
     from h3serve.client import GATEWAY_ENV, GatewayUnreachable
 
     root_pem = Path(args.ca).read_bytes() if args.ca else None
+    made = checked_request(args)
     try:
         job, path = generate(
             _gateway_address(args),
-            request(args),
+            made,
             args.out,
             args.raw,
             media=args.media,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from h3serve.cli import generate_help
-from h3serve.cli.request_flags import add_media_args, add_request_args, option_values
+from h3serve.cli.request_flags import add_media_args, add_request_args, option_values, prompt
 from h3serve.common.config import load_deploy
 from h3serve.model import options, rules
 
@@ -35,7 +35,7 @@ def _run(args) -> None:
     source = ModelSource(args.model_dir or config.dit.model_dir or None, config.dit.transformer_file)  # the DiT's file
     result = run_reference(
         source,
-        ReferenceRequest(args.prompt, args.height, args.width, args.num_frames, params, references=refs, **frames),
+        ReferenceRequest(prompt(args), args.height, args.width, args.num_frames, params, references=refs, **frames),
         args.device,
         args.dtype,
         config.gateway.geometry,

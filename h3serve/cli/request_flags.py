@@ -4,6 +4,7 @@ and the GenerateRequest they make."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from h3serve.cli import generate_help
 from h3serve.model import adapters, options
@@ -22,6 +23,16 @@ def option_values(args) -> dict[str, object]:
     return {**values, "include_raw": bool(getattr(args, "raw", None))}
 
 
+def prompt(args) -> str:
+    """--prompt-file's text (a prompt of any size never travels through exec's arguments), else --prompt."""
+    if not args.prompt_file:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"h3serve: --prompt-file {args.prompt_file}: {exc}") from None
+
+
 def request(args):
     """The GenerateRequest the flags describe (media files are attached after upload, see cli/generate.py)."""
     from h3serve.v1 import gateway_pb2
@@ -30,7 +41,7 @@ def request(args):
         return getattr(args, name, None)
 
     return gateway_pb2.GenerateRequest(
-        prompt=args.prompt,
+        prompt=prompt(args),
         height=args.height or 0,
         width=args.width or 0,
         num_frames=given("num_frames") or 0,
@@ -42,7 +53,9 @@ def request(args):
 
 def add_request_args(p: argparse.ArgumentParser, steps: int | None, height=None, width=None, required=()) -> None:
     """The prompt, the canvas, and a flag per request option of h3serve/model/options.py (`required`: by name)."""
-    p.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default="a red fox trotting through fresh snow, wind in the pines")
+    prompts.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 file, used verbatim")
     p.add_argument("--height", type=int, default=height, help=generate_help.canvas(height, width))
     p.add_argument("--width", type=int, default=width, help="see --height")
     for option in options.OPTIONS:

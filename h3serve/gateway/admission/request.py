@@ -54,9 +54,7 @@ def resolve(
 ) -> gateway_pb2.ResolvedRequest:
     """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one.
     `catalog`: the adapters the DiT loaded (its Info), which the request's adapters must name."""
-    problem = rules.prompt_problem(req.prompt, limits.max_prompt_chars)
-    if problem:
-        raise InvalidRequest("prompt", problem)
+    _check_prompt(req.prompt, limits)
     workflow = workflows.of_request(req)
     height, width = _canvas(req.height, req.width, limits.geometry)
     params = _params(req, limits, workflow, catalog)
@@ -73,6 +71,26 @@ def resolve(
     _check_labels(resolved.prompt, workflow.label_counts(resolved))
     resolved.condition_rows = workflow.condition_rows(resolved, assets, limits.geometry).condition
     return resolved
+
+
+def check_fields(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """`resolve`'s checks that need neither the request's assets nor the DiT's adapters, in its order: what a client
+    refuses before sending (`h3serve generate`). InvalidRequest names the field and the limit."""
+    _check_prompt(req.prompt, limits)
+    workflow = workflows.of_request(req)
+    _canvas(req.height, req.width, limits.geometry)
+    params = options.folded(req)
+    del params.adapters[:]  # the shifts as adapters.check checks them; the adapters need the DiT's catalog
+    adapters.check(params, workflow, AdapterCatalog())
+    if params.num_inference_steps:  # unset: an adapter's or the deployment's default, both within bounds
+        rules.check_steps(params.num_inference_steps, limits.max_steps)
+    _num_frames(req.num_frames, req.seconds)
+
+
+def _check_prompt(prompt: str, limits: RequestLimits) -> None:
+    problem = rules.prompt_problem(prompt, limits.max_prompt_chars)
+    if problem:
+        raise InvalidRequest("prompt", problem)
 
 
 def _canvas(height: int, width: int, geometry: Geometry) -> tuple[int, int]:
