@@ -67,6 +67,7 @@ from h3serve.cli.reference import (
     run_pipeline,
 )
 from h3serve.common.config import AdapterSource, load_deploy
+from h3serve.model.adapters import DEFAULT_SHIFTS
 from h3serve.runtime.models import ModelSource
 from h3serve.services.vae.mux import encode_mp4
 from h3serve.v1 import common_pb2
@@ -297,7 +298,7 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
 def adapted(args) -> str:
     """What the request ran with beyond the base model, on both sides."""
     lora = f", LoRA rank {args.adapter_rank} on every block linear" if args.adapter_rank else ""
-    return lora + (f", flow shift {args.flow_shift:g}" if args.flow_shift != 12.0 else "")
+    return lora + (f", flow shift {args.flow_shift:g}" if args.flow_shift != DEFAULT_SHIFTS["flow_shift"] else "")
 
 
 def adapter_file(args, work: Path) -> str:
@@ -387,7 +388,12 @@ def parser() -> argparse.ArgumentParser:
         help="both sides run a random LoRA of this rank on every block linear (a few-step adapter's "
         "cost; 0: none), loaded by diffusers' load_lora_weights in process, by [dit] adapters served",
     )
-    p.add_argument("--flow-shift", type=float, default=12.0, help="the video schedule's shift on both sides")
+    p.add_argument(
+        "--flow-shift",
+        type=float,
+        default=DEFAULT_SHIFTS["flow_shift"],
+        help="the video schedule's shift on both sides (default: the released model's, %(default)g)",
+    )
     p.add_argument(
         "--warm-start",
         action="store_true",

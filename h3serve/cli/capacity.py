@@ -16,7 +16,7 @@ def _run(args) -> None:
     rows = table.table(args.text_rows)
     assumed = f"text {args.text_rows} rows, no conditioning"
     if rows:
-        print(f"{'workflow':<9} {'canvas HxW':<10} {'max rows':>9}  max frames ({assumed})")
+        print(f"{'workflow':<9} {'canvas':<10} {'max rows':>9}  max frames ({assumed}; canvas: height x width)")
     else:
         print("no capacity table in this deployment ([gateway] capacity): max_rows alone bounds a request")
     for workflow, canvas, limit, frames in rows:
