@@ -9,16 +9,18 @@ STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 all: $(VENV)/.installed proto
 
 # The extras `make demo` and `make test` use (pyproject.toml): the model services, the experiment tool, the
-# suite, and dev's grpcio-tools for the stubs. A gateway-only host installs the base alone (`pip install .`).
-EXTRAS := model,experiment,test,dev
+# suite, dev's tools (grpcio-tools, ruff, mypy, pre-commit) and the docs site, which the suite builds.
+# A gateway-only host installs the base alone (`pip install .`).
+EXTRAS := model,experiment,test,dev,docs
 
 # torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	touch $@
 
+# The install generates the stubs (setup.py); after editing a proto in an editable checkout, this makes them again.
 proto: $(STUBS)
 
 h3serve/v1/%_pb2.py: protos/h3serve/v1/%.proto $(VENV)/.installed
@@ -42,7 +44,17 @@ PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadsco
 # the same experiment missed its 25 % tolerance in two full-suite runs (-19.5 / -29.5 % p50 / p95) and met it alone
 # (+18.7 / +11.5 %), so it must not decide whether the rest of the suite passed (.ci/run reports it after).
 # --durations: the slowest tests of this run, what tests/conftest.py's LONGEST_FIRST is kept up to date from.
-test: all
+# The console's tests drive Debian's Chromium through Playwright (tests/test_console.py): installed here with apt-get
+# where that can run (as root), as CI's machine does; elsewhere the tests skip and say so, and the README names it
+# among the prerequisites.
+CHROMIUM := /usr/bin/chromium
+.PHONY: chromium
+chromium:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+		|| echo "make: no Chromium at $(CHROMIUM), and apt-get cannot install it here: the console tests will skip"
+
+test: all chromium
 	@started=$$(date +%s); $(PYTEST) -m "not timing" --durations=25; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 
@@ -58,7 +70,7 @@ test-timing: all
 # Lint, format and types ([tool.ruff] and [tool.mypy] in pyproject.toml say what each checks).
 check: all
 	$(PY) -m ruff check
-	$(PY) -m ruff format --check h3serve tests bench tools
+	$(PY) -m ruff format --check h3serve tests bench tools setup.py
 	$(PY) -m mypy
 
 clean:

@@ -17,6 +17,8 @@ bench/results.json and BENCHMARKS.md; `--profile` adds each variant's kernel tim
 
     python -m bench.dit_step --sizes 480x832x124 --variants native,flash4+compile --errors --write
     python -m bench.dit_step --quick                                        # CPU smoke test
+    H3SERVE_SAGE_TARGET=compute_75 python -m bench.dit_step --sizes 480x832x124 --variants native,sage --errors
+                                                           # sage's Turing code path (rel_err_bf16: vs bf16 SDPA)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from bench.common import Size, add_variant_arguments, denoise_spec, device_label
 from bench.results import Record, add_output_arguments, command_line, update_results
 from h3serve.runtime import compile_cache, fastpath, random_full
 from h3serve.runtime.fastpath import FastPath
+from h3serve.runtime.kernels import sage
 from h3serve.services.dit.attention import packed_length
 from h3serve.services.dit.runner import DenoiseRunner, served
 
@@ -185,7 +188,8 @@ def run(sizes: list[Size], parts: dict, args, device: str) -> list[Record]:
         ladder.step_to(fast)
         for w in workloads:
             ours, base = w.seconds_per_step(w.run_ours), baseline[w.size]
-            errors = accuracy[w.size].of(transformer, lossy=fast.lossy) if w.size in accuracy else {}
+            lossy = fast.lossy or fast.attention == sage.NAME  # int8 Q.K: the difference from bf16 is stated
+            errors = accuracy[w.size].of(transformer, lossy=lossy) if w.size in accuracy else {}
             rate = {"tflops": w.flops / ours.per_step / 1e12, "ceiling_tflops": ceiling}
             records.append(record(w.size, fast, ours, base, {**errors, **rate}, args, device))
             if fast.compile:  # what a request of a shape not compiled yet pays
@@ -214,11 +218,20 @@ def record(size: Size, fast: FastPath, ours: Timing, base: Timing, measured: dic
         peak_gib=ours.peak_gib,
         command=args.command,
         date=datetime.date.today().isoformat(),
-        variant=f"service runner, fast path {fast.describe()}",
+        variant=f"service runner, fast path {fast.describe()}{sage_binary(fast, device)}",
         baseline="diffusers MiniMaxH3CoreDenoiseStep (native attention, eager), in process",
         software=software(),
         **measured,
     )
+
+
+def sage_binary(fast: FastPath, device: str) -> str:
+    """Which binary of the sage kernel ran: the card's CUBIN, or Turing's PTX forced through the driver's JIT
+    (H3SERVE_SAGE_TARGET=compute_75), whose time is no Turing figure."""
+    if fast.attention != sage.NAME or not device.startswith("cuda"):
+        return ""
+    target = sage.target_for(torch.cuda.get_device_capability())
+    return f" (sage from {target}{', JIT: not a Turing figure' if target.startswith('compute_') else ''})"
 
 
 def first_call_record(size: Size, fast: FastPath, ours: Timing, base: Timing, args, device: str) -> Record:

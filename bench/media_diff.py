@@ -1,7 +1,7 @@
 """How far apart two MP4s are once decoded: when their bytes differ, by how much the video and sound do.
 
-A DiT group of N ranks computes the same request within float rounding of one rank (README "The sharded
-DiT"), so its MP4 need not be byte-identical to the in-process one; the lossy codecs then turn those
+A DiT group of N ranks computes the same request within float rounding of one rank (docs/deploy/
+sharded-dit.md), so its MP4 need not be byte-identical to the in-process one; the lossy codecs then turn those
 differences into a few levels of a pixel or a small audio sample difference, which this measures.
 """
 

@@ -1,6 +1,6 @@
 """Where bench.e2e puts the encoder, the DiT group and the VAE on the N GPUs of one host.
 
-Memory per process at 768x1344x124 in bf16 (docs/deploy/h200x4.toml, README "The sharded DiT", the shared
+Memory per process at 768x1344x124 in bf16 (docs/deploy/h200x4.toml, docs/deploy/sharded-dit.md, the shared
 notes): a DiT rank holds the 61.7 GiB transformer when replicated (68.3 GiB peak on one GPU, ~66 GiB per rank
 with Ulysses 2, a little less with 4), or 1/N of it plus the block being run with FSDP2 (~38 GiB per rank at
 N = 2); the text encoder (Qwen3-VL-32B cut to the 51 layers the pipeline reads) ~49 GiB; the VAEs ~6 GiB plus

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.processes
 
 
 def test_rows_match_the_model_layout():
-    # docs/minimax-h3-diffusers.md §3.3: t2va at 124 frames is T + 37,710 at 768x1344 and T + 14,844 at 480x832.
+    # docs/model.md, "Packed rows": t2va at 124 frames is T + 37,710 at 768x1344 and T + 14,844 at 480x832.
     assert packed_rows(768, 1344, 124, text_rows=100) == Rows(text=100, audio=414, video=37_296)
     assert packed_rows(768, 1344, 124, 100).total == 37_810
     assert packed_rows(480, 832, 124, 0).total == 14_844

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.processes
 
 CLI = [sys.executable, "-m", "h3serve.cli"]
 ROOT = Path(__file__).resolve().parents[1]
-README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # the README's comparison
+README_REQUEST = ["--height", "32", "--width", "64", "--steps", "8", "--seed", "7"]  # docs/cli.md's comparison
 QUICK = ["--height", "32", "--width", "64", "--steps", "2"]
 
 
@@ -103,7 +103,7 @@ def test_up_creates_a_missing_log_dir(up):
 
 @pytest.mark.fidelity
 def test_served_raw_is_byte_identical_to_reference_with_the_same_config(up, fork_server, tmp_path):
-    """The README's comparison: threads = 1 services against `reference --config` (not torch's default threads)."""
+    """docs/cli.md's comparison: threads = 1 services against `reference --config` (not torch's default threads)."""
     config = ["--config", str(up.config), *README_REQUEST]
     subprocess.run(
         [*CLI, "generate", *config, "--out", str(tmp_path), "--raw", str(tmp_path / "served.npz")],

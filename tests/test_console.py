@@ -6,7 +6,7 @@ not carry over to the next job unless typed; the adapter picker, against a secon
 adapters (listed by the door's GET /v1/models from the DiT's own Info).
 
 Screenshots of each state land in the test's tmp dir (the path is printed); with H3SERVE_DOCS_SCREENSHOTS=1 the
-final ones are also copied to docs/images/console-*.png, the README's pictures.
+final ones are also copied to docs/images/console-*.png, docs/http.md's pictures.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ def test_t2va_progress_play_download_bin_restore_rerun(page, base, shots):
     assert second["size"] == first["size"] == "64x32"
     for key in ("workflow", "steps", "seed", "num_frames", "width", "height"):
         assert second["h3serve"][key] == first["h3serve"][key], key  # the seed too: all 63 bits of it
-    for shown in (job_id, rerun["id"]):  # both players, paused a second in, for the README's picture
+    for shown in (job_id, rerun["id"]):  # both players, paused a second in, for docs/http.md's picture
         card(page, shown).locator("[data-testid=job-play]").click()
         player = card(page, shown).locator("[data-testid=job-video]").element_handle()
         page.wait_for_function("v => v.readyState >= 2 && v.duration > 0", arg=player)

@@ -98,7 +98,7 @@ def test_a_dynamic_compile_runs_a_new_canvas_and_prompt_length_without_compiling
 
 def test_inductor_tuning_is_the_configs_choice_not_a_side_effect():
     # torchao's fp8 config turns Inductor's coordinate-descent tuning on for the whole process unless told not to:
-    # at 480x832x124 on one H200 it was 125 s of a 153 s cold compile (README "Warm start")
+    # at 480x832x124 on one H200 it was 125 s of a 153 s cold compile (docs/performance.md, "Warm start")
     with pytest.raises(ValueError, match="compile_tuning needs compile = true"):
         FastPath.of(VaeConfig(compile_tuning=True))
     assert FastPath.of(DiTConfig(compile=True, compile_tuning=True)).describe() == "native+compile+dynamic+tune"

@@ -11,8 +11,6 @@ import pytest
 
 import h3serve
 
-pytestmark = pytest.mark.processes
-
 ROOT = Path(h3serve.__file__).parent
 # What each package may import of h3serve (itself always). Imports run down this list, never up.
 ALLOWED = {
@@ -60,6 +58,7 @@ def test_every_package_imports_only_the_layers_below_it():
     }, "a new package needs its place in ALLOWED"
 
 
+@pytest.mark.processes  # a fresh interpreter
 def test_the_gateway_loads_without_torch_in_a_fresh_interpreter():
     """The gateway's server and everything it does at start and at submit: no torch, no diffusers."""
     code = f"""

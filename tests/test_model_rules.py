@@ -220,7 +220,7 @@ def test_soundtrack_rows_follow_the_stages_normalisation(sample_rate):
 
 
 def test_generated_rows_are_the_models_layout():
-    # docs/minimax-h3-diffusers.md §3.3: t2va at 124 frames is T + 37,710 at 768x1344 and T + 14,844 at 480x832.
+    # docs/model.md, "Packed rows": t2va at 124 frames is T + 37,710 at 768x1344 and T + 14,844 at 480x832.
     assert rules.generated_rows(768, 1344, 124).total == 37_710
     assert rules.generated_rows(480, 832, 124).total == 14_844
     assert rules.generated_rows(768, 1344, 345) == rules.Rows(video=102 * 1008, audio=1150)

@@ -35,20 +35,23 @@ def host_size(flag: float | None, configured: float, meminfo: str = MEMINFO) -> 
 
 def _run(args) -> None:
     from h3serve.common import memory_plan
+    from h3serve.common.ceilings import Ceilings
 
     config = load_deploy(args.config)
     host_gib, source = host_size(args.host_gib, config.supervisor.host_memory_gib)
+    ceilings = Ceilings(config, args.gpu_gib, args.text_rows)  # the largest request admission lets through
     result = memory_plan.plan(
         config,
         gpu_gib=args.gpu_gib,
         canvas=args.canvas,
-        frames=args.frames,
+        frames=args.frames or ceilings.largest_frames(args.canvas),
         text_rows=args.text_rows,
         host_gib=host_gib,
         host_source=source,
     )
     print(f"plan for {args.config}")
-    print("\n".join(result.lines()), flush=True)
+    lines = result.lines()  # the verdict stays last, after the ceilings
+    print("\n".join(lines[:-1] + ceilings.lines() + lines[-1:]), flush=True)
     if result.problems:
         print("\n".join(f"h3serve plan: {problem}" for problem in result.problems), file=sys.stderr)
         raise SystemExit(REFUSED)

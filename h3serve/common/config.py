@@ -51,8 +51,8 @@ DAY_S = 24 * 3600.0
 
 FLOAT16_REFUSED = (
     "float16 is refused for the MiniMax-H3 DiT: its activations pass float16's largest value (65504) "
-    "and the video turns black; use bfloat16 (on sm_75 too: bf16 weights and GEMMs, with fp16 only "
-    'inside attention_backend = "sage")'
+    "and the video turns black; use bfloat16, and for fp16 tensor cores (sm_75) "
+    'linear_precision = "fp16_scaled" (fp16 GEMMs that cannot overflow)'
 )
 
 # Limits both the gateway and a service hold to: one definition, the default of both sections; a deployment whose
@@ -265,7 +265,7 @@ class VaeConfig(CompiledServiceConfig):
 
 class EncoderConfig(ModelServiceConfig):
     """The text encoder service. Qwen3-VL-32B is ~62 GiB in bf16: on small cards it is spread over the
-    process's `gpus`, quantized, or offloaded (README "Small GPUs")."""
+    process's `gpus`, quantized, or offloaded (docs/deploy/small-gpus.md)."""
 
     cache_bytes: NonNegativeInt = 256 << 20  # embedding cache bound
     max_prompt_chars: PositiveInt = MAX_PROMPT_CHARS  # longest prompt accepted
@@ -288,7 +288,7 @@ class DiTConfig(CompiledServiceConfig):
     """The DiT service: one process group of `world_size` ranks, started by h3serve's launcher on one node
     (h3serve/services/dit/supervisor.py) and by torchrun over several.
 
-    Rank 0 hosts the gRPC server; every rank holds the transformer. See README "The sharded DiT".
+    Rank 0 hosts the gRPC server; every rank holds the transformer. See docs/deploy/sharded-dit.md.
     """
 
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
@@ -310,23 +310,33 @@ class DiTConfig(CompiledServiceConfig):
     max_steps: Steps = MAX_STEPS  # num_inference_steps accepted (at least the gateway's max_steps)
     max_rows: PositiveInt = MAX_ROWS  # packed rows of one request (at least the gateway's max_rows)
     # LoRA adapters, loaded at start and resident: {name: path or {path, transformer_ref}}; a request names them
-    # (GenerationParams.adapters). See README "Adapters (LoRA) and few-step clips per request".
+    # (GenerationParams.adapters). See docs/adapters.md.
     adapters: dict[AdapterName, Adapter] = Field(default_factory=dict)
     adapter_mode: Literal["unfused", "fused"] = "unfused"  # fused: the one adapter merged into the weights at start
     adapter_slots: PositiveInt = 1  # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False  # fsdp = true: parameters live in host memory, each block's gathered to the GPU
-    # fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
+    # With fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
     # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
+    # When a start that quantised writes the served fp8 weights to fp8_cache_dir (resident weights only: a streamed or
+    # sharded start writes them before it goes on): "before_serving" holds health NOT_SERVING until they are written
+    # (beside the warm-up), so no request runs under the save; "background" turns SERVING without waiting, and the
+    # first requests share the machine with the save (h3serve/runtime/fp8_store.py)
+    fp8_save: Literal["before_serving", "background"] = "before_serving"
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
-    # request is as fast as the hundredth. See README "Warm start".
+    # request is as fast as the hundredth. See docs/performance.md, "Warm start".
     warmup: tuple[str, ...] = Field(default=(), strict=False)
     # num_inference_steps of each warm-up run; unset: what the compile needs (h3serve/services/dit/warmup.py:steps)
     warmup_steps: Steps | None = None
     # one rank, weights in host memory, each block copied to the GPU ahead of its turn: streamed from the fp8 store's
     # memory-mapped files with fp8_cache_dir (h3serve/runtime/weight_stream.py), else pinned whole (runtime/offload.py)
     offload: Literal["none", "group"] = "none"
+    # "fp16_scaled": the linears on fp16 tensor cores (sm_75 has none for bf16) without overflow: fp32 residual stream,
+    # fp16 GEMMs of x / K times K per layer kind (h3serve/runtime/fp16_linears.py; docs/turing-memory.md)
+    linear_precision: Literal["bf16", "fp16_scaled"] = "bf16"
+    # "int8": the block linears held as int8 with per-channel scales (~31 GiB), widened to fp16 as each runs
+    weights: Literal["bf16", "int8"] = "bf16"
     # The `transformer` partition (t2va, fl2va) from one file users already have: the published single-file layout
     # (.safetensors) or a GGUF of it (.gguf, kept quantised); its config and every other component from [model] dir.
     # A missing or unloadable file is refused at the DiT's start (h3serve/services/dit/transformer_file.py).
@@ -387,6 +397,24 @@ class DiTConfig(CompiledServiceConfig):
             raise ValueError('"group" offload runs one rank; a group of ranks shards with fsdp (and fsdp_offload)')
         return offload
 
+    @field_validator("linear_precision")
+    @classmethod
+    def _scaled_from_bf16(cls, precision: str, info: ValidationInfo) -> str:
+        if precision == "bf16":
+            return precision
+        if info.data.get("dtype") != "bfloat16" or info.data.get("fp8"):
+            raise ValueError('"fp16_scaled" converts the bf16 linears: it needs dtype = "bfloat16" and fp8 = false')
+        if info.data.get("adapters") or info.data.get("offload") == "group":
+            raise ValueError('"fp16_scaled" is not served with adapters or offload = "group"')
+        return precision
+
+    @field_validator("weights")
+    @classmethod
+    def _int8_through_fp16(cls, weights: str, info: ValidationInfo) -> str:
+        if weights == "int8" and info.data.get("linear_precision") != "fp16_scaled":
+            raise ValueError('"int8" weights are widened into the fp16 GEMM: it needs linear_precision = "fp16_scaled"')
+        return weights
+
     @field_validator("adapter_mode")
     @classmethod
     def _fused_needs_one(cls, mode: str, info: ValidationInfo) -> str:
@@ -401,6 +429,7 @@ class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
     data_dir: str = "var/gateway"  # SQLite database and artifacts
+    # A stage address may also be a list (or a comma-separated string) of replica addresses.
     encoder: Addresses = "127.0.0.1:50051"  # stage addresses
     dit: Addresses = "127.0.0.1:50052"
     vae: Addresses = "127.0.0.1:50053"
@@ -428,13 +457,15 @@ class GatewayConfig(Section):
     max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
     # conditioning, generated)
     # The encoder, DiT and VAE share one card too small for two of their stages at once: every stage call waits for
-    # the card (one at a time, in arrival order) instead of overlapping with another job's (README "Small GPUs")
+    # the card (one at a time, in arrival order) instead of overlapping with another job's (docs/deploy/small-gpus.md)
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor
-    # A stage address may also be a list (or a comma-separated string) of replica addresses.
-    max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is
-    # RESOURCE_EXHAUSTED (0: no bound)
+    # the deployment file it was read from (load_deploy sets it): admission plans the largest request each workflow
+    # can hold from the whole deployment (h3serve/common/ceilings.py); empty: no plan, max_rows and capacity only
+    deploy_file: str = ""
+    max_unfinished_jobs: NonNegativeInt = 64  # queue bound: queued + running jobs; beyond it Submit is refused
+    # with RESOURCE_EXHAUSTED (0: no bound)
     max_attempts: PositiveInt = 3  # runs of one job: re-runs after a stalled stage; a gateway restart spends none
     # (its own bound: runner.MAX_RESTART_RERUNS re-runs of a job caught in a stage)
     # Per-phase stall limits in seconds, measured from the phase's last progress event.
@@ -485,7 +516,7 @@ class SupervisorConfig(Section):
     backoff_s: NonNegativeFloat = 1.0  # wait before the k-th restart within the window: backoff_s * 2^(k-1) ...
     max_backoff_s: NonNegativeFloat = 30.0  # ... at most this
     stop_grace_s: PositiveFloat = 30.0  # SIGTERM to SIGKILL; above the DiT launcher's own grace for its ranks
-    # start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
+    # Start to SERVING, for every start and restart: a start past it is stopped and counts as an exit; [dit] warmup
     # shapes compile first (minutes each)
     start_timeout_s: PositiveFloat = 300.0
     # start the model processes (services, the DiT's ranks, every restart) as forks of one process that imported
@@ -544,7 +575,9 @@ def load_deploy(path: str | Path | None) -> DeployConfig:
         name: _checked(config.service(name), {**shared, **tables[name]}, f"{path} [{name}]") for name in SERVICES
     }
     stages = {name: service.address for name, service in services.items()}
-    gateway = _checked(config.gateway, {**shared, **stages, **tables["gateway"]}, f"{path} [gateway]")
+    gateway = _checked(
+        config.gateway, {**shared, **stages, **tables["gateway"], "deploy_file": str(path)}, f"{path} [gateway]"
+    )
     supervisor = _checked(config.supervisor, tables["supervisor"], f"{path} [supervisor]")
     deploy = DeployConfig(gateway=gateway, supervisor=supervisor, **services)
     problems = _gateway_within_services(deploy)

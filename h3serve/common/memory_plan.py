@@ -25,6 +25,10 @@ that cannot fit. Every number is an estimate; where each constant comes from:
   path measures here, so it is not used. Compile and fp8 lower the activations (66.5 / 48.1 GiB measured at
   768); the plan does not count that saving. Reference requests (ref2va) raise memory on every rank and are
   not modelled: measure them (docs/capacity.md).
+- `linear_precision = "fp16_scaled"` / `weights = "int8"` (h3serve/runtime/fp16_linears.py, int8_weights.py): the
+  block linears in 1 byte plus an fp32 scale per output row, the rest in fp16; one int8 weight widened to fp16 at a
+  time (the largest, adaln_proj's, 0.48 GiB) as a transient; activations x `FP16_SCALED_ACT_FACTOR` (an estimate:
+  the fp32 stream); `attention_backend = "sage"` adds its int8 Q/K and fp16 V copies per row. docs/turing-memory.md.
 - FSDP2 (h3serve/services/dit/parallel.py shards each block and the root): each rank holds 1/world_size of
   the weights plus, while it runs, the root unit and two whole blocks (the one running and the prefetched
   next). Checked: 2 x H200, Ulysses 2, FSDP2 measured 37.7 GiB per rank; this model says 37.8.
@@ -77,8 +81,9 @@ file pages, page cache the kernel reclaims. From the current code (read, not mea
 - Encoder, cpu_offload: its weights pinned as above; with int8 it is built layer by layer on the GPU from the model
   directory's safetensors or `random:full`'s draws (+ one quantised layer on the host); with bf16 the whole model
   is loaded into host memory first.
-  Without cpu_offload on a GPU: quantize or spread stage the bf16 model in host memory at start; a plain load
-  goes to the GPU (the runtime only).
+  Spread and quantized: built layer by layer on its GPUs (placement.build_spread), the runtime only. Otherwise
+  without cpu_offload on a GPU: quantize or spread stage the bf16 model in host memory at start; a plain load goes
+  to the GPU (the runtime only).
 - VAE: the runtime (weights on the GPU; with `offload = "idle"`, pinned in arenas as well). Any service on the CPU
   (the demo): its weights are private host memory.
   The tiny preset (`[model] dir` empty, or a directory of under `SMALL_MODEL_GIB` of safetensors files) has no
@@ -142,6 +147,12 @@ ARENA_GIB = 1  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py 
 STAGING_SLOTS = 2  # h3serve/runtime/weight_stream.py's (the same check)
 SMALL_MODEL_GIB = 1.0  # a model directory with fewer GiB of weights is not the released model
 FP8_BUILD_BLOCKS = 2  # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
+# linear_precision = "fp16_scaled": the stream and the SwiGLU product in fp32 (fp16_linears.py); an ESTIMATE from the
+# tensors alive per row at the FFN's peak (fp16 and fp32 copies of the 28,672-wide projection, two fp32 14,336-wide
+# halves: ~2 x the bf16 path's), not measured: bench/turing_linears.py prints the measured peak at 480x832x124
+FP16_SCALED_ACT_FACTOR = 2.0
+# attention_backend = "sage": its int8 Q and K copies and fp16 V, per element of q/k/v (56 heads x 128 per row)
+SAGE_WORKSPACE_BYTES_PER_ROW = (2 * 1 + 2) * 56 * 128
 
 
 @dataclass(frozen=True)
@@ -154,12 +165,24 @@ class TransformerCounts:
     block: int = 645_571_840  # one of transformer_blocks
     fp8_linears: int = 19_267_584_000  # fastpath.fp8_target's linears, all blocks (adaln_proj stays bf16)
     fsdp_root: int = 44_758_016  # what no FSDP unit (a block, a refiner block, norm_out) holds
+    int8_linears: int = 32_273_203_200  # weights = "int8": every block linear's weight (645,464,064 a block)
+    int8_rows: int = 7_884_800  # their output rows, an fp32 scale each (157,696 a block)
+    largest_linear: int = 260_112_384  # adaln_proj.linear: the fp16 copy an int8 weight is widened into
 
-    def bytes(self, dtype: str, fp8: bool) -> float:
+    def bytes(self, dtype: str, fp8: bool, int8: bool = False) -> float:
         quantised = self.fp8_linears if fp8 else 0
+        if int8:
+            return (
+                self.fp32 * 4
+                + (self.total - self.fp32 - self.int8_linears) * 2
+                + self.int8_linears
+                + self.int8_rows * 4
+            )
         return self.fp32 * 4 + (self.total - self.fp32 - quantised) * DTYPE_BYTES[dtype] + quantised
 
-    def block_bytes(self, dtype: str, fp8: bool) -> float:
+    def block_bytes(self, dtype: str, fp8: bool, int8: bool = False) -> float:
+        if int8:
+            return (self.block * 2 - self.int8_linears // self.blocks) + self.int8_rows // self.blocks * 4
         quantised = self.fp8_linears // self.blocks if fp8 else 0
         return (self.block - quantised) * DTYPE_BYTES[dtype] + quantised
 
@@ -418,6 +441,11 @@ def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]
         weights, transient, host = total, 0.0, 0.0
     rows = math.ceil(work.rows / world)
     activations = DIT_ACT_FIXED_GIB + DIT_ACT_PER_ROW_GIB * rows * (DIT_SPLIT_FACTOR if world > 1 else 1.0)
+    activations *= FP16_SCALED_ACT_FACTOR if dit.linear_precision == "fp16_scaled" else 1.0
+    if dit.attention_backend == "sage":  # Ulysses: a rank attends all rows over its heads, the same bytes
+        activations += _gib(SAGE_WORKSPACE_BYTES_PER_ROW * rows)
+    if dit.weights == "int8":  # one int8 weight widened to fp16 at a time
+        transient += _gib(TRANSFORMER.largest_linear * DTYPE_BYTES["float16"])
     adapters = sum(_file_gib(source.path) for source in dit.adapters.values())
     weights += adapters / world if fsdp else adapters
     if count > 1:
@@ -438,7 +466,8 @@ def dit_weights(dit: DiTConfig) -> tuple[float, float]:
     """(every partition's weights, the largest block's) in bytes, each partition counted from the dtype and fp8, or
     a GGUF transformer_file's as the file holds it (kept quantised: the file's size, its blocks an equal share)."""
     partitions = {workflows.by_name(name).partition for name in dit.workflows}
-    counted = TRANSFORMER.bytes(dit.dtype, dit.fp8), TRANSFORMER.block_bytes(dit.dtype, dit.fp8)
+    int8 = dit.weights == "int8"
+    counted = TRANSFORMER.bytes(dit.dtype, dit.fp8, int8), TRANSFORMER.block_bytes(dit.dtype, dit.fp8, int8)
     gguf = _gguf_bytes(dit)
     sizes = [
         (gguf, gguf / TRANSFORMER.blocks) if gguf is not None and partition == FILE_PARTITION else counted
@@ -698,6 +727,8 @@ def encoder_host(encoder: EncoderConfig, quantize: str | None = None) -> HostNee
             layer = {"one layer": _gib(TEXT_ENCODER.layer_bytes(encoder.dtype, quantize))}
             return HostNeed("encoder", {**runtime, **pinned, **layer}, {**runtime, **pinned})
         return HostNeed("encoder", {**runtime, "bf16 load": max(bf16, pinned["pinned weights"])}, {**runtime, **pinned})
+    if quantize != "none" and encoder.spread:  # built layer by layer on its GPUs (placement.build_spread)
+        return HostNeed("encoder", runtime, runtime)
     if quantize != "none" or encoder.spread:  # staged on the CPU, placed from there
         return HostNeed("encoder", {**runtime, "bf16 load": bf16}, runtime)
     return HostNeed("encoder", runtime, runtime)
@@ -804,6 +835,6 @@ def check_host(service: str, section: ModelServiceConfig, available_gib: float) 
         raise HostMemoryError(
             f"host memory: {service} needs {need.start:.1f} GiB of private host memory at start "
             f"({need.parts('start')}), but the host has {available_gib:.1f} GiB available (MemAvailable); "
-            f'`h3serve plan` shows every service\'s part (README "Host memory")'
+            f"`h3serve plan` shows every service's part (docs/deploy/host-memory.md)"
         )
     return need

@@ -17,11 +17,13 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from h3serve.common import logs
-from h3serve.common.config import GatewayConfig
+from h3serve.common.ceilings import Ceilings
+from h3serve.common.config import GatewayConfig, load_deploy
 from h3serve.common.disk import DiskFull, full_named
 from h3serve.common.guard import AsyncGuard
 from h3serve.common.processes import Refused, lock_directory, refuse
 from h3serve.common.server import EXCLUSIVE_PORT, GRACE_SECONDS, bind, enable_reflection, refuse_port_in_use
+from h3serve.gateway.admission.capacity import CapacityTable
 from h3serve.gateway.admission.text_rows import TextRows
 from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
@@ -59,6 +61,25 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
         ) from exc
 
 
+def admission(config: GatewayConfig) -> CapacityTable:
+    """The bounds Submit admits by: max_rows, the hand-set capacity table, and the plan's ceilings for the deployment's
+    cards (h3serve/common/ceilings.py) where the table has no entry. A deployment whose cards cannot hold even the
+    smallest clip is refused (EXIT_REFUSED, the plan's reason); where the plan holds less than max_rows admits, the
+    log says so."""
+    if not config.deploy_file:
+        return CapacityTable(config.capacity, config.max_rows)
+    planned = Ceilings(load_deploy(config.deploy_file))
+    if reason := planned.refusal():
+        refuse(f"[gateway] {config.deploy_file}: {reason}")
+    if not planned.bounded:
+        log.info("admission: max_rows and the capacity table only: the plan bounds nothing (%s)", planned.unbounded)
+    for line in planned.lines() if planned.bounded else []:
+        log.info("admission: %s", line.strip())
+    for line in planned.lowered():
+        log.warning("admission: %s", line)
+    return CapacityTable(config.capacity, config.max_rows, planned)
+
+
 def _open_store(data_dir: Path) -> JobStore:
     """The job store; a file no restart can fix (damaged, or locked by another program) or a full disk is refused,
     with the way out, and exits EXIT_REFUSED. (A SqliteJobStore is a JobStore: its methods are set from JobStore's
@@ -78,7 +99,7 @@ def _http_door(config: GatewayConfig, server: grpc.aio.Server):
     return HttpDoor(config)
 
 
-async def serve_async(config: GatewayConfig) -> None:
+async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = None) -> None:
     data_dir = Path(config.data_dir)
     store = _open_store(data_dir)
     metrics = GatewayMetrics(STAGE_NAMES)
@@ -103,7 +124,7 @@ async def serve_async(config: GatewayConfig) -> None:
         ],
     )
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, store, hub, runner, health, assets, text_rows), server
+        GatewayServicer(config, store, hub, runner, health, assets, text_rows, capacity), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [SERVICE_NAME])
@@ -153,4 +174,4 @@ def serve(config: GatewayConfig) -> None:
     except (Refused, DiskFull) as exc:
         refuse(f"[gateway] data_dir {exc}")
     with lock:
-        asyncio.run(serve_async(config))
+        asyncio.run(serve_async(config, admission(config)))

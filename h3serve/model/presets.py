@@ -92,14 +92,14 @@ TINY_TEXT_ENCODER_VISION = dict(
     deepstack_visual_indexes=[1],
 )
 _PIXEL_STATS = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3)
-TINY_IMAGE_PROCESSOR = dict(
+TINY_IMAGE_PROCESSOR: dict[str, Any] = dict(
     patch_size=16,
     temporal_patch_size=2,
     merge_size=2,
     **_PIXEL_STATS,
     size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
 )
-TINY_VIDEO_PROCESSOR = dict(
+TINY_VIDEO_PROCESSOR: dict[str, Any] = dict(
     patch_size=16,
     temporal_patch_size=2,
     merge_size=2,

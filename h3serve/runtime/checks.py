@@ -8,6 +8,7 @@ tensor it names, which the services answer with INVALID_ARGUMENT.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ from h3serve.model.workflows.base import MediaError
 from h3serve.v1 import media_pb2
 
 
-def spec_checked(messages: Iterable, check: Callable[[object], None]) -> Iterator:
+def spec_checked(messages: Iterable, check: Callable[[Any], None]) -> Iterator:
     """`messages` passed through, each `spec` message checked before anything after it is read."""
     for message in messages:
         if message.WhichOneof("kind") == "spec":

@@ -14,6 +14,9 @@ it. None changes the math of the released model; what each costs in accuracy is 
 - `fp8`: dynamic rowwise W8A8 fp8 (torchao) on the linears of the transformer blocks (the DiT's, and the video
   VAE's ViT decoder's); the AdaLN projections (they run on a handful of rows) and LoRA adapters' factors stay bf16.
   Opt-in: it changes the numbers.
+- `linears = "fp16_scaled"` (`[dit] linear_precision`): the DiT's linears on fp16 tensor cores without overflow,
+  the residual stream in fp32 (h3serve/runtime/fp16_linears.py); with `weights = "int8"` the block linears held in
+  int8 and widened to fp16 as each runs (h3serve/runtime/int8_weights.py). For sm_75; it changes the numbers.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from h3serve.runtime import pinned
+from h3serve.runtime import fp16_linears, pinned
 from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
 
@@ -48,6 +51,8 @@ class FastPath:
     dynamic: bool = False  # with compile: symbolic sizes from the first call
     tune: bool = False  # with compile: Inductor's coordinate-descent tuning of every kernel
     fp8: bool = False
+    linears: str = "bf16"  # one of fp16_linears.LINEAR_PRECISIONS
+    weights: str = "bf16"  # one of fp16_linears.WEIGHT_FORMATS
 
     def __post_init__(self) -> None:
         for flag, key in (("dynamic", "compile_dynamic"), ("tune", "compile_tuning")):
@@ -66,15 +71,18 @@ class FastPath:
             dynamic=config.compile and config.compile_dynamic,
             tune=config.compile_tuning,
             fp8=config.fp8,
+            linears=getattr(config, "linear_precision", "bf16"),  # the DiT's keys (h3serve/common/config.py)
+            weights=getattr(config, "weights", "bf16"),
         )
 
     def describe(self) -> str:
-        return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag))])
+        linears = [] if self.linears == "bf16" else [self.linears + ("+int8" if self.weights == "int8" else "")]
+        return "+".join([self.attention, *(flag for flag in FLAGS if getattr(self, flag)), *linears])
 
     @property
     def lossy(self) -> bool:
         """Computes different numbers from the released bf16 model (fp8 weights or fp8 attention)."""
-        return self.fp8 or self.attention == fp8_attention.NAME
+        return self.fp8 or self.attention == fp8_attention.NAME or self.linears != "bf16"
 
 
 def apply(model: ModelMixin, fast: FastPath, sequence_split: bool = False) -> None:
@@ -85,11 +93,22 @@ def apply(model: ModelMixin, fast: FastPath, sequence_split: bool = False) -> No
     then compiled around them (graph breaks) instead of as one graph.
     """
     set_attention(model, fast.attention)
+    convert_linears(model, fast)
     if fast.fp8:
         quantize_fp8(model)
     if fast.compile:
         compile_blocks(model, fast, sequence_split)
     log.info("%s fast path: %s", type(model).__name__, fast.describe())
+    if fast.linears != "bf16":
+        log.info("%s: %s", type(model).__name__, fp16_linears.describe(fast.linears, fast.weights))
+
+
+def convert_linears(model: torch.nn.Module, fast: FastPath) -> dict[str, fp16_linears.SourceParam]:
+    """`fp16_scaled` linears (and int8 weights) for the DiT, on a loaded model or its meta-device skeleton; the
+    parameters whose dtype changed (a skeleton's are filled through fp16_linears.ConvertedRows). Idempotent."""
+    if fast.linears == "bf16":
+        return {}
+    return fp16_linears.convert(model, torch.bfloat16, int8=fast.weights == "int8")
 
 
 def compile_blocks(model: ModelMixin, fast: FastPath, sequence_split: bool = False) -> None:

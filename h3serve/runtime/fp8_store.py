@@ -19,9 +19,13 @@ as unmerged low-rank branches (h3serve/services/dit/adapters.py), so one cache s
 that does not load (a truncated file, an incompatible torchao) is deleted with a warning and quantised again; a save
 that fails (a full disk) is a warning too: the cache speeds a start up, it never stops one.
 
-Writing took 69.9 s of a 137.5 s cold start of a resident transformer on one H200 (44 GiB; README "Warm start"), so
+Writing took 69.9 s of a 137.5 s cold start of a resident transformer on one H200 (44 GiB; docs/performance.md), so
 weights that are served from the GPU are written in the background (`save_later`): the tensors written are the ones
-served, which nothing changes, so the save holds no second copy of them.
+served, which nothing changes, so the save holds no second copy of them. It runs beside the warm-up, and
+`before_serving` holds health NOT_SERVING until it is written (`[dit] fp8_save = "before_serving"`, the default): on one
+H100 a save left running after SERVING took 66.5 s and slowed the first request's three DiT forwards from 3.4 s to
+13.9 s. Holding SERVING costs a first start only what of the save outlasts the warm-up, and no request ever shares
+the machine with it; "background" turns SERVING at once, for a deployment that would rather serve sooner.
 """
 
 from __future__ import annotations
@@ -222,6 +226,18 @@ def wait_for_saves(timeout_s: float | None = None) -> bool:
     for thread in _saves:
         thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     return not any(thread.is_alive() for thread in _saves)
+
+
+def before_serving(when: str, announce: Callable[[str], None]) -> None:
+    """`[dit] fp8_save`: with "before_serving", wait until this process's background saves are written, after saying
+    so through `announce` (the DiT's state while it starts); with "background", or nothing being written, go on."""
+    writing = [thread for thread in _saves if thread.is_alive()]
+    if when != "before_serving" or not writing:
+        return
+    announce("writing the fp8 weights before SERVING ([dit] fp8_save)")
+    started = time.perf_counter()
+    wait_for_saves()
+    log.info("fp8 weights written: SERVING %.1f s later than without the wait", time.perf_counter() - started)
 
 
 def saves_in_flight(directory: Path) -> list[Path]:

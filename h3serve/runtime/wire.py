@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -185,16 +186,14 @@ def refusal_heard(messages: Iterable) -> Iterator[None]:
         raise
 
 
-def read_spec_stream(
-    messages: Iterable, expect: Callable[[object], Expected]
-) -> tuple[object, dict[str, torch.Tensor]]:
+def read_spec_stream(messages: Iterable, expect: Callable[[Any], Expected]) -> tuple[Any, dict[str, torch.Tensor]]:
     """A request stream of one `spec` message, then tensor `chunk` messages (the DiT's and VAE's inputs).
 
     `expect(spec)` runs as soon as the spec arrives, before any chunk is read: it checks the spec (raising to
     refuse it) and says which tensors follow and how many bytes they may take. Returns the spec and exactly
     those tensors; anything else is a WireError.
     """
-    spec: object = None
+    spec: Any = None  # the stream's spec message: a DenoiseSpec, a DecodeSpec...
     assembler: TensorAssembler | None = None
     expected: Expected | None = None
     for message in messages:

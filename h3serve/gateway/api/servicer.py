@@ -63,9 +63,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         health: StageHealth,
         assets: AssetStore,
         text_rows: TextRows,
+        capacity: CapacityTable | None = None,  # with the plan's ceilings (gateway/server.py); else the file's bounds
     ) -> None:
         self.config, self.limits = config, RequestLimits.from_config(config)
-        self.capacity = CapacityTable(config.capacity, config.max_rows)
+        self.capacity = capacity or CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
         self.text_rows = text_rows
         self.served = ServedWorkflows(runner.caller.replicas["dit"])
@@ -222,6 +223,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
                 f"removed by the retention policy)",
             )
+        assert found is not None  # context.abort raised otherwise
         artifact, path = found
         file = await asyncio.to_thread(open, path, "rb")
         try:

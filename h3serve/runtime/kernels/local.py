@@ -4,7 +4,8 @@ diffusers 0.42.1 reaches FlashAttention 4 through a hub-kernel slot (`_HUB_KERNE
 fills by downloading; h3serve never downloads, so the slot is filled with a locally installed kernel:
 - `flash4`: FlashAttention 4 (the `flash-attn-4` package, Hopper and newer), bf16, same error as cuDNN;
 - `cudnn_fp8`: cuDNN's FP8 attention with finer scaling around it (h3serve/runtime/kernels/fp8_attention.py);
-- `sage`: SageAttention's Triton kernels, INT8 Q.K and FP16 P.V, for GPUs from sm_75 (h3serve/runtime/kernels/sage.py).
+- `sage`: h3serve's SageAttention kernel, INT8 Q.K and FP16 P.V, compiled by NVRTC for GPUs from sm_75
+  (h3serve/runtime/kernels/sage.py).
 Either runs as an opaque custom op, which keeps the compiled blocks whole (fullgraph). diffusers registers
 `flash_4_hub` without context parallelism; the backend is registered again here with Ulysses (the
 sequence split by heads: each rank runs the plain kernel on all rows of its heads), so a sharded DiT group
@@ -74,7 +75,13 @@ KERNELS = {
         "flash_attn.cute", "flash-attn-4 package (and its CUTLASS DSL libraries)", _flash4_kernel, (9, 0)
     ),
     fp8_attention.NAME: LocalKernel("cudnn", "nvidia-cudnn-frontend package", fp8_attention.attention, (9, 0)),
-    sage.NAME: LocalKernel("sageattention", "sageattention package", sage.attention, (7, 5), sage.check_build),
+    sage.NAME: LocalKernel(
+        "cuda.bindings.nvrtc",
+        "cuda-bindings and nvidia-cuda-nvrtc packages (torch's CUDA wheels depend on both)",
+        sage.attention,
+        sage.CAPABILITY,
+        sage.check_build,
+    ),
 }
 
 

@@ -435,7 +435,7 @@ def install(config: DiTConfig, partitions: Partitions) -> Adapters:
             config.adapter_mode,
             " (slots: compiled)" if isinstance(holder, Slots) else "",
         )
-    # what a start spends on them (README "Warm start" reads it)
+    # what a start spends on them (docs/performance.md, "Warm start" reads it)
     log.info(
         "adapters read and checked in %.1f s, installed in %.1f s", read_at - started, time.perf_counter() - read_at
     )

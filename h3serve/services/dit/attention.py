@@ -8,7 +8,9 @@ and dtype on the rank's device (a kernel that cannot run fails the start with it
 
 Before any probe, the backend is checked against the GPU's compute capability: on sm_75 (the seeds' RTX 2080 Ti)
 no fused bf16 SDPA kernel exists, so `native` and the `_native_*` backends are refused there with the reason, and
-`sage` (INT8 Q.K, FP16 P.V) is what runs. The start log names the backend and the kernels this GPU has.
+`sage` (h3serve's own INT8 Q.K / FP16 P.V kernel, compiled by NVRTC at first use) is what runs; without a GPU,
+NVRTC or cuda-bindings it is refused with the reason, never replaced. The start log names the backend, the kernels
+this GPU has and, for `sage`, where its binary came from (h3serve/runtime/kernels/sage.py).
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ MATERIALISING = ("_native_math", "flex")  # S x S scores in memory (flex: withou
 SDPA = ("native", "_native_cudnn", "_native_flash", "_native_efficient")
 # The oldest compute capability on which each diffusers backend's kernel takes bf16: PyTorch's flash,
 # memory-efficient and cuDNN SDPA kernels and flash-attn 2 from sm_80; FlashAttention 3 and SageAttention's
-# fp8 P.V kernels on sm_90 / sm_89 only. The local kernels carry their own (h3serve/runtime/kernels/local.py).
+# fp8 P.V kernels on sm_90 / sm_89 only; SageAttention 2.x's fp16 P.V kernels (CUDA and Triton, diffusers' names)
+# from sm_80 (2.x builds no sm_75 kernel, and Triton >= 3.3 no Turing tensor cores). The local kernels carry their
+# own (h3serve/runtime/kernels/local.py): `sage` there is h3serve's kernel, from sm_75.
 BF16_CAPABILITY = {
     **dict.fromkeys(SDPA, (8, 0)),
     "flash": (8, 0),
     "flash_varlen": (8, 0),
     "_flash_3": (9, 0),
     "_flash_varlen_3": (9, 0),
+    "_sage_qk_int8_pv_fp16_cuda": (8, 0),
+    "_sage_qk_int8_pv_fp16_triton": (8, 0),
     "_sage_qk_int8_pv_fp8_cuda": (8, 9),
     "_sage_qk_int8_pv_fp8_cuda_sm90": (9, 0),
 }

@@ -7,7 +7,7 @@ Checked once per start of the service, before anything loads:
 - over several nodes by `h3serve serve dit` before it execs torchrun (launch.py), which would restart any exit.
 
 Rank 0 checks rather than the launcher because the check needs torch and diffusers: imported by the launcher
-and again by every rank they put 21 s before the supervisor started, on an H200 host (README "Warm start").
+and again by every rank they put 21 s before the supervisor started, on an H200 host (docs/performance.md).
 """
 
 from __future__ import annotations

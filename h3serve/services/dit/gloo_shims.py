@@ -1,6 +1,6 @@
 """What diffusers' context parallelism lacks on CPU ranks joined by gloo (the test and dev set-up).
 
-Three gaps, each verified (docs: distributed-notes.md), each closed here and only on CPU:
+Three gaps, each verified (docs/deploy/sharded-dit.md, "CPU ranks over gloo"), each closed here and only on CPU:
 - diffusers picks the rank's device as `rank % torch.accelerator.device_count()`, which is 0 on CPU;
 - ring attention needs the log-sum-exp of each partial attention, and no CPU backend returns it:
   the CPU flash kernel (`aten._scaled_dot_product_flash_attention_for_cpu`) does;

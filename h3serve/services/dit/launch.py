@@ -18,7 +18,7 @@ from h3serve.common.config import DiTConfig
 from h3serve.common.processes import refuse
 from h3serve.common.server import refuse_port_in_use
 
-# Shared multi-GPU hosts: NVLink multicast off (docs: distributed-notes.md, NCCL notes).
+# Shared multi-GPU hosts: NVLink multicast off (docs/deploy/sharded-dit.md, "NCCL on a shared multi-GPU host").
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 REFUSED_PREFIX = "h3serve serve dit: "  # a refused configuration's reason on stderr starts with it, whoever checked
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fastpath, pinned, random_full, sharded_load
+from h3serve.runtime import fastpath, fp16_linears, pinned, random_full, sharded_load
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.offload import stream_from_host
 from h3serve.services.dit import attention, gloo_shims
@@ -120,9 +120,13 @@ def loads_shards(config: DiTConfig, layout: Layout) -> bool:
 def load_sharded(
     weights: sharded_load.Weights, layout: Layout, fast: FastPath, device: torch.device, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """The transformer readied on the meta device, sharded, then only this rank's shards filled from `weights`."""
+    """The transformer readied on the meta device, sharded, then only this rank's shards filled from `weights`
+    (`fp16_scaled` linears and int8 weights converted on the skeleton, so no rank holds a bf16 copy of its rows)."""
     started = time.perf_counter()
     transformer = random_full.skeleton(weights.factory, dtype)
+    changed = fastpath.convert_linears(transformer, fast)
+    if changed:
+        weights = fp16_linears.ConvertedRows(weights, changed)
     prepare_transformer(transformer, layout, fast, device, dtype, weights)
     log.info(
         "%s: this rank's shards, %.2f GiB, loaded in %.1f s",
@@ -182,7 +186,8 @@ def shard_weights(transformer, device: torch.device, offload: bool = False) -> N
     stay in host memory (pinned for the copies to a GPU) and each block is gathered onto `device` as it runs.
 
     Inference only: with gradients off FSDP accepts the bf16 blocks next to the fp32-pinned
-    projections in one root group (it refuses mixed dtypes only for trainable parameters).
+    projections in one root group, and a block's int8 weights beside their fp32 scales and fp32 norms
+    (fp16_linears; it refuses mixed dtypes only for trainable parameters).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard

@@ -86,6 +86,7 @@ class Endpoint:
             if config.warmup:
                 self.view.state = f"warming up {', '.join(config.warmup)}"
                 info.warm_shapes.extend(dict.fromkeys(run.shape for run in warmup.warm_up(member, config)))
+            fp8_store.before_serving(config.fp8_save, lambda state: setattr(self.view, "state", state))
         except BaseException as exc:
             log.error("rank 0 could not join the DiT group: %s", describe(exc))
             reason = compile_cache.set_aside_if_damaged(exc) or describe(exc, lines=1)

@@ -19,14 +19,16 @@ Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` cho
   `dispatch_model`. Refused at start unless the process sees at least 2 CUDA devices: on one device it would do
   nothing, and a setting that does nothing is refused rather than ignored (field notes); set `spread = false` to
   load the encoder whole on one GPU. Refused too if the model does not fit the GPUs' free memory (nothing is
-  offloaded to the CPU silently). With a quantization, the bf16 layers are spread first, then quantized in place
-  on their GPUs.
+  offloaded to the CPU silently). With a quantization and a model directory (or `random:full`), the map is made on
+  the meta-device skeleton and each decoder layer is filled from the safetensors files on its GPU and quantized
+  there before the next (`build_spread`): the 48.9 GiB of bf16 never pass through host memory (the 4 x 22 GB box's
+  64 GB host, docs/turing-memory.md). The tiny preset is spread whole, then quantized in place on its GPUs.
 - `cpu_offload = true`: the weights stay in pinned host memory and each decoder layer and vision block is copied
   to `device` on a side CUDA stream while the one before it runs (h3serve/runtime/offload.py, as the DiT's
   `offload = "group"`); the embedding, the norms and the vision tower's patch and position embeddings and merger
   are copied whole, without the stream, when their module runs. Every request not in the embedding cache still
-  moves the whole model over PCIe: 2.2-2.6 s for a 256-token prompt in the 32 GB profile on one H200 (README
-  "Small GPUs"), where accelerate's `cpu_offload`, which this replaced (synchronous copies from pageable memory),
+  moves the whole model over PCIe: 2.2-2.6 s for a 256-token prompt in the 32 GB profile on one H200 (docs/deploy/
+  small-gpus.md), where accelerate's `cpu_offload`, which this replaced (synchronous copies from pageable memory),
   took 8.8-9.0 s. Needs a CUDA `device` (on the CPU the weights are in host memory
   already: refused as doing nothing). With `quantize = "int8"` the int8 weights are what host memory holds (25.7
   GiB for the released encoder instead of 48.9: what makes the 32 GB profile fit a 64 GB host); each decoder
@@ -68,7 +70,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -199,13 +201,14 @@ def describe_dtype(config: EncoderConfig) -> str:
 
 
 def layer_weights(config: EncoderConfig):
-    """Where a layer-by-layer build takes the encoder's values from, for int8 with cpu_offload (its bf16 layers then
-    never reach host memory: 48.9 GiB for the released encoder): `random:full`'s draws, or the model directory's
-    safetensors files (read tensor by tensor, memory-mapped). None otherwise (the tiny preset, built whole)."""
+    """Where a layer-by-layer build takes the encoder's values from, for a quantized encoder offloaded or spread (its
+    bf16 layers then never reach host memory: 48.9 GiB for the released encoder): `random:full`'s draws, or the model
+    directory's safetensors files (read tensor by tensor, memory-mapped). None otherwise (the tiny preset, built
+    whole)."""
     from h3serve.runtime.models import ModelSource
 
-    quantize, _, offload = _settings(config)
-    if not (staged_on_cpu(config) and offload and quantize != "none" and config.model_dir):
+    quantize, spread, offload = _settings(config)
+    if not (staged_on_cpu(config) and (offload or spread) and quantize != "none" and config.model_dir):
         return None
     return ModelSource(config.model_dir).weights("text_encoder")
 
@@ -226,6 +229,8 @@ def place(text_encoder: Qwen3VLForConditionalGeneration, config: EncoderConfig, 
     quantize, spread, offload = _settings(config)
     device = torch.device(config.device)
     dtype = TORCH_DTYPES[config.dtype]
+    if spread and weights is not None:
+        return spread_layer_by_layer(text_encoder, _spread_budget(config), quantize, dtype, weights)
     if spread:
         where = spread_over_gpus(text_encoder, _spread_budget(config))
         if quantize != "none":
@@ -287,6 +292,57 @@ def quantize_through(model: Qwen3VLForConditionalGeneration, quantize: str, devi
     log.info("encoder: %d decoder layers' linears quantized to %s on %s", len(layers), quantize, device)
 
 
+def quantize_layer(layer: torch.nn.Module, quantize: str, dtype: torch.dtype) -> None:
+    """Every linear of one decoder layer quantized where it is."""
+    every_linear = lambda module, _name: isinstance(module, torch.nn.Linear)  # noqa: E731
+    if quantize == "int8":
+        _int8(layer, None, filter_fn=every_linear)
+    else:
+        _nf4(layer, dtype, None, filter_fn=every_linear)
+
+
+def build_spread(model: torch.nn.Module, devices: dict[str, torch.device], weights, quantize_layer) -> None:
+    """Fill the meta-device skeleton `model` from `weights` where `devices` (a device map: module name -> device)
+    puts each part: every decoder layer filled on its device and `quantize_layer(layer)` there before the next
+    (one bf16 layer at a time), then everything else. Host memory holds no layer."""
+    from h3serve.runtime.sharded_load import fill_module
+
+    def device_of(name: str) -> torch.device:
+        owner = max((key for key in devices if key == "" or name == key or name.startswith(key + ".")), key=len)
+        return devices[owner]
+
+    layers = cast(torch.nn.ModuleList, model.get_submodule(DECODER_LAYERS.rstrip(".")))
+    for index, layer in enumerate(layers):
+        prefix = f"{DECODER_LAYERS}{index}"
+        fill_module(layer, weights, prefix + ".", device_of(prefix))
+        quantize_layer(layer)
+    for key, device in devices.items():  # what is left of each part (filled layers stay as they are)
+        fill_module(model.get_submodule(key) if key else model, weights, f"{key}." if key else "", device)
+
+
+def spread_layer_by_layer(
+    model: torch.nn.Module, budget: dict[int, int], quantize: str, dtype: torch.dtype, weights
+) -> str:
+    """`spread` of a quantized encoder from a skeleton: the device map made on the meta device (sized by its bf16
+    parameters: a bound on the quantized ones), each part built on its GPU (`build_spread`), then accelerate's hooks
+    that move activations between the GPUs."""
+    from accelerate import dispatch_model
+
+    device_map = spread_map(model, budget)
+    build_spread(
+        model,
+        {key: torch.device("cuda", index) for key, index in device_map.items()},
+        weights,
+        lambda layer: quantize_layer(layer, quantize, dtype),
+    )
+    dispatch_model(model, device_map=device_map)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the bf16 layers passed through the allocators' caches: the cards are shared
+    used = sorted(set(device_map.values()))
+    log.info("encoder: built layer by layer, %s-quantized, over cuda:%s", quantize, ",".join(map(str, used)))
+    return "+".join(f"cuda:{i}" for i in used) + " (spread)"
+
+
 def _int8(model: torch.nn.Module, device: torch.device | None, filter_fn=is_target) -> None:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
@@ -294,7 +350,7 @@ def _int8(model: torch.nn.Module, device: torch.device | None, filter_fn=is_targ
     quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=filter_fn, device=device)
 
 
-def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None) -> None:
+def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None, filter_fn=is_target) -> None:
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
@@ -302,7 +358,7 @@ def _nf4(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None
 
     modules = dict(model.named_modules())
     for name, linear in list(modules.items()):
-        if not is_target(linear, name):
+        if not filter_fn(linear, name):
             continue
         target = device if device is not None else linear.weight.device
         q = bnb.nn.Linear4bit(

@@ -1,0 +1,216 @@
+"""Which shipped deployment profile (docs/deploy/*.toml) serves a box fastest: `h3serve init`'s choice.
+
+The profiles are taken as they ship, fastest first (`PROFILES`), never invented: each is set to the box (its card
+as `[supervisor] gpu_memory_gib`, its host as `host_memory_gib`, the model directory) and must then
+- have its GPUs: as many as its `gpus` settings name;
+- have their compute capability: the oldest its kernels run on (`Profile.capability`, with the reason);
+- fit the memory plan (h3serve/common/memory_plan.py) with a 5-second clip at its default canvas: every process
+  within its GPU and cap, the host at start and while serving;
+- have the disk for its fp8 store where it keeps one (the fp8 weights' size, from the plan's parameter counts);
+- have the user's file where it needs one (a GGUF of the transformer).
+The first that passes is chosen; every profile ahead of it says why it did not.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import h3serve
+from h3serve.cli.box import Box
+from h3serve.common.ceilings import SHORTEST, Ceilings
+from h3serve.common.config import SERVICES, ConfigError, DeployConfig, load_deploy
+from h3serve.common.memory_plan import GIB, dit_weights, plan
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str  # docs/deploy/<name>.toml
+    capability: tuple[int, int]  # the oldest compute capability its kernels run on
+    needs: str  # what that capability is for
+    fast: str  # why it is the fastest of those after it, where it fits
+    needs_gguf: bool = False  # [dit] transformer_file: the user's GGUF
+
+
+# Fastest first. Capabilities: cuDNN's FP8 attention sm_90 (runtime/kernels/local.py), torchao's fp8 W8A8 sm_89,
+# PyTorch's fused bf16 SDPA sm_80 (services/dit/attention.py), SageAttention sm_75 (runtime/kernels/sage.py).
+PROFILES = (
+    Profile(
+        "h200x4",
+        (8, 0),
+        "bf16 fused attention (cuDNN SDPA)",
+        "the DiT split over two GPUs (Ulysses 2: 1.85x a step on 2 x H200) and every stage on a GPU of its own, so "
+        "one request's decode overlaps the next one's denoise",
+    ),
+    Profile(
+        "single-h200",
+        (9, 0),
+        "FP8 attention (cudnn_fp8) and fp8 weights",
+        "every stage resident on one card: fp8 weights, FP8 attention, compiled blocks, the bf16 encoder",
+    ),
+    Profile(
+        "single-h100",
+        (9, 0),
+        "FP8 attention (cudnn_fp8) and fp8 weights",
+        "the DiT resident in fp8 with FP8 attention and compiled blocks; the encoder's int8 layers streamed from host "
+        "memory to leave the card to the DiT and the VAE",
+    ),
+    Profile(
+        "single-32gb",
+        (8, 9),
+        "fp8 weights (torchao W8A8)",
+        "the DiT's fp8 blocks streamed from host memory as they run, compiled; each stage on its share of the card",
+    ),
+    Profile(
+        "single-24gb",
+        (8, 9),
+        "fp8 weights (torchao W8A8)",
+        "the DiT's fp8 blocks streamed from host memory, the stages taking turns on the card",
+    ),
+    Profile(
+        "single-24gb-gguf",
+        (8, 0),
+        "bf16 fused attention (PyTorch SDPA)",
+        "the DiT from your GGUF, its quantised blocks streamed, the stages taking turns on the card",
+        needs_gguf=True,
+    ),
+    Profile(
+        "turing-4x22",
+        (7, 5),
+        "SageAttention (sm_75 has no fused bf16 attention)",
+        "the DiT sharded over four small GPUs (FSDP2 + Ulysses 4) with SageAttention",
+    ),
+)
+
+
+def shipped_directory() -> Path:
+    """docs/deploy of the checkout h3serve runs from, else of the current directory."""
+    beside = Path(h3serve.__file__).resolve().parents[1] / "docs" / "deploy"
+    return beside if beside.is_dir() else Path.cwd() / "docs" / "deploy"
+
+
+def set_key(text: str, section: str, key: str, literal: str, note: str) -> str:
+    """`key = literal  # note` in [section] of a deployment's TOML text, every other line kept: the key's line replaced
+    where [section] sets it, else added under its header (the section added at the end where there is none)."""
+    lines, header = text.splitlines(), f"[{section}]"
+    start = next((i for i, line in enumerate(lines) if line.strip() == header), None)
+    setting = f"{key} = {literal}  # {note}"
+    if start is None:
+        return text.rstrip("\n") + f"\n\n{header}\n{setting}\n"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    found = next((i for i in range(start + 1, end) if re.match(rf"{re.escape(key)}\s*=", lines[i])), None)
+    if found is None:
+        lines.insert(start + 1, setting)
+    else:
+        lines[found] = setting
+    return "\n".join(lines) + "\n"
+
+
+def _literal(value: str | float) -> str:
+    return f"{value:g}" if isinstance(value, float) else '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True)
+class Verdict:
+    profile: Profile
+    text: str  # the profile set to the box
+    why_not: tuple[str, ...]  # empty: it fits
+    config: DeployConfig | None = None
+    card_gib: float = 0.0  # the smallest of its GPUs
+
+    @property
+    def fits(self) -> bool:
+        return not self.why_not
+
+
+def gpus_named(config: DeployConfig) -> int:
+    """How many GPUs a deployment places its services on: up to the highest index its `gpus` settings name."""
+    named = [
+        int(gpu)
+        for name in SERVICES
+        if config.service(name).device.startswith("cuda")
+        for gpu in config.service(name).gpus.split(",")
+        if gpu.strip().isdigit()
+    ]
+    return max(named) + 1 if named else 1
+
+
+def set_to_box(text: str, box: Box, card: float, model_dir: str, gguf: str) -> str:
+    text = set_key(text, "supervisor", "gpu_memory_gib", _literal(card), "this box's card, as CUDA reports it")
+    text = set_key(text, "supervisor", "host_memory_gib", _literal(box.host_gib), "this box's host memory")
+    if model_dir:
+        text = set_key(text, "model", "dir", _literal(model_dir), "the model directory")
+    if gguf:
+        text = set_key(text, "dit", "transformer_file", _literal(gguf), "your GGUF of the transformer")
+    return text
+
+
+def _load(text: str) -> DeployConfig:
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as file:
+        file.write(text)
+        file.flush()
+        return load_deploy(file.name)
+
+
+def assess(profile: Profile, box: Box, directory: Path, model_dir: str = "", gguf: str = "") -> Verdict:
+    """Whether `profile` serves `box`, set to it; the reasons it does not."""
+    shipped = (directory / f"{profile.name}.toml").read_text()
+    if profile.needs_gguf and not gguf:
+        return Verdict(profile, shipped, ("it serves the DiT from your GGUF: give --transformer-file",))
+    needed = gpus_named(_load(shipped))
+    if needed > len(box.gpus):
+        return Verdict(profile, shipped, (f"it places its services on {needed} GPUs, the box has {len(box.gpus)}",))
+    cards = box.gpus[:needed]
+    oldest = min(gpu.capability for gpu in cards)
+    if oldest < profile.capability:
+        needed_sm, box_sm = (f"sm_{major}{minor}" for major, minor in (profile.capability, oldest))
+        return Verdict(
+            profile, shipped, (f"its {profile.needs} needs {needed_sm} or newer, the box's GPU is {box_sm}",)
+        )
+    card = min(gpu.memory_gib for gpu in cards)
+    text = set_to_box(shipped, box, card, model_dir, gguf)
+    try:
+        config = _load(text)
+    except ConfigError as exc:
+        return Verdict(profile, text, (f"set to this box it does not load: {exc}",))
+    result = plan(config, gpu_gib=card, frames=SHORTEST, host_gib=box.host_gib, host_source="the box")
+    why_not = [f"a {SHORTEST}-frame clip at its default canvas: {problem}" for problem in result.problems]
+    if config.dit.fp8_cache_dir:
+        store = dit_weights(config.dit)[0] / GIB
+        if store > box.disk_gib:
+            why_not.append(f"its fp8 store takes {store:.1f} GiB of disk, the box has {box.disk_gib:g} GiB free")
+    return Verdict(profile, text, tuple(why_not), config, card)
+
+
+def choose(box: Box, directory: Path, model_dir: str = "", gguf: str = "") -> list[Verdict]:
+    """Every profile's verdict, fastest first, up to the first that fits (the last one, when any does)."""
+    verdicts = []
+    for profile in PROFILES:
+        verdicts.append(assess(profile, box, directory, model_dir, gguf))
+        if verdicts[-1].fits:
+            break
+    return verdicts
+
+
+def costs(verdict: Verdict) -> list[str]:
+    """What each request size costs on the chosen profile: per canvas, the planned GPU peak of a 5-second clip and
+    the longest clip each workflow holds (the plan's ceilings, which the gateway admits by)."""
+    assert verdict.config is not None
+    ceilings = Ceilings(verdict.config, verdict.card_gib)
+    out = []
+    for height, width in ceilings.canvases():
+        result = plan(verdict.config, gpu_gib=verdict.card_gib, canvas=(height, width), frames=SHORTEST, host_gib=0)
+        peak = max(gpu.used for gpu in result.gpus) if result.gpus else 0.0
+        held = ", ".join(
+            f"{workflow} up to {frames} frames"
+            if (frames := ceilings.ceiling(workflow, height, width).frames)
+            else f"{workflow} refused"
+            for workflow in verdict.config.dit.workflows
+        )
+        out.append(
+            f"{height}x{width}: a {SHORTEST}-frame clip takes {peak:.1f} of {verdict.card_gib:g} GiB at its busiest "
+            f"GPU (planned); {held}"
+        )
+    return out

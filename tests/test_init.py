@@ -1,0 +1,125 @@
+"""`h3serve init`: the fastest shipped profile for a box (faked by a description file), written set to the box, and
+accepted by `h3serve plan`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from h3serve.cli import box as boxes
+from h3serve.cli import init, profiles
+
+pytestmark = pytest.mark.processes
+
+
+def gpus(count: int, memory_gib: float, capability: str) -> dict:
+    return {"gpus": [{"memory_gib": memory_gib, "capability": capability, "count": count}]}
+
+
+# Cards as CUDA reports them: a "24 GB" Ada, a "32 GB" Blackwell, an H100 80 GB, an H200, the seeds' RTX 2080 Ti 22 GB.
+BOXES = {
+    "1x24GB sm_89": ({**gpus(1, 23.6, "8.9"), "host_gib": 64, "disk_gib": 200}, "single-24gb"),
+    "1x32GB sm_120": ({**gpus(1, 31.8, "12.0"), "host_gib": 64, "disk_gib": 200}, "single-32gb"),
+    "1x80GB sm_90": ({**gpus(1, 79.2, "9.0"), "host_gib": 125, "disk_gib": 200}, "single-h100"),
+    "1x141GB sm_90": ({**gpus(1, 139.8, "9.0"), "host_gib": 250, "disk_gib": 200}, "single-h200"),
+    "4x22GB sm_75": ({**gpus(4, 21.6, "7.5"), "host_gib": 192, "disk_gib": 200}, "turing-4x22"),
+    "2x80GB sm_90": ({**gpus(2, 79.2, "9.0"), "host_gib": 250, "disk_gib": 200}, "single-h100"),
+    "4x141GB sm_90": ({**gpus(4, 139.8, "9.0"), "host_gib": 1000, "disk_gib": 200}, "h200x4"),
+}
+
+
+def run_init(tmp_path: Path, box: dict, *flags: str) -> None:
+    path = tmp_path / "box.json"
+    path.write_text(json.dumps(box))
+    parser = argparse.ArgumentParser(prog="h3serve")
+    init.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["init", "--box", str(path), "--out", str(tmp_path / "deploy.toml"), *flags])
+    args.run(args)
+
+
+@pytest.mark.parametrize("box, expected", BOXES.values(), ids=BOXES)
+def test_dry_run_picks_the_fastest_profile_that_fits_and_writes_nothing(tmp_path, capsys, box, expected):
+    run_init(tmp_path, box, "--dry-run")
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.startswith("chosen: ")]
+    assert chosen and chosen[0].startswith(f"chosen: {expected}.toml: "), out
+    ahead = [p.name for p in profiles.PROFILES[: [p.name for p in profiles.PROFILES].index(expected)]]
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("not ")] == [f"{n}.toml:" for n in ahead]
+    assert "frames" in out.split("chosen: ")[1], "what each request size costs: the ceilings"
+    assert not (tmp_path / "deploy.toml").exists()
+    printed = out.split("--dry-run: not written to")[1].split(":\n\n", 1)[1]
+    assert tomllib.loads(printed)["supervisor"]["gpu_memory_gib"] == box["gpus"][0]["memory_gib"]
+
+
+def test_it_writes_the_one_h100_layout_set_to_the_box_and_plan_accepts_it(tmp_path, capsys):
+    box, _ = BOXES["1x80GB sm_90"]
+    run_init(tmp_path, box, "--model-dir", "/data/MiniMax-H3")
+    written = tmp_path / "deploy.toml"
+    text = written.read_text()
+    assert text.startswith("# Written by `h3serve init` from docs/deploy/single-h100.toml for this box:")
+    data = tomllib.loads(text)
+    assert data["model"]["dir"] == "/data/MiniMax-H3"
+    assert data["supervisor"]["gpu_memory_gib"] == 79.2 and data["supervisor"]["host_memory_gib"] == 125
+    assert data["dit"]["attention_backend"] == "cudnn_fp8" and data["encoder"]["quantize"] == "int8"
+    plan = subprocess.run(
+        [sys.executable, "-m", "h3serve.cli", "plan", "--config", str(written)], capture_output=True, text=True
+    )
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert plan.stdout.rstrip().endswith("fits") and "768x1344: up to" in plan.stdout
+    with pytest.raises(SystemExit, match="exists: --force overwrites it"):
+        run_init(tmp_path, box)
+    run_init(tmp_path, {**box, "host_gib": 250}, "--force")
+    assert tomllib.loads(written.read_text())["supervisor"]["host_memory_gib"] == 250
+
+
+def test_a_box_no_profile_fits_is_refused_with_every_reason(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        run_init(tmp_path, {**gpus(1, 79.2, "8.0"), "host_gib": 250, "disk_gib": 200}, "--dry-run")
+    out = capsys.readouterr().out
+    assert exit.value.code == init.REFUSED and out.rstrip().endswith("no shipped profile fits this box")
+    assert "not single-h100.toml: its FP8 attention (cudnn_fp8) and fp8 weights needs sm_90 or newer" in out
+    assert "not single-24gb-gguf.toml: it serves the DiT from your GGUF: give --transformer-file" in out
+
+
+def test_a_small_disk_leaves_out_a_profile_whose_fp8_store_it_cannot_hold(tmp_path, capsys):
+    box, _ = BOXES["1x80GB sm_90"]
+    with pytest.raises(SystemExit):
+        run_init(tmp_path, {**box, "disk_gib": 20}, "--dry-run")
+    assert (
+        "not single-h100.toml: its fp8 store takes 43.8 GiB of disk, the box has 20 GiB free" in capsys.readouterr().out
+    )
+
+
+def test_the_box_readers():
+    smi = "81559, 519, 9.0\n24564, 340, 8.9\n"
+    assert boxes.parse_nvidia_smi(smi) == (boxes.Gpu(79.1, (9, 0)), boxes.Gpu(23.7, (8, 9)))
+    assert boxes.parse_nvidia_smi("81559, 9.0\n") == (boxes.Gpu(79.6, (9, 0)),), "a driver without memory.reserved"
+    assert [boxes.capability(v) for v in ("9.0", "sm_75", "120", [8, 9], 8.9)] == [
+        (9, 0),
+        (7, 5),
+        (12, 0),
+        (8, 9),
+        (8, 9),
+    ]
+    with pytest.raises(boxes.BoxError, match="host_gib"):
+        boxes.from_description({"gpus": []}, "box.json")
+    machine = boxes.read_machine(".")
+    assert machine.host_gib > 0 and machine.disk_gib > 0
+
+
+def test_set_key_replaces_inserts_and_adds_a_section():
+    text = "[dit]\nfp8 = true  # why\n\n[vae]\nport = 1\n"
+    assert profiles.set_key(text, "dit", "fp8", "false", "n") == "[dit]\nfp8 = false  # n\n\n[vae]\nport = 1\n"
+    assert (
+        profiles.set_key(text, "vae", "tile_batch", "28", "n")
+        == "[dit]\nfp8 = true  # why\n\n[vae]\ntile_batch = 28  # n\nport = 1\n"
+    )
+    assert profiles.set_key(text, "supervisor", "gpu_memory_gib", "79.2", "n").endswith(
+        "\n\n[supervisor]\ngpu_memory_gib = 79.2  # n\n"
+    )

@@ -1,0 +1,153 @@
+"""The sage_fp16 kernel's arithmetic (its CPU model, tests/sage_model.py) against fp64 attention: issue 49's bars.
+
+On a GPU (`-m gpu`), the kernel itself against the model: the same numbers but for the kernel's ex2.approx and
+its fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.common import Size, denoise_spec
+from h3serve.runtime.kernels import local, sage_prepare
+from h3serve.runtime.kernels.sage_prepare import HEAD_DIM
+from h3serve.runtime.tiny import build_component
+from h3serve.services.dit.runner import DenoiseRunner, served
+from tests.sage_model import attention_fp64, kernel_model, kernel_vs_model
+
+ROWS, HEADS = 1000, 2  # not a multiple of 64: the tail keys and rows are exercised
+GAUSSIAN = {"cosine": 0.9999, "rel_l1": 0.015}
+DIT_LIKE = {"cosine": 0.999, "rel_l1": 0.03}
+
+
+def errors(q, k, v) -> dict[str, float]:
+    scale = HEAD_DIM**-0.5
+    got = kernel_model(sage_prepare.prepare(q, k, v, scale)).double()
+    want = attention_fp64(q, k, v, scale)
+    assert torch.isfinite(got).all()
+    cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    return {"cosine": cosine, "rel_l1": ((got - want).abs().sum() / want.abs().sum()).item()}
+
+
+def meets(measured: dict[str, float], bar: dict[str, float]) -> bool:
+    return measured["cosine"] >= bar["cosine"] and measured["rel_l1"] <= bar["rel_l1"]
+
+
+def gaussian(seed: int, rows: int = ROWS) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, rows, HEADS, HEAD_DIM, generator=generator).bfloat16() for _ in range(3)]
+
+
+def test_gaussian_inputs_meet_the_bar():
+    measured = errors(*gaussian(0))
+    print("gaussian", measured)
+    assert meets(measured, GAUSSIAN), measured
+
+
+def test_a_per_channel_key_bias_is_smoothed_away():
+    q, k, v = gaussian(1)
+    bias = 8 * torch.randn(HEAD_DIM, generator=torch.Generator().manual_seed(2))
+    measured = errors(q, (k.float() + bias).bfloat16(), v)
+    print("key bias x8", measured)
+    assert meets(measured, DIT_LIKE), measured
+
+
+OUTLIER_CHANNELS = [3, 40, 77, 120]
+
+
+def with_outliers(factor: float) -> list[torch.Tensor]:
+    q, k, v = (t.float() for t in gaussian(3))
+    q[..., OUTLIER_CHANNELS] *= factor
+    k[..., OUTLIER_CHANNELS] *= factor
+    return [t.bfloat16() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("factor", [4, 8])
+def test_outlier_channels_in_q_and_k_meet_the_dit_bar(factor):
+    measured = errors(*with_outliers(factor))
+    print(f"outliers x{factor}", measured)
+    assert meets(measured, DIT_LIKE), measured
+
+
+def test_outlier_channels_x20_fall_short_of_the_dit_cosine_bar():
+    """Per-block int8 spends its range on the outlier channels, which sit in every block: at x20 the cosine bar
+    is missed (the measured figures are in docs/turing.md); the relative L1 bar still holds."""
+    measured = errors(*with_outliers(20))
+    print("outliers x20", measured)
+    assert measured["cosine"] < DIT_LIKE["cosine"] and measured["rel_l1"] <= DIT_LIKE["rel_l1"], measured
+
+
+@pytest.mark.parametrize("magnitude", [4e3, 1e5])
+def test_same_sign_large_values_stay_finite_and_accurate(magnitude):
+    q, k, v = gaussian(4)
+    v = (magnitude * (1 + 0.1 * v.float())).bfloat16()  # every value ~ magnitude, one sign: sums add up
+    assert v.float().abs().max() > (6e4 if magnitude > 65504 else 0)
+    measured = errors(q, k, v)
+    print(f"same-sign |V| {magnitude:g}", measured)
+    assert meets(measured, GAUSSIAN), measured
+
+
+@pytest.fixture(scope="module")
+def tiny_attention_inputs() -> list[tuple[torch.Tensor, ...]]:
+    """The q, k, v of every attention call in one forward of the tiny MiniMax-H3 (through the local slot)."""
+    from diffusers.models.attention_dispatch import (
+        _HUB_KERNELS_REGISTRY,
+        AttentionBackendName,
+        _AttentionBackendRegistry,
+    )
+
+    calls = []
+
+    def capture(q, k, v, softmax_scale=None, causal=False):
+        calls.append((q.detach().clone(), k.detach().clone(), v.detach().clone()))
+        return attention_fp64(q, k, v, q.shape[-1] ** -0.5).to(q.dtype)
+
+    slot = _HUB_KERNELS_REGISTRY[AttentionBackendName.FLASH_4_HUB]
+    before, active = slot.kernel_fn, _AttentionBackendRegistry._active_backend  # process-wide: put back after
+    transformer = build_component("transformer")
+    local.install(capture)
+    local.use(transformer)
+    try:
+        parts = {
+            "transformer": transformer,
+            "scheduler": build_component("scheduler"),
+            "audio_scheduler": build_component("audio_scheduler"),
+        }
+        embeds = torch.randn(1, 12, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
+        runner = DenoiseRunner(parts, served(["t2va"]), device=torch.device("cpu"))
+        spec = denoise_spec(Size.parse("32x64x124"), forwards=1)
+        runner.run(spec, embeds, torch.ones(12, dtype=torch.int64), lambda step, total: None)
+    finally:
+        slot.kernel_fn = before
+        _AttentionBackendRegistry.set_active_backend(active)
+    return calls
+
+
+def test_the_tiny_models_real_attention_inputs_meet_the_dit_bar(tiny_attention_inputs):
+    """The tiny model's head dim is 16: its channels are zero-padded to the kernel's 128 (zeros change no dot
+    product and no output channel), with the tiny model's own softmax scale."""
+    assert tiny_attention_inputs
+    for q, k, v in tiny_attention_inputs:
+        width = HEAD_DIM - q.shape[-1]
+        scale = q.shape[-1] ** -0.5
+        padded = [torch.nn.functional.pad(t.float(), (0, width)).bfloat16() for t in (q, k, v)]
+        got = kernel_model(sage_prepare.prepare(*padded, scale)).double()[..., : q.shape[-1]]
+        want = attention_fp64(q.bfloat16(), k.bfloat16(), v.bfloat16(), scale)
+        cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+        rel_l1 = ((got - want).abs().sum() / want.abs().sum()).item()
+        print(f"tiny attention {tuple(q.shape)}: cosine {cosine:.6f}, rel L1 {rel_l1:.4f}")
+        assert torch.isfinite(got).all() and meets({"cosine": cosine, "rel_l1": rel_l1}, DIT_LIKE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("target", ["native", "compute_75"])
+def test_the_kernel_on_a_gpu_computes_what_its_model_does(target):
+    from h3serve.runtime.kernels import sage
+
+    major, minor = torch.cuda.get_device_capability()
+    loaded = sage.kernel(torch.cuda.current_device(), f"sm_{major}{minor}" if target == "native" else target)
+    measured = kernel_vs_model(loaded, *gaussian(5, rows=1000))
+    print(target, measured)
+    assert measured["written"] and measured["matches"], measured
