@@ -13,6 +13,7 @@ from h3serve.common.config import SERVICES, load_deploy, override
 # setting wins.
 ALLOCATOR_SETTING = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 ALLOCATOR_VARIABLES = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}  # torch reads either
+SERVICE_FLAGS = ("host", "port", "model_dir", "device", "dtype", "attention_backend")  # over the service's section
 
 
 def _run(args) -> None:
@@ -24,14 +25,7 @@ def _run(args) -> None:
             override(config.gateway, host=args.host, port=args.port, data_dir=args.data_dir, model_dir=args.model_dir)
         )
         return
-    flags = dict(
-        host=args.host,
-        port=args.port,
-        model_dir=args.model_dir,
-        device=args.device,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-    )
+    flags = {name: getattr(args, name) for name in SERVICE_FLAGS}
     if args.world_size is not None:
         if args.service != "dit":
             raise SystemExit("--world-size applies to the dit service only")
