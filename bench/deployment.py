@@ -3,24 +3,18 @@ their own."""
 
 from __future__ import annotations
 
-import json
 import platform
-import socket
 import tomllib
 from datetime import date
 from pathlib import Path
 
 from bench.results import Record, command_line
 from h3serve.common.config import DeployConfig, load_deploy
+from h3serve.common.deploy_toml import dumps
+from h3serve.common.free_ports import free_port
 
 DEMO = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "tiny-cpu.toml"
 MODEL_SERVICES = ("encoder", "dit", "vae")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_deployment(root: Path, base: DeployConfig | None = None) -> Path:
@@ -31,15 +25,16 @@ def tiny_deployment(root: Path, base: DeployConfig | None = None) -> Path:
 
     base = base or load_deploy(DEMO)
     model = write_tiny_model(root / "tiny-h3")
-    geometry = base.gateway.geometry.pipeline_configs()
-    lines = [f'[model]\ndir = "{model}"', *(f"{k} = {v}" for k, v in geometry.items())]
-    lines += [f"\n[{name}]\nport = {free_port()}\nthreads = {base.service(name).threads}" for name in MODEL_SERVICES]
-    lines.append(
-        f'\n[gateway]\nport = {free_port()}\ndata_dir = "{root / "gateway"}"\n'
-        f"default_steps = {base.gateway.default_steps}"
-    )
+    sections: dict[str, dict] = {"model": {"dir": str(model), **base.gateway.geometry.pipeline_configs()}}
+    for name in MODEL_SERVICES:
+        sections[name] = {"port": free_port(), "threads": base.service(name).threads}
+    sections["gateway"] = {
+        "port": free_port(),
+        "data_dir": str(root / "gateway"),
+        "default_steps": base.gateway.default_steps,
+    }
     path = root / "deploy.toml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(dumps(sections))
     return path
 
 
@@ -52,25 +47,8 @@ def profile_deployment(profile: Path, changes: dict[str, dict], path: Path) -> P
     for name in (*MODEL_SERVICES, "gateway"):
         data.setdefault(name, {})["port"] = free_port()
     data["gateway"].pop("http_port", None)
-    path.write_text(
-        "".join(
-            f"[{name}]\n" + "".join(f"{key} = {toml_value(value)}\n" for key, value in section.items()) + "\n"
-            for name, section in data.items()
-        )
-    )
+    path.write_text(dumps(data))
     return path
-
-
-def toml_value(value) -> str:
-    """A value of the kinds deployment files use (bool, number, str, list, dict) as TOML; strings as JSON writes
-    them (a subset of TOML's), dicts as inline tables."""
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (int, float, str)):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
 
 
 def add_request_arguments(parser, steps: int) -> None:

@@ -60,7 +60,8 @@ import grpc
 from bench.common import Size, device_label, leaves_gpu_empty, software
 from bench.deployment import profile_deployment
 from bench.dit_step import parse_variant
-from bench.e2e import (
+from bench.results import WALK_COUNTS, Record, add_output_arguments, command_line, update_results
+from bench.served import (
     PROMPT,
     SEED,
     add_deployment_arguments,
@@ -72,7 +73,6 @@ from bench.e2e import (
     services_text,
     wait_for_fp8_save,
 )
-from bench.results import WALK_COUNTS, Record, add_output_arguments, command_line, update_results
 from h3serve.client import GatewayClient, describe_event
 from h3serve.common import forkserver, processes
 from h3serve.common.config import load_deploy

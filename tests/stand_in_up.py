@@ -1,4 +1,4 @@
-"""`h3serve up` itself (h3serve/cli/main.py, launcher.py, supervise.py), each service started by a stand-in command
+"""`h3serve up` itself (h3serve/cli/up.py, launcher.py, supervise.py), each service started by a stand-in command
 instead of `h3serve serve <name>`: `python stand_in_up.py '<{name: argv} as JSON>' up --config ... --log-dir ...`.
 
 The supervision tests run it as a user runs `h3serve up` (signals, the state file, restarts, its own death), over

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import run_forked, write_config
+from deployments import write_config
+from forked import run_forked
 from lora_files import diffusers_lora, factors, manual_merge, original_lora
 
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy

@@ -220,7 +220,7 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
 
 
 def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):
-    from bench import e2e
+    from bench import e2e, served
     from h3serve.common.config import load_deploy
     from h3serve.runtime.fastpath import FastPath
 
@@ -231,10 +231,10 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
         + ["--compile-cache", str(tmp_path / "cc"), "--x264-preset", "veryfast"]
     )
     args.adapter_file = str(lora)  # as main writes it for --adapter-rank
-    config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    config = load_deploy(served.deployment(args, "cuda", tmp_path))
     assert config.dit.warmup == () and config.supervisor.start_timeout_s == 900
     assert config.dit.compile_cache_dir == config.vae.compile_cache_dir == str(tmp_path / "cc")
-    assert {name: source.path for name, source in config.dit.adapters.items()} == {e2e.ADAPTER: str(lora)}
+    assert {name: source.path for name, source in config.dit.adapters.items()} == {served.ADAPTER: str(lora)}
     services = [config.encoder, config.dit, config.vae]
     assert {(s.model_dir, s.device, s.dtype, s.gpus) for s in services} == {("random:full", "cuda", "bfloat16", "")}
     assert (config.dit.world_size, config.dit.fsdp) == (1, False)
@@ -248,7 +248,7 @@ def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast
 
 
 def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what_it_held(tmp_path):
-    from bench import e2e
+    from bench import e2e, served
     from h3serve.common.config import load_deploy
 
     profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
@@ -258,27 +258,27 @@ def test_e2e_fp8_cache_reaches_the_dit_built_or_shipped_and_the_records_say_what
     )
     for deploy in (None, str(profile)):
         args.deploy = deploy
-        assert load_deploy(e2e.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)
-    assert e2e.cache_state(args) == ", fp8 cache empty at start"
+        assert load_deploy(served.deployment(args, "cuda", tmp_path)).dit.fp8_cache_dir == str(fp8)
+    assert served.cache_state(args) == ", fp8 cache empty at start"
     fp8.mkdir()
     (fp8 / "transformer-fp8-0123.pt").write_bytes(bytes(3 << 20))
     args.compile_cache = str(tmp_path / "cc")
-    assert e2e.cache_state(args) == ", compile cache empty at start, fp8 cache filled: 3 MiB at start"
+    assert served.cache_state(args) == ", compile cache empty at start, fp8 cache filled: 3 MiB at start"
 
 
 def test_both_e2e_sides_mux_with_the_shipped_profile_s_preset_unless_told_otherwise():
-    from bench import e2e
+    from bench import served
 
     profile = str(Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-h200.toml")
     args = argparse.Namespace(x264_preset=None, deploy=profile, quick=False)
-    assert e2e.mux_preset(args) == "veryfast", "the profile's own"
+    assert served.mux_preset(args) == "veryfast", "the profile's own"
     args.x264_preset = "superfast"
-    assert e2e.mux_preset(args) == "superfast"
-    assert e2e.mux_preset(argparse.Namespace(x264_preset=None, deploy=None)) == "medium"
+    assert served.mux_preset(args) == "superfast"
+    assert served.mux_preset(argparse.Namespace(x264_preset=None, deploy=None)) == "medium"
 
 
 def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_path):
-    from bench import e2e
+    from bench import e2e, served
     from h3serve.common.config import load_deploy
 
     profile = Path(__file__).resolve().parents[1] / "docs" / "deploy" / "single-32gb.toml"
@@ -287,7 +287,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     lora.touch()
     args = e2e.parser().parse_args(["--deploy", str(profile), "--warm-start", "--sizes", "768x1344x124"])
     args.adapter_file = str(lora)
-    config = load_deploy(e2e.deployment(args, "cuda", tmp_path))
+    config = load_deploy(served.deployment(args, "cuda", tmp_path))
     for name in ("encoder", "dit", "vae"):  # placement, memory and fast path as shipped; the weights and port not
         ours, theirs = config.service(name), shipped.service(name)
         assert ours.model_dir == "random:full" and ours.port not in (0, theirs.port)
@@ -299,13 +299,13 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
         assert ours.replace(model_dir="", port=0) == theirs.replace(
             model_dir="", port=0, **{key: getattr(ours, key) for key in changed}
         )
-    assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, e2e.RAW_BYTES)
-    assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [e2e.ADAPTER])
+    assert (config.encoder.cache_bytes, config.vae.max_raw_bytes) == (0, served.RAW_BYTES)
+    assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [served.ADAPTER])
     assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 14.0, True)
     assert shipped.dit.fp8_cache_dir and not config.dit.fp8_cache_dir, "the bench's own --fp8-cache only"
     assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
-    assert e2e.emulated_card(config) == 31.5, "the card printed beside the services' peak"
-    assert e2e.emulated_card(load_deploy(Path(__file__).resolve().parents[1] / "docs/deploy/tiny-cpu.toml")) == 0
+    assert served.emulated_card(config) == 31.5, "the card printed beside the services' peak"
+    assert served.emulated_card(load_deploy(Path(__file__).resolve().parents[1] / "docs/deploy/tiny-cpu.toml")) == 0
 
 
 def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_ranks
+from forked import run_ranks
 
 from bench import dit_sharded
 
@@ -31,7 +31,7 @@ def test_quick_sharded_bench_writes_a_record_per_size_with_each_ranks_peak(tmp_p
 
 
 def test_quick_check_compares_every_split_with_one_rank(tmp_path, fork_server):
-    # the check's ranks as forks (conftest.run_ranks), their imports done; the test above launches torchrun
+    # the check's ranks as forks (forked.run_ranks), their imports done; the test above launches torchrun
     out = tmp_path / "rows.json"
     run_ranks(fork_server, "bench.dit_sharded", ["--quick", "--check", "--out", str(out)])
     rows = json.loads(out.read_text())

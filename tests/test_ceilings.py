@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port
 
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.ceilings import Ceilings, require_holding
 from h3serve.common.config import ConfigError, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.model import rules
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 

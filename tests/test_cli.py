@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, run_forked, write_config
+from deployments import write_config
+from forked import run_forked
 from up_process import own_environment
 
+from h3serve.cli.generate import Progress
 from h3serve.cli.launcher import ServiceGroup, children, is_serving
-from h3serve.cli.main import Progress
 from h3serve.cli.main import main as cli_main
 from h3serve.client import describe_event
-from h3serve.common.config import load_deploy
+from h3serve.common.config import MAX_PROMPT_CHARS, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.model import rules
 from h3serve.v1 import gateway_pb2
 
@@ -281,7 +283,7 @@ def test_capacity_states_the_max_rows_bound_on_single_32gb():
     # the file's own note: "max_rows = 42,000 admits 768x1344 x 124 frames"
     assert (
         f"every request: at most {gateway.max_rows:,} packed rows ([gateway] max_rows); at the default canvas "
-        f"768x1344: at most 124 frames (text 256 rows, no conditioning)"
+        f"768x1344 (height x width): at most 124 frames (text 256 rows, no conditioning)"
     ) in out, out
 
 
@@ -293,3 +295,42 @@ def test_capacity_bounds_a_table_entry_by_max_rows(tmp_path):
     ).stdout.splitlines()
     assert out[1].split() == ["t2va", "768x1344", "30,000", "none", "fit"], "what admission lets through"
     assert out[2].startswith("every request: at most 30,000 packed rows ([gateway] max_rows)"), out
+
+
+def test_generate_refuses_a_9_mb_prompt_file_before_sending_naming_the_limit(tmp_path):
+    """Read from --prompt-file, the prompt never travels through exec's arguments (no E2BIG); checked before any
+    connection (nothing listens at --gateway), it is refused naming the field and the limit."""
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a" * (9 << 20))
+    nobody = f"127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [*CLI, "generate", "--prompt-file", str(prompt), "--gateway", nobody, "--connect-timeout", "1"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        f"h3serve generate: not sent: prompt: at most {MAX_PROMPT_CHARS} characters, got {9 << 20} "
+        "(the shipped limits; --config names a deployment's)"
+    )
+
+
+@pytest.mark.parametrize(
+    "flags,refusal",
+    [
+        (["--steps", "1"], f"num_inference_steps: must be between {rules.MIN_STEPS} and 12 "),
+        (["--flow-shift", "0"], "flow_shift: must be a number with 0 < shift <= 100, got 0.0"),
+        (["--height", "64"], "width: required when height is set"),
+        (["--num-frames", "125"], "num_frames: must be 17n+5 between 124 and 345"),
+        (["--prompt", "a fox on a long walk"], "prompt: at most 10 characters, got 20"),
+    ],
+)
+def test_generate_checks_the_deployments_limits_before_sending(tmp_path, flags, refusal):
+    config = tmp_path / "deploy.toml"
+    config.write_text("[dit]\nmax_steps = 12\n\n[gateway]\nmax_steps = 12\ndefault_steps = 8\nmax_prompt_chars = 10\n")
+    prompt = [] if "--prompt" in flags else ["--prompt", "a fox"]
+    nobody = f"127.0.0.1:{free_port()}"
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["generate", "--config", str(config), "--gateway", nobody, *prompt, *flags])
+    assert str(refused.value.code).startswith(f"h3serve generate: not sent: {refusal}"), refused.value.code
+    assert str(refused.value.code).endswith(f"(the limits of {config})")

@@ -24,11 +24,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient, GatewayUnreachable, RetryPolicy, default_address, describe_event
 from h3serve.common.config import DeployConfig, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, retry_info
 
 pytestmark = pytest.mark.processes

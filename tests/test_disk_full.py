@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from media_files import image
 from up_process import eventually
 
@@ -28,6 +28,7 @@ from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy
 from h3serve.common.disk import MARK, DiskFull
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import EXIT_REFUSED
 from h3serve.common.server import is_answering
 from h3serve.gateway.assets.store import AssetStore

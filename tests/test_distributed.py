@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_ranks
+from forked import run_ranks
 
 pytestmark = pytest.mark.processes
 
@@ -14,7 +14,7 @@ TOLERANCE = 1e-5  # fp32: the split changes only the order of floating-point sum
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory, fork_server) -> dict:
-    """The ranks as forks of the session's fork server (conftest.run_ranks), from the checkout's root."""
+    """The ranks as forks of the session's fork server (forked.run_ranks), from the checkout's root."""
     out = tmp_path_factory.mktemp("dist") / "checks.json"
     run_ranks(fork_server, "tests.dist_checks", [str(out)])
     return json.loads(out.read_text())

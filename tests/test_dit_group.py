@@ -17,14 +17,16 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from conftest import HELD, HOLD_STEP, QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
+from dit_holding import HELD, HOLD_STEP
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
-from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.cli.reference import ReferenceRequest, base_params, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common import forkserver
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.runtime import wire
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
@@ -83,7 +85,7 @@ def test_t2va_with_two_dit_ranks_decodes_to_the_in_process_frames(group, tmp_pat
     )
     assert final.WhichOneof("kind") == "done", final
     served = np.load(group.gateway.download(final.done.raw.artifact_id, tmp_path / "served.npz"))
-    expected = run_reference(ModelSource(None), ReferenceRequest(PROMPT, 32, 64, 124, 8, 21))
+    expected = run_reference(ModelSource(None), ReferenceRequest(PROMPT, 32, 64, 124, base_params(8, 21)))
     assert served["frames"].shape == expected["frames"].shape == (124, 32, 64, 3)
     assert np.abs(served["frames"] - expected["frames"]).max() <= TOLERANCE
     assert np.abs(served["audio"] - expected["audio"]).max() <= TOLERANCE

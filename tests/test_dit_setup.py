@@ -8,10 +8,10 @@ import json
 import grpc
 import pytest
 import torch
-from conftest import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.common.config import DiTConfig
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import EXIT_REFUSED
 from h3serve.common.server import start_server
 from h3serve.runtime import fastpath, wire

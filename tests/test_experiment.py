@@ -15,12 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 
 from h3serve.cli.experiment import add_parser
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.client import GatewayClient
 from h3serve.common.config import ConfigError, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import descendants
 from h3serve.experiment.analysis import Run
 from h3serve.experiment.loadspec import load_spec

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import HELD, QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
+from dit_holding import HELD
 from safetensors.torch import load_file, save_file
 
 from h3serve.cli.launcher import ServiceGroup, is_answering, is_serving
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.gateway.jobs.runner import INTERRUPTED, MAX_RESTART_RERUNS
 from h3serve.v1 import gateway_pb2
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from conftest import HELD, DitHold
+from dit_holding import HELD, DitHold
 from up_process import CLEAN_EXIT, Up, wait_until
 
 from h3serve.client import GatewayClient

@@ -13,13 +13,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from up_process import command, wait_until
 
 from bench.common import process_tree
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.common import forkserver
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Proc
 
 pytestmark = pytest.mark.processes

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -27,6 +27,7 @@ from PIL import Image
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.server import GRPC_OPTIONS
 from h3serve.model import workflows
 from h3serve.model.rules import Geometry

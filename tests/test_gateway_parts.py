@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from conftest import with_store
+from stores import with_store
 
 from h3serve.common.config import GatewayConfig
 from h3serve.gateway.jobs.artifacts import ArtifactStore

@@ -9,9 +9,10 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from conftest import HELD, run_forked
+from dit_holding import HELD
+from forked import run_forked
 
-from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.cli.reference import ReferenceRequest, base_params, run_reference
 from h3serve.client import GatewayClient
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, encoder_pb2_grpc, gateway_pb2
@@ -43,7 +44,7 @@ def test_gateway_output_is_bit_identical_to_diffusers(stack, client, fork_server
 
     # diffusers' own monolithic MiniMaxH3Blocks on the tiny preset built in this process (the
     # services loaded the same weights back from the saved model directory).
-    expected = run_reference(ModelSource(None), ReferenceRequest(PROMPT, 32, 64, 124, 8, 1234))
+    expected = run_reference(ModelSource(None), ReferenceRequest(PROMPT, 32, 64, 124, base_params(8, 1234)))
     assert served["frames"].shape == (124, 32, 64, 3) and served["audio"].shape == (2, 165600)
     assert np.array_equal(served["frames"], expected["frames"])
     assert np.array_equal(served["audio"], expected["audio"])

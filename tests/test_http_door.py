@@ -18,11 +18,12 @@ import av
 import grpc
 import openai
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from PIL import Image
 
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.server import GRACE_SECONDS
 from h3serve.gateway.http.app import max_body_bytes
 from h3serve.gateway.jobs.progress import advance

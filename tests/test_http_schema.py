@@ -21,13 +21,14 @@ import urllib.request
 
 import pytest
 import schemathesis
-from conftest import free_port, write_config
+from deployments import write_config
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.config import SchemathesisConfig
 
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 
 pytestmark = [pytest.mark.gateway, pytest.mark.slow, pytest.mark.processes]
 EXAMPLES = 60  # per operation; the total is checked below (about 40 s on 2 cores)

@@ -120,7 +120,7 @@ def test_list_jobs_filters_by_state_and_pages(client):
 
 
 def test_admission_refuses_over_capacity_with_the_ceiling(client):
-    # conftest's STACK_CAPACITY: t2va 512x512 takes 20000 rows. 260 frames need 20,579 (77 latent frames x 256
+    # deployments.STACK_CAPACITY: t2va 512x512 takes 20000 rows. 260 frames need 20,579 (77 latent frames x 256
     # rows + 2 x 433 audio + 1 text), 243 frames 19,243.
     before = client.stub.ListJobs(S.ListJobsRequest(page_size=1000))
     with pytest.raises(grpc.RpcError) as err:

@@ -9,7 +9,7 @@ import asyncio
 import signal
 
 import pytest
-from conftest import HELD
+from dit_holding import HELD
 
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig

@@ -13,13 +13,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import free_port, run_forked, write_config
+from deployments import write_config
+from forked import run_forked
 from media_files import image, mp4, wav
 
 from h3serve.cli.launcher import ServiceGroup
-from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.cli.reference import ReferenceRequest, base_params, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.model.rules import Geometry
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc, media_pb2
@@ -115,8 +117,7 @@ def test_fl2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_model
             None,
             None,
             124,
-            STEPS,
-            SEED,
+            base_params(STEPS, SEED),
             first_frame=first and str(first),
             last_frame=last and str(last),
         ),
@@ -168,7 +169,7 @@ def test_ref2va_is_bit_identical_to_diffusers(client, files, tmp_path, tiny_mode
         final,
         events,
         ReferenceRequest(
-            request.prompt, 32, 64, 124, STEPS, SEED, references=tuple((k, str(files[n])) for k, n in refs)
+            request.prompt, 32, 64, 124, base_params(STEPS, SEED), references=tuple((k, str(files[n])) for k, n in refs)
         ),
         tiny_model_dir,
     )

@@ -11,11 +11,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
 from stand_ins import SELF_KILL, SLEEP, StandIns, counted, deployment, meminfo, no_signals, starts
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import (
     GIB,
     LARGE_ANON_SHARE,

@@ -14,12 +14,13 @@ import threading
 import time
 
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from stand_ins import REFUSE, StandIns, counted, deployment, no_signals, starts
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import ConfigError, DiTConfig, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import (
     EXIT_REFUSED,
     LOCK_FILE,

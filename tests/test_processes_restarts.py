@@ -9,7 +9,6 @@ import logging
 import sys
 
 import pytest
-from conftest import free_port
 from stand_ins import (
     SELF_KILL,
     SLEEP,
@@ -25,6 +24,7 @@ from stand_ins import (
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import DiTConfig
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Ending, RepeatedFailure
 from h3serve.common.server import is_serving
 from h3serve.services.dit.supervisor import Group, rank0_serving

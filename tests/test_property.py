@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 pytestmark = [pytest.mark.gateway, pytest.mark.processes]

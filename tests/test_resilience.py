@@ -12,12 +12,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import HELD, QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
+from dit_holding import HELD
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 pytestmark = [pytest.mark.gateway, pytest.mark.processes]

@@ -12,7 +12,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import ADAPTER_GEOMETRY, run_forked
+from deployments import ADAPTER_GEOMETRY
+from forked import run_forked
 from media_files import image
 
 from h3serve.cli.reference import ReferenceRequest, run_reference
@@ -53,20 +54,10 @@ def served_and_resolved(client, tmp_path, req) -> tuple[dict, gateway_pb2.Resolv
 
 
 def reference(adapter_stack, resolved: gateway_pb2.ResolvedRequest, **media) -> dict:
-    params = resolved.params
     return run_reference(
         ModelSource(str(load_deploy(adapter_stack.config_path).dit.model_dir)),
         ReferenceRequest(
-            resolved.prompt,
-            resolved.height,
-            resolved.width,
-            resolved.num_frames,
-            params.num_inference_steps,
-            params.seed,
-            adapters=tuple((a.name, a.weight) for a in params.adapters),
-            flow_shift=params.flow_shift,
-            audio_flow_shift=params.audio_flow_shift,
-            **media,
+            resolved.prompt, resolved.height, resolved.width, resolved.num_frames, resolved.params, **media
         ),
         geometry=GEOMETRY,
         adapter_sources=load_deploy(adapter_stack.config_path).dit.adapters,

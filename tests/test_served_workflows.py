@@ -8,12 +8,13 @@ import time
 
 import grpc
 import pytest
-from conftest import QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
 from media_files import image
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.gateway.stages.replicas import HEALTH_TTL_S
 from h3serve.model.rules import Geometry
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2, gateway_pb2_grpc

@@ -1,7 +1,7 @@
 """Each DiT rank loads only its FSDP2 shards (h3serve/runtime/sharded_load.py), on 2 CPU ranks (gloo).
 
 The rank-side checks run in one torchrun launch of this file (fresh interpreters, not forks of the fork server:
-conftest.run_ranks says why):
+forked.run_ranks says why):
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/test_sharded_load.py OUT TINY_DIR BIG_DIR
 """

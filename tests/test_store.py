@@ -10,7 +10,7 @@ from contextlib import closing
 
 import grpc
 import pytest
-from conftest import with_store
+from stores import with_store
 
 from h3serve.common.config import GatewayConfig
 from h3serve.common.errors import MAX_ERROR_CHARS

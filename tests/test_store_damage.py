@@ -16,11 +16,13 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-from conftest import free_port, with_store, write_config
+from deployments import write_config
+from stores import with_store
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import EXIT_REFUSED, command_line
 from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.sqlite import BUSY_WAIT_S

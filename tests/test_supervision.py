@@ -22,7 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 from stand_in_dit_launcher import stand_in_launcher
 from stand_ins import health_server
 from up_process import (
@@ -39,8 +39,9 @@ from up_process import (
     wait_until,
 )
 
-from h3serve.cli.main import ALLOCATOR_SETTING
+from h3serve.cli.serve import ALLOCATOR_SETTING
 from h3serve.client import GatewayClient
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Proc, children, descendants
 from h3serve.common.server import is_serving
 from h3serve.v1 import common_pb2, dit_pb2_grpc, gateway_pb2
@@ -291,7 +292,7 @@ def test_the_store_listens_on_the_dits_host_only(dit):
 
 @pytest.mark.distributed
 def test_the_ranks_share_cards_with_the_services_allocator_setting(dit):
-    """`h3serve serve` sets the CUDA allocator's sharing setting (h3serve/cli/main.py) before torch starts, where
+    """`h3serve serve` sets the CUDA allocator's sharing setting (h3serve/cli/serve.py) before torch starts, where
     the user set none; the ranks inherit it through their launcher."""
     variable, setting = ALLOCATOR_SETTING
     assert variable not in os.environ  # the test's own environment sets none: what the ranks hold is serve's

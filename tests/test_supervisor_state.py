@@ -14,11 +14,11 @@ import time
 
 import grpc
 import pytest
-from conftest import free_port
 from stand_ins import SLEEP, StandIns, counted, deployment, health_server, meminfo, no_signals, starts
 
 from h3serve.cli.supervise import Watch
 from h3serve.common.config import GatewayConfig
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Proc
 from h3serve.common.supervision import (
     GIVEN_UP,

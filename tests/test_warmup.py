@@ -12,13 +12,14 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import QUICK_OUTAGE, free_port, write_config
+from deployments import QUICK_OUTAGE, write_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from h3serve.cli.launcher import ServiceGroup
-from h3serve.cli.reference import ReferenceRequest, run_reference
+from h3serve.cli.reference import ReferenceRequest, base_params, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common.config import ConfigError, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.runtime.models import ModelSource
 from h3serve.v1 import common_pb2, dit_pb2, dit_pb2_grpc, gateway_pb2
 
@@ -121,7 +122,7 @@ def test_a_request_after_the_warmup_compiles_nothing_and_matches_the_pipeline(
     assert final.WhichOneof("kind") == "done", final
     assert info(dit).compiled_graphs == graphs, "the request compiled new graphs after the warm-up"
     assert [e.denoising.compiled_graphs for e in events if e.HasField("denoising")] == [0] * (steps - 1)
-    assert_pipeline_frames(client, final, tmp_path, ReferenceRequest(prompt, height, width, 124, steps, 3))
+    assert_pipeline_frames(client, final, tmp_path, ReferenceRequest(prompt, height, width, 124, base_params(steps, 3)))
 
 
 def assert_pipeline_frames(client: GatewayClient, final, tmp_path: Path, request: ReferenceRequest) -> None:
@@ -157,7 +158,7 @@ def test_a_torn_compile_cache_is_set_aside_and_the_restart_compiles_afresh(warm,
         gateway_pb2.GenerateRequest(prompt="a fox", height=32, width=64, num_inference_steps=3, seed=3, include_raw=1)
     )
     assert final.WhichOneof("kind") == "done", final
-    assert_pipeline_frames(warm.client, final, tmp_path, ReferenceRequest("a fox", 32, 64, 124, 3, 3))
+    assert_pipeline_frames(warm.client, final, tmp_path, ReferenceRequest("a fox", 32, 64, 124, base_params(3, 3)))
 
 
 @pytest.mark.parametrize(

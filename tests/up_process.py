@@ -10,11 +10,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import free_port, write_config
+from deployments import write_config
 
 from h3serve.cli.launcher import is_serving
 from h3serve.client import GatewayClient
 from h3serve.common.forkserver import ENV as FORK_SERVER
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Proc, command_line, descendants, service_pid
 from h3serve.v1 import gateway_pb2
 

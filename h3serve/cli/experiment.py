@@ -2,7 +2,7 @@
 
 `run` drives a running deployment (or a sweep of deployments, started here with h3serve's launcher) through the
 public API and writes the raw data and the report; `report` renders the report again from the raw data; `model`
-predicts other replica counts and rates from a measured run. h3serve/cli/main.py registers them with
+predicts other replica counts and rates from a measured run. h3serve/cli/main.py assembles them with
 `add_parser`. Heavy imports (matplotlib, simpy, grpc) wait until a command runs.
 """
 

@@ -9,9 +9,9 @@ from h3serve.model import rules
 def canvas(height: int | None = None, width: int | None = None) -> str:
     """--height / --width; `height` x `width` is the command's own default canvas, None the deployment's."""
     geometry = rules.Geometry()
-    released = "x".join(map(str, geometry.default_canvas))
+    released = "x".join(map(str, geometry.default_canvas)) + " (height x width)"
     default = (
-        f"{height}x{width}"
+        f"{height}x{width} (height x width)"
         if height and width
         else f"the deployment's ({released} for the released model), or with --first-frame the keyframe's aspect "
         f"ratio at short edge {geometry.canvas_short_edge}"

@@ -15,7 +15,7 @@ import torch
 
 from h3serve.common.config import SERVICES, AdapterSource, DeployConfig
 from h3serve.model import adapters, workflows
-from h3serve.model.adapters import DEFAULT_SHIFTS, AdapterCatalog, AdapterFacts
+from h3serve.model.adapters import AdapterCatalog, AdapterFacts
 from h3serve.model.rules import Geometry
 from h3serve.runtime import checkpoints
 from h3serve.runtime.media import decode_reference
@@ -42,14 +42,10 @@ class ReferenceRequest:
     height: int | None
     width: int | None
     num_frames: int
-    num_inference_steps: int
-    seed: int
+    params: common_pb2.GenerationParams  # resolved (`resolved_params`): steps, seed, adapters and shifts set
     first_frame: str | None = None  # fl2va keyframe files
     last_frame: str | None = None
     references: tuple[tuple[str, str], ...] = ()  # ref2va: ("image" | "video" | "audio", path), request order
-    adapters: tuple[tuple[str, float], ...] = ()  # (name, weight) in request order, from `run_reference`'s sources
-    flow_shift: float = DEFAULT_SHIFTS["flow_shift"]
-    audio_flow_shift: float = DEFAULT_SHIFTS["audio_flow_shift"]
 
     def media_inputs(self) -> dict:
         """The keyframe / reference inputs of MiniMaxH3Blocks, decoded from the files (per GenerateRequest field)."""
@@ -86,6 +82,12 @@ def resolved_params(
     resolved.CopyFrom(params)
     adapters.resolve(resolved, catalog, default_steps)
     return resolved
+
+
+def base_params(steps: int, seed: int, **given) -> common_pb2.GenerationParams:
+    """Resolved params for the base model (no adapter sidecars): `steps`, `seed` and the `given` options, the
+    released model's shifts for the rest."""
+    return resolved_params({}, common_pb2.GenerationParams(num_inference_steps=steps, seed=seed, **given), steps)
 
 
 def service_threads(config: DeployConfig) -> tuple[int, str]:
@@ -135,17 +137,18 @@ def run_pipeline(pipe, request: ReferenceRequest) -> dict[str, np.ndarray]:
     """One request through a `reference_pipeline`: the decoded frames, waveform, sample rate, and the rows diffusers
     packed: condition rows (video, audio), text rows (the text encoder's output) and the whole sequence. The
     request's adapters must be loaded (`load_adapters`)."""
-    if request.adapters:
-        pipe.set_adapters([name for name, _ in request.adapters], [weight for _, weight in request.adapters])
-    pipe.scheduler.set_shift(request.flow_shift)
-    pipe.audio_scheduler.set_shift(request.audio_flow_shift)
+    params = request.params
+    if params.adapters:
+        pipe.set_adapters([a.name for a in params.adapters], [a.weight for a in params.adapters])
+    pipe.scheduler.set_shift(params.flow_shift)
+    pipe.audio_scheduler.set_shift(params.audio_flow_shift)
     out = pipe(
         prompt=request.prompt,
         height=request.height,
         width=request.width,
         num_frames=request.num_frames,
-        num_inference_steps=request.num_inference_steps,
-        generator=torch.Generator().manual_seed(request.seed),
+        num_inference_steps=params.num_inference_steps,
+        generator=torch.Generator().manual_seed(params.seed),
         output_type="np",
         output=["videos", "audio", "sampling_rate", *ROWS, "text_token_tags", "token_tags"],
         **request.media_inputs(),
@@ -170,5 +173,5 @@ def run_reference(
 ) -> dict[str, np.ndarray]:
     """One request on a fresh pipeline; `adapter_sources` (the [dit] adapters) holds the adapters it names."""
     pipe = reference_pipeline(source, bool(request.references), device, dtype, geometry)
-    load_adapters(pipe, {name: (adapter_sources or {})[name] for name, _ in request.adapters})
+    load_adapters(pipe, {a.name: (adapter_sources or {})[a.name] for a in request.params.adapters})
     return run_pipeline(pipe, request)

@@ -14,9 +14,10 @@ def is_terminal(event: gateway_pb2.JobEvent) -> bool:
 
 def _accepted(event: gateway_pb2.JobEvent) -> str:
     r = event.accepted.request
+    steps = r.params.num_inference_steps
     return (
-        f"accepted {event.job_id}: {r.height}x{r.width}, {r.num_frames} frames, "
-        f"{r.params.num_inference_steps} steps, seed {r.params.seed}"
+        f"accepted {event.job_id}: {r.height}x{r.width} (height x width), {r.num_frames} frames, "
+        f"{steps} steps ({max(steps - 1, 0)} transformer forwards), seed {r.params.seed}"
     )
 
 
@@ -24,7 +25,7 @@ def _denoising(event: gateway_pb2.JobEvent) -> str:
     d = event.denoising
     compiled = f"  (compiled {d.compiled_graphs} graphs: a shape not warmed)" if d.compiled_graphs else ""
     return (
-        f"denoising step {d.step}/{d.total}  {d.step_seconds:.2f} s/step  "
+        f"denoising: forward {d.step}/{d.total}  {d.step_seconds:.2f} s/forward  "
         f"elapsed {d.elapsed_seconds:.1f} s  eta {d.eta_seconds:.1f} s{compiled}"
     )
 

@@ -63,7 +63,7 @@ DEFAULT_STEPS = 50
 MAX_ROWS = 200_000
 
 Port = Annotated[int, Field(ge=0, le=65535)]
-Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
+Steps = Annotated[int, Field(ge=rules.MIN_STEPS)]  # num_inference_steps: N steps are N-1 transformer forwards
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
 if TYPE_CHECKING:  # Literals built from values at run time, which a type checker cannot read: their value type
     Phase = str

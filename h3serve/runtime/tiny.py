@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from h3serve.model import presets
+from h3serve.model.adapters import DEFAULT_SHIFTS
 
 ALL_COMPONENTS = (
     "transformer",
@@ -85,7 +86,8 @@ def build_component(name: str):
         seeded(name)
         return cls(**config).eval()
     if name in ("scheduler", "audio_scheduler"):
-        return MiniMaxH3Scheduler(shift=12.0 if name == "scheduler" else 3.0)
+        shift = DEFAULT_SHIFTS["flow_shift" if name == "scheduler" else "audio_flow_shift"]
+        return MiniMaxH3Scheduler(shift=shift)
     if name == "tokenizer":
         return presets.tiny_tokenizer()
     if name == "processor":

@@ -14,14 +14,12 @@ import secrets
 from dataclasses import dataclass
 
 from h3serve.common.config import DEFAULT_STEPS, MAX_PROMPT_CHARS, MAX_STEPS, GatewayConfig
-from h3serve.model import adapters, rules, workflows
+from h3serve.model import adapters, options, rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import VALID_NUM_FRAMES, Geometry, InvalidRequest
 from h3serve.model.workflows.base import AssetLookup, Workflow
 from h3serve.v1 import common_pb2, gateway_pb2
 
-# Top-level GenerateRequest fields from before GenerationParams; each is the params field of the same name.
-LEGACY_PARAMS = ("num_inference_steps", "seed", "include_raw")
 _LABEL = re.compile(r"<(Picture|Video|Audio) (\d+)>")
 
 
@@ -33,8 +31,11 @@ class RequestLimits:
     geometry: Geometry = Geometry()
 
     def __post_init__(self):
-        if not 2 <= self.default_steps <= self.max_steps:
-            raise ValueError(f"default_steps must be within 2..max_steps ({self.max_steps}), got {self.default_steps}")
+        if not rules.MIN_STEPS <= self.default_steps <= self.max_steps:
+            raise ValueError(
+                f"default_steps must be within {rules.MIN_STEPS}..max_steps ({self.max_steps}), "
+                f"got {self.default_steps}"
+            )
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> RequestLimits:
@@ -53,9 +54,7 @@ def resolve(
 ) -> gateway_pb2.ResolvedRequest:
     """Apply defaults and MiniMax-H3's rules; raise InvalidRequest naming the first field that breaks one.
     `catalog`: the adapters the DiT loaded (its Info), which the request's adapters must name."""
-    problem = rules.prompt_problem(req.prompt, limits.max_prompt_chars)
-    if problem:
-        raise InvalidRequest("prompt", problem)
+    _check_prompt(req.prompt, limits)
     workflow = workflows.of_request(req)
     height, width = _canvas(req.height, req.width, limits.geometry)
     params = _params(req, limits, workflow, catalog)
@@ -66,14 +65,32 @@ def resolve(
         num_frames=_num_frames(req.num_frames, req.seconds),
         workflow=workflow.value,
         params=params,
-        num_inference_steps=params.num_inference_steps,
-        seed=params.seed,
-        include_raw=params.include_raw,
     )
+    options.write_legacy(resolved)
     workflow.resolve_media(req, resolved, assets, limits.geometry)
     _check_labels(resolved.prompt, workflow.label_counts(resolved))
     resolved.condition_rows = workflow.condition_rows(resolved, assets, limits.geometry).condition
     return resolved
+
+
+def check_fields(req: gateway_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """`resolve`'s checks that need neither the request's assets nor the DiT's adapters, in its order: what a client
+    refuses before sending (`h3serve generate`). InvalidRequest names the field and the limit."""
+    _check_prompt(req.prompt, limits)
+    workflow = workflows.of_request(req)
+    _canvas(req.height, req.width, limits.geometry)
+    params = options.folded(req)
+    del params.adapters[:]  # the shifts as adapters.check checks them; the adapters need the DiT's catalog
+    adapters.check(params, workflow, AdapterCatalog())
+    if params.num_inference_steps:  # unset: an adapter's or the deployment's default, both within bounds
+        rules.check_steps(params.num_inference_steps, limits.max_steps)
+    _num_frames(req.num_frames, req.seconds)
+
+
+def _check_prompt(prompt: str, limits: RequestLimits) -> None:
+    problem = rules.prompt_problem(prompt, limits.max_prompt_chars)
+    if problem:
+        raise InvalidRequest("prompt", problem)
 
 
 def _canvas(height: int, width: int, geometry: Geometry) -> tuple[int, int]:
@@ -138,39 +155,13 @@ def _params(
 ) -> common_pb2.GenerationParams:
     """The request's options with the deprecated top-level fields folded in, every default applied: the adapters'
     weights, and the steps and shifts their sidecars recommend when the request leaves them unset."""
-    params = common_pb2.GenerationParams()
-    params.CopyFrom(req.params)
-    for name in LEGACY_PARAMS:
-        if not _is_set(req, name):
-            continue
-        if _is_set(params, name) and getattr(params, name) != getattr(req, name):
-            raise InvalidRequest(
-                name,
-                f"set at the top level ({getattr(req, name)}) and in params "
-                f"({getattr(params, name)}); set params.{name} only",
-            )
-        setattr(params, name, getattr(req, name))
+    params = options.folded(req)
     adapters.check(params, workflow, catalog)
     adapters.resolve(params, catalog, limits.default_steps)
-    steps = params.num_inference_steps
-    if not 2 <= steps <= limits.max_steps:
-        raise InvalidRequest(
-            "num_inference_steps",
-            f"must be between 2 and {limits.max_steps} (sigma grid points: "
-            f"N gives N-1 denoise steps, so 1 would denoise nothing), "
-            f"got {steps}",
-        )
-    params.num_inference_steps = steps
+    rules.check_steps(params.num_inference_steps, limits.max_steps)
     if not params.HasField("seed"):
         params.seed = secrets.randbits(63)
     return params
-
-
-def _is_set(message, name: str) -> bool:
-    """Set by the client: present for fields with presence, non-zero for the others."""
-    if message.DESCRIPTOR.fields_by_name[name].has_presence:
-        return message.HasField(name)
-    return bool(getattr(message, name))
 
 
 def _check_labels(prompt: str, available: dict[str, int]) -> None:

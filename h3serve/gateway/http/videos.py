@@ -14,10 +14,10 @@ from typing import Annotated, Literal
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from h3serve.gateway.http.errors import ApiError
-from h3serve.model import adapters, rules
+from h3serve.model import adapters, options, rules
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 
 MODEL = "minimax-h3"
@@ -71,8 +71,9 @@ class AdapterIn(BaseModel):
     weight: float = 0.0  # 0: 1.0; the gateway checks the bounds
 
 
-class VideoCreate(BaseModel):
-    """POST /v1/videos, as JSON or as a multipart form (values arrive as strings and are converted)."""
+class VideoFields(BaseModel):
+    """POST /v1/videos, as JSON or as a multipart form (values arrive as strings and are converted): the request's
+    own fields here, one per request option added from h3serve/model/options.py (`VideoCreate`)."""
 
     model_config = ConfigDict(extra="forbid")
     prompt: str
@@ -80,18 +81,13 @@ class VideoCreate(BaseModel):
     seconds: float | None = None
     size: str | None = None
     workflow: WorkflowName | None = None
-    steps: int | None = Field(None, ge=0, le=2**31 - 1)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
     first_frame: str = ""
     last_frame: str = ""
     references: Annotated[list[ReferenceIn], BeforeValidator(_json_list)] = []
     adapters: Annotated[list[Annotated[AdapterIn, BeforeValidator(_adapter)]], BeforeValidator(_json_list)] = []
-    flow_shift: float | None = None
-    audio_flow_shift: float | None = None
-    include_raw: bool = False
 
     @classmethod
-    def parse(cls, data: dict) -> VideoCreate:
+    def parse(cls, data: dict) -> VideoFields:
         try:
             return cls.model_validate(data)
         except ValidationError as error:
@@ -100,7 +96,24 @@ class VideoCreate(BaseModel):
             raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem['msg']}", field) from None
 
 
-def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.GenerateRequest:
+def _option_field(option: options.Option) -> tuple[object, object]:
+    """An option's body field: unset by default (a bool: false), its integers within what the wire carries; the
+    gateway checks the model's bounds, naming the option."""
+    if option.type is bool:
+        return bool, Field(False, description=option.help)
+    low, high = option.wire_bounds or (None, None)
+    return option.type | None, Field(None, ge=low, le=high, description=option.help)
+
+
+# The adapters are written out above (a name[:weight] string or an object each, a JSON or comma-separated list).
+VideoCreate = create_model(
+    "VideoCreate",
+    __base__=VideoFields,
+    **{option.http: _option_field(option) for option in options.OPTIONS if not option.repeated},  # type: ignore[call-overload]
+)
+
+
+def generate_request(body: VideoFields, request_id: str) -> gateway_pb2.GenerateRequest:
     """The gRPC request; the gateway checks every value against the model's rules and the deployment's limits."""
     if body.model not in (None, MODEL):
         raise ApiError(
@@ -113,7 +126,12 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
         last_frame=body.last_frame,
         workflow=WORKFLOWS[body.workflow] if body.workflow is not None else common_pb2.WORKFLOW_UNSPECIFIED,
         request_id=request_id,
-        params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
+        params=options.params(
+            {
+                **{option.name: getattr(body, option.http) for option in options.OPTIONS},
+                "adapters": [common_pb2.Adapter(name=a.name, weight=a.weight) for a in body.adapters],
+            }
+        ),
         references=[
             gateway_pb2.ReferenceInput(
                 asset_id=r.asset_id, kind=KINDS[r.kind] if r.kind is not None else media_pb2.ASSET_KIND_UNSPECIFIED
@@ -121,10 +139,6 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
             for r in body.references
         ],
     )
-    for name in ("seed", "flow_shift", "audio_flow_shift"):  # unset: the gateway's default (or an adapter's)
-        if getattr(body, name) is not None:
-            setattr(request.params, name, getattr(body, name))
-    request.params.adapters.extend(common_pb2.Adapter(name=a.name, weight=a.weight) for a in body.adapters)
     if body.size:
         match = SIZE.fullmatch(body.size)
         if not match:
@@ -143,6 +157,16 @@ def _seconds(num_frames: int) -> str:
 
 def _fields(message) -> dict:
     return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _option_values(params: common_pb2.GenerationParams) -> dict:
+    """The resolved options under the body's names: what a create body sends to run the same request again."""
+    return {
+        option.http: [{"name": a.name, "weight": a.weight} for a in params.adapters]
+        if option.repeated
+        else getattr(params, option.name)
+        for option in options.OPTIONS
+    }
 
 
 def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
@@ -173,8 +197,7 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
         "deleted_at": int(job.deleted) if job.deleted else None,
         "h3serve": {
             "workflow": common_pb2.Workflow.Name(r.workflow).removeprefix("WORKFLOW_").lower(),
-            "steps": r.params.num_inference_steps,
-            "seed": r.params.seed,
+            **_option_values(r.params),
             "num_frames": r.num_frames,
             "width": r.width,
             "height": r.height,
@@ -188,9 +211,6 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
                 }
                 for ref in r.references
             ],
-            "adapters": [{"name": a.name, "weight": a.weight} for a in r.params.adapters],
-            "flow_shift": r.params.flow_shift,
-            "audio_flow_shift": r.params.audio_flow_shift,
             "request_id": job.request_id,
             "file_name": mp4.file_name if mp4 else None,
         },
