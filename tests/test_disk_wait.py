@@ -15,13 +15,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import HELD, free_port, write_config
+from deployments import write_config
+from dit_holding import HELD
 from test_disk_full import NO_SPACE, fill, full, tmpfs
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient, is_terminal
 from h3serve.common.config import load_deploy
 from h3serve.common.disk import MARK
+from h3serve.common.free_ports import free_port
 from h3serve.gateway.jobs.runner import ARTIFACTS_STAGE
 from h3serve.v1 import gateway_pb2
 

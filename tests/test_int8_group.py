@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_ranks
+from forked import run_ranks
 
 pytestmark = pytest.mark.processes
 # each rank quantises its rows of a weight with the scale of each row, as one rank does for all rows: the int8 values

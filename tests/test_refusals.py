@@ -14,11 +14,12 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient, retry
 from h3serve.common.config import MAX_PROMPT_CHARS, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.drain import DEFAULT_WAIT_S
 from h3serve.v1 import gateway_pb2, retry_info

@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port, write_config
+from deployments import write_config
 
 from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.processes import EXIT_REFUSED, LOCK_FILE, command_line
 from h3serve.common.server import is_answering
 
