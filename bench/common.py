@@ -77,7 +77,14 @@ def add_variant_arguments(parser, sizes: str, repeats: int) -> None:
         default="native",
         help="fast paths to time, in order, each only adding to the one before (see the docstring)",
     )
-    parser.add_argument("--errors", action="store_true", help="also measure each variant's error against fp32")
+    parser.add_argument(
+        "--errors",
+        nargs="?",
+        const="fp32",
+        choices=("fp32", "bf16"),
+        help="also measure each variant's error against fp32 (bf16: against the bf16 eager forward only, where the "
+        "card cannot hold an fp32 copy of the model)",
+    )
 
 
 def _smi(query: str) -> list[list[int]]:

@@ -179,8 +179,10 @@ def _rate(record: Record) -> str:
 
 def accuracy(r: Record) -> str:
     if r.rel_err_fp32 is None:
-        return ""
-    text = f"{r.rel_err_fp32:.2e} ({r.bf16_rel_err_fp32:.2e})"
+        return "" if r.rel_err_bf16 is None else f"{r.rel_err_bf16:.2e} vs bf16"
+    text = f"{r.rel_err_fp32:.2e}"
+    if r.bf16_rel_err_fp32 is not None:  # a bench that measured bf16 against fp32 too says so beside it
+        text += f" ({r.bf16_rel_err_fp32:.2e})"
     return text if r.rel_err_bf16 is None else f"{text}; {r.rel_err_bf16:.2e} vs bf16"
 
 

@@ -141,7 +141,7 @@ def launch(loaded: Kernel, prepared: sage_prepare.Prepared, out: torch.Tensor) -
     stream = driver.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
     grid = (p.n_pad // sage_prepare.BLOCK_Q, p.batch * p.heads, 1)
     _checked(
-        driver.cuLaunchKernel(loaded.function, *grid, THREADS, 1, 1, 0, stream, ctypes.addressof(pointers), None),
+        driver.cuLaunchKernel(loaded.function, *grid, THREADS, 1, 1, 0, stream, ctypes.addressof(pointers), 0),
         "cuLaunchKernel",
     )
 
