@@ -89,6 +89,7 @@ class VideoCreate(BaseModel):
     flow_shift: float | None = None
     audio_flow_shift: float | None = None
     include_raw: bool = False
+    webhook_url: str = ""  # where the job's end is POSTed (docs/webhooks.md); empty: the client's endpoint, if any
 
     @classmethod
     def parse(cls, data: dict) -> VideoCreate:
@@ -113,6 +114,7 @@ def generate_request(body: VideoCreate, request_id: str) -> gateway_pb2.Generate
         last_frame=body.last_frame,
         workflow=WORKFLOWS[body.workflow] if body.workflow is not None else common_pb2.WORKFLOW_UNSPECIFIED,
         request_id=request_id,
+        webhook_url=body.webhook_url,
         params=common_pb2.GenerationParams(num_inference_steps=body.steps or 0, include_raw=body.include_raw),
         references=[
             gateway_pb2.ReferenceInput(
@@ -193,6 +195,8 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
             "audio_flow_shift": r.params.audio_flow_shift,
             "request_id": job.request_id,
             "file_name": mp4.file_name if mp4 else None,
+            "client": job.client,
+            "webhook": _fields(job.webhook) if job.HasField("webhook") else None,
         },
     }
 
