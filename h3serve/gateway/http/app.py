@@ -31,10 +31,8 @@ CONSOLE = Path(__file__).with_name("console")
 UPLOAD_CHUNK = 1 << 20
 MAX_LIMIT, DEFAULT_LIMIT = 100, 20
 FORM_BYTES = 1 << 20
-DOCS = (
-    "/openapi.json",
-    "/docs",
-)  # FastAPI's own routes: behind the token unless [gateway] open_without_token opens them
+# FastAPI's own routes: behind the token unless [gateway] open_without_token opens them
+DOCS = ("/openapi.json", "/docs")
 REVALIDATE = {"cache-control": "no-cache"}
 
 
