@@ -11,7 +11,6 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
-from typing import cast
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -64,11 +63,10 @@ def _load_text_rows(config: GatewayConfig) -> TextRows:
 
 def _open_store(data_dir: Path) -> JobStore:
     """The job store; a file no restart can fix (damaged, or locked by another program) or a full disk is refused,
-    with the way out, and exits EXIT_REFUSED. (A SqliteJobStore is a JobStore: its methods are set from JobStore's
-    own list, which a type checker cannot follow.)"""
+    with the way out, and exits EXIT_REFUSED."""
     try:
         with full_named(str(data_dir)):
-            return cast(JobStore, SqliteJobStore(str(data_dir / "jobs.sqlite")))
+            return SqliteJobStore(str(data_dir / "jobs.sqlite"))
     except (Refused, DiskFull) as exc:
         refuse(f"[gateway] {exc}")
 

@@ -3,7 +3,7 @@
 Jobs, their event logs, stage records, stage timings and artifact files' records. Each job also keeps
 its progress (h3serve/gateway/jobs/progress.py), advanced by every event in the event's transaction, and
 whether it is in the bin (soft delete: `set_deleted`). Every method is a coroutine and never blocks the
-event loop: an implementation does its I/O elsewhere (SQLite on one thread of its own: sqlite.py). Each
+event loop: an implementation does its I/O elsewhere (SQLite on one thread of its own: sqlite/). Each
 method is one transaction; in particular a job's terminal state and its terminal event are written
 together (`finish`), so no reader ever sees one without the other.
 

@@ -1,32 +1,38 @@
-"""The job store on one SQLite file (WAL): jobs, their event logs, stage records, timings, artifacts.
+"""The job store's database: the JobStore methods as plain functions on one SQLite connection (WAL).
 
-One connection, owned by one thread of the store's own: every query runs there, in order, so the
-event loop never waits on disk and no lock is needed. A read cursor left open while another
-connection wrote once locked a database at start-up in the field, so every read is fetched whole and
+Called only from the store's own thread (store.py), in order, so no lock is needed. A read cursor left open
+while another connection wrote once locked a database at start-up in the field, so every read is fetched whole and
 its cursor closed at once, and every method is its own transaction.
 
-A full disk is DiskFull (h3serve/common/disk.py) naming the store's directory; the transaction it broke is rolled
-back, so nothing of it is written. A file no restart can fix is refused at open (Refused, with the way out): one
-damaged (not a database, or failing `PRAGMA quick_check`), or one another program keeps locked.
+A file no restart can fix is refused at open (Refused, with the way out): one damaged (not a database, or failing
+`PRAGMA quick_check`), one another program keeps locked, or one that is not the store this directory held
+(identity.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
-from h3serve.common.disk import full_named
 from h3serve.common.errors import tail
 from h3serve.common.processes import Refused, command_line, holders_of
 from h3serve.gateway.jobs.progress import advance, progress
+from h3serve.gateway.jobs.sqlite import identity
+from h3serve.gateway.jobs.sqlite.schema import (
+    ARTIFACT_FIELDS,
+    JOB_COLUMNS,
+    JOB_FIELDS,
+    RECORD_COLUMNS,
+    SCHEMA,
+    artifact_from_row,
+    job_from_row,
+    stored_request,
+)
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
-    JobStore,
     QueueFull,
     RequestIdConflict,
     StoredArtifact,
@@ -34,36 +40,6 @@ from h3serve.gateway.jobs.store import (
 )
 from h3serve.v1 import gateway_pb2
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY, state INTEGER NOT NULL, request BLOB NOT NULL,
-    created REAL NOT NULL, updated REAL NOT NULL, error BLOB, last_seq INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS events (
-    job_id TEXT NOT NULL, seq INTEGER NOT NULL, time REAL NOT NULL, event BLOB NOT NULL,
-    PRIMARY KEY (job_id, seq));
-CREATE TABLE IF NOT EXISTS artifacts (
-    artifact_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, kind TEXT NOT NULL, file_name TEXT NOT NULL,
-    path TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, media_type TEXT NOT NULL, created REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS artifacts_by_job ON artifacts (job_id);
-CREATE TABLE IF NOT EXISTS stages (
-    job_id TEXT NOT NULL, stage TEXT NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (job_id, stage));
-CREATE TABLE IF NOT EXISTS stage_runs (
-    job_id TEXT NOT NULL, attempt INTEGER NOT NULL, stage TEXT NOT NULL, enqueued REAL NOT NULL,
-    started REAL NOT NULL DEFAULT 0, finished REAL NOT NULL DEFAULT 0, replica TEXT NOT NULL DEFAULT '',
-    bytes_in INTEGER NOT NULL DEFAULT 0, bytes_out INTEGER NOT NULL DEFAULT 0, tries INTEGER NOT NULL DEFAULT 0,
-    error TEXT NOT NULL DEFAULT '');
-CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
-"""
-# Columns added after the first release: (name, declaration); added in place to an older file. `progress` is
-# NULL only in rows from before it existed (new jobs start at 0): they are filled from their events at open.
-_JOB_COLUMNS = (
-    ("attempts", "INTEGER NOT NULL DEFAULT 0"),
-    ("request_id", "TEXT"),
-    ("request_digest", "TEXT"),
-    ("deleted", "REAL NOT NULL DEFAULT 0"),
-    ("progress", "REAL"),
-    ("restarts", "INTEGER NOT NULL DEFAULT 0"),
-)
 BUSY_WAIT_S = 5.0  # how long a statement waits for another program's lock on the file before it fails
 DAMAGED = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 LOCKED = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -78,11 +54,12 @@ def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
     return trimmed
 
 
-class _Database:
+class Database:
     """The JobStore methods as plain functions on one connection; called only from the store's thread."""
 
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._expected_id = identity.expected_id(path)  # before the connection creates a missing file
         self._conn = sqlite3.connect(path, timeout=BUSY_WAIT_S)
         try:
             self._open(path)
@@ -91,13 +68,19 @@ class _Database:
             raise
 
     def _open(self, path: str) -> None:
-        """Check the file, then bring its schema up to date. Refused: damaged, or locked by another program."""
+        """Check the file, then bring its schema up to date. Refused: damaged, locked by another program, or not
+        the store this directory held."""
         try:
             self._check(path)
+            found, had_jobs = identity.stored_id(self._rows), identity.has_jobs_table(self._rows)
+            identity.check(path, self._expected_id, found, had_jobs)
             self._rows("PRAGMA journal_mode=WAL")
             self._rows("PRAGMA synchronous=NORMAL")
-            self._conn.executescript(f"BEGIN; {_SCHEMA} COMMIT;")
+            self._conn.executescript(f"BEGIN; {SCHEMA} COMMIT;")
             self._add_missing_columns()
+            store_id = found or self._give_id()
+            if store_id != self._expected_id:
+                identity.adopt(path, store_id, created_now=not had_jobs)
         except sqlite3.Error as exc:
             code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
             if code in DAMAGED:
@@ -116,13 +99,19 @@ class _Database:
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.rollback()
 
+    def _give_id(self) -> str:
+        store_id = identity.new_id()
+        with self._conn:
+            self._conn.execute("INSERT INTO store VALUES (?, ?)", (store_id, time.time()))
+        return store_id
+
     def close(self) -> None:
         self._conn.close()
 
     def _add_missing_columns(self) -> None:
         present = {row[1] for row in self._rows("PRAGMA table_info(jobs)")}
         with self._conn:
-            for name, declaration in _JOB_COLUMNS:
+            for name, declaration in JOB_COLUMNS:
                 if name not in present:
                     self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
             self._conn.execute(
@@ -301,7 +290,7 @@ class _Database:
             UNFINISHED_STATES,
         )
         return [
-            Unfinished(job_id, state, _request(request), attempts, stage, restarts, bool(in_stage))
+            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, bool(in_stage))
             for job_id, state, request, attempts, stage, restarts, in_stage in rows
         ]
 
@@ -319,7 +308,7 @@ class _Database:
                 return cur.lastrowid
 
     def stage_update(self, record_id: int, **values) -> None:
-        unknown = set(values) - set(_RECORD_COLUMNS)
+        unknown = set(values) - set(RECORD_COLUMNS)
         if unknown:
             raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
         assignments = ", ".join(f"{name} = ?" for name in values)
@@ -341,11 +330,11 @@ class _Database:
     # Reads.
 
     def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        rows = self._rows(f"SELECT {_ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ?", (artifact_id,))
+        rows = self._rows(f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ?", (artifact_id,))
         if not rows:
             return None
         *fields, path = rows[0]
-        return _artifact(fields), path
+        return artifact_from_row(fields), path
 
     def get_job(self, job_id: str) -> gateway_pb2.Job | None:
         return self._job(job_id)
@@ -357,34 +346,34 @@ class _Database:
         return job
 
     def _job(self, job_id: str) -> gateway_pb2.Job | None:
-        jobs = self._filled(self._rows(f"SELECT {_JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,)), records=True)
+        jobs = self._filled(self._rows(f"SELECT {JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,)), records=True)
         return jobs[0] if jobs else None
 
     def _filled(self, rows: list[tuple], records: bool) -> list[gateway_pb2.Job]:
-        """Jobs from their rows (_JOB_FIELDS), in order, with their artifacts, stage timings and (`records`) stage
+        """Jobs from their rows (JOB_FIELDS), in order, with their artifacts, stage timings and (`records`) stage
         records: one query per table for all of them."""
         if not rows:
             return []
-        jobs = {row[0]: _job_from_row(row) for row in rows}
+        jobs = {row[0]: job_from_row(row) for row in rows}
         ids = tuple(jobs)
         marks = ", ".join("?" * len(ids))
         for job_id, *fields in self._rows(
-            f"SELECT job_id, {_ARTIFACT_FIELDS} FROM artifacts WHERE job_id IN "
+            f"SELECT job_id, {ARTIFACT_FIELDS} FROM artifacts WHERE job_id IN "
             f"({marks}) ORDER BY kind != 'video', created",
             ids,
         ):
-            jobs[job_id].artifacts.append(_artifact(fields))
+            jobs[job_id].artifacts.append(artifact_from_row(fields))
         for job_id, stage, seconds in self._rows(
             f"SELECT job_id, stage, seconds FROM stages WHERE job_id IN ({marks}) ORDER BY rowid", ids
         ):
             jobs[job_id].stages.add(stage=stage, seconds=seconds)
         if records:
             for job_id, *fields in self._rows(
-                f"SELECT job_id, stage, attempt, {', '.join(_RECORD_COLUMNS)} FROM "
+                f"SELECT job_id, stage, attempt, {', '.join(RECORD_COLUMNS)} FROM "
                 f"stage_runs WHERE job_id IN ({marks}) ORDER BY rowid",
                 ids,
             ):
-                jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *_RECORD_COLUMNS), fields, strict=True)))
+                jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *RECORD_COLUMNS), fields, strict=True)))
         return list(jobs.values())
 
     def list_jobs(
@@ -398,7 +387,7 @@ class _Database:
             where.append(f"rowid {'>' if oldest_first else '<'} ?")
             params.append(cursor)
         rows = self._rows(
-            f"SELECT rowid, {_JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
+            f"SELECT rowid, {JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
             f"ORDER BY rowid {'ASC' if oldest_first else 'DESC'} LIMIT ?",
             (*params, limit + 1),
         )
@@ -424,42 +413,11 @@ class _Database:
         return events
 
 
-_JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress"
-_ARTIFACT_FIELDS = "artifact_id, file_name, bytes, sha256, media_type"
-_RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
-
-
-def _job_from_row(row) -> gateway_pb2.Job:
-    job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done = row
-    job = gateway_pb2.Job(
-        job_id=job_id,
-        state=state,
-        request=_request(request),
-        created=created,
-        updated=updated,
-        last_event_seq=last_seq,
-        request_id=request_id or "",
-        attempts=attempts,
-        deleted=deleted,
-        progress=done,
-    )
-    if error is not None:
-        job.error.ParseFromString(error)
-    return job
-
-
-def _artifact(row) -> gateway_pb2.Artifact:
-    artifact_id, file_name, size, sha256, media_type = row
-    return gateway_pb2.Artifact(
-        artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256, media_type=media_type
-    )
-
-
 def _damaged(path: str, detail: str) -> str:
     return (
         f"job store {path} is damaged ({detail}): its jobs cannot be read. Move it aside, with its -wal and -shm "
-        "files, and start the gateway again: it starts a new, empty store, and the jobs in the old one are lost "
-        "(`sqlite3 <old file> .recover` may save some of them)"
+        f"files, remove {identity.mark_path(path)} and start the gateway again: it starts a new, empty store, and "
+        "the jobs in the old one are lost (`sqlite3 <old file> .recover` may save some of them)"
     )
 
 
@@ -476,59 +434,3 @@ def _holders(path: str) -> list[str]:
     """Other processes with the store's files open, "pid N (command)" each: best effort (Linux /proc, this user's)."""
     files = {os.path.realpath(path + suffix) for suffix in ("", *SIDE_FILES)}
     return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(files) - {os.getpid()})]
-
-
-def _request(blob: bytes) -> gateway_pb2.ResolvedRequest:
-    """A stored request; one stored before GenerationParams existed takes them from its top-level copies."""
-    request = gateway_pb2.ResolvedRequest.FromString(blob)
-    if not request.HasField("params"):
-        request.params.num_inference_steps, request.params.include_raw = (
-            request.num_inference_steps,
-            request.include_raw,
-        )
-        request.params.seed = request.seed
-    return request
-
-
-class SqliteJobStore:
-    """JobStore on one SQLite file: each method runs `_Database`'s of the same name on the store's own thread.
-    Raises Refused at open for a damaged or locked file, DiskFull from any method when the disk is full."""
-
-    def __init__(self, path: str):
-        self._directory = os.path.dirname(os.path.abspath(path))
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3serve-jobstore")
-        try:
-            self._db = self._thread.submit(self._on_disk, _Database, path).result()
-        except BaseException:
-            self._thread.shutdown()
-            raise
-
-    def _on_disk(self, function, *args, **kwargs):
-        """`function(*args, **kwargs)`, on the store's thread; a full disk is DiskFull naming the store's directory."""
-        with full_named(self._directory):
-            return function(*args, **kwargs)
-
-    async def _on_thread(self, name: str, *args, **kwargs):
-        return await asyncio.wrap_future(self._thread.submit(self._on_disk, getattr(self._db, name), *args, **kwargs))
-
-    async def close(self) -> None:
-        await self._on_thread("close")
-        self._thread.shutdown()
-
-
-def _delegate(name: str):
-    async def method(self: SqliteJobStore, *args, **kwargs):
-        return await self._on_thread(name, *args, **kwargs)
-
-    method.__name__, method.__qualname__ = name, f"SqliteJobStore.{name}"
-    method.__doc__ = getattr(JobStore, name).__doc__
-    return method
-
-
-STORE_METHODS = tuple(
-    name
-    for name, value in vars(JobStore).items()
-    if asyncio.iscoroutinefunction(value) and not name.startswith("_") and name != "close"
-)
-for _name in STORE_METHODS:
-    setattr(SqliteJobStore, _name, _delegate(_name))
