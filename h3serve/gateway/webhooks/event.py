@@ -12,7 +12,10 @@ import secrets
 
 from h3serve.v1 import gateway_pb2
 
-TYPES = {gateway_pb2.JOB_STATE_SUCCEEDED: "video.completed", gateway_pb2.JOB_STATE_FAILED: "video.failed"}
+TYPES: dict[int, str] = {
+    gateway_pb2.JOB_STATE_SUCCEEDED: "video.completed",
+    gateway_pb2.JOB_STATE_FAILED: "video.failed",
+}
 
 
 def new_id() -> str:
