@@ -29,7 +29,7 @@ from conftest import free_port, write_config
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient, GatewayUnreachable, RetryPolicy, default_address, describe_event
 from h3serve.common.config import DeployConfig, load_deploy
-from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, retry_info
 
 pytestmark = pytest.mark.processes
 
@@ -38,7 +38,15 @@ S = gateway_pb2
 TOKEN = "s3cret"
 # What importing the client may load besides the standard library, what `import grpc` loads by itself, and the
 # root packages "h3serve" and "google" (a namespace).
-CLIENT_PACKAGES = ("grpc", "google.protobuf", "google._upb", "h3serve.client", "h3serve.v1")
+CLIENT_PACKAGES = (
+    "grpc",
+    "grpc_status",
+    "google.protobuf",
+    "google._upb",
+    "google.rpc",
+    "h3serve.client",
+    "h3serve.v1",
+)
 
 
 def request(prompt: str, steps: int, seed: int = 1, **fields) -> gateway_pb2.GenerateRequest:
@@ -58,7 +66,7 @@ def quick(attempts: int) -> RetryPolicy:
 # --- what the package is -------------------------------------------------------------------------------------------
 
 
-def test_the_client_imports_only_grpc_protobuf_the_stdlib_and_the_stubs(tmp_path):
+def test_the_client_imports_only_grpc_its_rich_status_protobuf_the_stdlib_and_the_stubs(tmp_path):
     code = (
         "import sys, grpc\nbefore = set(sys.modules)\nimport h3serve.client\nprint(*sorted(set(sys.modules) - before))"
     )
@@ -129,8 +137,10 @@ class QueueFull(gateway_pb2_grpc.GatewayServicer):
 
     def Submit(self, request, context):
         self.calls.append((request, dict(context.invocation_metadata())))
-        if len(self.calls) <= self.full:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.full} unfinished jobs, the bound is {self.full}")
+        if len(self.calls) <= self.full:  # with the retry time the gateway's refusal carries (0 s: a quick test)
+            message = f"{self.full} unfinished jobs, the bound is {self.full}"
+            context.set_trailing_metadata(retry_info.details(grpc.StatusCode.RESOURCE_EXHAUSTED, message, 0))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
         return S.Job(job_id="j-1", state=S.JOB_STATE_QUEUED, request_id=request.request_id)
 
 
@@ -347,7 +357,7 @@ def walkthrough_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "client.md").read_text(), re.S)
 
 
-def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_and_protobuf_only(wheel):
+def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_protobuf_and_rich_status_only(wheel):
     names, metadata = wheel_files(wheel)
     expected = {
         "h3serve/__init__.py",
@@ -355,7 +365,7 @@ def test_the_wheel_holds_the_stubs_and_the_client_and_requires_grpcio_and_protob
         *(f"h3serve/v1/{path.name}" for path in (ROOT / "h3serve" / "v1").glob("*.py*")),
     }
     assert {name for name in names if ".dist-info/" not in name} == expected
-    assert declared(metadata)[""] == {"grpcio", "protobuf"}, metadata
+    assert declared(metadata)[""] == {"grpcio", "protobuf", "grpcio-status", "googleapis-common-protos"}, metadata
 
 
 def test_the_wheel_declares_what_the_client_and_the_walkthrough_import(wheel):

@@ -109,11 +109,13 @@ def test_a_service_that_ends_during_start_up_is_reported_with_the_end_of_its_log
     data_dir = tmp_path / "gateway"
     config = write_config(tmp_path / "deploy.toml", "", data_dir, dict(encoder=1, dit=2, vae=3, gateway=free_port()))
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(tmp_path / "logs"), names=("gateway",))
-    with lock_directory(str(data_dir)), pytest.raises(RuntimeError) as ended:
+    data_dir.mkdir()
+    (data_dir / "jobs.sqlite").write_text("not a database")  # the gateway refuses its store once started
+    with pytest.raises(RuntimeError) as ended:
         group.__enter__()
     log = tmp_path / "logs" / "gateway.log"
     assert str(ended.value).startswith(f"gateway refused to start (exit code 78) during start-up; the end of {log}:\n")
-    assert f"refused: [gateway] data_dir {data_dir} is in use by pid {os.getpid()} (" in str(ended.value)
+    assert f"refused: [gateway] job store {data_dir / 'jobs.sqlite'} is damaged (" in str(ended.value)
 
 
 def test_a_data_directory_has_one_holder_for_as_long_as_it_holds_the_lock(tmp_path):

@@ -1,6 +1,6 @@
 """Build the h3serve-client wheel (`make client`): h3serve/__init__.py, the generated stubs (h3serve/v1/) and the
-client (h3serve/client/), requiring grpcio and protobuf only; its `walkthrough` extra adds Pillow, which
-docs/client.md's code uses to draw a keyframe (the client itself never does).
+client (h3serve/client/), requiring grpcio, protobuf and grpc's rich status only; its `walkthrough` extra adds
+Pillow, which docs/client.md's code uses to draw a keyframe (the client itself never does).
 
     python tools/client_wheel.py [--dist DIR]      prints the wheel's path
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"h3serve": ["__init__.py"], "h3serve.v1": ["*.py", "*.pyi"], "h3serve.client": ["*.py"]}
+RICH_STATUS = ["grpcio-status", "googleapis-common-protos"]  # google.rpc.RetryInfo (h3serve/v1/retry_info.py)
 WALKTHROUGH = ["pillow"]  # what docs/client.md imports beyond the client: `pip install "<wheel>[walkthrough]"`
 
 
@@ -52,7 +53,7 @@ name = "h3serve-client"
 version = {json.dumps(project["version"])}
 description = "Python client of h3serve's public gRPC API (h3serve.v1.Gateway)"
 requires-python = {json.dumps(project["requires-python"])}
-dependencies = {json.dumps(requirements())}
+dependencies = {json.dumps(requirements() + [server_requirement(name, project) for name in RICH_STATUS])}
 optional-dependencies = {{ walkthrough = {json.dumps(walkthrough)} }}
 
 [tool.setuptools]

@@ -150,8 +150,35 @@ class ServiceGroup:
         if shared:
             raise ConfigError("\n".join(f"{self.config_path or 'the deployment'} {line}" for line in shared))
 
+    def claim(self) -> None:
+        """Refused (naming each port or directory and its holder) when another process holds one of this group's
+        ports or its gateway's data directory: another `h3serve up` on this configuration, or on this data_dir with
+        other ports. Checked before anything starts, so nothing of a refused group ever serves (its services would
+        otherwise each load, serve, and be refused one by one)."""
+        taken = [
+            f"{key} = {port}: the port is in use by {', '.join(holders) or 'a process of another user'}"
+            for key, _, port in self.listeners()
+            if (holders := processes.port_holders(port)) is not None
+        ]
+        if "gateway" in self.names:
+            try:
+                processes.lock_directory(self.config.gateway.data_dir).close()  # taken and let go: free now
+            except processes.Refused as exc:
+                taken.append(f"[gateway] data_dir: {exc}")
+        if taken:
+            raise processes.Refused(
+                f"{self.config_path or 'the deployment'}: {'; '.join(taken)}. Stop what holds them (another "
+                "`h3serve up`?) or give this deployment ports and a data_dir of its own"
+            )
+
     def start(self) -> None:
+        """Start every service, once the group owns its ports and data directory (else exit EXIT_REFUSED, having
+        started nothing)."""
         self.check_ports()
+        try:
+            self.claim()
+        except processes.Refused as exc:
+            processes.refuse(f"h3serve up: {exc}")
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
         self._start_fork_server()

@@ -1,4 +1,9 @@
-"""When and how long the client waits before trying a call again."""
+"""When and how long the client waits before trying a call again.
+
+Only what can succeed on a retry is retried: UNAVAILABLE (the gateway is down, restarting or unreachable) and a
+RESOURCE_EXHAUSTED that advises a wait (google.rpc.RetryInfo: the gateway's job queue is full), after at least that
+wait. Never a size or validation refusal, nor a full disk: those are answered the same way every time.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,12 @@ from typing import TypeVar
 
 import grpc
 
+from h3serve.v1.retry_info import advised_wait_s
+
 T = TypeVar("T")
 
-# UNAVAILABLE: the gateway is down, restarting or unreachable. RESOURCE_EXHAUSTED: its job queue is full.
+# RESOURCE_EXHAUSTED only with a retry time (`advised_wait_s`): the transport's "message larger than max" and a full
+# disk are RESOURCE_EXHAUSTED too, and no retry fixes them.
 RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
@@ -36,11 +44,14 @@ class RetryPolicy:
         return (min(self.initial_s * self.multiplier**i, self.max_s) for i in range(self.attempts - 1))
 
     def backoff(self, error: grpc.RpcError, delays: Iterator[float]) -> None:
-        """Wait before the next try, or raise `error` when its code is not retried or no try is left."""
-        delay = next(delays, None) if error.code() in self.codes else None
+        """Wait before the next try (the back-off's delay, or the refusal's advised wait when longer), or raise
+        `error` when it is not worth a retry or no try is left."""
+        code, advised = error.code(), advised_wait_s(error)  # type: ignore[attr-defined]  # an RpcError is a Call
+        worth = code in self.codes and (code != grpc.StatusCode.RESOURCE_EXHAUSTED or advised is not None)
+        delay = next(delays, None) if worth else None
         if delay is None:
             raise error
-        time.sleep(delay)
+        time.sleep(max(delay, advised or 0.0))
 
     def call(self, attempt: Callable[[], T]) -> T:
         """`attempt()`, tried again after each retried failure."""

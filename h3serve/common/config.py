@@ -399,6 +399,9 @@ class DiTConfig(CompiledServiceConfig):
         return mode
 
 
+MESSAGE_ENVELOPE_BYTES = 64 << 10  # a message's fields other than its largest one (a chunk's file name, ...)
+
+
 class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
@@ -491,6 +494,16 @@ class GatewayConfig(Section):
     def replicas(self, stage: str) -> tuple[str, ...]:
         """The replica addresses of a stage ("encoder", "dit", "vae")."""
         return _addresses(getattr(self, stage))
+
+    def largest_upload_bytes(self) -> int:
+        return max(self.max_image_bytes, self.max_video_bytes, self.max_audio_bytes)
+
+    def largest_message_bytes(self) -> int:
+        """The gRPC door's receive limit: the largest legal message (a request of max_request_bytes, or a whole
+        upload sent as one chunk) and room for its envelope. Every message a limit of a field would refuse arrives
+        (up to this), so that it is refused by name (INVALID_ARGUMENT), never as RESOURCE_EXHAUSTED by the
+        transport, which reads like a full queue."""
+        return max(self.max_request_bytes, self.largest_upload_bytes()) + MESSAGE_ENVELOPE_BYTES
 
 
 class SupervisorConfig(Section):

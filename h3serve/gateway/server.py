@@ -108,7 +108,7 @@ async def serve_async(config: GatewayConfig) -> None:
         interceptors=[AsyncGuard(identify=tenants.identify)],
         options=[
             ("grpc.max_send_message_length", -1),
-            ("grpc.max_receive_message_length", config.max_request_bytes),
+            ("grpc.max_receive_message_length", config.largest_message_bytes()),
             EXCLUSIVE_PORT,
         ],
     )

@@ -36,7 +36,7 @@ from h3serve.gateway.webhooks.endpoint import url_problem
 from h3serve.model import rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2
+from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2, retry_info
 
 log = logging.getLogger("h3serve.gateway")
 DOWNLOAD_CHUNK = 1 << 20
@@ -144,8 +144,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except AdaptersUnknown as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except (QueueFull, DiskFull) as exc:  # DiskFull: nothing was written (the transaction rolled back)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except QueueFull as exc:  # worth a retry: when, from how fast the queue drains
+            wait_s = self.runner.drain.wait_s(exc.depth, exc.bound)
+            message = f"{exc}; retry in {wait_s} s"
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            await context.abort(code, message, retry_info.details(code, message, wait_s))
+        except DiskFull as exc:  # nothing was written (the transaction rolled back); no retry time: space returns
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))  # only when someone frees it
         except RequestIdConflict as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         if created:

@@ -132,7 +132,7 @@ def _check_request_size(request: gateway_pb2.GenerateRequest, config: GatewayCon
 
 def max_body_bytes(config: GatewayConfig) -> int:
     """The largest upload the gateway takes, plus room for the form's other fields."""
-    return max(config.max_image_bytes, config.max_video_bytes, config.max_audio_bytes) + FORM_BYTES
+    return config.largest_upload_bytes() + FORM_BYTES
 
 
 def _inlined(schema: dict) -> dict:

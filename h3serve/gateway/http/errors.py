@@ -1,11 +1,18 @@
-"""gRPC statuses as HTTP statuses and OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+"""gRPC statuses as HTTP statuses and OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}.
+
+Every 429 says when to come back (`Retry-After`, whole seconds): the wait the gateway's refusal advises
+(h3serve/v1/retry_info.py), else the queue's default."""
 
 from __future__ import annotations
+
+import math
 
 import grpc
 from fastapi.responses import JSONResponse
 
 from h3serve.common import disk
+from h3serve.gateway.jobs.drain import DEFAULT_WAIT_S
+from h3serve.v1 import retry_info
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -54,15 +61,22 @@ class ApiError(Exception):
 
 
 def error_response(
-    code: grpc.StatusCode, message: str, param: str | None = None, status: int | None = None
+    code: grpc.StatusCode,
+    message: str,
+    param: str | None = None,
+    status: int | None = None,
+    retry_after_s: float | None = None,
 ) -> JSONResponse:
-    """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit)."""
+    """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit); `retry_after_s`: the
+    wait a 429 advises."""
     mapped, kind = _mapped(code, message)
     status = status or mapped
     if status < 500 and kind == "server_error" or status in (400, 413) and kind == "rate_limit_error":
         kind = "invalid_request_error"
     # OpenAI's SDKs retry 409 and every 5xx unless told: only a busy or absent server is worth a retry.
     headers = {"x-should-retry": "true" if status in RETRYABLE else "false"}
+    if status == 429:
+        headers["retry-after"] = str(math.ceil(DEFAULT_WAIT_S if retry_after_s is None else retry_after_s))
     body = {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -76,7 +90,8 @@ def from_http_error(status: int, detail: str) -> JSONResponse:
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> JSONResponse:
-    return error_response(error.code(), error.details() or error.code().name)
+    wait_s = retry_info.advised_wait_s(error)
+    return error_response(error.code(), error.details() or error.code().name, retry_after_s=wait_s)
 
 
 def from_api_error(error: ApiError) -> JSONResponse:

@@ -30,6 +30,7 @@ from h3serve.common.disk import DiskFull
 from h3serve.common.errors import describe, tail
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike, remove
+from h3serve.gateway.jobs.drain import DrainEstimate
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.store import JobStore
@@ -97,6 +98,7 @@ class JobRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._cancel_requested: set[str] = set()
         self._ends_waiting: dict[str, DiskFull] = {}  # jobs whose end a full disk keeps from the store, and why
+        self.drain = DrainEstimate()  # how long jobs stay: the retry time a full queue advises
 
     def start(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         task = asyncio.get_running_loop().create_task(self._run(job_id, request), name=f"job-{job_id}")
@@ -166,6 +168,7 @@ class JobRunner:
             log.info("resumed %d job(s) (%d interrupted in flight)", len(self._tasks), reran)
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
+        began = time.monotonic()
         try:
             while attempt := await self.store.start_attempt(job_id):
                 if await self._attempt(job_id, request, attempt):
@@ -192,6 +195,7 @@ class JobRunner:
             )
         finally:
             self._cancel_requested.discard(job_id)
+            self.drain.ended(time.monotonic() - began)
 
     async def _attempt(self, job_id: str, request: gateway_pb2.ResolvedRequest, attempt: int) -> bool:
         """One run from the start; False when it stalled and the job was queued for another attempt."""

@@ -30,7 +30,7 @@ class QueueFull(Exception):
     def __init__(self, depth: int, bound: int, client: str = ""):
         self.depth, self.bound, self.client = depth, bound, client
         whose = f"client {client!r} has" if client else "the job queue is full:"
-        super().__init__(f"{whose} {depth} unfinished jobs, the bound is {bound}; retry later")
+        super().__init__(f"{whose} {depth} unfinished jobs, the bound is {bound}")
 
 
 class RequestIdConflict(Exception):
