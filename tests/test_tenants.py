@@ -28,6 +28,7 @@ from h3serve.common.config import GatewayConfig, load_deploy
 from h3serve.common.server import is_answering
 from h3serve.gateway.tenants.clients import DEFAULT, ClientsFileError, entry, new_token, read, token_hash
 from h3serve.gateway.tenants.registry import Tenants
+from h3serve.v1 import common_pb2
 from h3serve.v1 import gateway_pb2 as S
 
 SMALL = dict(height=32, width=64, num_inference_steps=2)
@@ -211,6 +212,7 @@ def test_over_grpc_each_client_reaches_only_its_own_jobs_and_the_admin_every_one
         assert next(iter(stub.Watch(S.WatchRequest(job_id=alice.job_id)))).HasField("accepted")
     with gateway.client(DEFAULT) as client:
         assert {job.job_id for job in client.stub.ListJobs(S.ListJobsRequest()).jobs} == {legacy.job_id}
+        assert client.stub.Info(common_pb2.InfoRequest()).unfinished_jobs == 1, "its own only"
     with gateway.client(ADMIN) as client:
         seen = {job.job_id for job in client.stub.ListJobs(S.ListJobsRequest()).jobs}
         assert {alice.job_id, bob.job_id, legacy.job_id} <= seen

@@ -299,7 +299,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Info(self, request, context):
         caller = self.runner.caller
-        counts = await self.store.count_by_state()
+        counts = await self.store.count_by_state(_scope())
         info = gateway_pb2.GatewayInfo(
             unfinished_jobs=sum(counts.get(state, 0) for state in UNFINISHED_STATES),
             max_unfinished_jobs=self.config.max_unfinished_jobs,

@@ -179,7 +179,8 @@ class JobStore(Protocol):
         """Put the job in the bin (Job.deleted: now) or take it out (0); already there: unchanged. Only the bin
         mark changes, never the state. Returns the job, None when unknown."""
 
-    async def count_by_state(self) -> dict[int, int]: ...
+    async def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        """Jobs by state, of `client` (None: every client's)."""
 
     async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]: ...
 

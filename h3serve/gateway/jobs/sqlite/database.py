@@ -496,8 +496,9 @@ class Database:
                 (status, "" if delivered else error, time.time() if delivered else 0.0, next_at, event_id),
             )
 
-    def count_by_state(self) -> dict[int, int]:
-        return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+    def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        mine, params = _owned_by(client)
+        return dict(self._rows(f"SELECT state, COUNT(*) FROM jobs WHERE {mine} GROUP BY state", params))
 
     def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
         rows = self._rows(

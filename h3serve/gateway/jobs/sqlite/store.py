@@ -135,8 +135,8 @@ class SqliteJobStore:
     async def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         return await self._on_thread(self._db.set_deleted, job_id, deleted)
 
-    async def count_by_state(self) -> dict[int, int]:
-        return await self._on_thread(self._db.count_by_state)
+    async def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        return await self._on_thread(self._db.count_by_state, client)
 
     async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
         return await self._on_thread(self._db.events, job_id, after_seq)
