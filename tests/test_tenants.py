@@ -92,8 +92,11 @@ def test_the_guard_names_each_caller_keeps_the_old_clients_on_a_bad_reload_and_o
 
     assert [caller(tokens["alice"]), caller("legacy"), caller("wrong"), caller(None)] == ["alice", DEFAULT, None, None]
     assert caller(None, "/grpc.health.v1.Health/Check") == DEFAULT
-    # the default: reflection open on loopback only
+    # the default: reflection open on loopback only (gRPC's peer names, IPv6 quoted)
     assert [caller(None, reflection, local), caller(None, reflection, remote)] == [DEFAULT, None]
+    for peer in ("ipv6:%5B::1%5D:5000", "ipv6:%5B::ffff:127.0.0.1%5D:5000", "unix:/run/h3.sock"):
+        assert caller(None, reflection, peer) == DEFAULT, peer
+    assert caller(None, reflection, "ipv6:%5B2001:db8::1%5D:5000") is None
 
     path.write_text("not toml [")
     assert not tenants.reload()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hmac
 import inspect
+import ipaddress
 import logging
 from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 
@@ -49,9 +51,23 @@ def caller() -> object | None:
     return _CALLER.get()
 
 
+def loopback_host(host: str | None) -> bool:
+    """An IP address of this machine's loopback (also an IPv4 one mapped into IPv6)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
 def loopback(peer: str) -> bool:
-    """A gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") on this machine."""
-    return peer.startswith(("ipv4:127.", "ipv6:[::1]", "ipv6:[::ffff:127.", "unix"))
+    """A gRPC peer on this machine: "ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000" (gRPC quotes the brackets), a Unix
+    socket."""
+    kind, _, address = unquote(peer).partition(":")
+    if kind.startswith("unix"):
+        return True
+    return kind in ("ipv4", "ipv6") and loopback_host(address.rsplit(":", 1)[0].strip("[]"))
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,11 @@ every method needs a token but health (always open: supervisors and load balance
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import threading
 
 from h3serve.common.config import GatewayConfig
-from h3serve.common.guard import OPEN_METHODS, loopback
+from h3serve.common.guard import OPEN_METHODS, loopback, loopback_host
 from h3serve.gateway.tenants.clients import DEFAULT, Client, ClientsFileError, read, token_hash
 
 log = logging.getLogger("h3serve.gateway.tenants")
@@ -86,15 +85,8 @@ class Tenants:
 
     def docs_allowed(self, authorization: str | None, host: str | None) -> bool:
         """Whether the HTTP door shows its OpenAPI document and /docs to a caller from `host` (an IP address)."""
-        return self.by_token(authorization) is not None or self.is_open("docs", _loopback_ip(host))
+        return self.by_token(authorization) is not None or self.is_open("docs", loopback_host(host))
 
     def bound(self, client: Client) -> int:
         """The client's bound on unfinished jobs (0: none)."""
         return self.per_client_bound if client.max_unfinished_jobs is None else client.max_unfinished_jobs
-
-
-def _loopback_ip(host: str | None) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
