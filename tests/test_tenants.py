@@ -107,20 +107,18 @@ def test_the_guard_names_each_caller_keeps_the_old_clients_on_a_bad_reload_and_o
     assert not closed.docs_allowed(None, "127.0.0.1") and closed.docs_allowed("Bearer legacy", "10.1.2.3")
     opened = Tenants(GatewayConfig(auth_token="legacy", open_without_token=("docs",)))
     assert opened.docs_allowed(None, "10.1.2.3")
+    # metrics: on loopback by default, else only with an admin's token
+    assert [tenants.metrics_allowed(None, host) for host in ("127.0.0.1", "::1", "10.1.2.3")] == [True, True, False]
+    assert not tenants.metrics_allowed("Bearer legacy", "10.1.2.3")
 
 
 # Every door of a real gateway process.
 
 
 class Gateway:
-    def __init__(self, group: ServiceGroup, port: int, http_port: int, tokens: dict[str, str], clients_file) -> None:
-        self.group, self.port, self.http_port, self.tokens, self.clients_file = (
-            group,
-            port,
-            http_port,
-            tokens,
-            clients_file,
-        )
+    def __init__(self, group: ServiceGroup, ports: dict[str, int], tokens: dict[str, str], clients_file) -> None:
+        self.group, self.ports, self.tokens, self.clients_file = group, ports, tokens, clients_file
+        self.port, self.http_port = ports["gateway"], ports["http"]
 
     @property
     def pid(self) -> int:
@@ -132,10 +130,10 @@ class Gateway:
     def sdk(self, name: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http_port}/v1", api_key=self.tokens[name], max_retries=0)
 
-    def get(self, path: str, name: str | None = None, lines: int = 0) -> tuple[int, str]:
-        """GET `path` on the HTTP door with `name`'s token (None: no token): the status and the body, or only its
-        first `lines` lines (an event stream that goes on)."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=30)
+    def get(self, path: str, name: str | None = None, lines: int = 0, port: str = "http") -> tuple[int, str]:
+        """GET `path` on the HTTP door (or the `port` named) with `name`'s token (None: no token): the status and the
+        body, or only its first `lines` lines (an event stream that goes on)."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.ports[port], timeout=30)
         try:
             connection.request("GET", path, headers={"authorization": f"Bearer {self.tokens[name]}"} if name else {})
             response = connection.getresponse()
@@ -149,7 +147,8 @@ class Gateway:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     """A gateway with a legacy auth_token (the default client), alice and bob (the per-client bound: 5), carol (her
-    own bound: 1) and an admin, nothing open without a token; its stages are ports nobody listens on."""
+    own bound: 1) and an admin, nothing open without a token (metrics included); its stages are ports nobody
+    listens on."""
     root = tmp_path_factory.mktemp("tenants")
     clients_file = root / "clients.toml"
     tokens = _clients_file(clients_file, alice={}, bob={}, root={"admin": True})
@@ -157,7 +156,7 @@ def gateway(tmp_path_factory):
     with clients_file.open("a") as file:
         file.write(entry(BOUNDED, tokens[BOUNDED]) + "max_unfinished_jobs = 1\n")
     tokens[DEFAULT] = "legacy-token"
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http", "metrics")}
     config = write_config(
         root / "deploy.toml",
         "",
@@ -168,10 +167,11 @@ def gateway(tmp_path_factory):
         max_unfinished_jobs_per_client=5,
         open_without_token=[],
         http_port=ports["http"],
+        metrics_port=ports["metrics"],
     )
     group = ServiceGroup(load_deploy(config), str(config), log_dir=str(root), names=("gateway",), ready=is_answering)
     with group:
-        yield Gateway(group, ports["gateway"], ports["http"], tokens, clients_file)
+        yield Gateway(group, ports, tokens, clients_file)
 
 
 def _submit(gateway: Gateway, name: str, prompt: str, **fields) -> S.Job:
@@ -295,7 +295,7 @@ def test_a_token_added_by_the_cli_works_after_a_sighup_without_a_restart(gateway
     assert gateway.pid == pid and gateway.group.running[0].process.poll() is None, "no restart"
 
 
-def test_reflection_and_the_api_document_sit_behind_the_token_and_health_stays_open(gateway):
+def test_reflection_the_api_document_and_metrics_sit_behind_the_token_and_health_stays_open(gateway):
     def services(token: str | None) -> list[str]:
         with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -312,3 +312,6 @@ def test_reflection_and_the_api_document_sit_behind_the_token_and_health_stays_o
     assert [gateway.get(path)[0] for path in ("/openapi.json", "/docs")] == [401, 401]
     assert gateway.get("/openapi.json", "alice")[0] == 200
     assert gateway.get("/healthz")[0] == 503, "health answers without a token (the stages are down: 503)"
+    scrapes = {name: gateway.get("/metrics", name, port="metrics") for name in (None, "alice", ADMIN)}
+    assert [scrapes[name][0] for name in (None, "alice")] == [401, 401], "every client's counts: an admin's only"
+    assert scrapes[ADMIN][0] == 200 and "h3serve_jobs{" in scrapes[ADMIN][1]

@@ -64,7 +64,7 @@ MAX_ROWS = 200_000
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 # [gateway] open_without_token: a part of the public API that may answer without a token, to all or on loopback
-OpenPart = Literal["docs", "reflection", "docs@loopback", "reflection@loopback"]
+OpenPart = Literal["docs", "reflection", "metrics", "docs@loopback", "reflection@loopback", "metrics@loopback"]
 Steps = Annotated[int, Field(ge=2)]  # num_inference_steps N gives N-1 denoise steps
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
 if TYPE_CHECKING:  # Literals built from values at run time, which a type checker cannot read: their value type
@@ -458,8 +458,13 @@ class GatewayConfig(Section):
     max_unfinished_jobs_per_client: NonNegativeInt = 0  # each client's bound on its queued + running jobs (0: none;
     # a client's own max_unfinished_jobs in the clients file overrides it); max_unfinished_jobs bounds them all
     # What answers without a token when the gateway has one (health always does): "reflection" (gRPC server
-    # reflection), "docs" (the HTTP door's /openapi.json and /docs); with "@loopback", only to callers on this machine
-    open_without_token: Annotated[tuple[OpenPart, ...], Field(strict=False)] = ("docs@loopback", "reflection@loopback")
+    # reflection), "docs" (the HTTP door's /openapi.json and /docs), "metrics" (else an admin client's token); with
+    # "@loopback", only to callers on this machine
+    open_without_token: Annotated[tuple[OpenPart, ...], Field(strict=False)] = (
+        "docs@loopback",
+        "reflection@loopback",
+        "metrics@loopback",
+    )
     # Webhooks (docs/webhooks.md): an endpoint that does not answer 2xx within webhook_timeout_s is tried again after
     # webhook_backoff_s, doubling up to webhook_max_backoff_s, webhook_max_attempts times in all, across restarts
     webhook_timeout_s: PositiveFloat = 10.0

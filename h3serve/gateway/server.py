@@ -120,7 +120,7 @@ async def serve_async(config: GatewayConfig) -> None:
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
     door = _http_door(config, server, tenants)
     if config.metrics_port:
-        metrics.serve(config.metrics_host, config.metrics_port)
+        metrics.serve(config.metrics_host, config.metrics_port, tenants.metrics_allowed)
     if door:  # before the gRPC port opens: once health answers, the HTTP port is open too
         await door.start()
     await server.start()

@@ -2,8 +2,9 @@
 
 With neither set the gateway is open: every caller is the `default` client, as before tenants existed. With either,
 every method needs a token but health (always open: supervisors and load balancers probe it) and what
-`[gateway] open_without_token` opens: "reflection" (gRPC server reflection) and "docs" (the HTTP door's
-/openapi.json and /docs), to everyone, or with "@loopback" only to callers on this machine. `auth_token` is the
+`[gateway] open_without_token` opens: "reflection" (gRPC server reflection), "docs" (the HTTP door's
+/openapi.json and /docs) and "metrics" (Prometheus, else an admin's token), to everyone, or with "@loopback" only
+to callers on this machine. `auth_token` is the
 `default` client's token, which owns the jobs made before tenants existed.
 """
 
@@ -86,6 +87,14 @@ class Tenants:
     def docs_allowed(self, authorization: str | None, host: str | None) -> bool:
         """Whether the HTTP door shows its OpenAPI document and /docs to a caller from `host` (an IP address)."""
         return self.by_token(authorization) is not None or self.is_open("docs", loopback_host(host))
+
+    def metrics_allowed(self, authorization: str | None, host: str | None) -> bool:
+        """Whether a Prometheus scrape from `host` is served: every client's counts are in it, so an admin's token,
+        or a caller `open_without_token` lets in ("metrics", "metrics@loopback")."""
+        if not self.guarded or self.is_open("metrics", loopback_host(host)):
+            return True
+        client = self.by_token(authorization)
+        return client is not None and client.admin
 
     def bound(self, client: Client) -> int:
         """The client's bound on unfinished jobs (0: none)."""
