@@ -226,9 +226,10 @@ def test_each_unloadable_file_is_refused_naming_it_and_why(tiny_model_dir, files
     state = load_file(files["single"])
     state["blocks.0.mlp.fc2.weight"] = torch.zeros(32, 16)
     save_file(state, tmp_path / "wrong.safetensors")
-    assert "wrong shapes: transformer_blocks.0.ff.net.2.weight [32, 16]" in refusal(
-        tiny_model_dir, tmp_path / "wrong.safetensors"
-    )
+    assert (
+        "has wrong shapes: blocks.0.mlp.fc2.weight [32, 16] (it becomes transformer_blocks.0.ff.net.2.weight must "
+        "be [32, 64])"
+    ) in refusal(tiny_model_dir, tmp_path / "wrong.safetensors"), "the file's own name, and diffusers' it becomes"
     del state["blocks.1.mlp.fc2.weight"]
     save_file(state, tmp_path / "short.safetensors")
     assert "lacks transformer_blocks.1.ff.net.2.weight" in refusal(tiny_model_dir, tmp_path / "short.safetensors")
@@ -245,7 +246,10 @@ def test_a_gguf_of_another_transformer_is_refused(tiny_model_dir, files, tmp_pat
     save_file(state, tmp_path / "wide.safetensors")
     gguf = write_gguf(tmp_path / "wide.safetensors", tmp_path / "wide.gguf", "Q8_0")
     message = refusal(tiny_model_dir, gguf)
-    assert "has wrong shapes:" in message and "ff.net.2.weight [64, 64] (the transformer's: [32, 64])" in message
+    assert "has wrong shapes:" in message
+    assert (
+        "blocks.1.mlp.fc2.weight [64, 64] (it becomes transformer_blocks.1.ff.net.2.weight must be [32, 64])" in message
+    )
 
 
 @pytest.mark.parametrize(
@@ -324,3 +328,26 @@ def test_the_key_needs_a_model_dir_and_a_known_suffix(tmp_path):
             load_deploy(path)
     path.write_text('[model]\ndir = "/m"\n[dit]\ntransformer_file = "/absent/h3-Q4_0.gguf"\n')
     assert load_deploy(path).dit.transformer_file == "/absent/h3-Q4_0.gguf", "a missing file is the DiT's to refuse"
+
+
+def test_a_wrong_stacked_qkv_is_named_by_the_files_key_once(tiny_model_dir, files, tmp_path):
+    """The published layout stacks q, k and v in one tensor that diffusers' converter splits in three: the refusal
+    names the file's tensor (what its owner can find in it), once, with the three it would become."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(files["single"])
+    rows, columns = state["blocks.1.attn.qkv_proj.weight"].shape
+    state["blocks.1.attn.qkv_proj.weight"] = torch.zeros(rows * 2, columns)
+    save_file(state, tmp_path / "wide-qkv.safetensors")
+    message = refusal(tiny_model_dir, tmp_path / "wide-qkv.safetensors")
+    assert f"has wrong shapes: blocks.1.attn.qkv_proj.weight [{rows * 2}, {columns}] (it becomes " in message
+    assert message.count("blocks.1.attn.qkv_proj.weight") == 1
+    for part in ("to_q", "to_k", "to_v"):
+        assert f"transformer_blocks.1.attn.{part}.weight must be [{rows // 3}, {columns}]" in message
+
+
+def test_the_start_log_names_the_weight_file_it_loads(tiny_model_dir, files, caplog):
+    caplog.set_level("INFO", logger="h3serve.runtime.checkpoints")
+    served_transformer(tiny_model_dir, "float32", str(files["Q8_0"]))
+    size = files["Q8_0"].stat().st_size
+    assert f"loading the transformer from {files['Q8_0'].resolve()} ({size / 1024:.1f} KiB, gguf)" in caplog.messages

@@ -480,6 +480,10 @@ class GatewayConfig(Section):
     # Retention, enforced after every job and every minute (0: keep for ever / no cap).
     artifact_max_age_s: NonNegativeFloat = 7 * DAY_S  # artifacts older than this are deleted
     artifact_max_bytes: NonNegativeInt = 50 << 30  # beyond this many artifact bytes the oldest go first
+    # A finished clip whose artifact the disk cannot hold waits this long for space (its job's `waiting` event says
+    # where, what is free and what it needs), is written when space returns, and past it fails naming the disk
+    # (0: fails at once)
+    artifact_space_wait_s: NonNegativeFloat = 1800.0
     asset_max_age_s: NonNegativeFloat = 7 * DAY_S  # uploads older than this go unless a queued or running job
     # names them
 

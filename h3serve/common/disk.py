@@ -47,6 +47,12 @@ def full_named(directory: str) -> Iterator[None]:
         raise
 
 
+def space_wanted(directory: str, needed: int) -> str:
+    """Where a write waits for space, what is free there and what it needs: "disk full: DIR (N MiB free of M MiB on
+    the file system mounted at MOUNT): N MiB needed"."""
+    return f"{MARK}: {directory} ({_space(directory)}): {readable_size(needed)} needed"
+
+
 def _reason(cause: BaseException) -> str:
     return cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
 
@@ -57,7 +63,9 @@ def _space(directory: str) -> str:
     except OSError:
         return "its file system's free space unknown"
     free, total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
-    return f"{_size(free)} free of {_size(total)} on the file system mounted at {_mount_point(directory)}"
+    return (
+        f"{readable_size(free)} free of {readable_size(total)} on the file system mounted at {_mount_point(directory)}"
+    )
 
 
 def _mount_point(path: str) -> str:
@@ -67,7 +75,7 @@ def _mount_point(path: str) -> str:
     return path
 
 
-def _size(count: int) -> str:
+def readable_size(count: int) -> str:
     value, unit = float(count), "bytes"
     for larger in _UNITS:
         if value < 1024:

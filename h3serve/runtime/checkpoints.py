@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,19 +26,23 @@ import torch
 
 from h3serve.common.config import FILE_FORMATS as FORMATS
 from h3serve.common.config import FILE_PARTITION, GGUF
+from h3serve.common.disk import readable_size
 from h3serve.model import presets
 
 if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
+log = logging.getLogger("h3serve.runtime.checkpoints")
 PARTITION = FILE_PARTITION  # the published files are the t2va / fl2va transformer; transformer_ref stays as released
 DETECTION_KEY = "token_refiner.blocks.0.attn.qkv_proj.weight"  # diffusers' CHECKPOINT_KEY_NAMES["minimax-h3"]
 QKV_LAYOUT = "stacked"
 FINGERPRINT_BYTES = 1 << 20  # the header (names, shapes, offsets) and the first weights
+WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
 
 
 class CheckpointRefused(ValueError):
-    """A transformer_file that cannot be served; the message names the file and the reason, on one line."""
+    """A transformer_file that cannot be served; the message names the file and the reason, on one line. Every door
+    that loads one (`serve dit`, `h3serve reference`) prints it as it is, never a traceback."""
 
     def __init__(self, path: str | Path, reason: str) -> None:
         super().__init__(f"transformer_file {str(path)!r}: {' '.join(str(reason).split())}")
@@ -121,11 +126,7 @@ def check(path: str | Path, model_dir: str) -> None:
     found = _converted_shapes(path, shapes, model_dir, expected)
     missing = sorted(expected.keys() - found.keys())
     unexpected = sorted(found.keys() - expected.keys())
-    wrong = [
-        f"{name} {list(found[name])} (the transformer's: {list(shape)})"
-        for name, shape in expected.items()
-        if name in found and found[name] != shape
-    ]
+    wrong = _wrong_shapes(shapes, found, expected, model_dir)
     for problems, what in (
         (missing, "lacks"),
         (unexpected, "has tensors the transformer does not:"),
@@ -136,6 +137,60 @@ def check(path: str | Path, model_dir: str) -> None:
             raise CheckpointRefused(
                 path, f"does not fit {config_folder(model_dir)}/config.json: it {what} {', '.join(problems[:3])}{more}"
             )
+
+
+def _wrong_shapes(
+    shapes: dict[str, tuple[int, ...]],
+    found: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    model_dir: str,
+) -> list[str]:
+    """Each tensor of the file whose shape does not fit, by the file's own name and shape (what its owner can find
+    in it), with the transformer's tensor it becomes and the shape that one must have."""
+    wrong: dict[str, list[str]] = {}
+    for name, shape in expected.items():
+        if name in found and found[name] != shape:
+            sources = _sources(name, shapes, model_dir) if name not in shapes else [name]
+            for source in sources or [name]:
+                wrong.setdefault(source, []).append(f"{name} must be {list(shape)}")
+    return [
+        f"{source} {list(shapes.get(source, found.get(source, ())))} (it becomes {', '.join(becomes)})"
+        for source, becomes in wrong.items()
+    ]
+
+
+def _sources(converted: str, shapes: dict[str, tuple[int, ...]], model_dir: str) -> list[str]:
+    """The file's tensors diffusers' converter makes tensor `converted` from: among those of the same block number
+    and kind (weight, bias...), those whose shape, changed, changes its shape (the converter renames, splits the
+    stacked qkv and reorders; its mapping is not public)."""
+    kind, block = converted.rsplit(".", 1)[-1], _block(converted)
+    base = _convert_meta(shapes, model_dir).get(converted)
+    sources = []
+    for name, shape in shapes.items():
+        if not shape or name.rsplit(".", 1)[-1] != kind or _block(name) != block:
+            continue
+        try:
+            changed = _convert_meta({**shapes, name: (shape[0] * 3, *shape[1:])}, model_dir).get(converted)
+        except (ValueError, RuntimeError):
+            continue
+        if changed != base:
+            sources.append(name)
+    return sources
+
+
+def _block(name: str) -> str:
+    """A tensor name's first number (its block's), "" for none."""
+    return next((part for part in name.split(".") if part.isdigit()), "")
+
+
+def _convert_meta(shapes: dict[str, tuple[int, ...]], model_dir: str) -> dict[str, tuple[int, ...]]:
+    """diffusers' converter on meta tensors of `shapes`: the names and shapes it makes."""
+    from diffusers import MiniMaxH3Transformer3DModel as Transformer
+    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers as convert
+
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    converted = convert(meta, config=Transformer.load_config(str(config_folder(model_dir))), qkv_layout=QKV_LAYOUT)
+    return {name: tuple(tensor.shape) for name, tensor in converted.items()}
 
 
 def _check_types(path: Path, types: dict[str, str]) -> None:
@@ -166,15 +221,10 @@ def _converted_shapes(
             f"unknown layout: neither MiniMax-H3's published single-file layout (it has no "
             f"{DETECTION_KEY}) nor diffusers' own",
         )
-    from diffusers import MiniMaxH3Transformer3DModel as Transformer
-    from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers as convert
-
-    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
     try:
-        converted = convert(meta, config=Transformer.load_config(str(config_folder(model_dir))), qkv_layout=QKV_LAYOUT)
+        return _convert_meta(shapes, model_dir)
     except (ValueError, RuntimeError) as exc:
         raise CheckpointRefused(path, str(exc)) from None
-    return {name: tuple(tensor.shape) for name, tensor in converted.items()}
 
 
 def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -183,6 +233,7 @@ def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     from diffusers import GGUFQuantizationConfig
     from diffusers import MiniMaxH3Transformer3DModel as Transformer
 
+    log.info("loading the transformer from %s", describe_weight_file(Path(path)))
     if is_gguf(path):  # the quantiser keeps `_keep_in_fp32_modules` in float32 itself
         return Transformer.from_single_file(
             str(path),
@@ -203,6 +254,16 @@ def load(path: str | Path, model_dir: str, dtype: torch.dtype) -> torch.nn.Modul
     )
     keep_fp32_modules(model, state)
     return model
+
+
+def describe_weight_file(path: Path) -> str:
+    """ "PATH (N.N GiB, format)": what the start log says of each weight file it loads."""
+    return f"{path.resolve()} ({readable_size(path.stat().st_size)}, {path.suffix.lstrip('.') or 'no suffix'})"
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """A released component folder's weight files (its shards), in name order."""
+    return sorted(path for path in folder.iterdir() if path.suffix in WEIGHT_SUFFIXES) if folder.is_dir() else []
 
 
 def converted(path: str | Path, model_dir: str) -> dict[str, torch.Tensor]:

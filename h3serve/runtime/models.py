@@ -99,6 +99,9 @@ class ModelSource:
         pipe = ModularPipeline.from_pretrained(model_dir)
         released = [name for name in names if not self.from_file(name)]
         if released:
+            for name in released:  # the start log names every weight file it loads
+                for file in checkpoints.weight_files(Path(model_dir) / name):
+                    checkpoints.log.info("loading %s from %s", name, checkpoints.describe_weight_file(file))
             pipe.load_components(names=released, dtype=dtype)
         return {name: self._from_file(dtype) if self.from_file(name) else getattr(pipe, name) for name in names}
 

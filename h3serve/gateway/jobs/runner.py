@@ -8,7 +8,8 @@ seed, same result) while attempts remain; that policy, and the reasons jobs give
 
 Every job ends in exactly one terminal state, written to the store together with its terminal event.
 That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the expected
-errors is still marked FAILED (the field notes' ghost "running" job). A full disk (DiskFull) fails the job
+errors is still marked FAILED (the field notes' ghost "running" job). A finished clip whose artifact the disk
+cannot hold waits for space up to [gateway] artifact_space_wait_s. Any other full disk (DiskFull) fails the job
 with RESOURCE_EXHAUSTED naming it; when the disk is too full to record even that end, the job keeps its task
 and records it once space returns (`_finish`), so it never stays "running" without one.
 """
@@ -26,7 +27,7 @@ from collections.abc import Awaitable
 import grpc
 
 from h3serve.common.config import GatewayConfig
-from h3serve.common.disk import DiskFull
+from h3serve.common.disk import DiskFull, space_wanted
 from h3serve.common.errors import describe, tail
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike, remove
@@ -54,7 +55,8 @@ INTERRUPTED = "the gateway stopped during this pass"  # the error a dead gateway
 # cannot be the cause: its re-run is free and counted nowhere. A bound, not a judgement of which job was running for
 # how long: simple, and wrong only for a job caught in flight by more restarts than this, which then says why.
 MAX_RESTART_RERUNS = 10
-DISK_RETRY_S = 2.0  # how often a job whose end a full disk keeps from the store tries to record it again
+DISK_RETRY_S = 2.0  # how often a job whose end or artifact a full disk keeps from the store tries to write it again
+ARTIFACTS_STAGE = "artifacts"  # the `waiting` event's stage while a finished clip waits for space on the disk
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -87,6 +89,7 @@ class JobRunner:
         self.store, self.hub, self.caller, self.artifacts, self.metrics = store, hub, caller, artifacts, metrics
         self.assets = assets
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
+        self.space_wait_s = config.artifact_space_wait_s
         self.queues = {
             name: StageQueue(name, len(caller.replicas[stage.service].replicas))
             for name, stage in caller.stages.items()
@@ -308,14 +311,43 @@ class JobRunner:
 
     async def _complete(self, job: JobContext) -> None:
         decoded = job.outputs["vae"]
-        video = await self._store_artifact(job.job_id, "video", decoded.files["video.mp4"])
+        video = await self._store_artifact_in_time(job, "video", decoded.files["video.mp4"])
         done = S.Done(video=video, duration_s=decoded.summary.duration_s)
         if "raw.npz" in decoded.files:
-            done.raw.CopyFrom(await self._store_artifact(job.job_id, "raw", decoded.files["raw.npz"]))
+            done.raw.CopyFrom(await self._store_artifact_in_time(job, "raw", decoded.files["raw.npz"]))
         if video.sha256 != decoded.summary.sha256:
             raise RuntimeError(f"video.mp4 arrived with sha256 {video.sha256}, the VAE sent {decoded.summary.sha256}")
         await self._finish(job.job_id, S.JOB_STATE_SUCCEEDED, done=done)
         await self.retention.enforce()
+
+    async def _store_artifact_in_time(self, job: JobContext, kind: str, data: BytesLike) -> gateway_pb2.Artifact:
+        """Store the artifact; while the disk cannot hold it, wait for space (trying every DISK_RETRY_S, the job's
+        `waiting` event saying where, what is free and what it needs) up to `space_wait_s`, then fail naming the
+        disk. A finished clip is minutes of GPU time: a disk full for a while must not throw it away."""
+        deadline, said = 0.0, False
+        while True:
+            try:
+                return await self._store_artifact(job.job_id, kind, data)
+            except DiskFull as exc:
+                if not deadline:
+                    deadline = time.monotonic() + self.space_wait_s
+                    log.warning(
+                        "job %s: its %s waits for space, up to %g s: %s", job.job_id, kind, self.space_wait_s, exc
+                    )
+                if time.monotonic() >= deadline:
+                    raise
+                said = said or await self._say_waiting_for_space(job, memoryview(data).nbytes)
+            await asyncio.sleep(DISK_RETRY_S)
+
+    async def _say_waiting_for_space(self, job: JobContext, needed: int) -> bool:
+        """The job's `waiting` event for the artifacts' disk; False when the store, on the same full disk, could not
+        keep it either (then it is tried again at the next try)."""
+        reason = space_wanted(self.artifacts.root, needed)
+        try:
+            await job.emit(waiting=S.Waiting(stage=ARTIFACTS_STAGE, reason=reason, limit_s=self.space_wait_s))
+        except DiskFull:
+            return False
+        return True
 
     async def _store_artifact(self, job_id: str, kind: str, data: BytesLike) -> gateway_pb2.Artifact:
         """Write the job's `kind` artifact and record it. A file whose record failed (rolled back) is removed: the
