@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from h3serve.gateway.http.errors import ApiError
+from h3serve.gateway.webhooks.endpoint import MAX_URL_CHARS
 from h3serve.model import adapters, rules
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 
@@ -89,7 +90,9 @@ class VideoCreate(BaseModel):
     flow_shift: float | None = None
     audio_flow_shift: float | None = None
     include_raw: bool = False
-    webhook_url: str = ""  # where the job's end is POSTed (docs/webhooks.md); empty: the client's endpoint, if any
+    # where the job's end is POSTed (docs/webhooks.md), signed with the client's webhook_secret; empty: the client's
+    # endpoint, if any
+    webhook_url: str = Field("", max_length=MAX_URL_CHARS)
 
     @classmethod
     def parse(cls, data: dict) -> VideoCreate:
