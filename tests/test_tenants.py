@@ -1,6 +1,7 @@
 """Tenants (issue 51, item 7): each client reaches only its own jobs and uploads, through every door, an admin every
 client's; another client's id answers exactly as an id never made; a client's own bound on unfinished jobs; tokens
-added by `h3serve token add` and a SIGHUP, without a restart; reflection and the OpenAPI document behind the token.
+added by `h3serve token add` and a SIGHUP, without a restart; reflection, the OpenAPI document and the metrics
+behind the token.
 
 The clients file's rules and the guard's decisions in-process; the doors against a real gateway process whose stages
 are down (its jobs stay queued, which is all ownership needs), through gRPC, the HTTP door, its Server-Sent Events and
@@ -192,6 +193,7 @@ def _not_found_as_if_missing(call, job_id: str) -> None:
     assert other.details().replace(job_id, "ID") == missing.details().replace(MISSING_JOB, "ID")
 
 
+@pytest.mark.processes
 def test_over_grpc_each_client_reaches_only_its_own_jobs_and_the_admin_every_one(gateway):
     alice = _submit(gateway, "alice", "alice's fox", request_id="shared-id")
     bob = _submit(gateway, "bob", "bob's fox", request_id="shared-id")  # the same id names bob's own job
@@ -225,6 +227,7 @@ def test_over_grpc_each_client_reaches_only_its_own_jobs_and_the_admin_every_one
         assert untouched.state in (S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING) and not untouched.deleted
 
 
+@pytest.mark.processes
 def test_over_http_sse_and_the_openai_sdk_each_client_sees_only_its_own_videos(gateway):
     alice_sdk, bob_sdk = gateway.sdk("alice"), gateway.sdk("bob")
     mine = alice_sdk.videos.create(prompt="alice over http", size="64x32", extra_body={"steps": 2})
@@ -246,6 +249,7 @@ def test_over_http_sse_and_the_openai_sdk_each_client_sees_only_its_own_videos(g
     assert gateway.get("/v1/videos")[0] == 401
 
 
+@pytest.mark.processes
 def test_an_upload_is_its_uploaders_alone_until_another_client_uploads_the_same_bytes(gateway, tmp_path):
     picture = image(tmp_path / "alice.png", 64, 32, seed=5)
     with gateway.client("alice") as alice, gateway.client("bob") as bob:
@@ -263,6 +267,7 @@ def test_an_upload_is_its_uploaders_alone_until_another_client_uploads_the_same_
         assert job.request.first_frame == uploaded.asset_id
 
 
+@pytest.mark.processes
 def test_a_client_over_its_own_bound_is_refused_and_the_others_are_not(gateway):
     _submit(gateway, BOUNDED, "carol's one")
     refused = _refusal(lambda: _submit(gateway, BOUNDED, "carol's two"))
@@ -271,6 +276,7 @@ def test_a_client_over_its_own_bound_is_refused_and_the_others_are_not(gateway):
     assert _submit(gateway, "alice", "alice is not held back").client == "alice"
 
 
+@pytest.mark.processes
 def test_a_token_added_by_the_cli_works_after_a_sighup_without_a_restart(gateway, capsys):
     root = argparse.ArgumentParser()
     token_cli.add_parser(root.add_subparsers(dest="command"))
@@ -295,6 +301,7 @@ def test_a_token_added_by_the_cli_works_after_a_sighup_without_a_restart(gateway
     assert gateway.pid == pid and gateway.group.running[0].process.poll() is None, "no restart"
 
 
+@pytest.mark.processes
 def test_reflection_the_api_document_and_metrics_sit_behind_the_token_and_health_stays_open(gateway):
     def services(token: str | None) -> list[str]:
         with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
