@@ -13,11 +13,13 @@ import argparse
 import http.client
 import os
 import signal
+import sqlite3
+from contextlib import closing
 
 import grpc
 import openai
 import pytest
-from conftest import free_port, write_config
+from conftest import free_port, with_store, write_config
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from media_files import image
 from up_process import wait_until
@@ -27,6 +29,7 @@ from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy
 from h3serve.common.server import is_answering
+from h3serve.gateway.jobs.store import Ownership
 from h3serve.gateway.tenants.clients import DEFAULT, ClientsFileError, entry, new_token, read, token_hash
 from h3serve.gateway.tenants.registry import Tenants
 from h3serve.v1 import common_pb2
@@ -111,6 +114,33 @@ def test_the_guard_names_each_caller_keeps_the_old_clients_on_a_bad_reload_and_o
     # metrics: on loopback by default, else only with an admin's token
     assert [tenants.metrics_allowed(None, host) for host in ("127.0.0.1", "::1", "10.1.2.3")] == [True, True, False]
     assert not tenants.metrics_allowed("Bearer legacy", "10.1.2.3")
+
+
+def test_a_store_from_before_tenants_gives_its_jobs_to_the_default_client_and_request_ids_become_per_client(tmp_path):
+    path = tmp_path / "jobs.sqlite"
+    request = S.ResolvedRequest(prompt="an old fox")
+
+    async def before(store):
+        await store.submit("old", request, request_id="rid", digest="d")
+
+    with_store(path, before)
+    with closing(sqlite3.connect(path)) as conn, conn:  # the file as a gateway from before tenants left it
+        conn.execute("DROP INDEX jobs_by_owner_request_id")
+        conn.execute("ALTER TABLE jobs DROP COLUMN owner")
+        conn.execute("ALTER TABLE jobs DROP COLUMN webhook_url")
+        conn.execute("CREATE UNIQUE INDEX jobs_by_request_id ON jobs (request_id) WHERE request_id IS NOT NULL")
+
+    async def after(store):
+        assert (await store.get_job("old")).client == DEFAULT
+        assert await store.get_job("old", client="alice") is None
+        again, created = await store.submit("new", request, request_id="rid", digest="d")
+        assert (again.job_id, created) == ("old", False), "the default client's retry finds its job"
+        theirs, created = await store.submit("alices", request, request_id="rid", digest="d", owner=Ownership("alice"))
+        assert (theirs.job_id, theirs.client, created) == ("alices", "alice", True)
+        listed, _ = await store.list_jobs([], 10, client="alice")
+        assert [job.job_id for job in listed] == ["alices"]
+
+    with_store(path, after)
 
 
 # Every door of a real gateway process.
