@@ -32,6 +32,8 @@ class Tenants:
         self.open_parts = set(config.open_without_token)
         self._lock = threading.Lock()  # the HTTP door's docs check and SIGHUP run on other threads than calls
         self._by_hash: dict[str, Client] = read(self.path) if self.path else {}
+        if self.path:
+            log.info("clients file %s: %d client(s); SIGHUP reads it again", self.path, len(self._by_hash))
 
     @property
     def guarded(self) -> bool:

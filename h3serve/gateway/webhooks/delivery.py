@@ -13,6 +13,7 @@ import asyncio
 import http.client
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 from h3serve.common.bounds import brief
@@ -23,7 +24,9 @@ from h3serve.gateway.webhooks.signing import headers
 
 log = logging.getLogger("h3serve.gateway.webhooks")
 POLL_S = 0.5  # how often the outbox is read for what is due: an event leaves at most this long after its job ends
-BATCH = 32  # events sent at once
+# Events sent at once, each on a thread of the sender's own: endpoints slow to answer never hold up the threads the
+# gateway's own disk work runs on (asyncio's default executor).
+SENDERS = 8
 USER_AGENT = "h3serve-webhooks"
 
 
@@ -52,22 +55,28 @@ class WebhookSender:
 
     async def run(self) -> None:
         """Send what is due, for ever (the gateway cancels it at its stop: an attempt cut short is sent again)."""
-        while True:
-            due = await self.store.due_webhooks(time.time(), BATCH)
-            await asyncio.gather(*(self._attempt(item) for item in due))
-            if len(due) < BATCH:
-                await asyncio.sleep(POLL_S)
+        threads = ThreadPoolExecutor(max_workers=SENDERS, thread_name_prefix="h3serve-webhooks")
+        try:
+            while True:
+                due = await self.store.due_webhooks(time.time(), SENDERS)
+                await asyncio.gather(*(self._attempt(item, threads) for item in due))
+                if len(due) < SENDERS:
+                    await asyncio.sleep(POLL_S)
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def _delay(self, attempts: int) -> float:
         return min(self.backoff_s * 2 ** (attempts - 1), self.max_backoff_s)
 
-    async def _attempt(self, item: Outgoing) -> None:
+    async def _attempt(self, item: Outgoing, threads: ThreadPoolExecutor) -> None:
         client = self.tenants.named(item.client)
         if client is None or not client.webhook_secret:
             status, error = 0, f"client {item.client!r} has no webhook_secret in the clients file to sign with"
         else:
             signed = headers(client.webhook_secret, item.event_id, int(time.time()), item.body)
-            status, error = await asyncio.to_thread(post, item.url, item.body, signed, self.timeout_s)
+            status, error = await asyncio.get_running_loop().run_in_executor(
+                threads, post, item.url, item.body, signed, self.timeout_s
+            )
             if status and not 200 <= status < 300:
                 error = f"the endpoint answered HTTP {status}"
         delivered, attempts = 200 <= status < 300, item.attempts + 1
