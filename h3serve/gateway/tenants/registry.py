@@ -4,8 +4,8 @@ With neither set the gateway is open: every caller is the `default` client, as b
 every method needs a token but health (always open: supervisors and load balancers probe it) and what
 `[gateway] open_without_token` opens: "reflection" (gRPC server reflection), "docs" (the HTTP door's
 /openapi.json and /docs) and "metrics" (Prometheus, else an admin's token), to everyone, or with "@loopback" only
-to callers on this machine. `auth_token` is the
-`default` client's token, which owns the jobs made before tenants existed.
+to callers on this machine. `auth_token` is the `default` client's token, which owns the jobs made before tenants
+existed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Tenants:
         self.path, self.auth_token = config.clients_file, config.auth_token
         self.per_client_bound = config.max_unfinished_jobs_per_client
         self.open_parts = set(config.open_without_token)
-        self._lock = threading.Lock()  # the HTTP door's docs check and SIGHUP run on other threads than calls
+        self._lock = threading.Lock()  # the metrics server's thread reads the clients too
         self._by_hash: dict[str, Client] = read(self.path) if self.path else {}
         if self.path:
             log.info("clients file %s: %d client(s); SIGHUP reads it again", self.path, len(self._by_hash))
@@ -77,7 +77,8 @@ class Tenants:
             return self._by_hash.get(token_hash(token))
 
     def is_open(self, part: str, local: bool) -> bool:
-        """Whether `part` ("docs", "reflection") answers without a token to a caller (`local`: on this machine)."""
+        """Whether `part` ("docs", "reflection", "metrics") answers without a token to a caller (`local`: on this
+        machine)."""
         return part in self.open_parts or (local and f"{part}@loopback" in self.open_parts)
 
     def identify(self, method: str, authorization: str | None, peer: str) -> Client | None:
