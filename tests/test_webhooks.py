@@ -177,7 +177,9 @@ def test_every_event_arrives_verified_across_a_gateway_sigkill_between_its_deliv
         model=STACK_MODEL,
         clients_file=str(clients),
         http_port=ports["http"],
-        webhook_backoff_s=8.0,  # the kill comes well before any second attempt
+        # 12 s between attempts: the kill, as soon as both first attempts are recorded, comes before any second one
+        webhook_backoff_s=12.0,
+        webhook_max_backoff_s=12.0,
     )
     small = dict(height=32, width=64, num_inference_steps=2)
     group = ServiceGroup(
