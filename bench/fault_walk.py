@@ -19,6 +19,13 @@ Victims and their moments:
 - `dit-rank-0`, `encoder`, `gateway`: at the first job's first `denoising` event; `vae`: at its first `decoding`.
 - `gateway-x3`: the gateway at that event, then twice more, each as soon as the restarted gateway serves again:
   three kills within a minute.
+- `disk-full` (issue 51; needs root): nothing is killed. The gateway's artifacts directory is a small tmpfs mounted
+  once the stack serves; at the first job's first `denoising` event a file fills it, for --full-s seconds, then it is
+  freed. Its row's "kill to SERVING s" is how long the disk stayed full, "kill to last job s" runs from freeing it.
+- `second-up` (issue 51): nothing is killed. At the first job's first `denoising` event a second `h3serve up` starts
+  on the same configuration, then one on other ports with the same data_dir; each must be refused (exit 78) naming a
+  holder's pid, with no service of its own answering. Its row's "kill to SERVING s" is each one's seconds to its
+  refusal; the jobs of the first stack are counted as usual.
 
 The walk then waits for every job to end (--limit-s), printing progress, and prints (with --write also records in
 BENCHMARKS.md's "Fault walks" table) the jobs acknowledged, succeeded, failed, lost (the gateway does not know them)
@@ -51,6 +58,7 @@ from pathlib import Path
 import grpc
 
 from bench.common import Size, device_label, leaves_gpu_empty, software
+from bench.deployment import profile_deployment
 from bench.dit_step import parse_variant
 from bench.e2e import (
     PROMPT,
@@ -169,7 +177,7 @@ class Stack:
     starts its own, so every process it starts descends from it), the logs under `work`."""
 
     def __init__(self, config_path: Path, work: Path) -> None:
-        self.config = load_deploy(config_path)
+        self.config, self.config_path = load_deploy(config_path), config_path
         self.log_dir, self.output = work / "logs", work / "up.out"
         environment = {key: value for key, value in os.environ.items() if key != forkserver.ENV}
         command = [sys.executable, "-m", "h3serve.cli", "up", "--config", str(config_path)]
@@ -422,7 +430,8 @@ def run(args, device: str, work: Path) -> Walk:
     with leaves_gpu_empty(), Stack(config_path, work) as stack:
         try:
             stack.wait_serving()
-            result = walk(stack, args, VICTIMS[args.victim])
+            walker = WITHOUT_KILLS.get(args.victim)
+            result = walker(stack, args, work) if walker else walk(stack, args, VICTIMS[args.victim])
         except BaseException:
             print_logs(stack.log_dir)
             raise
@@ -451,6 +460,92 @@ def refusal(args, device: str) -> str:
     return ""
 
 
+# The walks without a kill (issue 51): the disk filling under running jobs, and a second `up` beside the first.
+
+DISK_MIB = 64  # the artifacts' tmpfs of the disk-full walk: filled whole, its size does not matter
+REFUSED_WITHIN_S = 2.0  # a second `up` is refused within this (issue 51)
+
+
+def disk_full_walk(stack: Stack, args, work: Path) -> Walk:
+    """Jobs in flight while the artifacts' disk is full for --full-s seconds, then freed: how every job ended."""
+    artifacts = Path(stack.config.gateway.data_dir) / "artifacts"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m", "tmpfs", str(artifacts)], check=True)
+    try:
+        with GatewayClient(stack.address("gateway")) as client:
+            job_ids = [client.submit(job_request(args, number)).job_id for number in range(args.jobs)]
+            print(f"{len(job_ids)} jobs acknowledged: {', '.join(job_ids)}", flush=True)
+            wait_for_event(client, job_ids[0], "denoising")
+            filler, filled = fill(artifacts), time.time()
+            print(f"{artifacts} full; freeing it in {args.full_s:g} s", flush=True)
+            time.sleep(args.full_s)
+            filler.unlink()
+            freed = time.time()
+            latest = follow(client, job_ids, args.limit_s, lambda: progress(stack, client, job_ids, "gateway"))
+    finally:
+        stack.stop()  # before the unmount: the gateway writes there
+        subprocess.run(["umount", str(artifacts)], check=False)
+    return outcome(args.victim, job_ids, latest, [Kill(0, freed, freed - filled, None)], None)
+
+
+def fill(directory: Path) -> Path:
+    """A file that takes every free byte of `directory`'s file system."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(bytes(1 << 20))
+        except OSError:
+            pass
+    return filler
+
+
+def second_up_walk(stack: Stack, args, work: Path) -> Walk:
+    """While the first stack's jobs run, a second `up` on the same configuration, then one on other ports with the
+    same data_dir: each refused (exit 78) within REFUSED_WITHIN_S, naming a holder's pid, none of its services
+    answering; then every job of the first followed to its end."""
+    same = Path(stack.config_path)
+    other = profile_deployment(same, {}, work / "second-up-other-ports.toml")  # fresh ports, the same data_dir
+    with GatewayClient(stack.address("gateway")) as client:
+        job_ids = [client.submit(job_request(args, number)).job_id for number in range(args.jobs)]
+        print(f"{len(job_ids)} jobs acknowledged: {', '.join(job_ids)}", flush=True)
+        wait_for_event(client, job_ids[0], "denoising")
+        began = time.time()
+        attempts, errors = [second_up(config, work) for config in (same, other)], []
+        for config, (seconds, problem) in zip((same, other), attempts, strict=True):
+            print(f"second `h3serve up --config {config}`: {problem or 'refused'} in {seconds:.2f} s", flush=True)
+            errors += [f"second up on {config.name}: {problem}"] if problem else []
+        latest = follow(client, job_ids, args.limit_s, lambda: progress(stack, client, job_ids, "gateway"))
+    walked = outcome(args.victim, job_ids, latest, [Kill(0, began, s, None) for s, _ in attempts], None)
+    return replace(walked, errors=walked.errors + errors)
+
+
+def second_up(config: Path, work: Path) -> tuple[float, str]:
+    """Seconds to the second `up`'s exit, and what was wrong with it ("" when it was refused as promised)."""
+    logs = work / f"second-up-{config.stem}"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "h3serve.cli", "up", "--config", str(config), "--log-dir", str(logs)],
+        capture_output=True,
+        text=True,
+        timeout=STARTED_MARGIN_S,
+    )
+    seconds = time.monotonic() - started
+    refusal = next((line for line in done.stderr.splitlines() if line.startswith("refused: ")), "")
+    problems = [
+        f"exit {done.returncode}, not {processes.EXIT_REFUSED}" if done.returncode != processes.EXIT_REFUSED else "",
+        "" if " in use by pid " in refusal else f"no holder's pid named: {refusal or done.stderr[-300:]}",
+        f"took {seconds:.1f} s, over {REFUSED_WITHIN_S:g} s" if seconds > REFUSED_WITHIN_S else "",
+        "its services started (logs written)" if logs.exists() else "",
+    ]
+    return seconds, "; ".join(problem for problem in problems if problem)
+
+
+WITHOUT_KILLS: dict[str, Callable[[Stack, argparse.Namespace, Path], Walk]] = {
+    "disk-full": disk_full_walk,
+    "second-up": second_up_walk,
+}
+
+
 def compiling_refusal(args) -> str:
     if args.deploy or not parse_variant(args.dit).compile:
         return f"--victim {COMPILING} kills the DiT while it compiles: give --dit with +compile (and no --deploy)"
@@ -467,9 +562,9 @@ def print_walk(walk: Walk, args, device: str) -> None:
     print(f"\n| victim | {' | '.join(WALK_COUNTS)} | kill to SERVING s | kill to last job s |")
     print("|---" * (len(WALK_COUNTS) + 3) + "|")
     print(f"| {walk.victim} | {counts} | {back} | {last} |")
-    for k in walk.kills:
+    for k in (k for k in walk.kills if k.pid):  # the walks without kills (WITHOUT_KILLS) have none to tell
         print(f"killed pid {k.pid} at {datetime.datetime.fromtimestamp(k.at):%H:%M:%S.%f}; after it: pid {k.pid_after}")
-    if len(walk.kills) > 1:
+    if len(walk.kills) > 1 and walk.kills[0].pid:
         print(f"{len(walk.kills)} kills within {walk.kills[-1].at - walk.kills[0].at:.1f} s")
     for error in walk.errors:
         print(f"failed: {error}")
@@ -510,7 +605,8 @@ def record(walk: Walk, args, device: str) -> Record:
 def main(argv: list[str] | None = None) -> Walk:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny preset on CPU: a smoke test of the harness")
-    p.add_argument("--victim", required=True, choices=VICTIMS)
+    p.add_argument("--victim", required=True, choices=[*VICTIMS, *WITHOUT_KILLS])
+    p.add_argument("--full-s", type=float, default=20.0, help="disk-full: how long the artifacts' disk stays full")
     p.add_argument("--jobs", type=int, default=5, help="jobs acknowledged before the kill")
     p.add_argument("--size", default="480x832x124", help="each job's HxWxFRAMES")
     p.add_argument("--steps", type=int, help="num_inference_steps of each job (default 4; --quick: 2)")

@@ -328,25 +328,3 @@ def test_a_gateway_started_on_a_full_disk_is_refused_naming_it_and_starts_once_t
         GatewayClient(f"127.0.0.1:{port}") as client,
     ):
         assert list(client.stub.ListJobs(S.ListJobsRequest()).jobs) == []
-
-
-@pytest.mark.gateway
-def test_a_video_the_full_disk_cannot_hold_fails_its_job_naming_it_and_the_next_one_succeeds(stack, tmp_path):
-    """The artifacts on a volume of their own, full: the job runs every stage, then fails with the reason; no
-    partial video is left, and once space returns the next job succeeds."""
-    artifacts = Path(load_deploy(stack.config_path).gateway.data_dir) / "artifacts"
-    with tmpfs(artifacts, size_mib=1), GatewayClient(stack.address("gateway")) as client:
-        filler = fill(artifacts)
-        end = client.generate(S.GenerateRequest(prompt="no room for its video", seed=5, **SMALL))
-        assert (end.failed.code_name, end.failed.message) == (
-            "RESOURCE_EXHAUSTED",
-            full(artifacts, artifacts, NO_SPACE, size_mib=1),
-        )
-        job = client.job(end.job_id)
-        assert job.state == S.JOB_STATE_FAILED and not job.artifacts
-        assert os.listdir(artifacts) == ["filler"], "no partial video is left"
-
-        filler.unlink()
-        end = client.generate(S.GenerateRequest(prompt="room for its video", seed=6, **SMALL))
-        saved = client.download(end.done.video.artifact_id, tmp_path)
-        assert _sha256(saved.read_bytes()) == end.done.video.sha256

@@ -50,9 +50,9 @@ class GatewayClient:
     """A synchronous client of one gateway. `address`: host:port (None: `default_address()`, $H3SERVE_GATEWAY else
     127.0.0.1:50050); `root_pem`: PEM root certificate(s) of a gateway that serves TLS (None: plaintext); `token`:
     the bearer token it requires (None or empty: none sent); `retry`: how calls that meet UNAVAILABLE (the gateway
-    restarting) or RESOURCE_EXHAUSTED (its queue full) are tried again. Every call is safe to repeat: reads,
-    idempotent writes, and Submit with a request_id. `stub` is the generated stub on the same channel (TLS and token
-    included), for the RPCs themselves. A context manager; or call `close()`."""
+    restarting) or a full queue (RESOURCE_EXHAUSTED with a retry time, waited out) are tried again. Every call is
+    safe to repeat: reads, idempotent writes, and Submit with a request_id. `stub` is the generated stub on the same
+    channel (TLS and token included), for the RPCs themselves. A context manager; or call `close()`."""
 
     def __init__(
         self,

@@ -124,7 +124,7 @@ def check(path: str | Path, model_dir: str) -> None:
     _check_types(path, types)
     expected = {name: tuple(t.shape) for name, t in skeleton(model_dir).state_dict().items()}
     found = _converted_shapes(path, shapes, model_dir, expected)
-    missing = sorted(expected.keys() - found.keys())
+    missing = _missing(sorted(expected.keys() - found.keys()), shapes, found, model_dir)
     unexpected = sorted(found.keys() - expected.keys())
     wrong = _wrong_shapes(shapes, found, expected, model_dir)
     for problems, what in (
@@ -157,6 +157,28 @@ def _wrong_shapes(
         f"{source} {list(shapes.get(source, found.get(source, ())))} (it becomes {', '.join(becomes)})"
         for source, becomes in wrong.items()
     ]
+
+
+def _missing(
+    missing: list[str], shapes: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], model_dir: str
+) -> list[str]:
+    """The file's names of what it lacks, where another block shows them: a tensor missing from block 1 is named as
+    the file names its twin in a block that has it (`blocks.1.mlp.fc2.weight`); diffusers' name where none does."""
+    named: list[str] = []
+    for name in missing:
+        block = _block(name)
+        twins = (_in_block(name, other) for other in sorted({_block(key) for key in found} - {block, ""}))
+        twin = next((twin for twin in twins if twin in found), None) if block else None
+        sources = [_in_block(source, block) for source in _sources(twin, shapes, model_dir)] if twin else []
+        named += [source for source in sources if source not in shapes] or [name]
+    return list(dict.fromkeys(named))
+
+
+def _in_block(name: str, block: str) -> str:
+    """`name` with its first number (its block's) replaced by `block`."""
+    parts = name.split(".")
+    first = next(i for i, part in enumerate(parts) if part.isdigit())
+    return ".".join([*parts[:first], block, *parts[first + 1 :]])
 
 
 def _sources(converted: str, shapes: dict[str, tuple[int, ...]], model_dir: str) -> list[str]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.datastructures import FormData, UploadFile
@@ -20,7 +22,7 @@ from starlette.exceptions import HTTPException
 
 from h3serve.common.config import GatewayConfig
 from h3serve.common.disk import DiskFull, full_named
-from h3serve.gateway.http import videos
+from h3serve.gateway.http import schema, videos
 from h3serve.gateway.http.errors import ApiError, error_response, from_api_error, from_http_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
 from h3serve.gateway.tenants.registry import Tenants
@@ -64,6 +66,20 @@ def _limit(value: str | None) -> int:
     if not value.isascii() or not value.isdigit() or not 1 <= int(value) <= MAX_LIMIT:
         raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"limit: 1..{MAX_LIMIT}, got {value!r}", "limit")
     return int(value)
+
+
+def _allowed(app: FastAPI, request: Request, error: HTTPException) -> Mapping[str, str] | None:
+    """The refusal's headers; a 405's Allow lists the methods of every route of the path (the framework names only
+    the first route it matched: POST of /v1/videos, not its GET)."""
+    if error.status_code != 405:
+        return error.headers
+    methods = {
+        method
+        for route in app.routes
+        if isinstance(route, APIRoute) and route.path_regex.match(request.url.path)
+        for method in route.methods or ()
+    }
+    return {**(error.headers or {}), "Allow": ", ".join(sorted(methods))}
 
 
 def _last_event_id(request: Request) -> int:
@@ -185,7 +201,10 @@ def create_app(
     app = FastAPI(title="h3serve", summary="MiniMax-H3 through OpenAI's /v1/videos", docs_url="/docs", redoc_url=None)
     app.add_exception_handler(grpc.aio.AioRpcError, lambda request, error: from_rpc_error(error))
     app.add_exception_handler(ApiError, lambda request, error: from_api_error(error))
-    app.add_exception_handler(HTTPException, lambda request, error: from_http_error(error.status_code, error.detail))
+    app.add_exception_handler(
+        HTTPException,
+        lambda request, error: from_http_error(error.status_code, error.detail, _allowed(app, request, error)),
+    )
     app.add_exception_handler(
         DiskFull, lambda request, error: error_response(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     )
@@ -347,6 +366,7 @@ def create_app(
         return FileResponse(CONSOLE / "index.html", headers=REVALIDATE)
 
     app.mount("/console", _ConsoleFiles(directory=CONSOLE), name="console")
+    schema.install(app, config, MAX_LIMIT, videos.SIZE.pattern)
     return app
 
 

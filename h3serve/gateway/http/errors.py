@@ -6,6 +6,7 @@ Every 429 says when to come back (`Retry-After`, whole seconds): the wait the ga
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import grpc
 from fastapi.responses import JSONResponse
@@ -81,12 +82,12 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def from_http_error(status: int, detail: str) -> JSONResponse:
+def from_http_error(status: int, detail: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The framework's own refusals (an unknown path, a method not allowed, a malformed form) as OpenAI's error
-    JSON too, never retried."""
+    JSON too, never retried, with the framework's headers (a 405's Allow)."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": str(detail), "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=status, headers={"x-should-retry": "false"})
+    return JSONResponse(body, status_code=status, headers={**(headers or {}), "x-should-retry": "false"})
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> JSONResponse:
