@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import argparse
 
-from h3serve.cli import capacity, demo, experiment, generate, plan, reference_command, serve, up, write_tiny
+from h3serve.cli import (
+    capacity,
+    demo,
+    experiment,
+    generate,
+    init,
+    plan,
+    reference_command,
+    serve,
+    token,
+    up,
+    write_tiny,
+)
 from h3serve.common.config import ConfigError
 
-SUBCOMMANDS = (serve, up, generate, reference_command, write_tiny, capacity, demo, plan, experiment)
+SUBCOMMANDS = (serve, up, generate, reference_command, write_tiny, capacity, demo, plan, init, token, experiment)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ def _run(args) -> None:
     import torch
 
     from h3serve.cli.reference import ReferenceRequest, resolved_params, run_reference, service_threads
+    from h3serve.runtime import checkpoints
     from h3serve.runtime.models import ModelSource
 
     config = load_deploy(args.config)
@@ -33,14 +34,17 @@ def _run(args) -> None:
     except ValueError as exc:
         raise SystemExit(f"h3serve reference: {exc}") from None
     source = ModelSource(args.model_dir or config.dit.model_dir or None, config.dit.transformer_file)  # the DiT's file
-    result = run_reference(
-        source,
-        ReferenceRequest(prompt(args), args.height, args.width, args.num_frames, params, references=refs, **frames),
-        args.device,
-        args.dtype,
-        config.gateway.geometry,
-        config.dit.adapters,
-    )
+    try:
+        result = run_reference(
+            source,
+            ReferenceRequest(prompt(args), args.height, args.width, args.num_frames, params, references=refs, **frames),
+            args.device,
+            args.dtype,
+            config.gateway.geometry,
+            config.dit.adapters,
+        )
+    except checkpoints.CheckpointRefused as exc:  # one line naming the file's own key, as `serve dit` says it
+        raise SystemExit(f"h3serve reference: {exc}") from None
     # numpy's stub matches a ** dict against savez's allow_pickle keyword too; the result has no such key
     np.savez(args.raw, **result)  # type: ignore[arg-type]
     print(f"reference: {Path(args.raw).resolve()}")

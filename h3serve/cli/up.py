@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 
+from h3serve.common.ceilings import require_holding
 from h3serve.common.config import load_deploy
 
 
@@ -17,6 +18,7 @@ def _run(args) -> None:
     from h3serve.common.supervision import STATE_FILE
 
     config = load_deploy(args.config)
+    require_holding(config, args.config)  # a deployment whose cards hold not even the smallest clip never starts
     stop = StopSignals()  # SIGINT, SIGTERM, SIGHUP: the services have sessions of their own, so stop them here
     # The watch's state file, for the gateway: in a directory of this `up`'s own, so no other stack (one sharing the
     # log dir or the data_dir, refused or not) can overwrite it; it goes when `up` ends.

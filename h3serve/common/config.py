@@ -63,6 +63,8 @@ DEFAULT_STEPS = 50
 MAX_ROWS = 200_000
 
 Port = Annotated[int, Field(ge=0, le=65535)]
+# [gateway] open_without_token: a part of the public API that may answer without a token, to all or on loopback
+OpenPart = Literal["docs", "reflection", "metrics", "docs@loopback", "reflection@loopback", "metrics@loopback"]
 Steps = Annotated[int, Field(ge=rules.MIN_STEPS)]  # num_inference_steps: N steps are N-1 transformer forwards
 DType = Literal["float32", "bfloat16", "float16"]  # h3serve.runtime.models.DTYPES (which imports torch)
 if TYPE_CHECKING:  # Literals built from values at run time, which a type checker cannot read: their value type
@@ -480,7 +482,26 @@ class GatewayConfig(Section):
     metrics_host: str = "127.0.0.1"
     http_port: Port = 0  # the HTTP door: OpenAI's /v1/videos, SSE events, the web console (0: off)
     http_host: str = "127.0.0.1"  # served with tls_cert / tls_key and auth_token as the gRPC door
-    auth_token: str = ""  # bearer token the public API requires (empty: no check)
+    auth_token: str = ""  # bearer token the public API requires (empty: no check); its client is named "default"
+    # Named clients, each with its own token, jobs and uploads (docs/tenants.md): a TOML file of [clients.NAME]
+    # tables, tokens hashed; read again on SIGHUP. Empty: none. With it or auth_token, every call needs a token
+    clients_file: str = ""
+    max_unfinished_jobs_per_client: NonNegativeInt = 0  # each client's bound on its queued + running jobs (0: none;
+    # a client's own max_unfinished_jobs in the clients file overrides it); max_unfinished_jobs bounds them all
+    # What answers without a token when the gateway has one (health always does): "reflection" (gRPC server
+    # reflection), "docs" (the HTTP door's /openapi.json and /docs), "metrics" (else an admin client's token); with
+    # "@loopback", only to callers on this machine
+    open_without_token: Annotated[tuple[OpenPart, ...], Field(strict=False)] = (
+        "docs@loopback",
+        "reflection@loopback",
+        "metrics@loopback",
+    )
+    # Webhooks (docs/webhooks.md): an endpoint that does not answer 2xx within webhook_timeout_s is tried again after
+    # webhook_backoff_s, doubling up to webhook_max_backoff_s, webhook_max_attempts times in all, across restarts
+    webhook_timeout_s: PositiveFloat = 10.0
+    webhook_backoff_s: PositiveFloat = 1.0
+    webhook_max_backoff_s: PositiveFloat = 600.0
+    webhook_max_attempts: PositiveInt = 20
     tls_cert: str = ""  # PEM files: serve the public API over TLS
     tls_key: str = ""
     stage_tls_ca: str = ""  # PEM root for TLS stage services (empty: plaintext to the stages)

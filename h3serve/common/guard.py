@@ -4,8 +4,9 @@
   gRPC Python answers a deserializer that raises with INTERNAL (sync) or UNKNOWN (asyncio) and logs a traceback,
   so the deserializer never raises here: it hands the servicer an `Undecodable`, which the guard refuses.
 - With a token, every method but health and reflection needs the metadata `authorization: Bearer <token>`
-  (UNAUTHENTICATED otherwise): the public API's bearer token on the gateway, the stage token between the gateway
-  and the model services.
+  (UNAUTHENTICATED otherwise): the stage token between the gateway and the model services. An asyncio server may
+  instead name who calls with its own `Identify` (the gateway's clients, h3serve/gateway/tenants/): the caller it
+  returns is `caller()` for the rest of the call, and None refuses the call (UNAUTHENTICATED).
 - An exception the servicer did not turn into a status is INTERNAL with its type and first line, never UNKNOWN
   with a traceback; the log keeps the traceback, since it is a bug. A full disk (common/disk.py's DiskFull) is not a
   bug: any call that meets one is RESOURCE_EXHAUSTED naming the disk.
@@ -15,9 +16,13 @@ from __future__ import annotations
 
 import hmac
 import inspect
+import ipaddress
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 
@@ -33,6 +38,36 @@ _KINDS = {
 }
 
 log = logging.getLogger("h3serve.guard")
+# (method, the authorization metadata or None, the peer as gRPC names it) -> the caller, or None: refused
+Identify = Callable[[str, str | None, str], object | None]
+# The caller of the call in progress, as the server's Identify named it (None: no Identify). A call runs in a task
+# of its own, so the value is that call's alone.
+_CALLER: ContextVar[object | None] = ContextVar("h3serve_caller", default=None)
+_TOKEN_HOLDER = object()  # a caller `token` let in: no name
+
+
+def caller() -> object | None:
+    """Who makes the call in progress (an asyncio server with an `Identify`), else None."""
+    return _CALLER.get()
+
+
+def loopback_host(host: str | None) -> bool:
+    """An IP address of this machine's loopback (also an IPv4 one mapped into IPv6)."""
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+def loopback(peer: str) -> bool:
+    """A gRPC peer on this machine: "ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000" (gRPC quotes the brackets), a Unix
+    socket."""
+    kind, _, address = unquote(peer).partition(":")
+    if kind.startswith("unix"):
+        return True
+    return kind in ("ipv4", "ipv6") and loopback_host(address.rsplit(":", 1)[0].strip("[]"))
 
 
 @dataclass(frozen=True)
@@ -182,14 +217,18 @@ async def _bugs_are_internal_async(method: str, context):
         await context.abort(*_internal(method, exc))
 
 
-def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool) -> grpc.RpcMethodHandler:
+def _guarded_async(
+    handler: grpc.RpcMethodHandler, method: str, authorize: Callable[[str], object | None]
+) -> grpc.RpcMethodHandler:
     """A streamed response comes from an async generator, or from a coroutine that writes it with context.write
-    (or only aborts)."""
+    (or only aborts). `authorize(peer)`: the caller, None to refuse."""
     inner = getattr(handler, _kind(handler))
 
     async def requests(request, context):
-        if not authorized:
+        who = authorize(context.peer())
+        if who is None:
             await context.abort(*UNAUTHENTICATED)
+        _CALLER.set(None if who is _TOKEN_HOLDER else who)
         if handler.request_streaming:
             return _checked_stream(method, context, request)
         return await _checked_async(method, context, request)
@@ -215,11 +254,18 @@ def _guarded_async(handler: grpc.RpcMethodHandler, method: str, authorized: bool
 
 
 class AsyncGuard(grpc.aio.ServerInterceptor):
-    """The guard of an asyncio server; `token` (empty: none) as for `Guard`."""
+    """The guard of an asyncio server; `token` (empty: none) as for `Guard`, or `identify` names each caller."""
 
-    def __init__(self, token: str = "") -> None:
-        self.token = token
+    def __init__(self, token: str = "", identify: Identify | None = None) -> None:
+        self.token, self.identify = token, identify
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        return None if handler is None else _guarded_async(handler, details.method, allowed(self.token, details))
+        if handler is None:
+            return None
+        if self.identify is None:
+            verdict = _TOKEN_HOLDER if allowed(self.token, details) else None
+            return _guarded_async(handler, details.method, lambda peer: verdict)
+        identify, given = self.identify, dict(details.invocation_metadata or ()).get("authorization")
+        token = given if isinstance(given, str) else None
+        return _guarded_async(handler, details.method, lambda peer: identify(details.method, token, peer))

@@ -1,15 +1,20 @@
 """Prometheus metrics of the gateway, on their own registry and HTTP port.
 
 Job counts by state are read from the store at scrape time (so they are right after a restart);
-everything else is counted as it happens.
+everything else is counted as it happens. Who may scrape is the gateway's to say (tenants: an admin token, or a
+caller that [gateway] open_without_token lets in); a scrape it refuses is 401.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from h3serve.v1 import gateway_pb2
 
@@ -91,6 +96,35 @@ class GatewayMetrics:
     def watch(self, jobs_by_state: Callable[[], dict[int, int]], queue_depths: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_Snapshot(jobs_by_state, queue_depths))
 
-    def serve(self, host: str, port: int):
-        """Start the /metrics HTTP server; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, allowed: Callable[[str | None, str | None], bool] | None = None):
+        """Start the /metrics HTTP server on a thread of its own; returns (server, thread). `allowed(authorization,
+        client address)` decides each request (None: every one)."""
+        app = make_wsgi_app(self.registry)
+        if allowed is not None:
+            app = _guarded(app, allowed)
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(host, port)[0][0]  # an IPv6 host too
+
+        server = make_server(host, port, app, Server, handler_class=_Quiet)
+        thread = threading.Thread(target=server.serve_forever, name="h3serve-metrics", daemon=True)
+        thread.start()
+        return server, thread
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a scrape every few seconds is no news
+        pass
+
+
+REFUSED = b"authorization: /metrics needs the header 'authorization: Bearer <an admin client's token>'\n"
+
+
+def _guarded(app, allowed: Callable[[str | None, str | None], bool]):
+    def guarded(environ, start_response):
+        if allowed(environ.get("HTTP_AUTHORIZATION"), environ.get("REMOTE_ADDR")):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("content-type", "text/plain"), ("www-authenticate", "Bearer")])
+        return [REFUSED]
+
+    return guarded

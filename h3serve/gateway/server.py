@@ -37,6 +37,9 @@ from h3serve.gateway.jobs.store import JobStore
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages import STAGE_NAMES
 from h3serve.gateway.stages.calls import StageCaller
+from h3serve.gateway.tenants.clients import ClientsFileError
+from h3serve.gateway.tenants.registry import Tenants
+from h3serve.gateway.webhooks.delivery import WebhookSender
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger("h3serve.gateway")
@@ -89,16 +92,25 @@ def _open_store(data_dir: Path) -> JobStore:
         refuse(f"[gateway] {exc}")
 
 
-def _http_door(config: GatewayConfig, server: grpc.aio.Server):
+def _tenants(config: GatewayConfig) -> Tenants:
+    """The clients; a clients file that cannot be used is refused (EXIT_REFUSED), naming the client and key."""
+    try:
+        return Tenants(config)
+    except ClientsFileError as exc:
+        refuse(f"[gateway] clients_file: {exc}")
+
+
+def _http_door(config: GatewayConfig, server: grpc.aio.Server, tenants: Tenants):
     """The HTTP door (h3serve/gateway/http/), when configured: it calls this server on a private address."""
     if not config.http_port:
         return None
     bind(server, private_address())
-    return HttpDoor(config)
+    return HttpDoor(config, tenants)
 
 
 async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = None) -> None:
     data_dir = Path(config.data_dir)
+    tenants = _tenants(config)
     store = _open_store(data_dir)
     metrics = GatewayMetrics(STAGE_NAMES)
     hub = EventHub(store)
@@ -114,7 +126,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     )
     health = StageHealth(caller, [SERVICE_NAME])
     server = grpc.aio.server(
-        interceptors=[AsyncGuard(config.auth_token)],
+        interceptors=[AsyncGuard(identify=tenants.identify)],
         options=[
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", config.largest_message_bytes()),
@@ -122,19 +134,20 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
         ],
     )
     gateway_pb2_grpc.add_GatewayServicer_to_server(
-        GatewayServicer(config, store, hub, runner, health, assets, text_rows, capacity), server
+        GatewayServicer(config, store, hub, runner, health, assets, text_rows, capacity, tenants), server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     enable_reflection(server, [SERVICE_NAME])
     bind(server, f"{config.host}:{config.port}", config.tls_cert, config.tls_key)
-    door = _http_door(config, server)
+    door = _http_door(config, server, tenants)
     if config.metrics_port:
-        metrics.serve(config.metrics_host, config.metrics_port)
+        metrics.serve(config.metrics_host, config.metrics_port, tenants.metrics_allowed)
     if door:  # before the gRPC port opens: once health answers, the HTTP port is open too
         await door.start()
     await server.start()
     await runner.resume()
     retention = loop.create_task(_retention_loop(runner))
+    webhooks = loop.create_task(WebhookSender(config, store, tenants).run())
     log.info(
         "gateway on %s:%d (%s); metrics on %s",
         config.host,
@@ -145,12 +158,14 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, tenants.reload)  # new or revoked tokens without a restart
     await stop.wait()
     log.info("stopping (grace %.0f s)", GRACE_SECONDS)
     health.stopping = True
     if door:
         await door.stop()
     retention.cancel()
+    webhooks.cancel()
     await runner.shutdown()
     await server.stop(GRACE_SECONDS)
     await caller.close()

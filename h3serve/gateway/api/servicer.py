@@ -1,4 +1,8 @@
-"""The public gRPC API (h3serve.v1.Gateway): admission, durable jobs, event streams, listings, downloads, Info."""
+"""The public gRPC API (h3serve.v1.Gateway): admission, durable jobs, event streams, listings, downloads, Info.
+
+Each call acts for its caller (common/guard.py's `caller()`, a client of h3serve/gateway/tenants/): a job and an
+upload belong to the client that made them, and another client's are unknown to it, with the same NOT_FOUND as an
+id never made; an admin client reaches every job."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import grpc
 from h3serve.common.bounds import MAX_ID_CHARS, check_id, shown
 from h3serve.common.config import GatewayConfig
 from h3serve.common.disk import DiskFull
+from h3serve.common.guard import caller
 from h3serve.common.streams import drain_async
 from h3serve.gateway.admission.capacity import CapacityTable
 from h3serve.gateway.admission.request import RequestLimits, resolve
@@ -24,7 +29,10 @@ from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetRefused
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import JobRunner
-from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, QueueFull, RequestIdConflict
+from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, Ownership, QueueFull, RequestIdConflict
+from h3serve.gateway.tenants.clients import Client
+from h3serve.gateway.tenants.registry import DEFAULT_CLIENT, Tenants
+from h3serve.gateway.webhooks.endpoint import url_problem
 from h3serve.model import rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
@@ -43,6 +51,31 @@ def _page_token(token: str) -> int | None:
     if not token:
         return 0
     return int(token) if PAGE_TOKEN.fullmatch(token) and int(token) <= MAX_ROWID else None
+
+
+def _client() -> Client:
+    """The caller (the default client where no guard named one: a servicer called directly)."""
+    who = caller()
+    return who if isinstance(who, Client) else DEFAULT_CLIENT
+
+
+def _scope() -> str | None:
+    """Whose jobs the caller reaches: its own, or every client's (None) for an admin."""
+    client = _client()
+    return None if client.admin else client.name
+
+
+def _webhook_url(request: gateway_pb2.GenerateRequest, client: Client) -> str:
+    """The job's endpoint: the request's, else the client's (empty: none). InvalidRequest for one it cannot have."""
+    if not request.webhook_url:
+        return client.webhook_url
+    if problem := url_problem(request.webhook_url):
+        raise InvalidRequest("webhook_url", problem)
+    if not client.webhook_secret:
+        raise InvalidRequest(
+            "webhook_url", f"client {client.name!r} has no webhook_secret in the clients file to sign its events with"
+        )
+    return request.webhook_url
 
 
 def _digest(request: gateway_pb2.GenerateRequest) -> str:
@@ -64,8 +97,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         assets: AssetStore,
         text_rows: TextRows,
         capacity: CapacityTable | None = None,  # with the plan's ceilings (gateway/server.py); else the file's bounds
+        tenants: Tenants | None = None,
     ) -> None:
         self.config, self.limits = config, RequestLimits.from_config(config)
+        self.tenants = tenants
         self.capacity = capacity or CapacityTable(config.capacity, config.max_rows)
         self.store, self.hub, self.runner, self.health, self.assets = store, hub, runner, health, assets
         self.text_rows = text_rows
@@ -73,11 +108,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _submit(self, request: gateway_pb2.GenerateRequest, context) -> gateway_pb2.Job:
         """Validate, admit and persist; the job is durable when this returns. A known request_id returns its job."""
+        client = _client()
         try:
             request_id = check_id("request_id", request.request_id)
             for field, asset_id in workflows.asset_fields(request):
                 check_id(field, asset_id)  # before any refusal echoes it
-            assets = await self.assets.find(workflows.asset_ids(request))
+            assets = await self._owned_assets(workflows.asset_ids(request), client)
+            owner = Ownership(
+                client.name, self.tenants.bound(client) if self.tenants else 0, _webhook_url(request, client)
+            )
             offer = await self.served.offer()
             catalog = offer.adapters if offer else None
             if catalog is None and request.params.adapters:
@@ -98,6 +137,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 _digest(request),
                 self.config.max_unfinished_jobs,
                 first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)),
+                owner=owner,
             )
         except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -126,6 +166,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 resolved.params.seed,
             )
         return job
+
+    async def _owned_assets(self, asset_ids: list[str], client: Client) -> dict[str, gateway_pb2.Asset]:
+        """The stored assets among `asset_ids` that `client` uploaded (an admin's: all): another client's upload is
+        an unknown asset to it."""
+        found = await self.assets.find(asset_ids)
+        if client.admin or not found:
+            return found
+        owned = await self.store.owned_assets(list(found), client.name)
+        return {asset_id: asset for asset_id, asset in found.items() if asset_id in owned}
 
     def _check_prompt_tokens(self, prompt: str) -> None:
         problem = rules.prompt_tokens_problem(self.text_rows.counter.tokens(prompt), self.config.max_prompt_tokens)
@@ -165,7 +214,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         cursor = await self._list_cursor(request, context)
         jobs, next_rowid = await self.store.list_jobs(
-            list(request.states), page_size, cursor, deleted=request.deleted, oldest_first=request.oldest_first
+            list(request.states),
+            page_size,
+            cursor,
+            deleted=request.deleted,
+            oldest_first=request.oldest_first,
+            client=_scope(),
         )
         return gateway_pb2.ListJobsResponse(jobs=jobs, next_page_token=str(next_rowid) if next_rowid else "")
 
@@ -176,7 +230,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, "after_job_id: give either after_job_id or page_token, not both"
             )
         if job_id := request.after_job_id:
-            position = await self.store.position(job_id) if len(job_id) <= MAX_ID_CHARS else 0
+            position = await self.store.position(job_id, client=_scope()) if len(job_id) <= MAX_ID_CHARS else 0
             if not position:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"after_job_id: no job {shown(job_id, MAX_ID_CHARS)}")
             return position
@@ -221,7 +275,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             pass
 
     async def DownloadArtifact(self, request, context):
-        found = await self.store.artifact(request.artifact_id) if len(request.artifact_id) <= MAX_ID_CHARS else None
+        found = (
+            await self.store.artifact(request.artifact_id, client=_scope())
+            if len(request.artifact_id) <= MAX_ID_CHARS
+            else None
+        )
         if found is None or not await asyncio.to_thread(os.path.isfile, found[1]):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -243,7 +301,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Info(self, request, context):
         caller = self.runner.caller
-        counts = await self.store.count_by_state()
+        counts = await self.store.count_by_state(_scope())
         info = gateway_pb2.GatewayInfo(
             unfinished_jobs=sum(counts.get(state, 0) for state in UNFINISHED_STATES),
             max_unfinished_jobs=self.config.max_unfinished_jobs,
@@ -274,6 +332,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except DiskFull as exc:
             await drain_async(request_iterator)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        # deduplicated says whether this client had uploaded it: another client's copy is no business of its own
+        asset.deduplicated = not await self.store.own_asset(asset.asset_id, _client().name)
         log.info(
             "asset %s (%s, %s, %d bytes)%s",
             asset.asset_id[:16],
@@ -285,7 +345,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return asset
 
     async def _job_or_abort(self, job_id: str, context) -> gateway_pb2.Job:
-        job = await self.store.get_job(job_id) if len(job_id) <= MAX_ID_CHARS else None
+        job = await self.store.get_job(job_id, client=_scope()) if len(job_id) <= MAX_ID_CHARS else None
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"job_id: no job {shown(job_id, MAX_ID_CHARS)}")
         assert job is not None  # abort raised

@@ -90,8 +90,8 @@ class AssetStore:
     def _keep(self, tmp: str, name: str, fmt: str, size: int, digest: str) -> gateway_pb2.Asset:
         """The spooled file `tmp` as a stored asset: decoded and described, unless the same bytes are stored."""
         existing = self.get(digest)
-        if existing is not None:
-            existing.deduplicated = True
+        if existing is not None:  # named as this upload names it: the first upload may be another client's
+            existing.deduplicated, existing.file_name = True, name
             return existing
         asset = inspect(tmp, name, fmt, size, self.limits)
         asset.asset_id, asset.file_name = digest, name

@@ -25,6 +25,7 @@ from h3serve.common.disk import DiskFull, full_named
 from h3serve.gateway.http import schema, videos
 from h3serve.gateway.http.errors import ApiError, error_response, from_api_error, from_http_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
+from h3serve.gateway.tenants.registry import Tenants
 from h3serve.model import rules
 from h3serve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -32,6 +33,8 @@ CONSOLE = Path(__file__).with_name("console")
 UPLOAD_CHUNK = 1 << 20
 MAX_LIMIT, DEFAULT_LIMIT = 100, 20
 FORM_BYTES = 1 << 20
+# FastAPI's own routes: behind the token unless [gateway] open_without_token opens them
+DOCS = ("/openapi.json", "/docs")
 REVALIDATE = {"cache-control": "no-cache"}
 
 
@@ -186,9 +189,12 @@ ASSET_BODY = {
 }
 
 
-def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: GatewayConfig) -> FastAPI:
+def create_app(
+    channel: grpc.aio.Channel, closing: asyncio.Event, config: GatewayConfig, tenants: Tenants | None = None
+) -> FastAPI:
     """The door onto the gateway reached through `channel` (the gateway process's private in-process port);
-    `closing` ends the open event streams when the door stops."""
+    `closing` ends the open event streams when the door stops; `tenants` decides who reads the API's documents (the
+    gRPC calls check every other route's token)."""
     max_body, keep_s = max_body_bytes(config), config.artifact_max_age_s
     gateway = gateway_pb2_grpc.GatewayStub(channel)
     health = health_pb2_grpc.HealthStub(channel)
@@ -202,6 +208,20 @@ def create_app(channel: grpc.aio.Channel, closing: asyncio.Event, config: Gatewa
     app.add_exception_handler(
         DiskFull, lambda request, error: error_response(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
     )
+
+    @app.middleware("http")
+    async def documents_behind_token(request: Request, call_next):
+        if (
+            tenants is not None
+            and request.url.path.startswith(DOCS)
+            and not tenants.docs_allowed(request.headers.get("authorization"), request.client and request.client.host)
+        ):
+            return error_response(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "authorization: this document needs the header 'authorization: Bearer <token>' ([gateway] "
+                "open_without_token)",
+            )
+        return await call_next(request)
 
     async def upload(file: UploadFile, request: Request) -> gateway_pb2.Asset:
         return await gateway.UploadAsset(_file_chunks(file), metadata=_metadata(request))

@@ -20,6 +20,7 @@ import uvicorn
 from h3serve.common.config import GatewayConfig
 from h3serve.common.server import GRPC_OPTIONS
 from h3serve.gateway.http.app import create_app
+from h3serve.gateway.tenants.registry import Tenants
 
 log = logging.getLogger("h3serve.gateway")
 
@@ -36,13 +37,13 @@ class _Server(uvicorn.Server):
 
 
 class HttpDoor:
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, tenants: Tenants | None = None) -> None:
         self.config = config
         self.channel = grpc.aio.insecure_channel(private_address(), options=GRPC_OPTIONS)
         self.closing = asyncio.Event()
         self.server = _Server(
             uvicorn.Config(
-                create_app(self.channel, self.closing, config),
+                create_app(self.channel, self.closing, config, tenants),
                 log_config=None,
                 access_log=False,
                 lifespan="off",

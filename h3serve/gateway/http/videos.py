@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from h3serve.gateway.http.errors import ApiError
+from h3serve.gateway.webhooks.endpoint import MAX_URL_CHARS
 from h3serve.model import adapters, options, rules
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
 
@@ -85,6 +86,9 @@ class VideoFields(BaseModel):
     last_frame: str = ""
     references: Annotated[list[ReferenceIn], BeforeValidator(_json_list)] = []
     adapters: Annotated[list[Annotated[AdapterIn, BeforeValidator(_adapter)]], BeforeValidator(_json_list)] = []
+    # where the job's end is POSTed (docs/webhooks.md), signed with the client's webhook_secret; empty: the client's
+    # endpoint, if any
+    webhook_url: str = Field("", max_length=MAX_URL_CHARS)
 
     @classmethod
     def parse(cls, data: dict) -> VideoFields:
@@ -126,6 +130,7 @@ def generate_request(body: VideoFields, request_id: str) -> gateway_pb2.Generate
         last_frame=body.last_frame,
         workflow=WORKFLOWS[body.workflow] if body.workflow is not None else common_pb2.WORKFLOW_UNSPECIFIED,
         request_id=request_id,
+        webhook_url=body.webhook_url,
         params=options.params(
             {
                 **{option.name: getattr(body, option.http) for option in options.OPTIONS},
@@ -213,6 +218,8 @@ def video(job: gateway_pb2.Job, keep_s: float = 0.0) -> dict:
             ],
             "request_id": job.request_id,
             "file_name": mp4.file_name if mp4 else None,
+            "client": job.client,
+            "webhook": _fields(job.webhook) if job.HasField("webhook") else None,
         },
     }
 

@@ -25,11 +25,12 @@ UNFINISHED_STATES = (gateway_pb2.JOB_STATE_QUEUED, gateway_pb2.JOB_STATE_RUNNING
 
 
 class QueueFull(Exception):
-    """Submit refused: the bound on unfinished jobs is reached."""
+    """Submit refused: the bound on unfinished jobs is reached (the gateway's, or `client`'s own)."""
 
-    def __init__(self, depth: int, bound: int):
-        self.depth, self.bound = depth, bound
-        super().__init__(f"the job queue is full: {depth} unfinished jobs, the bound is {bound}")
+    def __init__(self, depth: int, bound: int, client: str = ""):
+        self.depth, self.bound, self.client = depth, bound, client
+        whose = f"client {client!r} has" if client else "the job queue is full:"
+        super().__init__(f"{whose} {depth} unfinished jobs, the bound is {bound}")
 
 
 class RequestIdConflict(Exception):
@@ -53,6 +54,28 @@ class Unfinished:
 
 
 @dataclass(frozen=True)
+class Ownership:
+    """Who submits a job (h3serve/gateway/tenants/): the client, its own bound on unfinished jobs (0: none) and
+    the job's webhook endpoint (empty: none)."""
+
+    client: str
+    max_unfinished: int = 0
+    webhook_url: str = ""
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A webhook event in the outbox, due to be sent (h3serve/gateway/webhooks/delivery.py)."""
+
+    event_id: str
+    job_id: str
+    client: str
+    url: str
+    body: bytes
+    attempts: int  # made so far
+
+
+@dataclass(frozen=True)
 class StoredArtifact:
     artifact_id: str
     path: str
@@ -73,9 +96,11 @@ class JobStore(Protocol):
         digest: str = "",
         max_unfinished: int = 0,
         first_event: gateway_pb2.JobEvent | None = None,
+        owner: Ownership | None = None,
     ) -> tuple[gateway_pb2.Job, bool]:
-        """Create a QUEUED job (and its first event); returns (job, created). A known request_id returns its job
-        with created False (RequestIdConflict if `digest` differs); QueueFull when `max_unfinished` (> 0) jobs are
+        """Create a QUEUED job (and its first event) owned by `owner` (None: the default client); returns (job,
+        created). A request_id the owner used before returns its job with created False (RequestIdConflict if
+        `digest` differs); QueueFull when `max_unfinished` (> 0) jobs, or the owner's own bound of its own, are
         queued or running, and nothing is written."""
 
     async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
@@ -99,8 +124,9 @@ class JobStore(Protocol):
         None when the job is already final."""
 
     async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
-        """Set a terminal state with its terminal event (its `failed` also becomes the job's error). Returns the
-        stored event, None when the job was already final: a finished job never changes again."""
+        """Set a terminal state with its terminal event (its `failed` also becomes the job's error), and, for a job
+        with a webhook endpoint that ended SUCCEEDED or FAILED, its event in the outbox. Returns the stored event,
+        None when the job was already final: a finished job never changes again."""
 
     async def unfinished(self) -> list[Unfinished]:
         """Queued and running jobs, oldest first."""
@@ -119,8 +145,8 @@ class JobStore(Protocol):
 
     async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None: ...
 
-    async def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        """The artifact and its file path."""
+    async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
+        """The artifact and its file path (`client`: only of that client's jobs; None: any)."""
 
     async def artifacts_oldest_first(self) -> list[StoredArtifact]: ...
 
@@ -128,23 +154,50 @@ class JobStore(Protocol):
 
     # Reads.
 
-    async def get_job(self, job_id: str) -> gateway_pb2.Job | None:
-        """The job (also one in the bin), with its stage records and progress."""
+    async def get_job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
+        """The job (also one in the bin), with its stage records, progress and webhook; `client`: only if it is
+        that client's (None: any client's)."""
 
     async def list_jobs(
-        self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False, oldest_first: bool = False
+        self,
+        states: list[int],
+        limit: int,
+        cursor: int = 0,
+        deleted: bool = False,
+        oldest_first: bool = False,
+        client: str | None = None,
     ) -> tuple[list[gateway_pb2.Job], int]:
-        """Up to `limit` jobs in `states` (empty: all), newest first or `oldest_first`, only those in the bin when
-        `deleted`, else only those outside it; after the job at `cursor` in that order when > 0 (a returned
-        cursor or a `position`). Returns them and the cursor to continue from (0: no more)."""
+        """Up to `limit` jobs in `states` (empty: all) of `client` (None: every client's), newest first or
+        `oldest_first`, only those in the bin when `deleted`, else only those outside it; after the job at `cursor`
+        in that order when > 0 (a returned cursor or a `position`). Returns them and the cursor to continue from
+        (0: no more)."""
 
-    async def position(self, job_id: str) -> int:
-        """The job's place in the listing order, a cursor for `list_jobs` (0: unknown job)."""
+    async def position(self, job_id: str, client: str | None = None) -> int:
+        """The job's place in the listing order, a cursor for `list_jobs` (0: unknown job, or not `client`'s)."""
 
     async def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         """Put the job in the bin (Job.deleted: now) or take it out (0); already there: unchanged. Only the bin
         mark changes, never the state. Returns the job, None when unknown."""
 
-    async def count_by_state(self) -> dict[int, int]: ...
+    async def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        """Jobs by state, of `client` (None: every client's)."""
 
     async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]: ...
+
+    # Uploads' owners (an asset is stored once per content; each client that uploaded it owns it).
+
+    async def own_asset(self, asset_id: str, client: str) -> bool:
+        """Record that `client` uploaded the asset; returns whether it had not before."""
+
+    async def owned_assets(self, asset_ids: list[str], client: str) -> set[str]:
+        """Those of `asset_ids` that `client` uploaded (the default client also owns uploads from before owners
+        were recorded: assets nobody owns)."""
+
+    # The webhook outbox.
+
+    async def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
+        """Up to `limit` undelivered events whose next attempt is due at `now`, the longest due first."""
+
+    async def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
+        """Record an attempt: one more, its HTTP status (0: none) and error, delivered now or not, the next attempt's
+        time (0: none)."""

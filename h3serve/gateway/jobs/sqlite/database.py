@@ -22,24 +22,33 @@ from h3serve.gateway.jobs.progress import advance, progress
 from h3serve.gateway.jobs.sqlite import identity
 from h3serve.gateway.jobs.sqlite.schema import (
     ARTIFACT_FIELDS,
+    DEFAULT_OWNER,
     JOB_COLUMNS,
     JOB_FIELDS,
+    OLD_INDEXES,
+    OUTBOX_FIELDS,
     RECORD_COLUMNS,
+    REQUEST_ID_INDEX,
     SCHEMA,
     artifact_from_row,
+    delivery_from_row,
     job_from_row,
     stored_request,
 )
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
+    Outgoing,
+    Ownership,
     QueueFull,
     RequestIdConflict,
     StoredArtifact,
     Unfinished,
 )
+from h3serve.gateway.webhooks import event as webhook_event
 from h3serve.v1 import gateway_pb2
 
+DEFAULT_OWNERSHIP = Ownership(DEFAULT_OWNER)
 BUSY_WAIT_S = 5.0  # how long a statement waits for another program's lock on the file before it fails
 DAMAGED = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 LOCKED = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
@@ -114,9 +123,9 @@ class Database:
             for name, declaration in JOB_COLUMNS:
                 if name not in present:
                     self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            self._conn.execute(
-                "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_request_id ON jobs (request_id) WHERE request_id IS NOT NULL"
-            )
+            for old in OLD_INDEXES:
+                self._conn.execute(f"DROP INDEX IF EXISTS {old}")
+            self._conn.execute(REQUEST_ID_INDEX)
             self._fill_progress()
 
     def _fill_progress(self) -> None:
@@ -175,22 +184,23 @@ class Database:
         digest: str = "",
         max_unfinished: int = 0,
         first_event: gateway_pb2.JobEvent | None = None,
+        owner: Ownership = DEFAULT_OWNERSHIP,
     ) -> tuple[gateway_pb2.Job, bool]:
         with self._conn:
             if request_id:
-                known = self._rows("SELECT job_id, request_digest FROM jobs WHERE request_id = ?", (request_id,))
+                known = self._rows(
+                    "SELECT job_id, request_digest FROM jobs WHERE owner = ? AND request_id = ?",
+                    (owner.client, request_id),
+                )
                 if known:
                     if known[0][1] != digest:
                         raise RequestIdConflict(request_id, known[0][0])
                     return self._stored_job(known[0][0]), False
-            if max_unfinished > 0:
-                depth = self._rows("SELECT COUNT(*) FROM jobs WHERE state IN (?, ?)", UNFINISHED_STATES)[0][0]
-                if depth >= max_unfinished:
-                    raise QueueFull(depth, max_unfinished)
+            self._check_bounds(owner, max_unfinished)
             now = time.time()
             self._conn.execute(
-                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, 0)",
+                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress, "
+                "owner, webhook_url) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
                 (
                     job_id,
                     gateway_pb2.JOB_STATE_QUEUED,
@@ -199,11 +209,27 @@ class Database:
                     now,
                     request_id or None,
                     digest or None,
+                    owner.client,
+                    owner.webhook_url,
                 ),
             )
             if first_event is not None:
                 self._write_event(job_id, first_event)
             return self._stored_job(job_id), True
+
+    def _check_bounds(self, owner: Ownership, max_unfinished: int) -> None:
+        """QueueFull when the gateway's bound, or the owner's own, on unfinished jobs is reached."""
+        unfinished = f"state IN ({', '.join('?' * len(UNFINISHED_STATES))})"
+        if max_unfinished > 0:
+            depth = self._rows(f"SELECT COUNT(*) FROM jobs WHERE {unfinished}", UNFINISHED_STATES)[0][0]
+            if depth >= max_unfinished:
+                raise QueueFull(depth, max_unfinished)
+        if owner.max_unfinished > 0:
+            own = self._rows(
+                f"SELECT COUNT(*) FROM jobs WHERE owner = ? AND {unfinished}", (owner.client, *UNFINISHED_STATES)
+            )[0][0]
+            if own >= owner.max_unfinished:
+                raise QueueFull(own, owner.max_unfinished, owner.client)
 
     def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
         with self._conn:
@@ -270,7 +296,21 @@ class Database:
             failed = event.failed if event.HasField("failed") else None
             if not self._write_state(job_id, state, failed):
                 return None
-            return self._write_event(job_id, event)
+            stored = self._write_event(job_id, event)
+            self._queue_webhook(job_id, state, stored.time)
+            return stored
+
+    def _queue_webhook(self, job_id: str, state: int, now: float) -> None:
+        """The job's end into the outbox, due now, in the transaction of its terminal state: a job with an endpoint
+        and an end that has an event (webhooks/event.py)."""
+        url = self._rows("SELECT webhook_url FROM jobs WHERE job_id = ?", (job_id,))
+        if not url or not url[0][0] or state not in webhook_event.TYPES:
+            return
+        event_id, event_type = webhook_event.new_id(), webhook_event.TYPES[state]
+        self._conn.execute(
+            "INSERT INTO outbox (event_id, job_id, type, body, next_at) VALUES (?, ?, ?, ?, ?)",
+            (event_id, job_id, event_type, webhook_event.body(event_id, event_type, job_id, now), now),
+        )
 
     def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         # Only a change of side writes: a second delete keeps the time the job first went to the bin.
@@ -329,15 +369,20 @@ class Database:
 
     # Reads.
 
-    def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        rows = self._rows(f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ?", (artifact_id,))
+    def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
+        mine, params = _owned_by(client)
+        rows = self._rows(
+            f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ? AND job_id IN "
+            f"(SELECT job_id FROM jobs WHERE {mine})",
+            (artifact_id, *params),
+        )
         if not rows:
             return None
         *fields, path = rows[0]
         return artifact_from_row(fields), path
 
-    def get_job(self, job_id: str) -> gateway_pb2.Job | None:
-        return self._job(job_id)
+    def get_job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
+        return self._job(job_id, client)
 
     def _stored_job(self, job_id: str) -> gateway_pb2.Job:
         """A job this transaction has just read or written."""
@@ -345,8 +390,11 @@ class Database:
         assert job is not None
         return job
 
-    def _job(self, job_id: str) -> gateway_pb2.Job | None:
-        jobs = self._filled(self._rows(f"SELECT {JOB_FIELDS} FROM jobs WHERE job_id = ?", (job_id,)), records=True)
+    def _job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
+        mine, params = _owned_by(client)
+        jobs = self._filled(
+            self._rows(f"SELECT {JOB_FIELDS} FROM jobs WHERE job_id = ? AND {mine}", (job_id, *params)), records=True
+        )
         return jobs[0] if jobs else None
 
     def _filled(self, rows: list[tuple], records: bool) -> list[gateway_pb2.Job]:
@@ -367,6 +415,8 @@ class Database:
             f"SELECT job_id, stage, seconds FROM stages WHERE job_id IN ({marks}) ORDER BY rowid", ids
         ):
             jobs[job_id].stages.add(stage=stage, seconds=seconds)
+        for job_id, *fields in self._rows(f"SELECT job_id, {OUTBOX_FIELDS} FROM outbox WHERE job_id IN ({marks})", ids):
+            delivery_from_row(jobs[job_id].webhook, fields)
         if records:
             for job_id, *fields in self._rows(
                 f"SELECT job_id, stage, attempt, {', '.join(RECORD_COLUMNS)} FROM "
@@ -377,9 +427,16 @@ class Database:
         return list(jobs.values())
 
     def list_jobs(
-        self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False, oldest_first: bool = False
+        self,
+        states: list[int],
+        limit: int,
+        cursor: int = 0,
+        deleted: bool = False,
+        oldest_first: bool = False,
+        client: str | None = None,
     ) -> tuple[list[gateway_pb2.Job], int]:
-        where, params = [f"deleted {'>' if deleted else '='} 0"], []
+        mine, owner = _owned_by(client)
+        where, params = [f"deleted {'>' if deleted else '='} 0", mine], list(owner)
         if states:
             where.append(f"state IN ({', '.join('?' * len(states))})")
             params.extend(states)
@@ -394,12 +451,54 @@ class Database:
         jobs = self._filled([row[1:] for row in rows[:limit]], records=False)
         return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
 
-    def position(self, job_id: str) -> int:
-        rows = self._rows("SELECT rowid FROM jobs WHERE job_id = ?", (job_id,))
+    def position(self, job_id: str, client: str | None = None) -> int:
+        mine, params = _owned_by(client)
+        rows = self._rows(f"SELECT rowid FROM jobs WHERE job_id = ? AND {mine}", (job_id, *params))
         return rows[0][0] if rows else 0
 
-    def count_by_state(self) -> dict[int, int]:
-        return dict(self._rows("SELECT state, COUNT(*) FROM jobs GROUP BY state"))
+    # Uploads' owners.
+
+    def own_asset(self, asset_id: str, client: str) -> bool:
+        with (
+            self._conn,
+            closing(
+                self._conn.execute("INSERT OR IGNORE INTO asset_owners VALUES (?, ?)", (asset_id, client))
+            ) as cursor,
+        ):
+            return cursor.rowcount == 1
+
+    def owned_assets(self, asset_ids: list[str], client: str) -> set[str]:
+        if not asset_ids:
+            return set()
+        marks = ", ".join("?" * len(asset_ids))
+        owners: dict[str, set[str]] = {asset_id: set() for asset_id in asset_ids}
+        for asset_id, owner in self._rows(
+            f"SELECT asset_id, owner FROM asset_owners WHERE asset_id IN ({marks})", tuple(asset_ids)
+        ):
+            owners[asset_id].add(owner)
+        return {a for a, who in owners.items() if client in who or (client == DEFAULT_OWNER and not who)}
+
+    # The webhook outbox.
+
+    def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
+        rows = self._rows(
+            "SELECT o.event_id, o.job_id, j.owner, j.webhook_url, o.body, o.attempts FROM outbox o JOIN jobs j "
+            "USING (job_id) WHERE o.next_at > 0 AND o.next_at <= ? ORDER BY o.next_at LIMIT ?",
+            (now, limit),
+        )
+        return [Outgoing(*row) for row in rows]
+
+    def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
+        with self._conn:
+            self._conn.execute(
+                "UPDATE outbox SET attempts = attempts + 1, last_status = ?, last_error = ?, delivered_at = ?, "
+                "next_at = ? WHERE event_id = ?",
+                (status, "" if delivered else error, time.time() if delivered else 0.0, next_at, event_id),
+            )
+
+    def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        mine, params = _owned_by(client)
+        return dict(self._rows(f"SELECT state, COUNT(*) FROM jobs WHERE {mine} GROUP BY state", params))
 
     def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
         rows = self._rows(
@@ -411,6 +510,11 @@ class Database:
             event.log_seq = rowid
             events.append(event)
         return events
+
+
+def _owned_by(client: str | None) -> tuple[str, tuple]:
+    """A condition on jobs' rows: those of `client` (None: every client's), and its parameters."""
+    return ("owner = ?", (client,)) if client is not None else ("1", ())
 
 
 def _damaged(path: str, detail: str) -> str:

@@ -6,6 +6,7 @@ added after the first release (JOB_COLUMNS) are added to an older file in place 
 
 from __future__ import annotations
 
+from h3serve.gateway.tenants.clients import DEFAULT as DEFAULT_OWNER
 from h3serve.v1 import gateway_pb2
 
 SCHEMA = """
@@ -28,6 +29,12 @@ CREATE TABLE IF NOT EXISTS stage_runs (
     error TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS stage_runs_by_job ON stage_runs (job_id);
 CREATE TABLE IF NOT EXISTS store (store_id TEXT NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS asset_owners (asset_id TEXT NOT NULL, owner TEXT NOT NULL, PRIMARY KEY (asset_id, owner));
+CREATE TABLE IF NOT EXISTS outbox (
+    event_id TEXT PRIMARY KEY, job_id TEXT NOT NULL UNIQUE, type TEXT NOT NULL, body BLOB NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0, last_status INTEGER NOT NULL DEFAULT 0, last_error TEXT NOT NULL DEFAULT '',
+    delivered_at REAL NOT NULL DEFAULT 0, next_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS outbox_due ON outbox (next_at) WHERE next_at > 0;
 """
 # Columns added after the first release: (name, declaration); added in place to an older file. `progress` is
 # NULL only in rows from before it existed (new jobs start at 0): they are filled from their events at open.
@@ -38,15 +45,27 @@ JOB_COLUMNS = (
     ("deleted", "REAL NOT NULL DEFAULT 0"),
     ("progress", "REAL"),
     ("restarts", "INTEGER NOT NULL DEFAULT 0"),
+    ("owner", f"TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'"),  # the client (tenants): jobs from before are the default's
+    ("webhook_url", "TEXT NOT NULL DEFAULT ''"),
 )
+# A request_id names one job per client: a client reusing another's id makes its own job, and learns nothing.
+REQUEST_ID_INDEX = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_owner_request_id ON jobs (owner, request_id) "
+    "WHERE request_id IS NOT NULL"
+)
+OLD_INDEXES = ("jobs_by_request_id",)  # request_id unique over every client, from before tenants
 
-JOB_FIELDS = "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress"
+JOB_FIELDS = (
+    "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress, owner, "
+    "webhook_url"
+)
+OUTBOX_FIELDS = "event_id, type, attempts, last_status, last_error, delivered_at, next_at"
 ARTIFACT_FIELDS = "artifact_id, file_name, bytes, sha256, media_type"
 RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
 
 
 def job_from_row(row) -> gateway_pb2.Job:
-    job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done = row
+    job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done, owner, url = row
     job = gateway_pb2.Job(
         job_id=job_id,
         state=state,
@@ -58,10 +77,26 @@ def job_from_row(row) -> gateway_pb2.Job:
         attempts=attempts,
         deleted=deleted,
         progress=done,
+        client=owner,
     )
     if error is not None:
         job.error.ParseFromString(error)
+    if url:
+        job.webhook.url = url
     return job
+
+
+def delivery_from_row(delivery: gateway_pb2.WebhookDelivery, row) -> None:
+    """The outbox row's state (OUTBOX_FIELDS) on the job's webhook."""
+    (
+        delivery.event_id,
+        delivery.event_type,
+        delivery.attempts,
+        delivery.last_status,
+        delivery.last_error,
+        delivery.delivered_at,
+        delivery.next_attempt_at,
+    ) = row
 
 
 def artifact_from_row(row) -> gateway_pb2.Artifact:

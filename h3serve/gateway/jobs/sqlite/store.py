@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 from h3serve.common.disk import full_named
-from h3serve.gateway.jobs.sqlite.database import Database
-from h3serve.gateway.jobs.store import StoredArtifact, Unfinished
+from h3serve.gateway.jobs.sqlite.database import DEFAULT_OWNERSHIP, Database
+from h3serve.gateway.jobs.store import Outgoing, Ownership, StoredArtifact, Unfinished
 from h3serve.v1 import gateway_pb2
 
 P = ParamSpec("P")
@@ -59,8 +59,12 @@ class SqliteJobStore:
         digest: str = "",
         max_unfinished: int = 0,
         first_event: gateway_pb2.JobEvent | None = None,
+        owner: Ownership | None = None,
     ) -> tuple[gateway_pb2.Job, bool]:
-        return await self._on_thread(self._db.submit, job_id, request, request_id, digest, max_unfinished, first_event)
+        owner = owner or DEFAULT_OWNERSHIP
+        return await self._on_thread(
+            self._db.submit, job_id, request, request_id, digest, max_unfinished, first_event, owner
+        )
 
     async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
         return await self._on_thread(self._db.append_event, job_id, event)
@@ -100,8 +104,8 @@ class SqliteJobStore:
     async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
         await self._on_thread(self._db.add_artifact, job_id, kind, artifact, path)
 
-    async def artifact(self, artifact_id: str) -> tuple[gateway_pb2.Artifact, str] | None:
-        return await self._on_thread(self._db.artifact, artifact_id)
+    async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
+        return await self._on_thread(self._db.artifact, artifact_id, client)
 
     async def artifacts_oldest_first(self) -> list[StoredArtifact]:
         return await self._on_thread(self._db.artifacts_oldest_first)
@@ -111,22 +115,44 @@ class SqliteJobStore:
 
     # Reads.
 
-    async def get_job(self, job_id: str) -> gateway_pb2.Job | None:
-        return await self._on_thread(self._db.get_job, job_id)
+    async def get_job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
+        return await self._on_thread(self._db.get_job, job_id, client)
 
     async def list_jobs(
-        self, states: list[int], limit: int, cursor: int = 0, deleted: bool = False, oldest_first: bool = False
+        self,
+        states: list[int],
+        limit: int,
+        cursor: int = 0,
+        deleted: bool = False,
+        oldest_first: bool = False,
+        client: str | None = None,
     ) -> tuple[list[gateway_pb2.Job], int]:
-        return await self._on_thread(self._db.list_jobs, states, limit, cursor, deleted, oldest_first)
+        return await self._on_thread(self._db.list_jobs, states, limit, cursor, deleted, oldest_first, client)
 
-    async def position(self, job_id: str) -> int:
-        return await self._on_thread(self._db.position, job_id)
+    async def position(self, job_id: str, client: str | None = None) -> int:
+        return await self._on_thread(self._db.position, job_id, client)
 
     async def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         return await self._on_thread(self._db.set_deleted, job_id, deleted)
 
-    async def count_by_state(self) -> dict[int, int]:
-        return await self._on_thread(self._db.count_by_state)
+    async def count_by_state(self, client: str | None = None) -> dict[int, int]:
+        return await self._on_thread(self._db.count_by_state, client)
 
     async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
         return await self._on_thread(self._db.events, job_id, after_seq)
+
+    # Uploads' owners.
+
+    async def own_asset(self, asset_id: str, client: str) -> bool:
+        return await self._on_thread(self._db.own_asset, asset_id, client)
+
+    async def owned_assets(self, asset_ids: list[str], client: str) -> set[str]:
+        return await self._on_thread(self._db.owned_assets, asset_ids, client)
+
+    # The webhook outbox.
+
+    async def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
+        return await self._on_thread(self._db.due_webhooks, now, limit)
+
+    async def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
+        await self._on_thread(self._db.webhook_attempted, event_id, status, error, delivered, next_at)
