@@ -67,7 +67,7 @@ def test_a_float16_dit_is_refused_at_start_with_the_reason(tmp_path):
     path.write_text('[dit]\ndtype = "float16"\n')
     with pytest.raises(ConfigError, match="65504") as err:
         load_deploy(path)
-    assert "[dit] dtype" in str(err.value) and "bfloat16" in str(err.value) and "sage" in str(err.value)
+    assert "[dit] dtype" in str(err.value) and "bfloat16" in str(err.value) and "fp16_scaled" in str(err.value)
 
 
 @pytest.mark.parametrize(
