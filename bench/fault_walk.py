@@ -3,7 +3,7 @@ its moment; how every acknowledged job ended and how long the stack took to reco
 
 tests/test_fault_walk.py walks the tiny model on the CPU and holds a job mid-denoise with a test-only hook; this walk
 starts a deployment as a user starts it (`h3serve up --config`, its own session) and kills at a moment it watches for.
-The deployment is bench.e2e's (`deployment`: full-size random weights with the --dit / --vae fast paths, or a shipped
+The deployment is bench.served's (`deployment`: full-size random weights with the --dit / --vae fast paths, or a shipped
 profile with --deploy) with the shipped supervision: `[supervisor]` restarts, `[gateway.outage_s]` and the jobs'
 attempts as they ship; only `start_timeout_s` is bench.e2e's 900 s (the H200 profiles ship 1200 s).
 
