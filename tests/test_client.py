@@ -346,12 +346,17 @@ def third_party_imports(sources: Iterable[str]) -> set[str]:
 
 def distribution_of(module: str) -> str:
     """The installed distribution whose files hold `module` (the top-level "google" is shared by several)."""
-    origin = Path(importlib.util.find_spec(module).origin).resolve()
+    spec = importlib.util.find_spec(module)
+    # a namespace package (google.rpc) has no file of its own: the distribution holding a file in its directory
+    where = [spec.origin] if spec.origin else spec.submodule_search_locations
+    places = [Path(p).resolve() for p in where]
     for name in importlib.metadata.packages_distributions()[module.split(".")[0]]:
         distribution = importlib.metadata.distribution(name)
-        if any(Path(distribution.locate_file(file)).resolve() == origin for file in distribution.files or ()):
-            return canonical(name)
-    raise AssertionError(f"no installed distribution holds {module} ({origin})")
+        for file in distribution.files or ():
+            path = Path(distribution.locate_file(file)).resolve()
+            if path in places or path.parent in places:
+                return canonical(name)
+    raise AssertionError(f"no installed distribution holds {module} ({places})")
 
 
 def walkthrough_blocks() -> list[str]:

@@ -19,15 +19,17 @@ from contextlib import closing
 import grpc
 import openai
 import pytest
-from conftest import free_port, with_store, write_config
+from deployments import write_config
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from media_files import image
+from stores import with_store
 from up_process import wait_until
 
 from h3serve.cli import token as token_cli
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.store import Ownership
 from h3serve.gateway.tenants.clients import DEFAULT, ClientsFileError, entry, new_token, read, token_hash

@@ -18,12 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import grpc
 import openai
 import pytest
-from conftest import STACK_MODEL, free_port, write_config
+from deployments import STACK_MODEL, write_config
 from up_process import wait_until
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy
+from h3serve.common.free_ports import free_port
 from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.sqlite import SqliteJobStore
 from h3serve.gateway.jobs.store import Ownership

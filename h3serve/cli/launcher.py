@@ -160,9 +160,10 @@ class ServiceGroup:
             for key, _, port in self.listeners()
             if (holders := processes.port_holders(port)) is not None
         ]
-        if "gateway" in self.names:
+        data_dir = self._gateway_data_dir()
+        if "gateway" in self.names and os.path.isdir(data_dir):  # a directory not made yet is nobody's
             try:
-                processes.lock_directory(self.config.gateway.data_dir).close()  # taken and let go: free now
+                processes.lock_directory(data_dir).close()  # taken and let go: free now
             except processes.Refused as exc:
                 taken.append(f"[gateway] data_dir: {exc}")
         if taken:
@@ -170,6 +171,12 @@ class ServiceGroup:
                 f"{self.config_path or 'the deployment'}: {'; '.join(taken)}. Stop what holds them (another "
                 "`h3serve up`?) or give this deployment ports and a data_dir of its own"
             )
+
+    def _gateway_data_dir(self) -> str:
+        """The data directory the gateway will lock: its --data-dir flag (the demo's fresh one), else the file's."""
+        flags = self.flags.get("gateway", [])
+        given = flags.index("--data-dir") + 1 if "--data-dir" in flags else 0
+        return flags[given] if given else self.config.gateway.data_dir
 
     def start(self) -> None:
         """Start every service, once the group owns its ports and data directory (else exit EXIT_REFUSED, having
