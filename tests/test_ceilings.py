@@ -17,8 +17,6 @@ from h3serve.common.free_ports import free_port
 from h3serve.model import rules
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
 
-pytestmark = pytest.mark.processes
-
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = sorted((ROOT / "docs" / "deploy").glob("*.toml"))
 PROMPT, PROMPT_ROWS = "a fox", 5  # the tiny tokenizer's rows for it (tests/test_layers.py)
@@ -77,6 +75,7 @@ def submit(address: str, height: int, width: int, frames: int) -> gateway_pb2.Jo
         return gateway_pb2_grpc.GatewayStub(channel).Submit(request, timeout=30)
 
 
+@pytest.mark.processes
 def test_a_gateway_refuses_a_request_over_the_plans_ceiling_with_the_ceiling(tmp_path):
     path = small_card(tmp_path, 20.0)
     ceilings = Ceilings(load_deploy(path))
@@ -118,6 +117,7 @@ def test_a_hand_set_table_overrides_the_plan_and_max_rows_still_bounds(tmp_path)
         CapacityTable({"t2va": {"768x1344": 40_000}}, 30_000, ceilings).admit(request)
 
 
+@pytest.mark.processes
 def test_a_card_that_holds_not_even_the_smallest_clip_is_refused_with_the_plans_reason(tmp_path):
     path = small_card(tmp_path, 4.0)
     with pytest.raises(ConfigError, match=r"not even a 32x32 clip of 124 frames fits .*GPU 0: dit rank 0 .* over the"):
@@ -129,6 +129,7 @@ def test_a_card_that_holds_not_even_the_smallest_clip_is_refused_with_the_plans_
     assert "not even a 32x32 clip of 124 frames fits" in (tmp_path / "gateway.log").read_text()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("profile", PROFILES, ids=[path.stem for path in PROFILES])
 def test_plan_accepts_every_shipped_profile_and_prints_its_largest_requests(profile):
     card = ["--gpu-gib", "139.8"] if profile.stem == "h200x4" else []  # it names no card: an H200's, as CUDA says
