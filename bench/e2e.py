@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench import in_process_offload
 from bench.common import Size, device_label, gpu_peak, host_peak, leaves_gpu_empty, software
 from bench.e2e_sides import (
     STAGES,
@@ -109,9 +110,12 @@ def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, S
 
 def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
     started = time.perf_counter()
-    pipe = reference_pipeline(ModelSource(args.model_dir or None), device=device, dtype=args.dtype)
+    offload = args.in_process_offload
+    source = ModelSource(args.model_dir or None)
+    pipe = reference_pipeline(source, device=in_process_offload.load_device(offload, device), dtype=args.dtype)
     sources = {ADAPTER: AdapterSource(path=args.adapter_file)} if args.adapter_file else {}
     load_adapters(pipe, sources)  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
+    in_process_offload.apply(pipe, offload, device)
     ready_s = time.perf_counter() - started
     clock = StageClock(pipe, PIPELINE_STAGES, device)
 
@@ -290,7 +294,10 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         date=datetime.date.today().isoformat(),
         software=software(),
         variant=services_text(args, place) + adapted(args) + args.cache_state,
-        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)} + the same MP4 mux" + adapted(args),
+        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)}"
+        + in_process_offload.DESCRIBED[args.in_process_offload]
+        + " + the same MP4 mux"
+        + adapted(args),
     )
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common) for n, s, b in rows]
 
@@ -395,6 +402,14 @@ def parser() -> argparse.ArgumentParser:
         help="the video schedule's shift on both sides (default: the released model's, %(default)g)",
     )
     p.add_argument(
+        "--in-process-offload",
+        choices=in_process_offload.OFFLOADS,
+        default="none",
+        help="the in-process baseline with diffusers' own CPU offload, where the bf16 pipeline does not fit the card: "
+        "model (ComponentsManager.enable_auto_cpu_offload) or sequential (apply_group_offloading, leaf level); "
+        "named in the rows and the saved baseline",
+    )
+    p.add_argument(
         "--warm-start",
         action="store_true",
         help="the DiT warms --sizes at start ([dit] warmup) and the services get no warm-up request: "
@@ -426,7 +441,7 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         comparisons, command = run(args, sizes, device, work)
     if not comparisons:
         return []
-    print_table(comparisons)
+    print_table(comparisons, in_process_offload.LABELS[args.in_process_offload])
     if args.write:
         update_results([r for c in comparisons for r in records(c, args, device, command)], args.results, args.markdown)
     return comparisons

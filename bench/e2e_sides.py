@@ -117,6 +117,7 @@ def setup(args) -> dict:
         "model_dir": args.model_dir,
         "adapter_rank": args.adapter_rank,
         "flow_shift": args.flow_shift,
+        "in_process_offload": args.in_process_offload,
     }
 
 
@@ -139,6 +140,13 @@ def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
     if not path.exists():
         raise SystemExit(f"--side services: no baseline at {path}; run with --side in-process first")
     saved = json.loads(path.read_text())
+    saved["setup"] = {"in_process_offload": "none", **saved["setup"]}  # saved before the option: none
+    if saved["setup"]["in_process_offload"] != args.in_process_offload:
+        raise SystemExit(
+            f"--side services: the baseline in {path} ran diffusers in process with --in-process-offload "
+            f"{saved['setup']['in_process_offload']}, this run names {args.in_process_offload}: give the same, or "
+            "run --side in-process again"
+        )
     unchecked = {"sizes": None, "warmup_steps": None}  # a subset of sizes may be compared; warm-ups are untimed
     same = {**saved["setup"], **unchecked} == {**setup(args), **unchecked}
     missing = set(args.sizes.split(",")) - set(saved["sides"])
@@ -155,14 +163,15 @@ def baseline_output(baseline_file: Path, size: Size, suffix: str) -> Path:
     return baseline_file.with_name(f"{baseline_file.stem}-{size}{suffix}")
 
 
-def print_table(comparisons: list[Comparison]) -> None:
+def print_table(comparisons: list[Comparison], in_process: str = "in process") -> None:
+    """The sides' medians per size; `in_process` labels the baseline's rows (which offload it ran with)."""
     print(
         f"{'size':16} {'':12} {'e2e s':>8} "
         + " ".join(f"{s:>8}" for s in (*STAGES, "transport"))
         + f" {'GiB used':>9}  host memory at most"
     )
     for c in comparisons:
-        for label, side in (("in process", c.in_process), ("services", c.served)):
+        for label, side in ((in_process, c.in_process), ("services", c.served)):
             print(
                 f"{str(c.size):16} {label:12} {side.seconds:8.3f} "
                 + " ".join(f"{side.stages[s]:8.3f}" for s in STAGES)

@@ -117,7 +117,7 @@ def mux_preset(args) -> str:
 
 
 def x264_threads(args) -> int:
-    """--quick compares the two sides' MP4 bytes, which only one x264 thread reproduces (h3serve/common/config.py)."""
+    """--quick compares the two sides' MP4 bytes, which only one x264 thread reproduces (h3serve/common/config/)."""
     return 1 if args.quick else THREADS
 
 

@@ -1,4 +1,4 @@
-"""Packed-sequence rows and the capacity table (no processes)."""
+"""Packed-sequence rows and the capacity table; the `capacity` command as a user runs it (a process)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import pytest
 from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity, packed_rows
 from h3serve.model.rules import Rows
 from h3serve.v1 import common_pb2, gateway_pb2
-
-pytestmark = pytest.mark.processes
 
 
 def test_rows_match_the_model_layout():
@@ -92,6 +90,7 @@ def test_a_bad_table_is_refused(limits):
         CapacityTable(limits)
 
 
+@pytest.mark.processes
 def test_capacity_command_prints_the_table(tmp_path):
     config = tmp_path / "deploy.toml"
     config.write_text('[gateway.capacity.t2va]\n"768x1344" = 38000\n"480x832" = 14000\n')

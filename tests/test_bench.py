@@ -1,4 +1,5 @@
-"""The benchmark harness itself, in its --quick CPU mode (the GPU numbers come from real runs)."""
+"""The benchmark harness itself, in its --quick CPU mode (the GPU numbers come from real runs); the tests that run a
+bench or a stand-in nvidia-smi are marked `processes`, the rest are in the unit tier."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ import torch
 
 from bench import common, dit_step
 
-pytestmark = pytest.mark.processes
 
-
+@pytest.mark.processes
 def test_quick_dit_step_writes_consistent_records(tmp_path):
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
     args = ["--quick", "--repeats", "1", "--errors", "--write", "--results", str(results), "--markdown", str(markdown)]
@@ -34,6 +34,7 @@ def test_quick_dit_step_writes_consistent_records(tmp_path):
     assert "0.00e+00 (0.00e+00)" in markdown.read_text()
 
 
+@pytest.mark.processes
 def test_quick_gguf_step_times_each_weight_format_against_bf16(tmp_path):
     from bench import gguf_step
 
@@ -53,6 +54,7 @@ def test_quick_gguf_step_times_each_weight_format_against_bf16(tmp_path):
     assert section.count("| dit_step_weights_32x64x124 | cpu | float32 | ") == 3
 
 
+@pytest.mark.processes
 def test_quick_vae_decode_times_each_variant_against_the_block(tmp_path):
     from bench import vae_decode
 
@@ -108,6 +110,7 @@ def test_vae_variants_take_the_fast_path_flags_and_tiles():
         VaeVariant.parse("native+channels_last")
 
 
+@pytest.mark.processes
 def test_quick_e2e_times_the_services_against_the_in_process_pipeline(tmp_path):
     from bench import e2e
 
@@ -187,6 +190,7 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
         model_dir="",
         adapter_rank=0,
         flow_shift=12.0,
+        in_process_offload="none",
         command="python -m bench.e2e --quick --side in-process",
     )
     side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)
@@ -321,6 +325,7 @@ def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():
     assert round(dit_forward_flops(transformer, 15_100) / 1e15, 2) == 0.91
 
 
+@pytest.mark.processes
 def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_psnr(tmp_path):
     import re
 
@@ -378,6 +383,7 @@ class _StandInSmi:
         assert count() >= seen + 2, "the sampler stopped calling nvidia-smi"
 
 
+@pytest.mark.processes
 def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start(tmp_path, monkeypatch):
     smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
     with common.gpu_peak(every_s=0.01) as peak:
@@ -389,6 +395,7 @@ def test_gpu_peak_keeps_the_most_memory_in_use_over_what_was_in_use_at_its_start
     assert peak.at_s > 0 and peak.apps == {}, "when the fullest GPU peaked; this nvidia-smi lists no process"
 
 
+@pytest.mark.processes
 def test_gpu_peak_skips_a_reading_that_misses_a_gpu_or_fails(tmp_path, monkeypatch):
     # before the fix, one short reading zipped the peaks down to the GPUs it listed: [] after an empty one
     smi = _StandInSmi(tmp_path, monkeypatch, "1000\n500\n")
@@ -413,6 +420,7 @@ def test_gpu_peak_names_each_process_by_its_service_and_the_record_adds_them_up(
     assert _peak(record) == "25.0 (each at its most: encoder 3.0 + dit 14.0 + vae 12.0 + dit 13 1.0 = 30.0)"
 
 
+@pytest.mark.processes
 def test_vae_decode_writes_each_size_s_rows_before_the_next_size_runs(tmp_path):
     """A run that fails at its second size (on one H200 the compiled cuDNN attention left process-wide met the fp32
     reference) keeps the first size's rows."""

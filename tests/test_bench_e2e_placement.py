@@ -16,8 +16,6 @@ from bench.common import Size
 from bench.placement import Placement
 from h3serve.common.config import load_deploy
 
-pytestmark = pytest.mark.processes
-
 
 def placed(tmp_path, gpus: int, placement: str = "shared", fsdp: str = "off"):
     args = e2e.parser().parse_args(
@@ -80,6 +78,7 @@ def test_more_gpus_than_visible_and_an_impossible_layout_are_refused_before_anyt
     assert not list(tmp_path.glob("*.mp4"))
 
 
+@pytest.mark.processes
 @pytest.mark.distributed
 def test_quick_e2e_with_a_two_rank_dit_group_against_a_saved_baseline_gives_the_in_process_video(tmp_path):
     # As on the GPUs: the one-device baseline in one call, then the services over "2 GPUs" in the next.

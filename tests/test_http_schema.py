@@ -9,7 +9,8 @@ down, and a create naming adapters while no DiT replica can check them (`UNAVAIL
 answer is below 500, and every 4xx is OpenAI's error JSON. A schema-valid request may still be refused (400) where
 validity depends on what is stored or on several fields at once, which no schema can say: an upload's bytes (a real
 PNG, MP4...), and a create's rules across fields (the canvas budget of height x width, the keyframes a workflow needs,
-adapters the DiT serves, an uploaded asset of the right kind); only there is 400 an accepted answer to positive data.
+adapters the DiT serves, an uploaded asset of the right kind); only there is 400 an accepted answer to positive data,
+and 422 to a create over what the deployment holds (its max_rows: the rows of a long clip at a large canvas).
 Every rule of one field is in the document (h3serve/gateway/http/schema.py).
 """
 
@@ -32,9 +33,10 @@ from h3serve.common.free_ports import free_port
 
 pytestmark = [pytest.mark.gateway, pytest.mark.slow, pytest.mark.processes]
 EXAMPLES = 60  # per operation; the total is checked below (about 40 s on 2 cores)
-# 400 is an accepted answer to schema-valid data only where validity depends on what is stored (docstring); 503 is
-# schemathesis' own default, which _checked narrows to the truthful ones
-ACCEPTED = '["2xx", "401", "403", "404", "409", "429", "503", "400"]'
+# 400 is an accepted answer to schema-valid data only where validity depends on what is stored (docstring), 422
+# where a create is over the deployment's ceiling; 503 is schemathesis' own default, which _checked narrows to the
+# truthful ones
+ACCEPTED = '["2xx", "401", "403", "404", "409", "429", "503", "400", "422"]'
 CONFIG = f"""
 [[operations]]
 include-path = "/v1/assets"
@@ -130,3 +132,14 @@ def test_a_method_a_path_lacks_is_405_with_allow_naming_the_documented_ones(door
             urllib.request.urlopen(urllib.request.Request(url, method="TRACE"), timeout=30)
         assert refused.value.code == 405, path
         assert refused.value.headers["allow"] == ", ".join(sorted(method.upper() for method in operations)), path
+
+
+def test_only_the_create_documents_the_422_over_the_deployments_ceiling(door):
+    base_url, _ = door
+    with urllib.request.urlopen(f"{base_url}/openapi.json") as response:
+        paths = json.load(response)["paths"]
+    create = paths["/v1/videos"]["post"]["responses"]["422"]
+    assert "over this deployment's ceiling" in create["description"]
+    assert create["content"]["application/json"]["schema"]["required"] == ["error"]
+    others = [f"{m} {p}" for p, ops in paths.items() for m, op in ops.items() if "422" in op["responses"]]
+    assert others == ["post /v1/videos"]

@@ -3,7 +3,7 @@ the protos' comments. Generated when the site is built (tools/mkdocs_hooks.py), 
 
 `python -m tools.docsgen config|api` prints one as markdown.
 
-A key's description is its comment in h3serve/common/config.py: the comment block right above the field, then its
+A key's description is its comment in h3serve/common/config/: the comment block right above the field, then its
 same-line comment with the comment lines that continue it (a line that starts in lower case or with "(", or one
 that closes a parenthesis left open). What it refuses: its type (checked strictly), its bounds, and the messages of
 the validators that check it.
@@ -57,7 +57,7 @@ def config_reference() -> str:
         "# Configuration reference",
         "",
         "Every key of every section of a deployment file (`--config`), generated from the models in "
-        "`h3serve/common/config.py` when the site is built. Values are checked strictly, as TOML gives them: the "
+        "`h3serve/common/config/` when the site is built. Values are checked strictly, as TOML gives them: the "
         'string `"8"` is not the integer 8, and 1 is not `true`; an unknown key or section is refused, naming it. '
         "A service section's `model_dir` and the canvas keys default to `[model]`'s. How the sections fit "
         "together: [configuration.md](../configuration.md).",

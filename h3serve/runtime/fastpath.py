@@ -61,7 +61,7 @@ class FastPath:
 
     @classmethod
     def of(cls, config) -> FastPath:
-        """The fast path a model service's config selects (h3serve/common/config.py: `attention_backend`,
+        """The fast path a model service's config selects (h3serve/common/config/: `attention_backend`,
         `compile`, `compile_dynamic`, `fp8`); fp8 quantises bf16 weights, so it needs `dtype = "bfloat16"`."""
         if config.fp8 and config.dtype != "bfloat16":
             raise ValueError(f'fp8 needs dtype = "bfloat16" (the weights it quantises), got {config.dtype!r}')
@@ -71,7 +71,7 @@ class FastPath:
             dynamic=config.compile and config.compile_dynamic,
             tune=config.compile_tuning,
             fp8=config.fp8,
-            linears=getattr(config, "linear_precision", "bf16"),  # the DiT's keys (h3serve/common/config.py)
+            linears=getattr(config, "linear_precision", "bf16"),  # the DiT's keys (h3serve/common/config/)
             weights=getattr(config, "weights", "bf16"),
         )
 

@@ -20,7 +20,7 @@ from h3serve.common.config import GatewayConfig
 from h3serve.common.disk import DiskFull
 from h3serve.common.guard import caller
 from h3serve.common.streams import drain_async
-from h3serve.gateway.admission.capacity import CapacityTable
+from h3serve.gateway.admission.capacity import CapacityTable, OverCapacity
 from h3serve.gateway.admission.request import RequestLimits, resolve
 from h3serve.gateway.admission.served import AdaptersUnknown, ServedWorkflows, WorkflowNotServed
 from h3serve.gateway.admission.text_rows import TextRows
@@ -36,7 +36,7 @@ from h3serve.gateway.webhooks.endpoint import url_problem
 from h3serve.model import rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
-from h3serve.v1 import gateway_pb2, gateway_pb2_grpc, media_pb2, retry_info
+from h3serve.v1 import error_info, gateway_pb2, gateway_pb2_grpc, media_pb2, retry_info
 
 log = logging.getLogger("h3serve.gateway")
 DOWNLOAD_CHUNK = 1 << 20
@@ -139,7 +139,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=resolved)),
                 owner=owner,
             )
-        except InvalidRequest as exc:  # OverCapacity included: a retry of the same request is refused again
+        except OverCapacity as exc:  # invalid as any, marked: the HTTP door answers 422 with the ceiling
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            await context.abort(code, str(exc), error_info.details(code, str(exc), error_info.OVER_CAPACITY, exc.field))
+        except InvalidRequest as exc:  # a retry of the same request is refused again
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except WorkflowNotServed as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -1,7 +1,8 @@
 """gRPC statuses as HTTP statuses and OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}.
 
-Every 429 says when to come back (`Retry-After`, whole seconds): the wait the gateway's refusal advises
-(h3serve/v1/retry_info.py), else the queue's default."""
+A request over the deployment's ceiling is 422 (h3serve/v1/error_info.py). Every 429 says when to come back
+(`Retry-After`, whole seconds): the wait the gateway's refusal advises (h3serve/v1/retry_info.py), else the queue's
+default."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from h3serve.common import disk
 from h3serve.gateway.jobs.drain import DEFAULT_WAIT_S
-from h3serve.v1 import retry_info
+from h3serve.v1 import error_info, retry_info
 
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -34,6 +35,10 @@ _TOO_LARGE = ("message larger than max",)
 # The gateway's RESOURCE_EXHAUSTED for a full disk (its message starts with disk.MARK) is 507 Insufficient Storage,
 # never retried: space returns only when someone frees it, and until then every retry fails the same way.
 INSUFFICIENT_STORAGE = 507
+# The gateway's INVALID_ARGUMENT for a request over the deployment's ceiling (h3serve/v1/error_info.py OVER_CAPACITY:
+# its plan or capacity table) is 422, as the ceiling table of the earlier stacks answered: the request is well formed
+# but more than this deployment holds; the message gives the ceiling, and no retry of the same request is admitted.
+UNPROCESSABLE = 422
 
 
 def too_large(code: grpc.StatusCode, message: str) -> bool:
@@ -91,8 +96,12 @@ def from_http_error(status: int, detail: str, headers: Mapping[str, str] | None 
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> JSONResponse:
+    """The gateway's refusal; one over the deployment's ceiling (its ErrorInfo says so) is 422 naming the field."""
     wait_s = retry_info.advised_wait_s(error)
-    return error_response(error.code(), error.details() or error.code().name, retry_after_s=wait_s)
+    reason, field = error_info.reason(error) or ("", None)
+    status = UNPROCESSABLE if reason == error_info.OVER_CAPACITY else None
+    param = field if status else None
+    return error_response(error.code(), error.details() or error.code().name, param, status, retry_after_s=wait_s)
 
 
 def from_api_error(error: ApiError) -> JSONResponse:

@@ -1,5 +1,6 @@
 """The HTTP door's OpenAPI document says what the door does: every status it answers, with OpenAI's error JSON and
-a 429's Retry-After, and the constraints the door itself enforces on its query parameters and the create body.
+a 429's Retry-After, the create's 422 over the deployment's ceiling, and the constraints the door itself enforces on
+its query parameters and the create body.
 
 FastAPI documents only a route's success and its own 422; the door's refusals come from the gateway's statuses
 (errors.py) and from checks the routes make by hand, so they are added here, to every operation, from the same
@@ -46,6 +47,11 @@ REFUSALS = {
     "503": "the gateway's stages are not serving now: try again",
     "507": "the gateway's disk is full (said with the directory and the space left)",
 }
+# The create's own: a request well formed but over what the deployment holds (errors.py UNPROCESSABLE)
+OVER_CAPACITY = {
+    "422": "the request is over this deployment's ceiling (its plan's, or its capacity table's): the message gives the "
+    "largest it holds at that canvas, `param` the field to change (num_frames, or height when no clip fits the canvas)"
+}
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer", "minimum": 0}}}
 
 
@@ -60,9 +66,10 @@ def _document(app: FastAPI, config: GatewayConfig, max_limit: int, size_pattern:
             schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
             for path, operations in schema["paths"].items():
                 for method, operation in operations.items():
-                    _refusals(operation)
+                    create = (path, method) == ("/v1/videos", "post")
+                    _refusals(operation, {**REFUSALS, **OVER_CAPACITY} if create else REFUSALS)
                     _constraints(path, operation, max_limit)
-                    if (path, method) == ("/v1/videos", "post"):
+                    if create:
                         _create_body(operation, config, size_pattern)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -70,10 +77,10 @@ def _document(app: FastAPI, config: GatewayConfig, max_limit: int, size_pattern:
     return openapi
 
 
-def _refusals(operation: dict) -> None:
+def _refusals(operation: dict, refusals: dict[str, str]) -> None:
     responses = operation.setdefault("responses", {})
     responses.pop("422", None)  # FastAPI's validation error: the door parses by hand and answers 400
-    for status, description in REFUSALS.items():
+    for status, description in refusals.items():
         response = {"description": description, "content": {"application/json": {"schema": ERROR}}}
         if status == "429":
             response["headers"] = RETRY_AFTER

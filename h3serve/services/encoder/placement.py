@@ -1,6 +1,6 @@
 """Where the text encoder (Qwen3-VL) lives: quantized, spread over GPUs, or offloaded to host memory.
 
-Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` chooses (h3serve/common/config.py,
+Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` chooses (h3serve/common/config/,
 `EncoderConfig`):
 
 - `quantize = "int8"`: torchao weight-only int8 (`Int8WeightOnlyConfig`: one scale per output row, activations

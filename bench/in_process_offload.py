@@ -1,0 +1,49 @@
+"""diffusers' own CPU offload for bench.e2e's in-process baseline, where the bf16 pipeline does not fit the card.
+
+A user of diffusers on such a card turns offload on with diffusers' API, so the baseline does the same, nothing made
+here: `model` is the modular pipeline's way (a `ComponentsManager` holding every model, `enable_auto_cpu_offload`:
+each model moves to the device for its forward and others leave when memory runs short); `sequential` is
+`apply_group_offloading` at leaf level on every model (each layer's weights copied in as it runs). The components
+load on the host first: on the card they would not fit. The rows and the saved baseline name which ran.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OFFLOADS = ("none", "model", "sequential")
+DESCRIBED = {
+    "none": "",
+    "model": " with diffusers' model CPU offload (ComponentsManager.enable_auto_cpu_offload)",
+    "sequential": " with diffusers' sequential CPU offload (apply_group_offloading, leaf level)",
+}
+LABELS = {"none": "in process", "model": "in proc+off", "sequential": "in proc+seq"}  # the table's 12 columns
+
+
+def load_device(offload: str, device: str) -> str:
+    """Where the components load: the host when offloaded (the hooks move them), else the device itself."""
+    return device if offload == "none" else "cpu"
+
+
+def apply(pipe, offload: str, device: str) -> None:
+    """Turn on `offload` over every model of `pipe` (a modular pipeline whose components are on the host). The hooks
+    live on the models: the manager of `model` is not needed once they are set.
+
+    SystemExit naming the option when diffusers refuses it on `device` (model offload asks the device for its free
+    memory, which a CPU cannot answer)."""
+    models = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module)}
+    try:
+        if offload == "model":
+            from diffusers.modular_pipelines import ComponentsManager
+
+            manager = ComponentsManager()
+            for name, model in models.items():
+                manager.add(name, model)
+            manager.enable_auto_cpu_offload(device=device)
+        elif offload == "sequential":
+            from diffusers.hooks import apply_group_offloading
+
+            for model in models.values():
+                apply_group_offloading(model, onload_device=torch.device(device), offload_type="leaf_level")
+    except NotImplementedError as exc:
+        raise SystemExit(f"bench.e2e: --in-process-offload {offload}: diffusers refuses it on {device}: {exc}") from exc

@@ -1,0 +1,83 @@
+"""bench.e2e's in-process baseline with diffusers' own CPU offload (--in-process-offload), on the tiny model: leaf-level
+group offload runs on the CPU and denoises exactly what the plain pipeline does; the auto offload of a
+ComponentsManager is refused there by diffusers itself (it asks the device for its free memory), named; the saved
+baseline, the rows and the table name the offload, and a services run of another offload refuses the baseline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench import e2e
+from bench.common import Size
+from bench.media_diff import FramesDiff, MediaDiff
+
+pytestmark = pytest.mark.processes  # the in-process side runs in a spawned process of its own
+
+SIZE = Size(32, 64, 124)  # --quick's
+
+
+def in_process(tmp_path, offload: str) -> list:
+    argv = ["--quick", "--side", "in-process", "--repeats", "1", "--in-process-offload", offload]
+    paths = ["--out", str(tmp_path / offload), "--baseline-file", str(tmp_path / f"{offload}.json")]
+    return e2e.main([*argv, *paths])
+
+
+def quick_args(offload: str):
+    """bench.e2e's arguments as its main sets them for --quick."""
+    args = e2e.parser().parse_args(["--quick", "--in-process-offload", offload])
+    vars(args).update(sizes=str(SIZE), dtype="float32", model_dir="", command="python -m bench.e2e ...", cache_state="")
+    return args
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("offload")
+    for offload in ("none", "sequential"):
+        assert in_process(tmp_path, offload) == []
+    return tmp_path
+
+
+def test_sequential_offload_denoises_exactly_what_the_plain_pipeline_does_and_the_baseline_names_it(baselines):
+    plain = np.load(baselines / "none" / f"in-process-{SIZE}.npz")
+    offloaded = np.load(baselines / "sequential" / f"in-process-{SIZE}.npz")
+    np.testing.assert_array_equal(offloaded["frames"], plain["frames"])
+    np.testing.assert_array_equal(offloaded["audio"], plain["audio"])
+    saved = json.loads((baselines / "sequential.json").read_text())
+    assert saved["setup"]["in_process_offload"] == "sequential"
+    assert "--in-process-offload sequential" in saved["command"]
+
+
+def test_a_services_run_of_another_offload_refuses_the_baseline(baselines):
+    args = quick_args("none")
+    with pytest.raises(SystemExit, match="ran diffusers in process with --in-process-offload sequential, this run "):
+        e2e.load_baseline(baselines / "sequential.json", args)
+    args.in_process_offload = "sequential"
+    sides, _ = e2e.load_baseline(baselines / "sequential.json", args)
+    assert set(sides) == {SIZE}
+    saved = json.loads((baselines / "none.json").read_text())  # as saved before the option existed: none
+    del saved["setup"]["in_process_offload"]
+    (baselines / "older.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="--in-process-offload none, this run names sequential"):
+        e2e.load_baseline(baselines / "older.json", args)
+
+
+def test_the_rows_and_the_table_name_the_offload(baselines, capsys):
+    args = quick_args("sequential")
+    sides, _ = e2e.load_baseline(baselines / "sequential.json", args)
+    side = sides[SIZE]
+    comparison = e2e.Comparison(SIZE, side, side, MediaDiff(0, 0.0), FramesDiff(0.0, 0, 0.0))
+    [row, *_] = e2e.records(comparison, args, "cpu", args.command)
+    assert "with diffusers' sequential CPU offload (apply_group_offloading, leaf level)" in row.baseline
+    e2e.print_table([comparison], "in proc+seq")
+    assert f"{SIZE!s:16} in proc+seq " in capsys.readouterr().out
+
+
+def test_model_offload_on_the_cpu_is_refused_by_diffusers_and_the_refusal_names_the_option(tmp_path):
+    """diffusers' ComponentsManager.enable_auto_cpu_offload asks the device for its free memory first; a CPU has no
+    answer, so the bench says which option diffusers refused and why, and saves no baseline."""
+    with pytest.raises(SystemExit, match=r"--in-process-offload model: diffusers refuses it on cpu: .*mem_get_info"):
+        in_process(tmp_path, "model")
+    assert not (tmp_path / "model.json").exists()
