@@ -96,6 +96,12 @@ def test_the_node_that_owns_the_rendezvous_address_is_node_0_and_others_are_name
         node_rank(three)
 
 
+def test_gloo_is_given_the_interface_that_reaches_the_rendezvous_host():
+    from h3serve.services.dit.launch import interface_to
+
+    assert interface_to("127.0.0.1") == "lo"
+
+
 def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it(capsys):
     from h3serve.services.dit import launch
 

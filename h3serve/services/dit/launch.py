@@ -46,8 +46,7 @@ def launcher_argv(config: DiTConfig) -> list[str]:
     return torchrun_argv(config)
 
 
-def torchrun_argv(config: DiTConfig, node: int | None = None) -> list[str]:
-    """torchrun for this node (`node`: its rank among the nodes; None: found here, node_rank)."""
+def torchrun_argv(config: DiTConfig) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -55,7 +54,7 @@ def torchrun_argv(config: DiTConfig, node: int | None = None) -> list[str]:
         f"--nproc-per-node={config.world_size // config.nnodes}",
         f"--max-restarts={config.max_restarts}",
         f"--nnodes={config.nnodes}",
-        f"--node-rank={node_rank(config) if node is None else node}",
+        f"--node-rank={node_rank(config)}",
         "--rdzv-backend=static",
         f"--rdzv-endpoint={config.rdzv_endpoint}",
         f"--rdzv-id={config.rdzv_id}",
@@ -73,7 +72,7 @@ def node_rank(config: DiTConfig) -> int:
         if not named.isdigit() or int(named) >= config.nnodes:
             raise ValueError(f"{NODE_RANK_ENV}={named!r}: a node rank is 0 to nnodes - 1 ({config.nnodes - 1})")
         return int(named)
-    if owns_address(config.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")):
+    if owns_address(rendezvous_host(config)):
         return 0
     if config.nnodes == 2:
         return 1
@@ -81,6 +80,10 @@ def node_rank(config: DiTConfig) -> int:
         f"nnodes = {config.nnodes}: set {NODE_RANK_ENV} (1 to {config.nnodes - 1}) on every node but the one that "
         f"owns the rendezvous address {config.rdzv_endpoint}"
     )
+
+
+def rendezvous_host(config: DiTConfig) -> str:
+    return config.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")
 
 
 def owns_address(host: str) -> bool:
@@ -140,7 +143,7 @@ def serve(config: DiTConfig) -> None:
     refuse_port_in_use(config.address)  # before the ranks load for minutes: a restart would not free the port
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
-    interface = interface_to(config.rdzv_endpoint.rsplit(":", 1)[0].strip("[]")) if config.nnodes > 1 else None
+    interface = interface_to(rendezvous_host(config)) if config.nnodes > 1 else None
     if interface:
         os.environ.setdefault(GLOO_INTERFACE_ENV, interface)
     try:
