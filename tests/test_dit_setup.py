@@ -73,10 +73,33 @@ def test_one_node_runs_h3serves_launcher_and_several_nodes_torchrun():
         "--nproc-per-node=4",
         "--max-restarts=5",
         "--nnodes=2",
-        "--rdzv-backend=c10d",
+        "--node-rank=1",  # 10.0.0.1 is not this machine's: the other of two nodes
+        "--rdzv-backend=static",
         "--rdzv-endpoint=10.0.0.1:29400",
         "--rdzv-id=h3",
     } <= set(multi)
+
+
+def test_the_node_that_owns_the_rendezvous_address_is_node_0_and_others_are_named(monkeypatch):
+    from h3serve.services.dit.launch import NODE_RANK_ENV, node_rank
+
+    monkeypatch.delenv(NODE_RANK_ENV, raising=False)
+    assert node_rank(DiTConfig(world_size=2, nnodes=2, rdzv_endpoint="127.0.0.1:29400")) == 0
+    assert node_rank(DiTConfig(world_size=2, nnodes=2, rdzv_endpoint="198.51.100.7:29400")) == 1
+    three = DiTConfig(world_size=3, nnodes=3, rdzv_endpoint="198.51.100.7:29400")
+    with pytest.raises(ValueError, match=NODE_RANK_ENV):
+        node_rank(three)
+    monkeypatch.setenv(NODE_RANK_ENV, "2")
+    assert node_rank(three) == 2
+    monkeypatch.setenv(NODE_RANK_ENV, "3")
+    with pytest.raises(ValueError, match="0 to nnodes - 1"):
+        node_rank(three)
+
+
+def test_gloo_is_given_the_interface_that_reaches_the_rendezvous_host():
+    from h3serve.services.dit.launch import interface_to
+
+    assert interface_to("127.0.0.1") == "lo"
 
 
 def test_over_several_nodes_the_launcher_refuses_before_torchrun_which_would_restart_it(capsys):
