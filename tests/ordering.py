@@ -21,6 +21,7 @@ LONGEST_FIRST = (
     "test_warmup",
     "test_supervision",
     "test_distributed",
+    "test_multinode",
     "test_fault_walk",
     "test_fastpath",
     "test_adapters",

@@ -43,7 +43,7 @@ class DiTConfig(CompiledServiceConfig):
     workflows: Workflows = ("t2va", "fl2va", "ref2va")  # served workflows (decides the partitions loaded)
     world_size: PositiveInt = 1  # ranks in the group (all nodes together); 1 runs the same code path
     nnodes: PositiveInt = 1  # nodes; world_size / nnodes ranks start on each (above 1: through torchrun)
-    rdzv_endpoint: str = ""  # multi-node: host:port of the c10d rendezvous (torchrun --rdzv-endpoint)
+    rdzv_endpoint: str = ""  # multi-node: host:port of node 0's torchrun rendezvous (the node owning it is node 0)
     rdzv_id: str = "h3serve-dit"  # multi-node: job id shared by the nodes' launchers
     fsdp: bool = False  # shard the weights with FSDP2 (memory) instead of replicating them (speed)
     ulysses_degree: NonNegativeInt = 0  # sequence split over heads (all-to-all); 0: world_size when ring_degree is 1
