@@ -82,14 +82,28 @@ def admission(config: GatewayConfig) -> CapacityTable:
     return CapacityTable(config.capacity, config.max_rows, planned)
 
 
-def _open_store(data_dir: Path) -> JobStore:
-    """The job store; a file no restart can fix (damaged, or locked by another program) or a full disk is refused,
-    with the way out, and exits EXIT_REFUSED."""
+async def _open_store(config: GatewayConfig, data_dir: Path) -> JobStore:
+    """The job store: PostgreSQL at [gateway] store_url when set, else data_dir's SQLite file. A file no restart can
+    fix (damaged, or locked by another program), a full disk or a database that cannot be reached is refused, with
+    the way out, and exits EXIT_REFUSED."""
+    if config.store_url:
+        return await _open_postgres(config.store_url)
     try:
         with full_named(str(data_dir)):
             return SqliteJobStore(str(data_dir / "jobs.sqlite"))
     except (Refused, DiskFull) as exc:
         refuse(f"[gateway] {exc}")
+
+
+async def _open_postgres(url: str) -> JobStore:
+    try:
+        from h3serve.gateway.jobs.postgres import PostgresJobStore
+    except ImportError as exc:
+        refuse(f"[gateway] store_url names PostgreSQL, but {exc.name} is not installed: pip install h3serve[postgres]")
+    try:
+        return await PostgresJobStore.open(url)
+    except Exception as exc:  # psycopg's and the pool's errors: the server is down, refuses us, or times out
+        refuse(f"[gateway] store_url: the job store's PostgreSQL cannot be used ({exc}); start it, or fix store_url")
 
 
 def _tenants(config: GatewayConfig) -> Tenants:
@@ -111,7 +125,7 @@ def _http_door(config: GatewayConfig, server: grpc.aio.Server, tenants: Tenants)
 async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = None) -> None:
     data_dir = Path(config.data_dir)
     tenants = _tenants(config)
-    store = _open_store(data_dir)
+    store = await _open_store(config, data_dir)
     metrics = GatewayMetrics(STAGE_NAMES)
     hub = EventHub(store)
     caller = StageCaller(config, metrics)

@@ -5,7 +5,7 @@ store refused; database.py: the methods on one connection, run on one thread; st
 async JobStore the gateway holds.
 """
 
-from h3serve.gateway.jobs.sqlite.database import BUSY_WAIT_S
+from h3serve.gateway.jobs.sqlite.refusals import BUSY_WAIT_S
 from h3serve.gateway.jobs.sqlite.store import SqliteJobStore
 
 __all__ = ["BUSY_WAIT_S", "SqliteJobStore"]

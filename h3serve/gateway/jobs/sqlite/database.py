@@ -17,22 +17,22 @@ import time
 from contextlib import closing
 
 from h3serve.common.errors import tail
-from h3serve.common.processes import Refused, command_line, holders_of
-from h3serve.gateway.jobs.progress import advance, progress
+from h3serve.common.processes import Refused
+from h3serve.gateway.jobs.progress import advance
+from h3serve.gateway.jobs.rows import kept_end
 from h3serve.gateway.jobs.sqlite import identity
+from h3serve.gateway.jobs.sqlite.refusals import BUSY_WAIT_S, damaged, locked
 from h3serve.gateway.jobs.sqlite.schema import (
     ARTIFACT_FIELDS,
     DEFAULT_OWNER,
-    JOB_COLUMNS,
     JOB_FIELDS,
-    OLD_INDEXES,
     OUTBOX_FIELDS,
     RECORD_COLUMNS,
-    REQUEST_ID_INDEX,
     SCHEMA,
     artifact_from_row,
     delivery_from_row,
     job_from_row,
+    migrate,
     stored_request,
 )
 from h3serve.gateway.jobs.store import (
@@ -49,18 +49,8 @@ from h3serve.gateway.webhooks import event as webhook_event
 from h3serve.v1 import gateway_pb2
 
 DEFAULT_OWNERSHIP = Ownership(DEFAULT_OWNER)
-BUSY_WAIT_S = 5.0  # how long a statement waits for another program's lock on the file before it fails
 DAMAGED = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 LOCKED = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-SIDE_FILES = ("-wal", "-shm", "-journal")
-
-
-def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
-    """A copy whose message is cut from the front: the cause of an error is at its end."""
-    trimmed = gateway_pb2.Failed()
-    trimmed.CopyFrom(failed)
-    trimmed.message = tail(failed.message)
-    return trimmed
 
 
 class Database:
@@ -86,16 +76,16 @@ class Database:
             self._rows("PRAGMA journal_mode=WAL")
             self._rows("PRAGMA synchronous=NORMAL")
             self._conn.executescript(f"BEGIN; {SCHEMA} COMMIT;")
-            self._add_missing_columns()
+            migrate(self._conn, self._rows, self.events)
             store_id = found or self._give_id()
             if store_id != self._expected_id:
                 identity.adopt(path, store_id, created_now=not had_jobs)
         except sqlite3.Error as exc:
             code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
             if code in DAMAGED:
-                raise Refused(_damaged(path, str(exc))) from None
+                raise Refused(damaged(path, str(exc))) from None
             if code in LOCKED:
-                raise Refused(_locked(path)) from None
+                raise Refused(locked(path)) from None
             raise
 
     def _check(self, path: str) -> None:
@@ -104,7 +94,7 @@ class Database:
         found = [row[0] for row in self._rows("PRAGMA quick_check")]
         if found != ["ok"]:
             problems = [line for line in "\n".join(found).splitlines() if not line.startswith("*** in database")]
-            raise Refused(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems[:3])))
+            raise Refused(damaged(path, "PRAGMA quick_check: " + "; ".join(problems[:3])))
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.rollback()
 
@@ -116,22 +106,6 @@ class Database:
 
     def close(self) -> None:
         self._conn.close()
-
-    def _add_missing_columns(self) -> None:
-        present = {row[1] for row in self._rows("PRAGMA table_info(jobs)")}
-        with self._conn:
-            for name, declaration in JOB_COLUMNS:
-                if name not in present:
-                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            for old in OLD_INDEXES:
-                self._conn.execute(f"DROP INDEX IF EXISTS {old}")
-            self._conn.execute(REQUEST_ID_INDEX)
-            self._fill_progress()
-
-    def _fill_progress(self) -> None:
-        """The progress of jobs stored before the column existed, folded from their events (once: NULL only)."""
-        for (job_id,) in self._rows("SELECT job_id FROM jobs WHERE progress IS NULL"):
-            self._conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?", (progress(self.events(job_id)), job_id))
 
     # Writers hold a transaction (`with self._conn`).
 
@@ -164,7 +138,7 @@ class Database:
         return stored
 
     def _write_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
-        blob = None if error is None else _kept_end(error).SerializeToString()
+        blob = None if error is None else kept_end(error).SerializeToString()
         with closing(
             self._conn.execute(
                 f"UPDATE jobs SET state = ?, updated = ?, error = COALESCE(?, error) "
@@ -515,26 +489,3 @@ class Database:
 def _owned_by(client: str | None) -> tuple[str, tuple]:
     """A condition on jobs' rows: those of `client` (None: every client's), and its parameters."""
     return ("owner = ?", (client,)) if client is not None else ("1", ())
-
-
-def _damaged(path: str, detail: str) -> str:
-    return (
-        f"job store {path} is damaged ({detail}): its jobs cannot be read. Move it aside, with its -wal and -shm "
-        f"files, remove {identity.mark_path(path)} and start the gateway again: it starts a new, empty store, and "
-        "the jobs in the old one are lost (`sqlite3 <old file> .recover` may save some of them)"
-    )
-
-
-def _locked(path: str) -> str:
-    holders = _holders(path)
-    return (
-        f"job store {path} is locked by another program: its write lock stayed taken for {BUSY_WAIT_S:g} s"
-        f"{'; the file is open in ' + ', '.join(holders) if holders else ''}. Close the program holding it (a "
-        "sqlite3 shell in a transaction, a backup tool) and start the gateway again"
-    )
-
-
-def _holders(path: str) -> list[str]:
-    """Other processes with the store's files open, "pid N (command)" each: best effort (Linux /proc, this user's)."""
-    files = {os.path.realpath(path + suffix) for suffix in ("", *SIDE_FILES)}
-    return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(files) - {os.getpid()})]
