@@ -1,13 +1,14 @@
 """The JobStore contract (h3serve/gateway/jobs/store.py) on both backends, for what test_store.py leaves out:
-idempotent submits per client, the bounds, stage records, artifacts, ownership scoping, uploads' owners and the
-webhook outbox. Each test runs on a fresh SQLite file and on a fresh PostgreSQL database (tests/stores.py)."""
+idempotent submits per client, the bounds, stage records, artifacts, ownership scoping, uploads' owners, the
+webhook outbox, and jobs' leases (claim, fenced writes, renew, release, expire). Each test runs on a fresh SQLite
+file and on a fresh PostgreSQL database (tests/stores.py)."""
 
 import asyncio
 
 import pytest
 import stores
 
-from h3serve.gateway.jobs.store import Ownership, QueueFull, RequestIdConflict
+from h3serve.gateway.jobs.store import Fenced, Lease, Ownership, QueueFull, RequestIdConflict
 from h3serve.gateway.tenants.clients import DEFAULT
 from h3serve.v1 import gateway_pb2
 
@@ -189,5 +190,94 @@ def test_a_jobs_end_goes_to_the_outbox_with_its_terminal_state(backend):
         )
         assert (bad.attempts, bad.last_status, bad.delivered_at > 0, bad.next_attempt_at) == (1, 200, True, 0)
         assert not (await store.get_job("stopped")).webhook.event_id, "a cancel sends no webhook"
+
+    backend.run(check)
+
+
+# Ownership: leases and fenced writes.
+
+HELD_S, RUN_OUT_S = 600.0, -1.0  # a lease that lasts the test, and one that has already run out
+
+
+def _writes(lease: Lease, record_id: int) -> dict:
+    """Every fenced write of one job, under `lease`."""
+    retrying = gateway_pb2.JobEvent(retrying=gateway_pb2.Retrying(attempt=1))
+    return {
+        "append_event": lambda store: store.append_event("j", ACCEPTED, lease=lease),
+        "start_attempt": lambda store: store.start_attempt("j", lease=lease),
+        "requeue": lambda store: store.requeue("j", retrying, lease=lease),
+        "finish": lambda store: store.finish("j", SUCCEEDED, DONE, lease=lease),
+        "stage_enqueued": lambda store: store.stage_enqueued("j", 1, "dit", lease=lease),
+        "stage_update": lambda store: store.stage_update(record_id, lease=lease, started=9.0),
+        "set_stage_seconds": lambda store: store.set_stage_seconds("j", "dit", 9.0, lease=lease),
+        "add_artifact": lambda store: store.add_artifact("j", "video", _artifact("late"), "/late", lease=lease),
+        "renew": lambda store: store.renew("j", lease),
+        "release": lambda store: store.release("j", lease),
+    }
+
+
+def test_a_claim_takes_the_oldest_job_whose_lease_ran_out_and_raises_its_fence(backend):
+    async def check(store):
+        for job_id in ("first", "second", "third"):
+            await store.submit(job_id, REQUEST)
+        claimed = await store.claim("A", HELD_S)
+        assert (claimed.job_id, claimed.state, claimed.fence) == ("first", QUEUED, 1)
+        assert (await store.claim("B", HELD_S, job_id="first")) is None, "held: not claimable, even by name"
+        assert (await store.claim("B", HELD_S, job_id="third")).job_id == "third"
+        assert (await store.claim("B", RUN_OUT_S)).job_id == "second"
+        taken = await store.claim("C", HELD_S)
+        assert (taken.job_id, taken.fence) == ("second", 2), "a lease that ran out is taken over, fence raised"
+        assert await store.claim("C", HELD_S) is None
+        await store.finish("third", CANCELLED, gateway_pb2.JobEvent(cancelled=gateway_pb2.Cancelled()))
+        assert [u.job_id for u in await store.unfinished()] == ["first", "second"]
+
+    backend.run(check)
+
+
+def test_concurrent_claims_take_each_job_once(backend):
+    async def check(store):
+        for i in range(5):
+            await store.submit(f"j{i}", REQUEST)
+        claims = await asyncio.gather(*(store.claim(f"g{i}", HELD_S) for i in range(8)))
+        taken = sorted(claimed.job_id for claimed in claims if claimed is not None)
+        assert taken == [f"j{i}" for i in range(5)]
+
+    backend.run(check)
+
+
+def test_a_taken_over_lease_writes_nothing_and_the_new_one_writes(backend):
+    async def check(store):
+        await store.submit("j", REQUEST, first_event=ACCEPTED)
+        old = Lease("A", (await store.claim("A", RUN_OUT_S)).fence, RUN_OUT_S)  # its renewals run out at once
+        assert await store.start_attempt("j", lease=old) == 1
+        record_id = await store.stage_enqueued("j", 1, "encoder", lease=old)
+        new = Lease("B", (await store.claim("B", HELD_S)).fence, HELD_S)
+        assert new.fence == old.fence + 1
+        before = await store.get_job("j")
+        for name, write in _writes(old, record_id).items():
+            with pytest.raises(Fenced, match="is no longer the job's"):
+                await write(store)
+            assert await store.get_job("j") == before, f"{name} under a stale fence wrote"
+        assert (await store.append_event("j", ACCEPTED, lease=new)).seq == 2
+        assert (await store.finish("j", SUCCEEDED, DONE, lease=new)).seq == 3
+        with pytest.raises(Fenced):
+            await store.append_event("j", ACCEPTED, lease=new)  # the job ended: nothing more of it
+        assert [e.seq for e in await store.events("j")] == [1, 2, 3]
+
+    backend.run(check)
+
+
+def test_a_fenced_write_renews_the_lease_and_release_and_expire_end_it(backend):
+    async def check(store):
+        await store.submit("j", REQUEST)
+        lease = Lease("A", (await store.claim("A", RUN_OUT_S)).fence, HELD_S)
+        await store.renew("j", lease)
+        assert await store.claim("B", HELD_S) is None, "renewed: held again"
+        await store.release("j", lease)
+        again = await store.claim("A", HELD_S)
+        assert again.fence == lease.fence + 1, "released: claimable at once"
+        assert await store.expire("B") == 0
+        assert await store.expire("A") == 1, "a gateway's start ends its earlier run's leases"
+        assert (await store.claim("A", HELD_S)).fence == again.fence + 1
 
     backend.run(check)

@@ -53,6 +53,11 @@ MIGRATIONS: tuple[str, ...] = (
         next_at DOUBLE PRECISION NOT NULL);
     CREATE INDEX outbox_due ON outbox (next_at) WHERE next_at > 0;
     """,
+    # 2: ownership (store.py's Lease): who holds the job, until when, and the fence counter each claim raises
+    """
+    ALTER TABLE jobs ADD COLUMN lease_owner TEXT NOT NULL DEFAULT '',
+        ADD COLUMN lease_until DOUBLE PRECISION NOT NULL DEFAULT 0, ADD COLUMN fence BIGINT NOT NULL DEFAULT 0;
+    """,
 )
 
 VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

@@ -14,23 +14,21 @@ from psycopg import AsyncConnection, sql
 from psycopg_pool import AsyncConnectionPool
 
 from h3serve.common.errors import tail
+from h3serve.gateway.jobs.postgres import ownership, reads
 from h3serve.gateway.jobs.postgres.schema import MIGRATION_LOCK, MIGRATIONS, VERSION_TABLE
 from h3serve.gateway.jobs.progress import advance
 from h3serve.gateway.jobs.rows import (
     ARTIFACT_FIELDS,
     DEFAULT_OWNER,
     JOB_FIELDS,
-    OUTBOX_FIELDS,
     RECORD_COLUMNS,
     artifact_from_row,
-    delivery_from_row,
-    job_from_row,
     kept_end,
-    stored_request,
 )
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
+    Lease,
     Outgoing,
     Ownership,
     QueueFull,
@@ -44,11 +42,6 @@ from h3serve.v1 import gateway_pb2
 SUBMIT_LOCK = 0x6833_0002  # pg_advisory_xact_lock key: submits one at a time (the bounds count unfinished jobs)
 POOL_SIZE = 8
 OPEN_TIMEOUT_S = 10  # seconds (libpq takes whole seconds)
-
-
-def _owned_by(client: str | None) -> tuple[str, tuple]:
-    """A condition on jobs' rows: those of `client` (None: every client's), and its parameters."""
-    return ("owner = %s", (client,)) if client is not None else ("TRUE", ())
 
 
 class PostgresJobStore:
@@ -73,7 +66,7 @@ class PostgresJobStore:
     async def _rows(self, query: str, params: tuple = ()) -> list[tuple]:
         """One statement in its own transaction."""
         async with self._pool.connection() as conn:
-            return await _fetch(conn, query, params)
+            return await reads.fetch(conn, query, params)
 
     # Jobs and events.
 
@@ -91,7 +84,7 @@ class PostgresJobStore:
         async with self._pool.connection() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock(%s)", (SUBMIT_LOCK,))
             if request_id:
-                known = await _fetch(
+                known = await reads.fetch(
                     conn,
                     "SELECT job_id, request_digest FROM jobs WHERE owner = %s AND request_id = %s",
                     (owner.client, request_id),
@@ -99,7 +92,7 @@ class PostgresJobStore:
                 if known:
                     if known[0][1] != digest:
                         raise RequestIdConflict(request_id, known[0][0])
-                    return await _stored_job(conn, known[0][0]), False
+                    return await reads.stored_job(conn, known[0][0]), False
             await _check_bounds(conn, owner, max_unfinished)
             now = time.time()
             await conn.execute(
@@ -119,17 +112,21 @@ class PostgresJobStore:
             )
             if first_event is not None:
                 await _write_event(conn, job_id, first_event)
-            return await _stored_job(conn, job_id), True
+            return await reads.stored_job(conn, job_id), True
 
-    async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+    async def append_event(
+        self, job_id: str, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent:
         async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
             return await _write_event(conn, job_id, event)
 
-    async def start_attempt(self, job_id: str) -> int:
+    async def start_attempt(self, job_id: str, lease: Lease | None = None) -> int:
         async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
             if not await _write_state(conn, job_id, gateway_pb2.JOB_STATE_RUNNING, None):
                 return 0
-            rows = await _fetch(
+            rows = await reads.fetch(
                 conn, "UPDATE jobs SET attempts = attempts + 1 WHERE job_id = %s RETURNING attempts", (job_id,)
             )
             return rows[0][0]
@@ -141,8 +138,10 @@ class PostgresJobStore:
         count_attempt: bool = True,
         interrupted: str = "",
         count_restart: bool = False,
+        lease: Lease | None = None,
     ) -> gateway_pb2.JobEvent | None:
         async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
             if not await _write_state(conn, job_id, gateway_pb2.JOB_STATE_QUEUED, None):
                 return None
             await conn.execute(
@@ -156,8 +155,11 @@ class PostgresJobStore:
                 )
             return await _write_event(conn, job_id, event)
 
-    async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+    async def finish(
+        self, job_id: str, state: int, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent | None:
         async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
             failed = event.failed if event.HasField("failed") else None
             if not await _write_state(conn, job_id, state, failed):
                 return None
@@ -166,60 +168,80 @@ class PostgresJobStore:
             return stored
 
     async def unfinished(self) -> list[Unfinished]:
-        rows = await self._rows(
-            "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
-            "r.job_id = jobs.job_id ORDER BY record_id DESC LIMIT 1), ''), restarts, EXISTS (SELECT 1 FROM "
-            "stage_runs r WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = '') "
-            "FROM jobs WHERE state = ANY(%s) ORDER BY created, position",
-            (list(UNFINISHED_STATES),),
-        )
-        return [
-            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, in_stage)
-            for job_id, state, request, attempts, stage, restarts, in_stage in rows
-        ]
+        async with self._pool.connection() as conn:
+            return await reads.unfinished(conn)
+
+    # Ownership (ownership.py).
+
+    async def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
+        async with self._pool.connection() as conn, conn.transaction():
+            claimed = await ownership.claim(conn, gateway_id, lease_s, job_id)
+            return (await reads.unfinished(conn, claimed))[0] if claimed else None
+
+    async def renew(self, job_id: str, lease: Lease) -> None:
+        async with self._pool.connection() as conn:
+            await ownership.hold(conn, job_id, lease)
+
+    async def release(self, job_id: str, lease: Lease) -> None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await ownership.release(conn, job_id, lease)
+
+    async def expire(self, gateway_id: str) -> int:
+        async with self._pool.connection() as conn:
+            return await ownership.expire(conn, gateway_id)
 
     # Stage records and timings.
 
-    async def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
-        rows = await self._rows(
-            "INSERT INTO stage_runs (job_id, attempt, stage, enqueued) VALUES (%s, %s, %s, %s) RETURNING record_id",
-            (job_id, attempt, stage, time.time()),
-        )
+    async def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
+        async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
+            rows = await reads.fetch(
+                conn,
+                "INSERT INTO stage_runs (job_id, attempt, stage, enqueued) VALUES (%s, %s, %s, %s) RETURNING record_id",
+                (job_id, attempt, stage, time.time()),
+            )
         return rows[0][0]
 
-    async def stage_update(self, record_id: int, **values) -> None:
+    async def stage_update(self, record_id: int, lease: Lease | None = None, **values) -> None:
         unknown = set(values) - set(RECORD_COLUMNS)
         if unknown:
             raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
         assignments = sql.SQL(", ").join(sql.SQL("{} = %s").format(sql.Identifier(name)) for name in values)
-        async with self._pool.connection() as conn:
+        async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold_record(conn, record_id, lease)
             await conn.execute(
                 sql.SQL("UPDATE stage_runs SET {} WHERE record_id = %s").format(assignments),
                 (*values.values(), record_id),
             )
 
-    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
-        await self._rows(
-            "INSERT INTO stages (job_id, stage, seconds) VALUES (%s, %s, %s) "
-            "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds RETURNING 1",
-            (job_id, stage, seconds),
-        )
+    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float, lease: Lease | None = None) -> None:
+        async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
+            await conn.execute(
+                "INSERT INTO stages (job_id, stage, seconds) VALUES (%s, %s, %s) "
+                "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
+                (job_id, stage, seconds),
+            )
 
     # Artifacts.
 
-    async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
+    async def add_artifact(
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+    ) -> None:
         values = (job_id, kind, artifact.file_name, path, artifact.bytes, artifact.sha256, artifact.media_type)
-        await self._rows(
-            "INSERT INTO artifacts (artifact_id, job_id, kind, file_name, path, bytes, sha256, media_type, created) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (artifact_id) DO UPDATE SET job_id = "
-            "excluded.job_id, kind = excluded.kind, file_name = excluded.file_name, path = excluded.path, bytes = "
-            "excluded.bytes, sha256 = excluded.sha256, media_type = excluded.media_type, created = excluded.created "
-            "RETURNING 1",
-            (artifact.artifact_id, *values, time.time()),
-        )
+        async with self._pool.connection() as conn, conn.transaction():
+            await ownership.hold(conn, job_id, lease)
+            await conn.execute(
+                "INSERT INTO artifacts (artifact_id, job_id, kind, file_name, path, bytes, sha256, media_type, "
+                "created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (artifact_id) DO UPDATE SET "
+                "job_id = excluded.job_id, kind = excluded.kind, file_name = excluded.file_name, path = excluded.path, "
+                "bytes = excluded.bytes, sha256 = excluded.sha256, media_type = excluded.media_type, "
+                "created = excluded.created",
+                (artifact.artifact_id, *values, time.time()),
+            )
 
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
-        mine, params = _owned_by(client)
+        mine, params = reads.owned_by(client)
         rows = await self._rows(
             f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = %s AND job_id IN "
             f"(SELECT job_id FROM jobs WHERE {mine})",
@@ -241,7 +263,7 @@ class PostgresJobStore:
 
     async def get_job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
         async with self._pool.connection() as conn:
-            return await _job(conn, job_id, client)
+            return await reads.job(conn, job_id, client)
 
     async def list_jobs(
         self,
@@ -252,7 +274,7 @@ class PostgresJobStore:
         oldest_first: bool = False,
         client: str | None = None,
     ) -> tuple[list[gateway_pb2.Job], int]:
-        mine, owner = _owned_by(client)
+        mine, owner = reads.owned_by(client)
         where, params = [f"deleted {'>' if deleted else '='} 0", mine], list(owner)
         if states:
             where.append("state = ANY(%s)")
@@ -261,17 +283,17 @@ class PostgresJobStore:
             where.append(f"position {'>' if oldest_first else '<'} %s")
             params.append(cursor)
         async with self._pool.connection() as conn:
-            rows = await _fetch(
+            rows = await reads.fetch(
                 conn,
                 f"SELECT position, {JOB_FIELDS} FROM jobs WHERE {' AND '.join(where)} "
                 f"ORDER BY position {'ASC' if oldest_first else 'DESC'} LIMIT %s",
                 (*params, limit + 1),
             )
-            jobs = await _filled(conn, [row[1:] for row in rows[:limit]], records=False)
+            jobs = await reads.filled(conn, [row[1:] for row in rows[:limit]], records=False)
         return jobs, (rows[limit - 1][0] if len(rows) > limit else 0)
 
     async def position(self, job_id: str, client: str | None = None) -> int:
-        mine, params = _owned_by(client)
+        mine, params = reads.owned_by(client)
         rows = await self._rows(f"SELECT position FROM jobs WHERE job_id = %s AND {mine}", (job_id, *params))
         return rows[0][0] if rows else 0
 
@@ -282,15 +304,15 @@ class PostgresJobStore:
                 "UPDATE jobs SET deleted = %s WHERE job_id = %s AND (deleted > 0) != %s",
                 (time.time() if deleted else 0.0, job_id, deleted),
             )
-            return await _job(conn, job_id)
+            return await reads.job(conn, job_id)
 
     async def count_by_state(self, client: str | None = None) -> dict[int, int]:
-        mine, params = _owned_by(client)
+        mine, params = reads.owned_by(client)
         return dict(await self._rows(f"SELECT state, COUNT(*) FROM jobs WHERE {mine} GROUP BY state", params))
 
     async def events(self, job_id: str, after_seq: int = 0) -> list[gateway_pb2.JobEvent]:
         async with self._pool.connection() as conn:
-            return await _events(conn, job_id, after_seq)
+            return await reads.events(conn, job_id, after_seq)
 
     # Uploads' owners.
 
@@ -331,17 +353,11 @@ class PostgresJobStore:
 # The steps a method takes inside its transaction, on its connection.
 
 
-async def _fetch(conn: AsyncConnection, query, params: tuple = ()) -> list[tuple]:
-    async with conn.cursor() as cursor:
-        await cursor.execute(query, params)
-        return await cursor.fetchall() if cursor.description else []
-
-
 async def _migrate(conn: AsyncConnection) -> None:
     """The migrations this database has not had, each once, and the store's id on a new one."""
     await conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK,))
     await conn.execute(VERSION_TABLE)
-    found = await _fetch(conn, "SELECT version FROM schema_version")
+    found = await reads.fetch(conn, "SELECT version FROM schema_version")
     done = found[0][0] if found else 0
     for step in MIGRATIONS[done:]:
         await conn.execute(step)
@@ -355,12 +371,12 @@ async def _check_bounds(conn: AsyncConnection, owner: Ownership, max_unfinished:
     """QueueFull when the gateway's bound, or the owner's own, on unfinished jobs is reached."""
     states = list(UNFINISHED_STATES)
     if max_unfinished > 0:
-        depth = (await _fetch(conn, "SELECT COUNT(*) FROM jobs WHERE state = ANY(%s)", (states,)))[0][0]
+        depth = (await reads.fetch(conn, "SELECT COUNT(*) FROM jobs WHERE state = ANY(%s)", (states,)))[0][0]
         if depth >= max_unfinished:
             raise QueueFull(depth, max_unfinished)
     if owner.max_unfinished > 0:
         query = "SELECT COUNT(*) FROM jobs WHERE owner = %s AND state = ANY(%s)"
-        own = (await _fetch(conn, query, (owner.client, states)))[0][0]
+        own = (await reads.fetch(conn, query, (owner.client, states)))[0][0]
         if own >= owner.max_unfinished:
             raise QueueFull(own, owner.max_unfinished, owner.client)
 
@@ -368,11 +384,11 @@ async def _check_bounds(conn: AsyncConnection, owner: Ownership, max_unfinished:
 async def _write_event(conn: AsyncConnection, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
     """The job's next event, and its progress advanced by it (JobStore.append_event); the job's row stays locked
     to the end of the transaction, so two writers of one job's events take turns."""
-    current = await _fetch(conn, "SELECT progress FROM jobs WHERE job_id = %s FOR UPDATE", (job_id,))
+    current = await reads.fetch(conn, "SELECT progress FROM jobs WHERE job_id = %s FOR UPDATE", (job_id,))
     if not current:
         raise KeyError(job_id)
     now = time.time()
-    seq = await _fetch(
+    seq = await reads.fetch(
         conn,
         "UPDATE jobs SET last_seq = last_seq + 1, updated = %s, progress = %s WHERE job_id = %s RETURNING last_seq",
         (now, advance(current[0][0], event), job_id),
@@ -382,7 +398,7 @@ async def _write_event(conn: AsyncConnection, job_id: str, event: gateway_pb2.Jo
     stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
     if stored.HasField("failed"):
         stored.failed.message = tail(stored.failed.message)
-    rows = await _fetch(
+    rows = await reads.fetch(
         conn,
         "INSERT INTO events (job_id, seq, time, event) VALUES (%s, %s, %s, %s) RETURNING log_seq",
         (job_id, stored.seq, now, stored.SerializeToString()),
@@ -393,7 +409,7 @@ async def _write_event(conn: AsyncConnection, job_id: str, event: gateway_pb2.Jo
 
 async def _write_state(conn: AsyncConnection, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
     blob = None if error is None else kept_end(error).SerializeToString()
-    rows = await _fetch(
+    rows = await reads.fetch(
         conn,
         "UPDATE jobs SET state = %s, updated = %s, error = COALESCE(%s, error) "
         "WHERE job_id = %s AND NOT state = ANY(%s) RETURNING 1",
@@ -404,7 +420,7 @@ async def _write_state(conn: AsyncConnection, job_id: str, state: int, error: ga
 
 async def _queue_webhook(conn: AsyncConnection, job_id: str, state: int, now: float) -> None:
     """The job's end into the outbox, due now, in the transaction of its terminal state (as SQLite's)."""
-    url = await _fetch(conn, "SELECT webhook_url FROM jobs WHERE job_id = %s", (job_id,))
+    url = await reads.fetch(conn, "SELECT webhook_url FROM jobs WHERE job_id = %s", (job_id,))
     if not url or not url[0][0] or state not in webhook_event.TYPES:
         return
     event_id, event_type = webhook_event.new_id(), webhook_event.TYPES[state]
@@ -412,59 +428,3 @@ async def _queue_webhook(conn: AsyncConnection, job_id: str, state: int, now: fl
         "INSERT INTO outbox (event_id, job_id, type, body, next_at) VALUES (%s, %s, %s, %s, %s)",
         (event_id, job_id, event_type, webhook_event.body(event_id, event_type, job_id, now), now),
     )
-
-
-async def _events(conn: AsyncConnection, job_id: str, after_seq: int) -> list[gateway_pb2.JobEvent]:
-    rows = await _fetch(
-        conn, "SELECT log_seq, event FROM events WHERE job_id = %s AND seq > %s ORDER BY seq", (job_id, after_seq)
-    )
-    events = []
-    for log_seq, blob in rows:
-        event = gateway_pb2.JobEvent.FromString(blob)
-        event.log_seq = log_seq
-        events.append(event)
-    return events
-
-
-async def _stored_job(conn: AsyncConnection, job_id: str) -> gateway_pb2.Job:
-    """A job this transaction has just read or written."""
-    job = await _job(conn, job_id)
-    assert job is not None
-    return job
-
-
-async def _job(conn: AsyncConnection, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
-    mine, params = _owned_by(client)
-    rows = await _fetch(conn, f"SELECT {JOB_FIELDS} FROM jobs WHERE job_id = %s AND {mine}", (job_id, *params))
-    jobs = await _filled(conn, rows, records=True)
-    return jobs[0] if jobs else None
-
-
-async def _filled(conn: AsyncConnection, rows: list[tuple], records: bool) -> list[gateway_pb2.Job]:
-    """Jobs from their rows (JOB_FIELDS), in order, with their artifacts, stage timings, webhook and (`records`)
-    stage records: one query per table for all of them."""
-    if not rows:
-        return []
-    jobs = {row[0]: job_from_row(row) for row in rows}
-    ids = (list(jobs),)
-    for job_id, *fields in await _fetch(
-        conn,
-        f"SELECT job_id, {ARTIFACT_FIELDS} FROM artifacts WHERE job_id = ANY(%s) "
-        "ORDER BY kind != 'video', created, position",
-        ids,
-    ):
-        jobs[job_id].artifacts.append(artifact_from_row(fields))
-    query = "SELECT job_id, stage, seconds FROM stages WHERE job_id = ANY(%s) ORDER BY position"
-    for job_id, stage, seconds in await _fetch(conn, query, ids):
-        jobs[job_id].stages.add(stage=stage, seconds=seconds)
-    query = f"SELECT job_id, {OUTBOX_FIELDS} FROM outbox WHERE job_id = ANY(%s)"
-    for job_id, *fields in await _fetch(conn, query, ids):
-        delivery_from_row(jobs[job_id].webhook, fields)
-    if records:
-        query = (
-            f"SELECT job_id, stage, attempt, {', '.join(RECORD_COLUMNS)} FROM stage_runs WHERE job_id = ANY(%s) "
-            "ORDER BY record_id"
-        )
-        for job_id, *fields in await _fetch(conn, query, ids):
-            jobs[job_id].stage_records.add(**dict(zip(("stage", "attempt", *RECORD_COLUMNS), fields, strict=True)))
-    return list(jobs.values())

@@ -20,7 +20,7 @@ from h3serve.common.errors import tail
 from h3serve.common.processes import Refused
 from h3serve.gateway.jobs.progress import advance
 from h3serve.gateway.jobs.rows import kept_end
-from h3serve.gateway.jobs.sqlite import identity
+from h3serve.gateway.jobs.sqlite import asset_owners, identity, outbox, ownership
 from h3serve.gateway.jobs.sqlite.refusals import BUSY_WAIT_S, damaged, locked
 from h3serve.gateway.jobs.sqlite.schema import (
     ARTIFACT_FIELDS,
@@ -38,6 +38,7 @@ from h3serve.gateway.jobs.sqlite.schema import (
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
+    Lease,
     Outgoing,
     Ownership,
     QueueFull,
@@ -45,7 +46,6 @@ from h3serve.gateway.jobs.store import (
     StoredArtifact,
     Unfinished,
 )
-from h3serve.gateway.webhooks import event as webhook_event
 from h3serve.v1 import gateway_pb2
 
 DEFAULT_OWNERSHIP = Ownership(DEFAULT_OWNER)
@@ -205,12 +205,18 @@ class Database:
             if own >= owner.max_unfinished:
                 raise QueueFull(own, owner.max_unfinished, owner.client)
 
-    def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+    def append_event(
+        self, job_id: str, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             return self._write_event(job_id, event)
 
-    def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
+    def add_artifact(
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+    ) -> None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             self._conn.execute(
                 "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -226,17 +232,19 @@ class Database:
                 ),
             )
 
-    def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
+    def set_stage_seconds(self, job_id: str, stage: str, seconds: float, lease: Lease | None = None) -> None:
         # An upsert rather than REPLACE keeps the row id, which orders stages as they first ran.
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             self._conn.execute(
                 "INSERT INTO stages VALUES (?, ?, ?) "
                 "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
                 (job_id, stage, seconds),
             )
 
-    def start_attempt(self, job_id: str) -> int:
+    def start_attempt(self, job_id: str, lease: Lease | None = None) -> int:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_RUNNING, None):
                 return 0
             return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts", (job_id,))[
@@ -250,8 +258,10 @@ class Database:
         count_attempt: bool = True,
         interrupted: str = "",
         count_restart: bool = False,
+        lease: Lease | None = None,
     ) -> gateway_pb2.JobEvent | None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
                 return None
             if not count_attempt:
@@ -265,26 +275,17 @@ class Database:
                 )
             return self._write_event(job_id, event)
 
-    def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+    def finish(
+        self, job_id: str, state: int, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent | None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             failed = event.failed if event.HasField("failed") else None
             if not self._write_state(job_id, state, failed):
                 return None
             stored = self._write_event(job_id, event)
-            self._queue_webhook(job_id, state, stored.time)
+            outbox.queue(self._conn, job_id, state, stored.time)
             return stored
-
-    def _queue_webhook(self, job_id: str, state: int, now: float) -> None:
-        """The job's end into the outbox, due now, in the transaction of its terminal state: a job with an endpoint
-        and an end that has an event (webhooks/event.py)."""
-        url = self._rows("SELECT webhook_url FROM jobs WHERE job_id = ?", (job_id,))
-        if not url or not url[0][0] or state not in webhook_event.TYPES:
-            return
-        event_id, event_type = webhook_event.new_id(), webhook_event.TYPES[state]
-        self._conn.execute(
-            "INSERT INTO outbox (event_id, job_id, type, body, next_at) VALUES (?, ?, ?, ?, ?)",
-            (event_id, job_id, event_type, webhook_event.body(event_id, event_type, job_id, now), now),
-        )
 
     def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         # Only a change of side writes: a second delete keeps the time the job first went to the bin.
@@ -295,23 +296,45 @@ class Database:
             )
             return self._job(job_id)
 
-    def unfinished(self) -> list[Unfinished]:
+    def unfinished(self, job_id: str = "") -> list[Unfinished]:
+        """Queued and running jobs, oldest first (`job_id`: that one only)."""
+        only, params = ("AND job_id = ?", (job_id,)) if job_id else ("", ())
         rows = self._rows(
             "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
             "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), ''), restarts, EXISTS (SELECT 1 FROM stage_runs r "
-            "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = '') "
-            "FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid",
-            UNFINISHED_STATES,
+            "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = ''), fence "
+            f"FROM jobs WHERE state IN (?, ?) {only} ORDER BY created, rowid",
+            (*UNFINISHED_STATES, *params),
         )
         return [
-            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, bool(in_stage))
-            for job_id, state, request, attempts, stage, restarts, in_stage in rows
+            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, bool(in_stage), fence)
+            for job_id, state, request, attempts, stage, restarts, in_stage, fence in rows
         ]
+
+    # Ownership (ownership.py).
+
+    def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
+        with self._conn:
+            claimed = ownership.claim(self._conn, gateway_id, lease_s, job_id)
+            return self.unfinished(claimed)[0] if claimed else None
+
+    def renew(self, job_id: str, lease: Lease) -> None:
+        with self._conn:
+            ownership.hold(self._conn, job_id, lease)
+
+    def release(self, job_id: str, lease: Lease) -> None:
+        with self._conn:
+            ownership.release(self._conn, job_id, lease)
+
+    def expire(self, gateway_id: str) -> int:
+        with self._conn:
+            return ownership.expire(self._conn, gateway_id)
 
     # Stage records: one row per pass of a job through a stage.
 
-    def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
+    def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             with closing(
                 self._conn.execute(
                     "INSERT INTO stage_runs (job_id, attempt, stage, enqueued) VALUES (?, ?, ?, ?)",
@@ -321,12 +344,13 @@ class Database:
                 assert cur.lastrowid is not None  # set by the INSERT
                 return cur.lastrowid
 
-    def stage_update(self, record_id: int, **values) -> None:
+    def stage_update(self, record_id: int, lease: Lease | None = None, **values) -> None:
         unknown = set(values) - set(RECORD_COLUMNS)
         if unknown:
             raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
         assignments = ", ".join(f"{name} = ?" for name in values)
         with self._conn:
+            ownership.hold_record(self._conn, record_id, lease)
             self._conn.execute(f"UPDATE stage_runs SET {assignments} WHERE rowid = ?", (*values.values(), record_id))
 
     # Artifact retention.
@@ -430,45 +454,23 @@ class Database:
         rows = self._rows(f"SELECT rowid FROM jobs WHERE job_id = ? AND {mine}", (job_id, *params))
         return rows[0][0] if rows else 0
 
-    # Uploads' owners.
+    # Uploads' owners (asset_owners.py).
 
     def own_asset(self, asset_id: str, client: str) -> bool:
-        with (
-            self._conn,
-            closing(
-                self._conn.execute("INSERT OR IGNORE INTO asset_owners VALUES (?, ?)", (asset_id, client))
-            ) as cursor,
-        ):
-            return cursor.rowcount == 1
+        with self._conn:
+            return asset_owners.own(self._conn, asset_id, client)
 
     def owned_assets(self, asset_ids: list[str], client: str) -> set[str]:
-        if not asset_ids:
-            return set()
-        marks = ", ".join("?" * len(asset_ids))
-        owners: dict[str, set[str]] = {asset_id: set() for asset_id in asset_ids}
-        for asset_id, owner in self._rows(
-            f"SELECT asset_id, owner FROM asset_owners WHERE asset_id IN ({marks})", tuple(asset_ids)
-        ):
-            owners[asset_id].add(owner)
-        return {a for a, who in owners.items() if client in who or (client == DEFAULT_OWNER and not who)}
+        return asset_owners.owned(self._conn, asset_ids, client)
 
-    # The webhook outbox.
+    # The webhook outbox (outbox.py).
 
     def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
-        rows = self._rows(
-            "SELECT o.event_id, o.job_id, j.owner, j.webhook_url, o.body, o.attempts FROM outbox o JOIN jobs j "
-            "USING (job_id) WHERE o.next_at > 0 AND o.next_at <= ? ORDER BY o.next_at LIMIT ?",
-            (now, limit),
-        )
-        return [Outgoing(*row) for row in rows]
+        return outbox.due(self._conn, now, limit)
 
     def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
         with self._conn:
-            self._conn.execute(
-                "UPDATE outbox SET attempts = attempts + 1, last_status = ?, last_error = ?, delivered_at = ?, "
-                "next_at = ? WHERE event_id = ?",
-                (status, "" if delivered else error, time.time() if delivered else 0.0, next_at, event_id),
-            )
+            outbox.attempted(self._conn, event_id, status, error, delivered, next_at)
 
     def count_by_state(self, client: str | None = None) -> dict[int, int]:
         mine, params = _owned_by(client)

@@ -62,6 +62,10 @@ JOB_COLUMNS = (
     ("restarts", "INTEGER NOT NULL DEFAULT 0"),
     ("owner", f"TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'"),  # the client (tenants): jobs from before are the default's
     ("webhook_url", "TEXT NOT NULL DEFAULT ''"),
+    # ownership (store.py's Lease): who holds the job, until when, and the fence counter each claim raises
+    ("lease_owner", "TEXT NOT NULL DEFAULT ''"),
+    ("lease_until", "REAL NOT NULL DEFAULT 0"),
+    ("fence", "INTEGER NOT NULL DEFAULT 0"),
 )
 # A request_id names one job per client: a client reusing another's id makes its own job, and learns nothing.
 REQUEST_ID_INDEX = (
