@@ -31,6 +31,7 @@ from h3serve.gateway.assets.validate import AssetLimits
 from h3serve.gateway.http.door import HttpDoor, private_address
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
+from h3serve.gateway.jobs.gateway_id import gateway_id
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.sqlite import SqliteJobStore
 from h3serve.gateway.jobs.store import JobStore
@@ -130,7 +131,8 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     hub = EventHub(store)
     caller = StageCaller(config, metrics)
     assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
-    runner = JobRunner(config, store, hub, caller, ArtifactStore(str(data_dir / "artifacts")), metrics, assets)
+    artifacts = ArtifactStore(str(data_dir / "artifacts"))
+    runner = JobRunner(config, store, hub, caller, artifacts, metrics, assets, gateway_id=gateway_id(data_dir))
     text_rows = await asyncio.to_thread(_load_text_rows, config)
     loop = asyncio.get_running_loop()
     # The scrape runs on the metrics server's thread: it asks the store through the event loop.
@@ -160,6 +162,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
         await door.start()
     await server.start()
     await runner.resume()
+    claims = loop.create_task(runner.claim_loop())
     retention = loop.create_task(_retention_loop(runner))
     webhooks = loop.create_task(WebhookSender(config, store, tenants).run())
     log.info(
@@ -178,6 +181,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     health.stopping = True
     if door:
         await door.stop()
+    claims.cancel()
     retention.cancel()
     webhooks.cancel()
     await runner.shutdown()
