@@ -115,6 +115,7 @@ class JobRunner:
         self._tasks: dict[str, asyncio.Task] = {}
         self._leases: dict[str, Lease] = {}  # the jobs this gateway holds
         self._fenced: set[str] = set()  # jobs whose lease another gateway took: their tasks stop, writing nothing
+        self._renewals: dict[str, asyncio.Task] = {}  # each held job's lease timer
         self._cancel_requested: set[str] = set()
         self._ends_waiting: dict[str, DiskFull] = {}  # jobs whose end a full disk keeps from the store, and why
         self.drain = DrainEstimate()  # how long jobs stay: the retry time a full queue advises
@@ -220,20 +221,26 @@ class JobRunner:
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         """The job's worker while this gateway holds its lease; a lost lease (Fenced) ends it writing nothing."""
-        if job_id not in self._leases:
-            claimed = await self.store.claim(self.gateway_id, self.lease_s, job_id)
-            if claimed is None:  # another gateway runs it
-                return
-            self._leases[job_id] = Lease(self.gateway_id, claimed.fence, self.lease_s)
-        renewal = asyncio.get_running_loop().create_task(self._renew(job_id), name=f"lease-{job_id}")
         try:
             await self._work(job_id, request)
         except Fenced as exc:
             log.warning("job %s: %s; its stage calls stop here and nothing more of it is written", job_id, exc)
         finally:
-            renewal.cancel()
+            if (renewal := self._renewals.pop(job_id, None)) is not None:
+                renewal.cancel()
             self._leases.pop(job_id, None)
             self._fenced.discard(job_id)
+
+    async def _hold(self, job_id: str) -> bool:
+        """Claim the job unless this gateway holds it already (False: another gateway runs it), and keep its lease
+        renewed while it runs here."""
+        if job_id not in self._leases:
+            claimed = await self.store.claim(self.gateway_id, self.lease_s, job_id)
+            if claimed is None:
+                return False
+            self._leases[job_id] = Lease(self.gateway_id, claimed.fence, self.lease_s)
+        self._renewals[job_id] = asyncio.get_running_loop().create_task(self._renew(job_id), name=f"lease-{job_id}")
+        return True
 
     async def _renew(self, job_id: str) -> None:
         """Renew the job's lease in quiet phases (a long DiT call writes nothing for minutes); a lease another
@@ -260,6 +267,8 @@ class JobRunner:
     async def _work(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         began = time.monotonic()
         try:
+            if not await self._hold(job_id):  # inside the handlers: a claim a full disk refuses fails the job
+                return
             while attempt := await self.store.start_attempt(job_id, lease=self._lease(job_id)):
                 if await self._attempt(job_id, request, attempt):
                     return
@@ -267,8 +276,9 @@ class JobRunner:
             if job_id in self._fenced:  # another gateway holds it now: not this gateway's to write
                 return
             if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start, or elsewhere
-                await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
-                await self.store.release(job_id, self._leases[job_id])
+                if (lease := self._lease(job_id)) is not None:  # (not claimed yet: nothing of it is this gateway's)
+                    await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
+                    await self.store.release(job_id, lease)
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
         except StageFailed as exc:
