@@ -10,8 +10,8 @@ all: $(VENV)/.installed proto
 
 # The extras `make demo` and `make test` use (pyproject.toml): the model services, the experiment tool, the
 # suite, dev's tools (grpcio-tools, ruff, mypy, pre-commit) and the docs site, which the suite builds.
-# A gateway-only host installs the base alone (`pip install .`).
-EXTRAS := model,experiment,test,dev,docs
+# A gateway-only host installs the base alone (`pip install .`), with `postgres` for a job store on PostgreSQL.
+EXTRAS := model,experiment,test,dev,docs,postgres
 
 # torch 2.14.1 + torchvision 0.29.1 come from the machine's local wheel directory when pip has one.
 $(VENV)/.installed: pyproject.toml setup.py
@@ -54,7 +54,16 @@ chromium:
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "make: no Chromium at $(CHROMIUM), and apt-get cannot install it here: the console tests will skip"
 
-test: all chromium
+# The job store's contract runs on PostgreSQL too (tests/stores.py starts one server from the OS packages for the
+# session): installed here as Chromium is; where it cannot be, the PostgreSQL half of the contract skips and says so.
+POSTGRES_INITDB := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb))
+.PHONY: postgresql
+postgresql:
+	@test -n "$(POSTGRES_INITDB)" || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; } \
+		|| echo "make: no PostgreSQL, and apt-get cannot install it here: the store contract's PostgreSQL tests will skip"
+
+test: all chromium postgresql
 	@started=$$(date +%s); $(PYTEST) -m "not timing" --durations=25; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 

@@ -141,11 +141,14 @@ def check(
 
 def test_the_gateway_the_client_and_their_layers_import_only_the_base():
     """v1, model, common, client, gateway: everything a gateway host runs. h3serve/model/workflows' stage-side
-    methods import diffusers when called (inside the services), so their functions may use the `model` extra."""
-    workflows = PACKAGE / "model" / "workflows"
+    methods import diffusers when called (inside the services), so their functions may use the `model` extra; the
+    PostgreSQL job store (gateway/jobs/postgres/, imported only when a store_url names it) is the `postgres` extra."""
+    workflows, postgres = PACKAGE / "model" / "workflows", PACKAGE / "gateway" / "jobs" / "postgres"
     paths = files("v1", "model", "common", "client", "gateway")
-    wrong = check([p for p in paths if workflows not in p.parents], ("",), ())
+    base = [p for p in paths if workflows not in p.parents and postgres not in p.parents]
+    wrong = check(base, ("",), ())
     wrong += check([p for p in paths if workflows in p.parents], ("",), ("model",))
+    wrong += check([p for p in paths if postgres in p.parents], ("", "postgres"), ())
     assert not wrong, "\n".join(wrong)
 
 

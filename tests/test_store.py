@@ -1,5 +1,6 @@
-"""The gateway's durable job store (SqliteJobStore, a JobStore) and artifact files, on real SQLite files and
-directories; the restart policy the job runner applies with it."""
+"""The gateway's durable job store and artifact files: the JobStore contract on both backends (`backend`: a real
+SQLite file, a real PostgreSQL database), what only SQLite has (WAL, its thread, an old file's upgrade), and the
+restart policy the job runner applies with the store."""
 
 import asyncio
 import hashlib
@@ -10,6 +11,7 @@ from contextlib import closing
 
 import grpc
 import pytest
+import stores
 from stores import with_store
 
 from h3serve.common.config import GatewayConfig
@@ -33,6 +35,7 @@ REQUEST = gateway_pb2.ResolvedRequest(
     prompt="a fox", height=768, width=1344, num_frames=124, params=PARAMS, workflow=common_pb2.WORKFLOW_T2VA
 )
 CANCEL = gateway_pb2.JobEvent(cancelled=gateway_pb2.Cancelled(reason="x"))
+postgres, backend = stores.postgres, stores.backend  # fixtures: the contract runs on both backends
 
 
 def run(coroutine):
@@ -55,9 +58,12 @@ def _artifact(job_id, kind, size=10):
     )
 
 
-def test_the_sqlite_store_implements_every_method_of_the_protocol():
+def test_each_store_implements_every_method_of_the_protocol():
+    from h3serve.gateway.jobs.postgres import PostgresJobStore
+
     declared = {name for name, value in vars(JobStore).items() if asyncio.iscoroutinefunction(value)}
-    assert all(asyncio.iscoroutinefunction(vars(SqliteJobStore).get(name)) for name in declared)
+    for implementation in (SqliteJobStore, PostgresJobStore):
+        assert all(asyncio.iscoroutinefunction(vars(implementation).get(name)) for name in declared)
     assert all(callable(getattr(Database, name)) for name in declared)
 
 
@@ -79,9 +85,9 @@ def test_queries_run_off_the_event_loop_thread(db_path):
     with_store(db_path, check)
 
 
-def test_round_trip_survives_reopen(db_path):
+def test_round_trip_survives_reopen(backend):
     async def write():
-        store = SqliteJobStore(db_path)
+        store = await backend.open()
         created, is_new = await store.submit("j1", REQUEST)
         assert is_new and created.state == QUEUED and created.request == REQUEST
         await store.append_event("j1", gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted(request=REQUEST)))
@@ -98,7 +104,7 @@ def test_round_trip_survives_reopen(db_path):
         return created
 
     async def read(created):
-        reopened = SqliteJobStore(db_path)
+        reopened = await backend.open()
         job = await reopened.get_job("j1")
         assert job.job_id == "j1" and job.state == SUCCEEDED and job.request == REQUEST
         assert job.created == created.created and job.updated >= job.created
@@ -118,7 +124,7 @@ def test_round_trip_survives_reopen(db_path):
     run(read(run(write())))
 
 
-def test_a_request_stored_before_params_reads_with_them(db_path):
+def test_a_request_stored_before_params_reads_with_them(backend):
     """A job written by a gateway from before GenerationParams still runs: its options come from the old fields."""
     old = gateway_pb2.ResolvedRequest(
         prompt="a fox", height=32, width=64, num_frames=124, num_inference_steps=8, seed=7, include_raw=True
@@ -130,10 +136,10 @@ def test_a_request_stored_before_params_reads_with_them(db_path):
         assert job.request.params == common_pb2.GenerationParams(num_inference_steps=8, seed=7, include_raw=True)
         assert [u.request.params.seed for u in await store.unfinished()] == [7]
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_seq_is_one_to_n_and_ordered(db_path):
+def test_seq_is_one_to_n_and_ordered(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         stored = [
@@ -149,10 +155,10 @@ def test_seq_is_one_to_n_and_ordered(db_path):
         with pytest.raises(KeyError):
             await store.append_event("ghost", CANCEL)
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
+def test_concurrent_appends_get_unique_contiguous_seqs(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         tasks, per_task = 8, 25
@@ -172,10 +178,10 @@ def test_concurrent_appends_get_unique_contiguous_seqs(db_path):
         assert [e.seq for e in await store.events("j")] == list(range(1, total + 1))
         assert (await store.get_job("j")).last_event_seq == total
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_a_watcher_gets_the_event_whose_emit_was_cancelled_while_the_store_wrote_it(db_path):
+def test_a_watcher_gets_the_event_whose_emit_was_cancelled_while_the_store_wrote_it(backend):
     """CancelJob cancels a running job's task, maybe while its step event is being written: the event is stored
     (the write runs on in its thread) but never published. A live watcher reads it from the store when the next
     event shows the gap, so its stream is what the store holds (and Job.progress, folded from the store, is what
@@ -197,10 +203,10 @@ def test_a_watcher_gets_the_event_whose_emit_was_cancelled_while_the_store_wrote
         assert [e.WhichOneof("kind") for e in streamed] == ["denoising", "cancelled"]
         assert streamed == (await store.events("j"))[1:]
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path):
+def test_terminal_state_and_its_event_are_written_together_and_are_final(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         assert await store.start_attempt("j") == 1
@@ -214,10 +220,10 @@ def test_terminal_state_and_its_event_are_written_together_and_are_final(db_path
         assert job.state == CANCELLED and not job.HasField("error") and job.last_event_seq == 1
         assert await store.finish("ghost", FAILED, late) is None
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_requeue_counts_the_attempt_or_takes_it_back(db_path):
+def test_requeue_counts_the_attempt_or_takes_it_back(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         await store.start_attempt("j")
@@ -229,10 +235,10 @@ def test_requeue_counts_the_attempt_or_takes_it_back(db_path):
         await store.requeue("j", retrying, count_attempt=False)
         assert (await store.get_job("j")).attempts == 1
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_long_error_keeps_its_end(db_path):
+def test_long_error_keeps_its_end(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         message = "Traceback (most recent call last):\n" + "  frame\n" * 5000 + "RuntimeError: CUDA out of memory"
@@ -248,10 +254,10 @@ def test_long_error_keeps_its_end(db_path):
             assert len(kept) <= MAX_ERROR_CHARS + len("...\n")
             assert not kept.startswith("Traceback")
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_than_the_bound(db_path):
+def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_than_the_bound(backend):
     """The job runner's restart policy (JobRunner.resume) on the store a dead gateway left behind, eleven restarts
     in a row: a restart spends none of a job's `max_attempts` (not even of one whose attempts a stall spent); a
     restart that caught one of its stage calls in progress is one of its MAX_RESTART_RERUNS re-runs, and the next
@@ -283,7 +289,7 @@ def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_th
         await store.append_event("worn", gateway_pb2.JobEvent(decoding=gateway_pb2.Decoding()))
 
     async def leave_behind():
-        store = SqliteJobStore(db_path)
+        store = await backend.open()
         for job_id in ("queued", "running", "waited", "worn", "done", "cancelled"):
             await store.submit(job_id, REQUEST, first_event=gateway_pb2.JobEvent(accepted=gateway_pb2.Accepted()))
         assert await store.start_attempt("worn") == 1  # its first attempt stalled: its second is its last
@@ -295,7 +301,7 @@ def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_th
 
     async def restart(n: int):
         """The n-th gateway start after a death, on what the dead gateway left behind."""
-        store, config = SqliteJobStore(db_path), GatewayConfig(max_attempts=2)
+        store, config = await backend.open(), GatewayConfig(max_attempts=2)
         metrics = GatewayMetrics(STAGE_NAMES)
         runner = JobRunner(config, store, EventHub(store), StageCaller(config, metrics), None, metrics, None)
         started = []
@@ -428,7 +434,7 @@ def _finish(store, job_id):
     return store.finish(job_id, SUCCEEDED, gateway_pb2.JobEvent(done=gateway_pb2.Done()))
 
 
-def test_the_bin_marks_and_restores_a_job_and_never_touches_its_state(db_path):
+def test_the_bin_marks_and_restores_a_job_and_never_touches_its_state(backend):
     async def check(store):
         await store.submit("j", REQUEST)
         await store.start_attempt("j")
@@ -446,7 +452,7 @@ def test_the_bin_marks_and_restores_a_job_and_never_touches_its_state(db_path):
         assert (await store.set_deleted("j", False)).deleted == 0
         assert await store.set_deleted("ghost", True) is None and await store.set_deleted("ghost", False) is None
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
 def _pages(store, limit, **options):
@@ -463,7 +469,7 @@ def _pages(store, limit, **options):
     return walk()
 
 
-def test_listing_filters_the_bin_and_pages_in_both_orders(db_path):
+def test_listing_filters_the_bin_and_pages_in_both_orders(backend):
     ids = [f"j{i}" for i in range(7)]
 
     async def check(store):
@@ -487,10 +493,10 @@ def test_listing_filters_the_bin_and_pages_in_both_orders(db_path):
             assert [j.job_id for j in jobs] == expected
         assert await store.position("ghost") == 0
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
-def test_a_listing_carries_each_jobs_artifacts_and_timings_but_not_its_records(db_path):
+def test_a_listing_carries_each_jobs_artifacts_and_timings_but_not_its_records(backend):
     async def check(store):
         for job_id in ("a", "b", "c"):
             await store.submit(job_id, REQUEST)
@@ -510,7 +516,7 @@ def test_a_listing_carries_each_jobs_artifacts_and_timings_but_not_its_records(d
         assert [a.artifact_id for a in listed[0].artifacts] == ["c-video", "c-raw"] and not listed[1].artifacts
         assert [s.stage for s in listed[2].stages] == ["encode", "denoise"]
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
 # Progress.
@@ -553,7 +559,7 @@ def test_progress_follows_the_documented_formula():
     assert progress([ENCODING, _denoising(8), _event(retrying=gateway_pb2.Retrying()), ENCODING]) == 0.05
 
 
-def test_the_stored_progress_advances_with_every_event_in_its_transaction(db_path):
+def test_the_stored_progress_advances_with_every_event_in_its_transaction(backend):
     from h3serve.gateway.jobs.progress import progress
 
     async def check(store):
@@ -578,7 +584,7 @@ def test_the_stored_progress_advances_with_every_event_in_its_transaction(db_pat
         await _finish(store, "k")
         assert (await store.get_job("k")).progress == 1.0
 
-    with_store(db_path, check)
+    backend.run(check)
 
 
 # The file a gateway from before the bin and progress left behind (and before attempts and request ids).

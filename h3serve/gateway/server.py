@@ -31,6 +31,7 @@ from h3serve.gateway.assets.validate import AssetLimits
 from h3serve.gateway.http.door import HttpDoor, private_address
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
+from h3serve.gateway.jobs.gateway_id import gateway_id
 from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.sqlite import SqliteJobStore
 from h3serve.gateway.jobs.store import JobStore
@@ -82,14 +83,28 @@ def admission(config: GatewayConfig) -> CapacityTable:
     return CapacityTable(config.capacity, config.max_rows, planned)
 
 
-def _open_store(data_dir: Path) -> JobStore:
-    """The job store; a file no restart can fix (damaged, or locked by another program) or a full disk is refused,
-    with the way out, and exits EXIT_REFUSED."""
+async def _open_store(config: GatewayConfig, data_dir: Path) -> JobStore:
+    """The job store: PostgreSQL at [gateway] store_url when set, else data_dir's SQLite file. A file no restart can
+    fix (damaged, or locked by another program), a full disk or a database that cannot be reached is refused, with
+    the way out, and exits EXIT_REFUSED."""
+    if config.store_url:
+        return await _open_postgres(config.store_url)
     try:
         with full_named(str(data_dir)):
             return SqliteJobStore(str(data_dir / "jobs.sqlite"))
     except (Refused, DiskFull) as exc:
         refuse(f"[gateway] {exc}")
+
+
+async def _open_postgres(url: str) -> JobStore:
+    try:
+        from h3serve.gateway.jobs.postgres import PostgresJobStore
+    except ImportError as exc:
+        refuse(f"[gateway] store_url names PostgreSQL, but {exc.name} is not installed: pip install h3serve[postgres]")
+    try:
+        return await PostgresJobStore.open(url)
+    except Exception as exc:  # psycopg's and the pool's errors: the server is down, refuses us, or times out
+        refuse(f"[gateway] store_url: the job store's PostgreSQL cannot be used ({exc}); start it, or fix store_url")
 
 
 def _tenants(config: GatewayConfig) -> Tenants:
@@ -111,12 +126,13 @@ def _http_door(config: GatewayConfig, server: grpc.aio.Server, tenants: Tenants)
 async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = None) -> None:
     data_dir = Path(config.data_dir)
     tenants = _tenants(config)
-    store = _open_store(data_dir)
+    store = await _open_store(config, data_dir)
     metrics = GatewayMetrics(STAGE_NAMES)
     hub = EventHub(store)
     caller = StageCaller(config, metrics)
     assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
-    runner = JobRunner(config, store, hub, caller, ArtifactStore(str(data_dir / "artifacts")), metrics, assets)
+    artifacts = ArtifactStore(str(data_dir / "artifacts"))
+    runner = JobRunner(config, store, hub, caller, artifacts, metrics, assets, gateway_id=gateway_id(data_dir))
     text_rows = await asyncio.to_thread(_load_text_rows, config)
     loop = asyncio.get_running_loop()
     # The scrape runs on the metrics server's thread: it asks the store through the event loop.
@@ -146,6 +162,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
         await door.start()
     await server.start()
     await runner.resume()
+    claims = loop.create_task(runner.claim_loop())
     retention = loop.create_task(_retention_loop(runner))
     webhooks = loop.create_task(WebhookSender(config, store, tenants).run())
     log.info(
@@ -164,6 +181,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     health.stopping = True
     if door:
         await door.stop()
+    claims.cancel()
     retention.cancel()
     webhooks.cancel()
     await runner.shutdown()

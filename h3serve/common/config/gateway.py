@@ -62,6 +62,8 @@ class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
     data_dir: str = "var/gateway"  # SQLite database and artifacts
+    # The job store on PostgreSQL instead of data_dir's SQLite file (docs/storage.md; the `postgres` extra)
+    store_url: str = Field(default="", pattern=r"^(postgres(ql)?://.*)?$")
     # A stage address may also be a list (or a comma-separated string) of replica addresses.
     encoder: Addresses = "127.0.0.1:50051"  # stage addresses
     dit: Addresses = "127.0.0.1:50052"

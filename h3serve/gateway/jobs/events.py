@@ -13,7 +13,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from h3serve.gateway.jobs.store import JobStore
+from h3serve.gateway.jobs.store import JobStore, Lease
 from h3serve.v1 import gateway_pb2
 
 TERMINAL_EVENTS = {"done", "failed", "cancelled"}
@@ -28,9 +28,10 @@ class EventHub:
         self.store = store
         self._watchers: dict[str, set[asyncio.Queue]] = defaultdict(set)
 
-    async def emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
-        """Persist one event (e.g. `denoising=Denoising(...)`) and hand it to the job's watchers."""
-        event = await self.store.append_event(job_id, gateway_pb2.JobEvent(**kind))
+    async def emit(self, job_id: str, lease: Lease | None = None, **kind) -> gateway_pb2.JobEvent:
+        """Persist one event (e.g. `denoising=Denoising(...)`), fenced by `lease` (store.py), and hand it to the
+        job's watchers."""
+        event = await self.store.append_event(job_id, gateway_pb2.JobEvent(**kind), lease=lease)
         self.publish(event)
         return event
 

@@ -6,6 +6,12 @@ A plan is a list of steps of stage names (h3serve/model/workflows), the stages a
 started, finished, replica, bytes). A stalled stage makes the job run again from the start (same
 seed, same result) while attempts remain; that policy, and the reasons jobs give, live here.
 
+A gateway runs a job only while it holds the job's lease (store.py, "Ownership"): it claims the job (at submit, at
+its start, and every LEASE_S / RENEWALS_PER_LEASE in its claim loop, which takes over jobs whose holder's lease ran
+out), renews the lease with every write about the job and with a timer in quiet phases, and fences every write with
+it. A gateway that lost a job's lease (Fenced) cancels the job's stage calls and writes nothing more of it; a
+takeover counts as a restart, never as one of the job's attempts.
+
 Every job ends in exactly one terminal state, written to the store together with its terminal event.
 That is guaranteed by `_run`'s handlers, not by any single signal: a job that escaped the expected
 errors is still marked FAILED (the field notes' ghost "running" job). A finished clip whose artifact the disk
@@ -34,7 +40,7 @@ from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike, remove
 from h3serve.gateway.jobs.drain import DrainEstimate
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
-from h3serve.gateway.jobs.store import JobStore
+from h3serve.gateway.jobs.store import Fenced, JobStore, Lease, Unfinished
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
 from h3serve.gateway.stages.queue import StageQueue
@@ -57,6 +63,11 @@ INTERRUPTED = "the gateway stopped during this pass"  # the error a dead gateway
 MAX_RESTART_RERUNS = 10
 DISK_RETRY_S = 2.0  # how often a job whose end or artifact a full disk keeps from the store tries to write it again
 ARTIFACTS_STAGE = "artifacts"  # the `waiting` event's stage while a finished clip waits for space on the disk
+# How long a claim holds a job without a renewal: how long a job whose gateway died waits for another to take it over
+# (a gateway's own restart takes its jobs back at once: `resume`). Renewed RENEWALS_PER_LEASE times per lease by the
+# timer, so a renewal can fail twice before the lease runs out; the claim loop looks for jobs as often.
+LEASE_S = 30.0
+RENEWALS_PER_LEASE = 3
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -85,8 +96,11 @@ class JobRunner:
         artifacts: ArtifactStore,
         metrics: GatewayMetrics,
         assets: AssetStore,
+        gateway_id: str = "gateway",
+        lease_s: float = LEASE_S,
     ) -> None:
         self.store, self.hub, self.caller, self.artifacts, self.metrics = store, hub, caller, artifacts, metrics
+        self.gateway_id, self.lease_s = gateway_id, lease_s
         self.assets = assets
         self.max_attempts, self.stall_s = config.max_attempts, config.stall_s
         self.space_wait_s = config.artifact_space_wait_s
@@ -99,14 +113,20 @@ class JobRunner:
             store, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
         )
         self._tasks: dict[str, asyncio.Task] = {}
+        self._leases: dict[str, Lease] = {}  # the jobs this gateway holds
+        self._fenced: set[str] = set()  # jobs whose lease another gateway took: their tasks stop, writing nothing
+        self._renewals: dict[str, asyncio.Task] = {}  # each held job's lease timer
         self._cancel_requested: set[str] = set()
         self._ends_waiting: dict[str, DiskFull] = {}  # jobs whose end a full disk keeps from the store, and why
         self.drain = DrainEstimate()  # how long jobs stay: the retry time a full queue advises
 
     def start(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
+        """Run the job here: under the lease this gateway's claim loop took, or (a job just submitted) once claimed."""
+        if job_id in self._tasks:
+            return
         task = asyncio.get_running_loop().create_task(self._run(job_id, request), name=f"job-{job_id}")
         self._tasks[job_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(job_id, None))
+        task.add_done_callback(lambda _: self._tasks.pop(job_id, None) if self._tasks.get(job_id) is task else None)
 
     def cancel(self, job_id: str) -> bool:
         """Ask a running job to stop; its stage call is cancelled, the DiT stops at a step boundary."""
@@ -131,54 +151,134 @@ class JobRunner:
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
     async def resume(self) -> None:
-        """At start-up: queued jobs run; jobs a dead gateway left in flight run again without spending an attempt,
-        or fail with the reason when restarts caught them in a stage more than MAX_RESTART_RERUNS times."""
-        reran = 0
-        for job in await self.store.unfinished():
-            if job.state == S.JOB_STATE_RUNNING:
-                reran += 1
-                if not job.in_stage:
-                    waited = f"for the {job.last_stage} stage" if job.last_stage else "in the queue"
-                    await self._requeue_uncounted(
-                        job.job_id, f"the gateway restarted while this job waited {waited}", interrupted=INTERRUPTED
-                    )
-                elif job.restarts < MAX_RESTART_RERUNS:
-                    await self._requeue_uncounted(
-                        job.job_id,
-                        f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
-                        f" of {MAX_RESTART_RERUNS} after a restart",
-                        interrupted=INTERRUPTED,
-                        count_restart=True,
-                    )
-                else:
-                    log.warning("job %s failed: caught in flight by %d gateway restarts", job.job_id, job.restarts + 1)
-                    await self._finish(
-                        job.job_id,
-                        S.JOB_STATE_FAILED,
-                        failed=failure(
-                            grpc.StatusCode.ABORTED,
-                            f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
-                            f"restarts caught one of its stages in progress; restarts spend none of its "
-                            f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job "
-                            "ends, in case it is what brings the gateway down",
-                        ),
-                    )
-                    reran -= 1
-                    continue
-            self.start(job.job_id, job.request)
+        """At start-up: this gateway's jobs from before (its earlier run's leases) and every other job whose lease
+        ran out are claimed and run; jobs in flight run again without spending an attempt, or fail with the reason
+        when restarts caught them in a stage more than MAX_RESTART_RERUNS times."""
+        await self.store.expire(self.gateway_id)
+        await self._claim_all()
+
+    async def claim_loop(self) -> None:
+        """Every lease_s / RENEWALS_PER_LEASE: take over the jobs whose holder's lease ran out (a gateway gone)."""
+        while True:
+            await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
+            try:
+                await self._claim_all()
+            except Exception as exc:  # the store unreachable a while: the next round tries again
+                log.warning("claiming jobs: %s", describe(exc, lines=1))
+
+    async def _claim_all(self) -> None:
+        reran = started = 0
+        while (job := await self.store.claim(self.gateway_id, self.lease_s)) is not None:
+            self._leases[job.job_id] = Lease(self.gateway_id, job.fence, self.lease_s)
+            if job.job_id in self._tasks:  # its own task here, whose lease had run out: it goes on under the new one
+                continue
+            reran += job.state == S.JOB_STATE_RUNNING
+            try:
+                if await self._take_over(job):
+                    self.start(job.job_id, job.request)
+                    started += 1
+            except Fenced as exc:  # taken from this gateway in the meantime
+                self._leases.pop(job.job_id, None)
+                log.warning("job %s: %s", job.job_id, exc)
         self.metrics.job_retries.labels("restart").inc(reran)
-        if self._tasks:
-            log.info("resumed %d job(s) (%d interrupted in flight)", len(self._tasks), reran)
+        if started:
+            log.info("claimed %d job(s) (%d interrupted in flight)", started, reran)
+
+    async def _take_over(self, job: Unfinished) -> bool:
+        """A claimed job that was running (its gateway stopped, or lost its lease) is queued again without spending
+        an attempt, or ends past the restart bound (then False: nothing to run)."""
+        if job.state != S.JOB_STATE_RUNNING:
+            return True
+        if not job.in_stage:
+            waited = f"for the {job.last_stage} stage" if job.last_stage else "in the queue"
+            await self._requeue_uncounted(
+                job.job_id, f"the gateway restarted while this job waited {waited}", interrupted=INTERRUPTED
+            )
+            return True
+        if job.restarts < MAX_RESTART_RERUNS:
+            await self._requeue_uncounted(
+                job.job_id,
+                f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
+                f" of {MAX_RESTART_RERUNS} after a restart",
+                interrupted=INTERRUPTED,
+                count_restart=True,
+            )
+            return True
+        log.warning("job %s failed: caught in flight by %d gateway restarts", job.job_id, job.restarts + 1)
+        await self._finish(
+            job.job_id,
+            S.JOB_STATE_FAILED,
+            failed=failure(
+                grpc.StatusCode.ABORTED,
+                f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
+                f"restarts caught one of its stages in progress; restarts spend none of its "
+                f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job "
+                "ends, in case it is what brings the gateway down",
+            ),
+        )
+        self._leases.pop(job.job_id, None)
+        return False
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
+        """The job's worker while this gateway holds its lease; a lost lease (Fenced) ends it writing nothing."""
+        try:
+            await self._work(job_id, request)
+        except Fenced as exc:
+            log.warning("job %s: %s; its stage calls stop here and nothing more of it is written", job_id, exc)
+        finally:
+            if (renewal := self._renewals.pop(job_id, None)) is not None:
+                renewal.cancel()
+            self._leases.pop(job_id, None)
+            self._fenced.discard(job_id)
+
+    async def _hold(self, job_id: str) -> bool:
+        """Claim the job unless this gateway holds it already (False: another gateway runs it), and keep its lease
+        renewed while it runs here."""
+        if job_id not in self._leases:
+            claimed = await self.store.claim(self.gateway_id, self.lease_s, job_id)
+            if claimed is None:
+                return False
+            self._leases[job_id] = Lease(self.gateway_id, claimed.fence, self.lease_s)
+        self._renewals[job_id] = asyncio.get_running_loop().create_task(self._renew(job_id), name=f"lease-{job_id}")
+        return True
+
+    async def _renew(self, job_id: str) -> None:
+        """Renew the job's lease in quiet phases (a long DiT call writes nothing for minutes); a lease another
+        gateway took cancels the job's task, which then writes nothing."""
+        while True:
+            await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
+            try:
+                await self.store.renew(job_id, self._leases[job_id])
+            except Fenced as exc:
+                log.warning("job %s: %s", job_id, exc)
+                self._fenced.add(job_id)
+                self._tasks[job_id].cancel()
+                return
+            except Exception as exc:  # the store unreachable: the job's own writes fail and end it
+                log.warning("job %s: renewing its lease: %s", job_id, describe(exc, lines=1))
+
+    def _lease(self, job_id: str) -> Lease | None:
+        """The job's lease now (read at each write: the claim loop may have renewed a lapsed one)."""
+        return self._leases.get(job_id)
+
+    async def _emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
+        return await self.hub.emit(job_id, lease=self._lease(job_id), **kind)
+
+    async def _work(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         began = time.monotonic()
         try:
-            while attempt := await self.store.start_attempt(job_id):
+            if not await self._hold(job_id):  # inside the handlers: a claim a full disk refuses fails the job
+                return
+            while attempt := await self.store.start_attempt(job_id, lease=self._lease(job_id)):
                 if await self._attempt(job_id, request, attempt):
                     return
         except asyncio.CancelledError:
-            if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start
-                await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
+            if job_id in self._fenced:  # another gateway holds it now: not this gateway's to write
+                return
+            if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start, or elsewhere
+                if (lease := self._lease(job_id)) is not None:  # (not claimed yet: nothing of it is this gateway's)
+                    await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
+                    await self.store.release(job_id, lease)
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
         except StageFailed as exc:
@@ -217,7 +317,7 @@ class JobRunner:
         """An attempt was lost: queue the job again while attempts remain (True), else fail it with `reason`."""
         if attempts < self.max_attempts:
             retrying = S.Retrying(attempt=attempts + 1, max_attempts=self.max_attempts, reason=reason)
-            self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying)))
+            self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), lease=self._lease(job_id)))
             return True
         await self._finish(
             job_id, S.JOB_STATE_FAILED, failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})")
@@ -237,7 +337,9 @@ class JobRunner:
             reason=why.format(where=where) + "; attempt not counted",
         )
         self.hub.publish(
-            await self.store.requeue(job_id, S.JobEvent(retrying=retrying), count_attempt=False, **restart)
+            await self.store.requeue(
+                job_id, S.JobEvent(retrying=retrying), count_attempt=False, lease=self._lease(job_id), **restart
+            )
         )
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
@@ -246,7 +348,7 @@ class JobRunner:
         event = S.JobEvent(**terminal)
         for tries in itertools.count():
             try:
-                self.hub.publish(await self.store.finish(job_id, state, event))
+                self.hub.publish(await self.store.finish(job_id, state, event, lease=self._lease(job_id)))
                 self._ends_waiting.pop(job_id, None)
                 return
             except DiskFull as exc:
@@ -265,7 +367,7 @@ class JobRunner:
             request,
             workflow.media_items(request, assets.get),
             self.assets.read,
-            functools.partial(self.hub.emit, job_id),
+            functools.partial(self._emit, job_id),
         )
         for step in workflow.plan:
             stages = [self.caller.stages[name] for name in step]
@@ -273,27 +375,32 @@ class JobRunner:
             for stage, output in zip(stages, outputs, strict=True):  # in the plan's order, however the calls ended
                 job.outputs[stage.name] = output
                 for name, seconds in (await stage.finished(job, output)).items():
-                    await self.store.set_stage_seconds(job.job_id, name, seconds)
+                    await self.store.set_stage_seconds(job.job_id, name, seconds, lease=self._lease(job.job_id))
         await self._complete(job)
 
     async def _stage(self, job: JobContext, attempt: int, stage: Stage) -> StageOutput:
         """Wait for a worker of `stage`, run its call, record the pass."""
-        record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name)
+        record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name, lease=self._lease(job.job_id))
         waited = time.monotonic()
         async with self.queues[stage.name].worker(), self.card.worker() if self.card else contextlib.nullcontext():
             started = time.monotonic()
             self.metrics.queue_seconds.labels(stage.name).observe(started - waited)
-            await self.store.stage_update(record_id, started=time.time())
+            await self.store.stage_update(record_id, lease=self._lease(job.job_id), started=time.time())
             record = CallRecord()
             try:
                 output = await self.caller.run(stage, job, record, Watchdog(self.stall_s))
             except BaseException as exc:
                 await self.store.stage_update(
-                    record_id, replica=record.replica, tries=record.tries, error=self._reason(job.job_id, exc)
+                    record_id,
+                    lease=self._lease(job.job_id),
+                    replica=record.replica,
+                    tries=record.tries,
+                    error=self._reason(job.job_id, exc),
                 )
                 raise
             await self.store.stage_update(
                 record_id,
+                lease=self._lease(job.job_id),
                 finished=time.time(),
                 replica=record.replica,
                 tries=record.tries,
@@ -354,7 +461,7 @@ class JobRunner:
         retention policy goes by the records and would never remove it."""
         artifact, path = await asyncio.to_thread(self.artifacts.save, job_id, kind, data)
         try:
-            await self.store.add_artifact(job_id, kind, artifact, path)
+            await self.store.add_artifact(job_id, kind, artifact, path, lease=self._lease(job_id))
         except Exception:
             await asyncio.to_thread(remove, path)
             raise

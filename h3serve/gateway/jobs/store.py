@@ -8,9 +8,14 @@ method is one transaction; in particular a job's terminal state and its terminal
 together (`finish`), so no reader ever sees one without the other.
 
 The store holds no policy: how many attempts a job gets and why it runs again are the job runner's
-(h3serve/gateway/jobs/runner.py). PostgreSQL is the documented next implementation
-(docs/architecture.md, "Storage"): the same methods, one transaction each, `events` rows keyed by a
-sequence for `log_seq`.
+(h3serve/gateway/jobs/runner.py). Two implementations: SQLite (sqlite/, one gateway) and PostgreSQL
+(postgres/, a store several gateways can share).
+
+Ownership: a gateway runs a job only while it holds the job's lease (`claim`): its id, a fence counter that
+every claim raises, and a time the lease runs to. Each write about a running job that takes a `lease` is fenced:
+it is written only while that lease is still the job's (and the job unfinished), renews the lease, and otherwise
+raises Fenced and writes nothing. So a gateway that lost a job (paused or cut off past its lease while another
+took it) can never write over the new holder: at-least-once compute, exactly-once commit.
 """
 
 from __future__ import annotations
@@ -40,6 +45,23 @@ class RequestIdConflict(Exception):
         super().__init__(f"request_id: {request_id!r} already names job {job_id} with a different request")
 
 
+class Fenced(Exception):
+    """A fenced write refused: the job's lease is no longer the writer's (another gateway claimed it), or the job
+    ended. The writer must stop working on the job and write nothing more of it."""
+
+    def __init__(self, job_id: str, lease: Lease):
+        super().__init__(f"job {job_id}: lease {lease.fence} of {lease.gateway_id} is no longer the job's")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A gateway's hold on a job: who, the fence counter its claim set, and how long each renewal lasts."""
+
+    gateway_id: str
+    fence: int
+    seconds: float
+
+
 @dataclass(frozen=True)
 class Unfinished:
     """A queued or running job, as a start-up finds it."""
@@ -51,6 +73,7 @@ class Unfinished:
     last_stage: str  # the stage of its last stage record ("" if it never reached one)
     restarts: int = 0  # gateway restarts that caught one of its stage calls in progress (runner.py: free re-runs)
     in_stage: bool = False  # a stage call of it was in progress (started, not ended) when the gateway stopped
+    fence: int = 0  # the fence counter (as `claim` returns it: the claim's own)
 
 
 @dataclass(frozen=True)
@@ -103,11 +126,14 @@ class JobStore(Protocol):
         `digest` differs); QueueFull when `max_unfinished` (> 0) jobs, or the owner's own bound of its own, are
         queued or running, and nothing is written."""
 
-    async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+    async def append_event(
+        self, job_id: str, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent:
         """Store the event as the job's next seq, stamped now, and advance the job's progress with it; returns the
-        stored copy. KeyError: unknown job. (Every method that writes an event advances the progress too.)"""
+        stored copy. KeyError: unknown job. (Every method that writes an event advances the progress too.) With a
+        `lease`, here and in every method that takes one: Fenced unless the lease is still the job's, and renewed."""
 
-    async def start_attempt(self, job_id: str) -> int:
+    async def start_attempt(self, job_id: str, lease: Lease | None = None) -> int:
         """Mark the job RUNNING and count one more attempt; returns its number (0: the job is already final)."""
 
     async def requeue(
@@ -117,13 +143,16 @@ class JobStore(Protocol):
         count_attempt: bool = True,
         interrupted: str = "",
         count_restart: bool = False,
+        lease: Lease | None = None,
     ) -> gateway_pb2.JobEvent | None:
         """Queue an unfinished job again with `event` (its `retrying`); without `count_attempt` the interrupted
         attempt is taken back. `interrupted`: the error its stage records still open get (a dead gateway's passes);
         `count_restart`: one more restart caught it in a stage (`Unfinished.restarts`). Returns the stored event,
         None when the job is already final."""
 
-    async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+    async def finish(
+        self, job_id: str, state: int, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent | None:
         """Set a terminal state with its terminal event (its `failed` also becomes the job's error), and, for a job
         with a webhook endpoint that ended SUCCEEDED or FAILED, its event in the outbox. Returns the stored event,
         None when the job was already final: a finished job never changes again."""
@@ -131,19 +160,37 @@ class JobStore(Protocol):
     async def unfinished(self) -> list[Unfinished]:
         """Queued and running jobs, oldest first."""
 
+    # Ownership.
+
+    async def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
+        """Take the oldest unfinished job whose lease has run out (a new job has none; `job_id`: only that one), for
+        `lease_s` from now, raising its fence; returns it with the new fence, None when there is none. Two claims
+        never take one job while its lease runs."""
+
+    async def renew(self, job_id: str, lease: Lease) -> None:
+        """Extend the lease `lease.seconds` from now. Fenced: it is no longer the job's."""
+
+    async def release(self, job_id: str, lease: Lease) -> None:
+        """End the lease now (a gateway shutting down), so the job can be claimed at once. Fenced: not the job's."""
+
+    async def expire(self, gateway_id: str) -> int:
+        """End now every lease `gateway_id` holds (its earlier run's, at its start); returns how many."""
+
     # Stage records and timings.
 
-    async def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
+    async def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
         """A new stage record (the job joined the stage's queue); returns its id."""
 
-    async def stage_update(self, record_id: int, **values) -> None:
+    async def stage_update(self, record_id: int, lease: Lease | None = None, **values) -> None:
         """Set columns of a stage record: started, finished, replica, bytes_in, bytes_out, tries, error."""
 
-    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None: ...
+    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float, lease: Lease | None = None) -> None: ...
 
     # Artifacts.
 
-    async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None: ...
+    async def add_artifact(
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+    ) -> None: ...
 
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
         """The artifact and its file path (`client`: only of that client's jobs; None: any)."""

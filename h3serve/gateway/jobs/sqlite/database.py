@@ -17,27 +17,28 @@ import time
 from contextlib import closing
 
 from h3serve.common.errors import tail
-from h3serve.common.processes import Refused, command_line, holders_of
-from h3serve.gateway.jobs.progress import advance, progress
-from h3serve.gateway.jobs.sqlite import identity
+from h3serve.common.processes import Refused
+from h3serve.gateway.jobs.progress import advance
+from h3serve.gateway.jobs.rows import kept_end
+from h3serve.gateway.jobs.sqlite import asset_owners, identity, outbox, ownership
+from h3serve.gateway.jobs.sqlite.refusals import BUSY_WAIT_S, damaged, locked
 from h3serve.gateway.jobs.sqlite.schema import (
     ARTIFACT_FIELDS,
     DEFAULT_OWNER,
-    JOB_COLUMNS,
     JOB_FIELDS,
-    OLD_INDEXES,
     OUTBOX_FIELDS,
     RECORD_COLUMNS,
-    REQUEST_ID_INDEX,
     SCHEMA,
     artifact_from_row,
     delivery_from_row,
     job_from_row,
+    migrate,
     stored_request,
 )
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
     UNFINISHED_STATES,
+    Lease,
     Outgoing,
     Ownership,
     QueueFull,
@@ -45,22 +46,11 @@ from h3serve.gateway.jobs.store import (
     StoredArtifact,
     Unfinished,
 )
-from h3serve.gateway.webhooks import event as webhook_event
 from h3serve.v1 import gateway_pb2
 
 DEFAULT_OWNERSHIP = Ownership(DEFAULT_OWNER)
-BUSY_WAIT_S = 5.0  # how long a statement waits for another program's lock on the file before it fails
 DAMAGED = (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT)
 LOCKED = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
-SIDE_FILES = ("-wal", "-shm", "-journal")
-
-
-def _kept_end(failed: gateway_pb2.Failed) -> gateway_pb2.Failed:
-    """A copy whose message is cut from the front: the cause of an error is at its end."""
-    trimmed = gateway_pb2.Failed()
-    trimmed.CopyFrom(failed)
-    trimmed.message = tail(failed.message)
-    return trimmed
 
 
 class Database:
@@ -86,16 +76,16 @@ class Database:
             self._rows("PRAGMA journal_mode=WAL")
             self._rows("PRAGMA synchronous=NORMAL")
             self._conn.executescript(f"BEGIN; {SCHEMA} COMMIT;")
-            self._add_missing_columns()
+            migrate(self._conn, self._rows, self.events)
             store_id = found or self._give_id()
             if store_id != self._expected_id:
                 identity.adopt(path, store_id, created_now=not had_jobs)
         except sqlite3.Error as exc:
             code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
             if code in DAMAGED:
-                raise Refused(_damaged(path, str(exc))) from None
+                raise Refused(damaged(path, str(exc))) from None
             if code in LOCKED:
-                raise Refused(_locked(path)) from None
+                raise Refused(locked(path)) from None
             raise
 
     def _check(self, path: str) -> None:
@@ -104,7 +94,7 @@ class Database:
         found = [row[0] for row in self._rows("PRAGMA quick_check")]
         if found != ["ok"]:
             problems = [line for line in "\n".join(found).splitlines() if not line.startswith("*** in database")]
-            raise Refused(_damaged(path, "PRAGMA quick_check: " + "; ".join(problems[:3])))
+            raise Refused(damaged(path, "PRAGMA quick_check: " + "; ".join(problems[:3])))
         self._conn.execute("BEGIN IMMEDIATE")
         self._conn.rollback()
 
@@ -116,22 +106,6 @@ class Database:
 
     def close(self) -> None:
         self._conn.close()
-
-    def _add_missing_columns(self) -> None:
-        present = {row[1] for row in self._rows("PRAGMA table_info(jobs)")}
-        with self._conn:
-            for name, declaration in JOB_COLUMNS:
-                if name not in present:
-                    self._conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
-            for old in OLD_INDEXES:
-                self._conn.execute(f"DROP INDEX IF EXISTS {old}")
-            self._conn.execute(REQUEST_ID_INDEX)
-            self._fill_progress()
-
-    def _fill_progress(self) -> None:
-        """The progress of jobs stored before the column existed, folded from their events (once: NULL only)."""
-        for (job_id,) in self._rows("SELECT job_id FROM jobs WHERE progress IS NULL"):
-            self._conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?", (progress(self.events(job_id)), job_id))
 
     # Writers hold a transaction (`with self._conn`).
 
@@ -164,7 +138,7 @@ class Database:
         return stored
 
     def _write_state(self, job_id: str, state: int, error: gateway_pb2.Failed | None) -> bool:
-        blob = None if error is None else _kept_end(error).SerializeToString()
+        blob = None if error is None else kept_end(error).SerializeToString()
         with closing(
             self._conn.execute(
                 f"UPDATE jobs SET state = ?, updated = ?, error = COALESCE(?, error) "
@@ -231,12 +205,18 @@ class Database:
             if own >= owner.max_unfinished:
                 raise QueueFull(own, owner.max_unfinished, owner.client)
 
-    def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
+    def append_event(
+        self, job_id: str, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             return self._write_event(job_id, event)
 
-    def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
+    def add_artifact(
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+    ) -> None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             self._conn.execute(
                 "INSERT OR REPLACE INTO artifacts VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
@@ -252,17 +232,19 @@ class Database:
                 ),
             )
 
-    def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
+    def set_stage_seconds(self, job_id: str, stage: str, seconds: float, lease: Lease | None = None) -> None:
         # An upsert rather than REPLACE keeps the row id, which orders stages as they first ran.
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             self._conn.execute(
                 "INSERT INTO stages VALUES (?, ?, ?) "
                 "ON CONFLICT (job_id, stage) DO UPDATE SET seconds = excluded.seconds",
                 (job_id, stage, seconds),
             )
 
-    def start_attempt(self, job_id: str) -> int:
+    def start_attempt(self, job_id: str, lease: Lease | None = None) -> int:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_RUNNING, None):
                 return 0
             return self._rows("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ? RETURNING attempts", (job_id,))[
@@ -276,8 +258,10 @@ class Database:
         count_attempt: bool = True,
         interrupted: str = "",
         count_restart: bool = False,
+        lease: Lease | None = None,
     ) -> gateway_pb2.JobEvent | None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             if not self._write_state(job_id, gateway_pb2.JOB_STATE_QUEUED, None):
                 return None
             if not count_attempt:
@@ -291,26 +275,17 @@ class Database:
                 )
             return self._write_event(job_id, event)
 
-    def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
+    def finish(
+        self, job_id: str, state: int, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent | None:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             failed = event.failed if event.HasField("failed") else None
             if not self._write_state(job_id, state, failed):
                 return None
             stored = self._write_event(job_id, event)
-            self._queue_webhook(job_id, state, stored.time)
+            outbox.queue(self._conn, job_id, state, stored.time)
             return stored
-
-    def _queue_webhook(self, job_id: str, state: int, now: float) -> None:
-        """The job's end into the outbox, due now, in the transaction of its terminal state: a job with an endpoint
-        and an end that has an event (webhooks/event.py)."""
-        url = self._rows("SELECT webhook_url FROM jobs WHERE job_id = ?", (job_id,))
-        if not url or not url[0][0] or state not in webhook_event.TYPES:
-            return
-        event_id, event_type = webhook_event.new_id(), webhook_event.TYPES[state]
-        self._conn.execute(
-            "INSERT INTO outbox (event_id, job_id, type, body, next_at) VALUES (?, ?, ?, ?, ?)",
-            (event_id, job_id, event_type, webhook_event.body(event_id, event_type, job_id, now), now),
-        )
 
     def set_deleted(self, job_id: str, deleted: bool) -> gateway_pb2.Job | None:
         # Only a change of side writes: a second delete keeps the time the job first went to the bin.
@@ -321,23 +296,45 @@ class Database:
             )
             return self._job(job_id)
 
-    def unfinished(self) -> list[Unfinished]:
+    def unfinished(self, job_id: str = "") -> list[Unfinished]:
+        """Queued and running jobs, oldest first (`job_id`: that one only)."""
+        only, params = ("AND job_id = ?", (job_id,)) if job_id else ("", ())
         rows = self._rows(
             "SELECT job_id, state, request, attempts, COALESCE((SELECT stage FROM stage_runs r WHERE "
             "r.job_id = jobs.job_id ORDER BY rowid DESC LIMIT 1), ''), restarts, EXISTS (SELECT 1 FROM stage_runs r "
-            "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = '') "
-            "FROM jobs WHERE state IN (?, ?) ORDER BY created, rowid",
-            UNFINISHED_STATES,
+            "WHERE r.job_id = jobs.job_id AND r.started > 0 AND r.finished = 0 AND r.error = ''), fence "
+            f"FROM jobs WHERE state IN (?, ?) {only} ORDER BY created, rowid",
+            (*UNFINISHED_STATES, *params),
         )
         return [
-            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, bool(in_stage))
-            for job_id, state, request, attempts, stage, restarts, in_stage in rows
+            Unfinished(job_id, state, stored_request(request), attempts, stage, restarts, bool(in_stage), fence)
+            for job_id, state, request, attempts, stage, restarts, in_stage, fence in rows
         ]
+
+    # Ownership (ownership.py).
+
+    def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
+        with self._conn:
+            claimed = ownership.claim(self._conn, gateway_id, lease_s, job_id)
+            return self.unfinished(claimed)[0] if claimed else None
+
+    def renew(self, job_id: str, lease: Lease) -> None:
+        with self._conn:
+            ownership.hold(self._conn, job_id, lease)
+
+    def release(self, job_id: str, lease: Lease) -> None:
+        with self._conn:
+            ownership.release(self._conn, job_id, lease)
+
+    def expire(self, gateway_id: str) -> int:
+        with self._conn:
+            return ownership.expire(self._conn, gateway_id)
 
     # Stage records: one row per pass of a job through a stage.
 
-    def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
+    def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
         with self._conn:
+            ownership.hold(self._conn, job_id, lease)
             with closing(
                 self._conn.execute(
                     "INSERT INTO stage_runs (job_id, attempt, stage, enqueued) VALUES (?, ?, ?, ?)",
@@ -347,12 +344,13 @@ class Database:
                 assert cur.lastrowid is not None  # set by the INSERT
                 return cur.lastrowid
 
-    def stage_update(self, record_id: int, **values) -> None:
+    def stage_update(self, record_id: int, lease: Lease | None = None, **values) -> None:
         unknown = set(values) - set(RECORD_COLUMNS)
         if unknown:
             raise ValueError(f"unknown stage record column(s): {', '.join(sorted(unknown))}")
         assignments = ", ".join(f"{name} = ?" for name in values)
         with self._conn:
+            ownership.hold_record(self._conn, record_id, lease)
             self._conn.execute(f"UPDATE stage_runs SET {assignments} WHERE rowid = ?", (*values.values(), record_id))
 
     # Artifact retention.
@@ -456,45 +454,23 @@ class Database:
         rows = self._rows(f"SELECT rowid FROM jobs WHERE job_id = ? AND {mine}", (job_id, *params))
         return rows[0][0] if rows else 0
 
-    # Uploads' owners.
+    # Uploads' owners (asset_owners.py).
 
     def own_asset(self, asset_id: str, client: str) -> bool:
-        with (
-            self._conn,
-            closing(
-                self._conn.execute("INSERT OR IGNORE INTO asset_owners VALUES (?, ?)", (asset_id, client))
-            ) as cursor,
-        ):
-            return cursor.rowcount == 1
+        with self._conn:
+            return asset_owners.own(self._conn, asset_id, client)
 
     def owned_assets(self, asset_ids: list[str], client: str) -> set[str]:
-        if not asset_ids:
-            return set()
-        marks = ", ".join("?" * len(asset_ids))
-        owners: dict[str, set[str]] = {asset_id: set() for asset_id in asset_ids}
-        for asset_id, owner in self._rows(
-            f"SELECT asset_id, owner FROM asset_owners WHERE asset_id IN ({marks})", tuple(asset_ids)
-        ):
-            owners[asset_id].add(owner)
-        return {a for a, who in owners.items() if client in who or (client == DEFAULT_OWNER and not who)}
+        return asset_owners.owned(self._conn, asset_ids, client)
 
-    # The webhook outbox.
+    # The webhook outbox (outbox.py).
 
     def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
-        rows = self._rows(
-            "SELECT o.event_id, o.job_id, j.owner, j.webhook_url, o.body, o.attempts FROM outbox o JOIN jobs j "
-            "USING (job_id) WHERE o.next_at > 0 AND o.next_at <= ? ORDER BY o.next_at LIMIT ?",
-            (now, limit),
-        )
-        return [Outgoing(*row) for row in rows]
+        return outbox.due(self._conn, now, limit)
 
     def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
         with self._conn:
-            self._conn.execute(
-                "UPDATE outbox SET attempts = attempts + 1, last_status = ?, last_error = ?, delivered_at = ?, "
-                "next_at = ? WHERE event_id = ?",
-                (status, "" if delivered else error, time.time() if delivered else 0.0, next_at, event_id),
-            )
+            outbox.attempted(self._conn, event_id, status, error, delivered, next_at)
 
     def count_by_state(self, client: str | None = None) -> dict[int, int]:
         mine, params = _owned_by(client)
@@ -515,26 +491,3 @@ class Database:
 def _owned_by(client: str | None) -> tuple[str, tuple]:
     """A condition on jobs' rows: those of `client` (None: every client's), and its parameters."""
     return ("owner = ?", (client,)) if client is not None else ("1", ())
-
-
-def _damaged(path: str, detail: str) -> str:
-    return (
-        f"job store {path} is damaged ({detail}): its jobs cannot be read. Move it aside, with its -wal and -shm "
-        f"files, remove {identity.mark_path(path)} and start the gateway again: it starts a new, empty store, and "
-        "the jobs in the old one are lost (`sqlite3 <old file> .recover` may save some of them)"
-    )
-
-
-def _locked(path: str) -> str:
-    holders = _holders(path)
-    return (
-        f"job store {path} is locked by another program: its write lock stayed taken for {BUSY_WAIT_S:g} s"
-        f"{'; the file is open in ' + ', '.join(holders) if holders else ''}. Close the program holding it (a "
-        "sqlite3 shell in a transaction, a backup tool) and start the gateway again"
-    )
-
-
-def _holders(path: str) -> list[str]:
-    """Other processes with the store's files open, "pid N (command)" each: best effort (Linux /proc, this user's)."""
-    files = {os.path.realpath(path + suffix) for suffix in ("", *SIDE_FILES)}
-    return [f"pid {pid} ({command_line(pid)})" for pid in sorted(holders_of(files) - {os.getpid()})]

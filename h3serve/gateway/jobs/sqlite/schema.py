@@ -1,4 +1,4 @@
-"""The job store's SQLite schema and how its rows read back as messages.
+"""The job store's SQLite schema (its rows read back as messages by the shared h3serve/gateway/jobs/rows.py).
 
 The tables are made with IF NOT EXISTS, so opening a file of any release is one idempotent step; the columns
 added after the first release (JOB_COLUMNS) are added to an older file in place (database.py).
@@ -6,7 +6,22 @@ added after the first release (JOB_COLUMNS) are added to an older file in place 
 
 from __future__ import annotations
 
-from h3serve.gateway.tenants.clients import DEFAULT as DEFAULT_OWNER
+import sqlite3
+from collections.abc import Callable
+
+from h3serve.gateway.jobs.progress import progress
+from h3serve.gateway.jobs.rows import (  # noqa: F401 (re-exported: the SQLite store reads its rows with them)
+    ARTIFACT_FIELDS,
+    DEFAULT_OWNER,
+    JOB_FIELDS,
+    OUTBOX_FIELDS,
+    RECORD_COLUMNS,
+    artifact_from_row,
+    delivery_from_row,
+    job_from_row,
+    stored_request,
+)
+from h3serve.gateway.jobs.sqlite.identity import Rows
 from h3serve.v1 import gateway_pb2
 
 SCHEMA = """
@@ -47,6 +62,10 @@ JOB_COLUMNS = (
     ("restarts", "INTEGER NOT NULL DEFAULT 0"),
     ("owner", f"TEXT NOT NULL DEFAULT '{DEFAULT_OWNER}'"),  # the client (tenants): jobs from before are the default's
     ("webhook_url", "TEXT NOT NULL DEFAULT ''"),
+    # ownership (store.py's Lease): who holds the job, until when, and the fence counter each claim raises
+    ("lease_owner", "TEXT NOT NULL DEFAULT ''"),
+    ("lease_until", "REAL NOT NULL DEFAULT 0"),
+    ("fence", "INTEGER NOT NULL DEFAULT 0"),
 )
 # A request_id names one job per client: a client reusing another's id makes its own job, and learns nothing.
 REQUEST_ID_INDEX = (
@@ -55,64 +74,18 @@ REQUEST_ID_INDEX = (
 )
 OLD_INDEXES = ("jobs_by_request_id",)  # request_id unique over every client, from before tenants
 
-JOB_FIELDS = (
-    "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress, owner, "
-    "webhook_url"
-)
-OUTBOX_FIELDS = "event_id, type, attempts, last_status, last_error, delivered_at, next_at"
-ARTIFACT_FIELDS = "artifact_id, file_name, bytes, sha256, media_type"
-RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")
 
-
-def job_from_row(row) -> gateway_pb2.Job:
-    job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, done, owner, url = row
-    job = gateway_pb2.Job(
-        job_id=job_id,
-        state=state,
-        request=stored_request(request),
-        created=created,
-        updated=updated,
-        last_event_seq=last_seq,
-        request_id=request_id or "",
-        attempts=attempts,
-        deleted=deleted,
-        progress=done,
-        client=owner,
-    )
-    if error is not None:
-        job.error.ParseFromString(error)
-    if url:
-        job.webhook.url = url
-    return job
-
-
-def delivery_from_row(delivery: gateway_pb2.WebhookDelivery, row) -> None:
-    """The outbox row's state (OUTBOX_FIELDS) on the job's webhook."""
-    (
-        delivery.event_id,
-        delivery.event_type,
-        delivery.attempts,
-        delivery.last_status,
-        delivery.last_error,
-        delivery.delivered_at,
-        delivery.next_attempt_at,
-    ) = row
-
-
-def artifact_from_row(row) -> gateway_pb2.Artifact:
-    artifact_id, file_name, size, sha256, media_type = row
-    return gateway_pb2.Artifact(
-        artifact_id=artifact_id, file_name=file_name, bytes=size, sha256=sha256, media_type=media_type
-    )
-
-
-def stored_request(blob: bytes) -> gateway_pb2.ResolvedRequest:
-    """A stored request; one stored before GenerationParams existed takes them from its top-level copies."""
-    request = gateway_pb2.ResolvedRequest.FromString(blob)
-    if not request.HasField("params"):
-        request.params.num_inference_steps, request.params.include_raw = (
-            request.num_inference_steps,
-            request.include_raw,
-        )
-        request.params.seed = request.seed
-    return request
+def migrate(conn: sqlite3.Connection, rows: Rows, events: Callable[[str], list[gateway_pb2.JobEvent]]) -> None:
+    """Bring an older file's jobs table up to JOB_COLUMNS and its indexes, in one transaction: the columns added
+    after the first release, and the progress of jobs stored before that column existed, folded from their events
+    (once: NULL only)."""
+    present = {row[1] for row in rows("PRAGMA table_info(jobs)")}
+    with conn:
+        for name, declaration in JOB_COLUMNS:
+            if name not in present:
+                conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")
+        for old in OLD_INDEXES:
+            conn.execute(f"DROP INDEX IF EXISTS {old}")
+        conn.execute(REQUEST_ID_INDEX)
+        for (job_id,) in rows("SELECT job_id FROM jobs WHERE progress IS NULL"):
+            conn.execute("UPDATE jobs SET progress = ? WHERE job_id = ?", (progress(events(job_id)), job_id))

@@ -16,7 +16,7 @@ from typing import ParamSpec, TypeVar
 
 from h3serve.common.disk import full_named
 from h3serve.gateway.jobs.sqlite.database import DEFAULT_OWNERSHIP, Database
-from h3serve.gateway.jobs.store import Outgoing, Ownership, StoredArtifact, Unfinished
+from h3serve.gateway.jobs.store import Lease, Outgoing, Ownership, StoredArtifact, Unfinished
 from h3serve.v1 import gateway_pb2
 
 P = ParamSpec("P")
@@ -66,11 +66,13 @@ class SqliteJobStore:
             self._db.submit, job_id, request, request_id, digest, max_unfinished, first_event, owner
         )
 
-    async def append_event(self, job_id: str, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent:
-        return await self._on_thread(self._db.append_event, job_id, event)
+    async def append_event(
+        self, job_id: str, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent:
+        return await self._on_thread(self._db.append_event, job_id, event, lease)
 
-    async def start_attempt(self, job_id: str) -> int:
-        return await self._on_thread(self._db.start_attempt, job_id)
+    async def start_attempt(self, job_id: str, lease: Lease | None = None) -> int:
+        return await self._on_thread(self._db.start_attempt, job_id, lease)
 
     async def requeue(
         self,
@@ -79,30 +81,49 @@ class SqliteJobStore:
         count_attempt: bool = True,
         interrupted: str = "",
         count_restart: bool = False,
+        lease: Lease | None = None,
     ) -> gateway_pb2.JobEvent | None:
-        return await self._on_thread(self._db.requeue, job_id, event, count_attempt, interrupted, count_restart)
+        return await self._on_thread(self._db.requeue, job_id, event, count_attempt, interrupted, count_restart, lease)
 
-    async def finish(self, job_id: str, state: int, event: gateway_pb2.JobEvent) -> gateway_pb2.JobEvent | None:
-        return await self._on_thread(self._db.finish, job_id, state, event)
+    async def finish(
+        self, job_id: str, state: int, event: gateway_pb2.JobEvent, lease: Lease | None = None
+    ) -> gateway_pb2.JobEvent | None:
+        return await self._on_thread(self._db.finish, job_id, state, event, lease)
 
     async def unfinished(self) -> list[Unfinished]:
         return await self._on_thread(self._db.unfinished)
 
+    # Ownership.
+
+    async def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
+        return await self._on_thread(self._db.claim, gateway_id, lease_s, job_id)
+
+    async def renew(self, job_id: str, lease: Lease) -> None:
+        await self._on_thread(self._db.renew, job_id, lease)
+
+    async def release(self, job_id: str, lease: Lease) -> None:
+        await self._on_thread(self._db.release, job_id, lease)
+
+    async def expire(self, gateway_id: str) -> int:
+        return await self._on_thread(self._db.expire, gateway_id)
+
     # Stage records and timings.
 
-    async def stage_enqueued(self, job_id: str, attempt: int, stage: str) -> int:
-        return await self._on_thread(self._db.stage_enqueued, job_id, attempt, stage)
+    async def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
+        return await self._on_thread(self._db.stage_enqueued, job_id, attempt, stage, lease)
 
-    async def stage_update(self, record_id: int, **values) -> None:
-        await self._on_thread(self._db.stage_update, record_id, **values)
+    async def stage_update(self, record_id: int, lease: Lease | None = None, **values) -> None:
+        await self._on_thread(self._db.stage_update, record_id, lease, **values)
 
-    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
-        await self._on_thread(self._db.set_stage_seconds, job_id, stage, seconds)
+    async def set_stage_seconds(self, job_id: str, stage: str, seconds: float, lease: Lease | None = None) -> None:
+        await self._on_thread(self._db.set_stage_seconds, job_id, stage, seconds, lease)
 
     # Artifacts.
 
-    async def add_artifact(self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str) -> None:
-        await self._on_thread(self._db.add_artifact, job_id, kind, artifact, path)
+    async def add_artifact(
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+    ) -> None:
+        await self._on_thread(self._db.add_artifact, job_id, kind, artifact, path, lease)
 
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
         return await self._on_thread(self._db.artifact, artifact_id, client)
