@@ -48,11 +48,11 @@ PTX_TARGET = "compute_75"
 OUTLIER_CHANNELS = [3, 40, 77, 120]
 
 
-def inputs(case: str, rows: int) -> list[torch.Tensor]:
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, rows, HEADS, HEAD_DIM, device="cuda", generator=generator) for _ in range(3))
+def inputs(case: str, rows: int, heads: int = HEADS, device: str = "cuda") -> list[torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, rows, heads, HEAD_DIM, device=device, generator=generator) for _ in range(3))
     if case == "dit-like":
-        k += 8 * torch.randn(HEADS, HEAD_DIM, device="cuda", generator=generator)
+        k += 8 * torch.randn(heads, HEAD_DIM, device=device, generator=generator)
         q[..., OUTLIER_CHANNELS] *= 4
         k[..., OUTLIER_CHANNELS] *= 4
     elif case.startswith("same-sign"):

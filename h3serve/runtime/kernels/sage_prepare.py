@@ -5,8 +5,10 @@ same code), so the kernel's inputs are exactly what the model of its arithmetic 
 sizes are the kernel's (h3serve/runtime/kernels/sage_fp16/attention.cu says why each is shaped so):
 - K minus its mean over the rows, per head: every score of a query row moves by the same amount, so the
   softmax is unchanged and the int8 range is spent on what differs between keys;
-- Q in blocks of WARP_ROWS rows (one warp's share), K in blocks of BLOCK_K keys, each with one fp32 scale
-  amax / 127; the softmax scale and log2(e) ride on Q's scale, so the kernel's scores are in the exp2 domain;
+- Q and K with one fp32 scale amax / 127 per row (query or key): outlier channels sit in every row, so a
+  block's scale would be the largest outlier of all its rows and a row's is only its own (per 16/64-row blocks
+  missed the DiT-like bar at full size, docs/turing.md); the softmax scale and log2(e) ride on Q's scale, so
+  the kernel's scores are in the exp2 domain;
 - V divided by a power of two per channel that brings its largest |value| under 2**V_RANGE_LOG2: exact for
   bf16 values (fp16 has more mantissa bits) and finite beyond fp16's 65504; the kernel multiplies it back
   in fp32 before rounding to bf16.
@@ -21,8 +23,9 @@ import torch
 
 HEAD_DIM = 128  # the DiT's; the kernel's fragment loops are unrolled for it
 BLOCK_Q = 64  # query rows per thread block
-WARP_ROWS = 16  # query rows per warp: one Q scale
-BLOCK_K = 64  # keys per tile: one K scale
+WARP_ROWS = 16  # query rows per warp
+BLOCK_K = 64  # keys per tile
+SCALE_ROWS = 1  # query rows or keys sharing one int8 scale
 V_RANGE_LOG2 = 8  # |V / v_scale| < 2**8 in fp16; P <= 1, so P.V cannot approach fp16's range either
 INT8_MAX = 127
 
@@ -32,9 +35,9 @@ class Prepared:
     """The kernel's inputs for (batch, rows, heads, HEAD_DIM) attention; rows padded to `n_pad` with zeros."""
 
     q: torch.Tensor  # int8 (batch*heads, n_pad, HEAD_DIM)
-    q_scale: torch.Tensor  # fp32 (batch*heads, n_pad / WARP_ROWS), times softmax scale * log2(e)
+    q_scale: torch.Tensor  # fp32 (batch*heads, n_pad): per query row, times softmax scale * log2(e)
     k: torch.Tensor  # int8 (batch*heads, n_pad, HEAD_DIM), smoothed
-    k_scale: torch.Tensor  # fp32 (batch*heads, n_pad / BLOCK_K)
+    k_scale: torch.Tensor  # fp32 (batch*heads, n_pad): per key
     vt: torch.Tensor  # fp16 (batch*heads, HEAD_DIM, n_pad): V / v_scale, channel-major
     v_scale: torch.Tensor  # fp32 (batch*heads, HEAD_DIM), powers of two
     batch: int
@@ -50,18 +53,26 @@ def padded_rows(rows: int) -> int:
     return -(-rows // BLOCK_Q) * BLOCK_Q
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> Prepared:
-    """(batch, rows, heads, HEAD_DIM) q, k, v of any float dtype -> the kernel's inputs. Each is copied once to fp32
-    head-major and worked on in place there: at its peak (V's turn) the pre-pass holds int8 Q and K, one fp32 copy
-    and the fp16 V, 8 bytes per element of one input (the op's bf16 output adds 2)."""
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    scale_rows: tuple[int, int] = (SCALE_ROWS, SCALE_ROWS),
+) -> Prepared:
+    """(batch, rows, heads, HEAD_DIM) q, k, v of any float dtype -> the kernel's inputs, one int8 scale per
+    `scale_rows` (query rows, keys): divisors of BLOCK_K, 1 in the op (bench/sage_rows.py measures others).
+    Each is copied once to fp32 head-major and worked on in place there: at its peak (V's turn) the pre-pass holds
+    int8 Q and K, one fp32 copy and the fp16 V, 8 bytes per element of one input (the op's bf16 output adds 2; the
+    per-row scales 8 bytes per row and head, 1/16 byte per element)."""
     batch, rows, heads, head_dim = q.shape
     if head_dim != HEAD_DIM or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"sage_fp16 takes q, k, v of one shape (batch, rows, heads, {HEAD_DIM}); got {q.shape}")
     n_pad = padded_rows(rows)
-    q8, q_scale = quantise(head_major(q, n_pad), WARP_ROWS)
+    q8, q_scale = quantise(head_major(q, n_pad), scale_rows[0])
     keys = head_major(k, n_pad)
     keys[:, :rows] -= keys[:, :rows].mean(dim=1, keepdim=True)  # the padding rows stay zero
-    k8, k_scale = quantise(keys, BLOCK_K)
+    k8, k_scale = quantise(keys, scale_rows[1])
     vt, v_scale = fp16_channels(head_major(v, n_pad))
     return Prepared(q8, q_scale * (softmax_scale * math.log2(math.e)), k8, k_scale, vt, v_scale, batch, rows, heads)
 
@@ -74,13 +85,14 @@ def head_major(x: torch.Tensor, n_pad: int) -> torch.Tensor:
     return out
 
 
-def quantise(rows: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 (batch*heads, n_pad, d), overwritten -> int8 of the same shape, rounded half to even, and one fp32
-    scale per `block` rows."""
+def quantise(rows: torch.Tensor, block: int = SCALE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (batch*heads, n_pad, d), overwritten -> int8 of the same shape, rounded half to even, and the fp32
+    scale of each row (batch*heads, n_pad): one per `block` rows (the kernel takes any; bench/sage_rows.py
+    measures blocks of 16 and 64 against the op's one)."""
     blocks = rows.view(rows.shape[0], rows.shape[1] // block, block * rows.shape[-1])
     scale = abs_max(blocks, dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / INT8_MAX
     q8 = blocks.div_(scale[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q8.view(rows.shape), scale
+    return q8.view(rows.shape), scale.repeat_interleave(block, dim=1)
 
 
 def fp16_channels(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
