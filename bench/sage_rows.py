@@ -5,7 +5,8 @@ No GPU: the model is the kernel's exact arithmetic (a lent H100 matched it to 0.
 error grows with the rows (more keys, sharper winners), which is why this run exists. Each quantisation idea is a
 variant of the same pre-pass and model:
 - `16/64`: one int8 scale per 16 query rows and per 64 keys (the kernel before per-row scales), `16/16`, `1/64`,
-  `16/1`, `1/1` (one per query row and per key: the op's);
+  `16/1`, `1/1` (one per query row and per key), all without the outlier channels' shift;
+- `1/1+outliers`: per-row scales and each head's 16 outlier channels first, divided by 2**shift (the op's);
 - `1/1+balanced`: per-row scales after a per-channel pre-scale q_c * s_c, k_c / s_c (exact for Q.K^T), s_c the
   power of two nearest sqrt(amax K_c / amax Q_c) per head, which moves outlier magnitude between Q and K;
 - `1/1+oracle`: the same with s_c = sqrt(2) on the DiT-like case's known outlier channels (the best of s in
@@ -16,6 +17,7 @@ arithmetic is its own, so a sample of rows measures the same error for a fractio
 reference runs 1,024 query rows at a time. Prints a table; writes $OUT/sage_rows.json when $OUT is set.
 
     python -m bench.sage_rows --rows 15100,37966 --heads 2 --queries 2048
+    python -m bench.sage_rows --rows 15100,37966 --heads 2 --variants 16/64,1/1+outliers
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from h3serve.runtime.kernels import sage_prepare
 from tests.sage_model import attention_fp64, kernel_model
 
 SCALE_ROWS = {"16/64": (16, 64), "16/16": (16, 16), "1/64": (1, 64), "16/1": (16, 1), "1/1": (1, 1)}
-PRE_SCALES = ("balanced", "oracle")
+EXTRAS = ("outliers", "balanced", "oracle")
 
 
 def channel_scale(q: torch.Tensor, k: torch.Tensor, kind: str) -> torch.Tensor:
@@ -51,11 +53,12 @@ def channel_scale(q: torch.Tensor, k: torch.Tensor, kind: str) -> torch.Tensor:
 def measure(case_inputs: list[torch.Tensor], variant: str, queries: int) -> dict[str, float]:
     """The model's output for the first `queries` rows against fp64 attention of the case's bf16 q, k, v."""
     q, k, v = case_inputs
-    blocks, _, pre_scale = variant.partition("+")
-    if pre_scale:
-        s = channel_scale(q, k, pre_scale)
+    blocks, _, extra = variant.partition("+")
+    if extra in ("balanced", "oracle"):
+        s = channel_scale(q, k, extra)
         q, k = q.float() * s, k.float() / s  # the same Q.K^T in real arithmetic
-    prepared = sage_prepare.prepare(q, k, v, HEAD_DIM**-0.5, SCALE_ROWS[blocks])
+    max_shift = sage_prepare.OUTLIER_SHIFT_MAX if extra == "outliers" else 0
+    prepared = sage_prepare.prepare(q, k, v, HEAD_DIM**-0.5, SCALE_ROWS[blocks], max_shift)
     return compare(kernel_model(prepared, queries), attention_fp64(*case_inputs, HEAD_DIM**-0.5, queries))
 
 
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--queries", type=int, default=None, help="the first query rows of each head (default all)")
     p.add_argument("--cases", default="dit-like,gaussian", help=f"of {', '.join(CASES)}")
-    variants = [*SCALE_ROWS, *(f"1/1+{kind}" for kind in PRE_SCALES)]
+    variants = [*SCALE_ROWS, *(f"1/1+{extra}" for extra in EXTRAS)]
     p.add_argument("--variants", default=",".join(variants), help=f"of {', '.join(variants)}")
     args = p.parse_args(argv)
     results = []
@@ -79,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 met = measured["cosine"] >= bar["cosine"] and measured["rel_l1"] <= bar["rel_l1"]
                 results.append({"rows": rows, "case": case, "variant": variant, **measured, "meets_bar": met})
                 print(
-                    f"{rows:6d} x {args.heads} heads, {args.queries or rows} queries, {case:9} {variant:13} cosine "
+                    f"{rows:6d} x {args.heads} heads, {args.queries or rows} queries, {case:9} {variant:14} cosine "
                     f"{measured['cosine']:.6f} rel L1 {measured['rel_l1']:.4f} (bar {bar['cosine']}, "
                     f"{bar['rel_l1']}): {'met' if met else 'MISSED'} ({time.monotonic() - started:.0f} s)",
                     flush=True,

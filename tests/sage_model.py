@@ -1,7 +1,8 @@
 """A CPU model of the sage_fp16 kernel's arithmetic, and fp64 attention to hold it to (tests and bench/sage_turing.py).
 
 The model takes the kernel's own inputs (h3serve/runtime/kernels/sage_prepare.py runs here as on the GPU) and repeats
-its loop: 64-key tiles, int8 Q.K^T exact in int32, scores = float(int32) * (q_scale[row] * k_scale[key]) in fp32, online
+its loop: 64-key tiles, int8 Q.K^T exact in int32 (the first 16 channels' sum times 2**shift), scores =
+float(int32) * (q_scale[row] * k_scale[key]) in fp32, online
 softmax in fp32 with exp2, P rounded to fp16, P.V accumulated in fp32, O * (1 / l) * v_scale rounded to bf16. Two
 points differ from the kernel by less than the bars can see: its ex2.approx (2 ulp) and its fp32 summation order.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from h3serve.runtime.kernels import sage_prepare
-from h3serve.runtime.kernels.sage_prepare import BLOCK_K, HEAD_DIM, Prepared
+from h3serve.runtime.kernels.sage_prepare import BLOCK_K, HEAD_DIM, OUTLIER_CHANNELS, Prepared
 
 MODEL_ULPS = 2  # the kernel may differ from the model by this many bf16 ulps (of the output's largest value)
 MODEL_MISMATCH = 0.01  # in at most this fraction of the outputs
@@ -23,13 +24,16 @@ def kernel_model(p: Prepared, queries: int | None = None) -> torch.Tensor:
     queries = p.rows if queries is None else min(queries, p.rows)
     q8, k8, vt = p.q[:, :queries].double(), p.k.double(), p.vt.float()
     q_scale = p.q_scale[:, :queries]  # (batch*heads, queries)
+    shift = torch.exp2(p.shift.double())[:, None, None]
     m = torch.full(q_scale.shape, float("-inf"))
     total = torch.zeros(q_scale.shape)  # the softmax denominator
     o = torch.zeros(*q_scale.shape, HEAD_DIM)
     keys = torch.arange(BLOCK_K)
     for tile in range(p.n_pad // BLOCK_K):
         window = slice(tile * BLOCK_K, (tile + 1) * BLOCK_K)
-        acc = (q8 @ k8[:, window].transpose(1, 2)).float()  # exact: |acc| <= 127 * 127 * 128 < 2**24
+        first, rest = slice(0, OUTLIER_CHANNELS), slice(OUTLIER_CHANNELS, HEAD_DIM)
+        acc = q8[..., first] @ k8[:, window, first].transpose(1, 2) * shift  # exact in fp64, as in int32
+        acc = (acc + q8[..., rest] @ k8[:, window, rest].transpose(1, 2)).float()  # rounded to nearest as cvt.rn
         scores = acc * (q_scale[..., None] * p.k_scale[:, None, window])
         scores = scores.masked_fill(tile * BLOCK_K + keys >= p.rows, float("-inf"))
         m_new = torch.maximum(m, scores.amax(dim=-1))

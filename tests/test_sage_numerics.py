@@ -82,23 +82,40 @@ def test_outlier_channels_x20_fall_short_of_the_dit_cosine_bar():
 def test_the_full_size_dit_like_case_meets_its_bar_at_2000_rows():
     """bench/sage_turing.py's DiT-like inputs (a per-channel K bias x8 and 4 outlier channels x4 in Q and K) on the
     CPU; one scale per 16 query rows and 64 keys missed the relative L1 bar here (0.031) and at full size on a
-    lent H100; bench/sage_rows.py measures the full-size rows."""
+    lent H100, per-row scales alone measured 0.022 here and 0.0275 at 37,966 rows (bench/sage_rows.py): the op's
+    shifted outlier channels hold a tighter bar."""
     measured = errors(*bench_inputs("dit-like", 2000, HEADS, device="cpu"))
     print("dit-like, 2000 rows", measured)
-    assert meets(measured, DIT_LIKE), measured
+    assert meets(measured, {"cosine": DIT_LIKE["cosine"], "rel_l1": 0.02}), measured
 
 
 def test_each_query_row_and_key_has_its_own_int8_scale():
-    """An outlier in one row sets that row's scale only (a block's scale would be its largest row's)."""
+    """An outlier in one row (and its mirror in another key, so that K's mean stays) sets those rows' scales only
+    (a block's scale would be its largest row's); the outlier-channel shift is off to keep the order unchanged."""
     q, k, v = (t.float() for t in gaussian(6))
-    q[0, 5, 1, 9] = k[0, 7, 0, 2] = 1000.0
-    p = sage_prepare.prepare(q, k, v, 1.0)
-    q_rows = sage_prepare.head_major(q, p.n_pad).abs().amax(dim=-1) / 127 * torch.log2(torch.tensor(torch.e))
-    keys = sage_prepare.head_major(k, p.n_pad)
-    keys[:, :ROWS] -= keys[:, :ROWS].mean(dim=1, keepdim=True)
-    assert torch.allclose(p.q_scale[:, :ROWS], q_rows[:, :ROWS], rtol=1e-6)
-    assert torch.equal(p.k_scale[:, :ROWS], keys.abs().amax(dim=-1)[:, :ROWS] / 127)
-    assert (p.q.abs().amax(dim=-1)[:, :ROWS] == 127).all() and (p.k.abs().amax(dim=-1)[:, :ROWS] == 127).all()
+    before = sage_prepare.prepare(q, k, v, 1.0, max_shift=0)
+    q[0, 5, 1, 9], k[0, 7, 0, 2], k[0, 8, 0, 2] = 1000.0, k[0, 7, 0, 2] + 1000, k[0, 8, 0, 2] - 1000
+    after = sage_prepare.prepare(q, k, v, 1.0, max_shift=0)
+    assert (after.q_scale != before.q_scale).nonzero().tolist() == [[1, 5]]
+    assert (after.k_scale != before.k_scale).nonzero().tolist() == [[0, 7], [0, 8]]
+
+
+@pytest.mark.parametrize("factor, shift", [(4, 1), (8, 2), (20, 3)])
+def test_the_outlier_channels_come_first_with_their_shift(factor, shift):
+    """4 channels x factor in Q and K: per head they are among the first 16 (the kernel's first step), divided by
+    2**shift: the median row's ratio of their amax to the other channels' (half the factor: a row's 4 outliers
+    reach less far than its 124 others), as log2 rounded."""
+    q, k, _ = with_outliers(factor)
+    order, q_shift, k_shift = sage_prepare.outlier_channels(q, k, sage_prepare.OUTLIER_SHIFT_MAX)
+    assert all(set(OUTLIER_CHANNELS) <= set(head[:16].tolist()) for head in order)
+    assert sorted(order[0].tolist()) == list(range(HEAD_DIM))
+    assert q_shift.tolist() == k_shift.tolist() == [shift] * HEADS
+
+
+def test_gaussian_inputs_have_no_outlier_shift():
+    q, k, _ = gaussian(3)
+    _, q_shift, k_shift = sage_prepare.outlier_channels(q, k, sage_prepare.OUTLIER_SHIFT_MAX)
+    assert q_shift.tolist() == k_shift.tolist() == [0] * HEADS
 
 
 def test_the_model_on_the_first_query_rows_computes_what_it_does_for_all():

@@ -11,10 +11,14 @@
 // Inputs (n_pad = rows rounded up to 64, padding zero):
 //   q  int8 (B*H, n_pad, 128), q_scale fp32 (B*H, n_pad): one scale per query row, times the softmax
 //      scale and log2(e), so scores come out in the exp2 domain;
-//   k  int8 (B*H, n_pad, 128) of K minus its mean over rows, k_scale fp32 (B*H, n_pad): one per key.
+//   k  int8 (B*H, n_pad, 128) of K minus its mean over rows, k_scale fp32 (B*H, n_pad): one per key;
+//   shift int32 (B*H): see below.
 //   Per-row scales because outlier channels sit in every row: a block's scale is the largest outlier of
 //   all its rows, a row's only its own (docs/turing.md has the measurements). A score is
 //   int32 * (q_scale[row] * k_scale[key]) in fp32; the tile's 64 key scales go through shared memory.
+//   Channels 0..15 of q and k are the head's outlier channels, divided by a power of two before the row's
+//   scale was taken (the pre-pass ordered them so: exact for Q.K^T); their step's int32 sum is multiplied
+//   by 2**shift[bh] (<= 8: it stays in int32) before the other 7 steps add to it;
 //   vt fp16 (B*H, 128, n_pad): V transposed (channel-major, so P.V's B fragments are two adjacent keys),
 //      divided by v_scale fp32 (B*H, 128), a power of two per channel that keeps |V| < 256 in fp16;
 //   out bf16 (B, rows, H, 128), the caller's NHD layout.
@@ -81,8 +85,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
     const s8* __restrict__ q, const float* __restrict__ q_scale, const s8* __restrict__ k,
-    const float* __restrict__ k_scale, const u16* __restrict__ vt, const float* __restrict__ v_scale,
-    u16* __restrict__ out, int rows, int heads, int n_pad) {
+    const float* __restrict__ k_scale, const int* __restrict__ shift, const u16* __restrict__ vt,
+    const float* __restrict__ v_scale, u16* __restrict__ out, int rows, int heads, int n_pad) {
     __shared__ __align__(16) s8 ks[BLOCK_K * K_STRIDE];              // 9,216 bytes
     __shared__ __align__(16) u16 vs[HEAD_DIM * V_STRIDE];            // 18,432 bytes
     __shared__ __align__(16) float kss[BLOCK_K];                      // 256 bytes: the tile's key scales
@@ -99,6 +103,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             qf[m][s] = *(const u32*)(q + ((size_t)bh * n_pad + row0 + m * 8 + g) * HEAD_DIM + s * 16 + t * 4);
     const float qs[2] = {q_scale[(size_t)bh * n_pad + row0 + g], q_scale[(size_t)bh * n_pad + row0 + 8 + g]};
     const float* ksh = k_scale + (size_t)bh * n_pad;
+    const int outlier_shift = shift[bh];
 
     float o[16][4];  // O (16 rows x 128 channels) as 16 D fragments of 8 channels
     for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -140,12 +145,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
         int acc[2][8][2];
         for (int m = 0; m < 2; ++m)
             for (int n = 0; n < 8; ++n) acc[m][n][0] = acc[m][n][1] = 0;
-        for (int s = 0; s < 8; ++s)
+        for (int s = 0; s < 8; ++s) {
             for (int n = 0; n < 8; ++n) {
                 const u32 b = *(const u32*)(ks + (n * 8 + g) * K_STRIDE + s * 16 + t * 4);
                 mma_s8(acc[0][n][0], acc[0][n][1], qf[0][s], b);
                 mma_s8(acc[1][n][0], acc[1][n][1], qf[1][s], b);
             }
+            if (s == 0)  // the outlier channels' step
+                for (int m = 0; m < 2; ++m)
+                    for (int n = 0; n < 8; ++n) {
+                        acc[m][n][0] <<= outlier_shift;
+                        acc[m][n][1] <<= outlier_shift;
+                    }
+        }
 
         // Online softmax in fp32, in the exp2 domain (log2(e) is in the Q scale).
         const int key0 = tile * BLOCK_K + t * 2;
