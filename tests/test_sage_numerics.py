@@ -118,6 +118,13 @@ def test_gaussian_inputs_have_no_outlier_shift():
     assert q_shift.tolist() == k_shift.tolist() == [0] * HEADS
 
 
+def test_the_pre_pass_leaves_fp32_inputs_as_they_were():
+    q, k, v = with_outliers(8)
+    inputs = [t.float() for t in (q, k, v)]
+    sage_prepare.prepare(*inputs, HEAD_DIM**-0.5)
+    assert all(torch.equal(given, t.float()) for given, t in zip(inputs, (q, k, v), strict=True))
+
+
 def test_the_model_on_the_first_query_rows_computes_what_it_does_for_all():
     """bench/sage_rows.py runs full-size rows on a sample of query rows: each row's arithmetic is its own."""
     p = sage_prepare.prepare(*gaussian(7), HEAD_DIM**-0.5)
@@ -189,11 +196,12 @@ def test_the_tiny_models_real_attention_inputs_meet_the_dit_bar(tiny_attention_i
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("target", ["native", "compute_75"])
-def test_the_kernel_on_a_gpu_computes_what_its_model_does(target):
+@pytest.mark.parametrize("case", ["gaussian", "outliers x8 (shift 2 + 2)"])
+def test_the_kernel_on_a_gpu_computes_what_its_model_does(target, case):
     from h3serve.runtime.kernels import sage
 
     major, minor = torch.cuda.get_device_capability()
     loaded = sage.kernel(torch.cuda.current_device(), f"sm_{major}{minor}" if target == "native" else target)
-    measured = kernel_vs_model(loaded, *gaussian(5, rows=1000))
-    print(target, measured)
+    measured = kernel_vs_model(loaded, *(gaussian(5) if case == "gaussian" else with_outliers(8)))
+    print(target, case, measured)
     assert measured["written"] and measured["matches"], measured

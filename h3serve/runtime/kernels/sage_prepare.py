@@ -111,7 +111,7 @@ def outlier_channels(q: torch.Tensor, k: torch.Tensor, max_shift: int) -> tuple[
 
     def shift(sample: torch.Tensor) -> torch.Tensor:
         """(batch, sampled rows, heads, d) fp32 -> (batch*heads,)"""
-        sample = sample.abs_().transpose(1, 2).reshape(batch * heads, -1, d)
+        sample = sample.abs().transpose(1, 2).reshape(batch * heads, -1, d)  # not abs_: fp32 q is the caller's
         amax = [
             sample.gather(2, channels[:, None, :].expand(-1, sample.shape[1], -1)).amax(dim=2)
             for channels in (top, rest)

@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             qf[m][s] = *(const u32*)(q + ((size_t)bh * n_pad + row0 + m * 8 + g) * HEAD_DIM + s * 16 + t * 4);
     const float qs[2] = {q_scale[(size_t)bh * n_pad + row0 + g], q_scale[(size_t)bh * n_pad + row0 + 8 + g]};
     const float* ksh = k_scale + (size_t)bh * n_pad;
-    const int outlier_shift = shift[bh];
+    const int outlier_factor = 1 << shift[bh];  // a multiply, not acc << shift: that is UB for acc < 0
 
     float o[16][4];  // O (16 rows x 128 channels) as 16 D fragments of 8 channels
     for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -154,8 +154,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             if (s == 0)  // the outlier channels' step
                 for (int m = 0; m < 2; ++m)
                     for (int n = 0; n < 8; ++n) {
-                        acc[m][n][0] <<= outlier_shift;
-                        acc[m][n][1] <<= outlier_shift;
+                        acc[m][n][0] *= outlier_factor;
+                        acc[m][n][1] *= outlier_factor;
                     }
         }
 
