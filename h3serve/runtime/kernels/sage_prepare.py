@@ -11,9 +11,9 @@ sizes are the kernel's (h3serve/runtime/kernels/sage_fp16/attention.cu says why 
   the kernel's scores are in the exp2 domain;
 - per head, the OUTLIER_CHANNELS channels of largest amax(Q_c) * amax(K_c) first (the same order for Q and K,
   exact for Q.K^T; the kernel's first 16-channel step) and divided by a power of two 2**shift (per head, of Q
-  and of K: the ratio of their amax to the other channels', at most OUTLIER_SHIFT_MAX) before the row's scale
-  is taken, so that the outliers no longer coarsen every other channel; the kernel multiplies that step's exact
-  int32 sum by 2**(q shift + k shift) before adding the other steps (bench/sage_rows.py measures it);
+  and of K: the median row's ratio of their amax to the other channels', at most OUTLIER_SHIFT_MAX) before the
+  row's scale is taken, so that the outliers no longer coarsen every other channel; the kernel multiplies that
+  step's exact int32 sum by 2**(q shift + k shift) before adding the other steps (bench/sage_rows.py measures it);
 - V divided by a power of two per channel that brings its largest |value| under 2**V_RANGE_LOG2: exact for
   bf16 values (fp16 has more mantissa bits) and finite beyond fp16's 65504; the kernel multiplies it back
   in fp32 before rounding to bf16.
