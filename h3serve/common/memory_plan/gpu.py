@@ -48,8 +48,9 @@ DEFAULT_TEXT_ROWS = 256
 # ~188 KB a row the bf16 path holds, ~64 KB are stream-wide (5,376) tensors, which double; the FFN's wide ones stay
 # bf16. bench/turing_linears.py prints the measured peaks at 480x832x124 to check it against
 FP16_SCALED_ACT_FACTOR = 1.4
-# attention_backend = "sage": its int8 Q and K copies and fp16 V, per element of q/k/v (56 heads x 128 per row)
-SAGE_WORKSPACE_BYTES_PER_ROW = (2 * 1 + 2) * 56 * 128
+# attention_backend = "sage": its int8 Q and K copies and fp16 V, per element of q/k/v (56 heads x 128 per row), and
+# Q's and K's fp32 scales, one per row and head
+SAGE_WORKSPACE_BYTES_PER_ROW = (2 * 1 + 2) * 56 * 128 + 2 * 4 * 56
 
 
 def limit_fraction(limit_gib: float, total_bytes: int) -> float:

@@ -135,7 +135,7 @@ def launch(loaded: Kernel, prepared: sage_prepare.Prepared, out: torch.Tensor) -
     if out.dtype != torch.bfloat16 or not out.is_contiguous() or out.shape != (p.batch, p.rows, p.heads, 128):
         raise ValueError(f"sage_fp16 writes a contiguous bf16 (batch, rows, heads, 128) tensor, not {out.shape}")
     _make_current(out.device.index)
-    tensors = (p.q, p.q_scale, p.k, p.k_scale, p.vt, p.v_scale, out)
+    tensors = (p.q, p.q_scale, p.k, p.k_scale, p.shift, p.vt, p.v_scale, out)
     values = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(n) for n in (p.rows, p.heads, p.n_pad)]
     pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
     stream = driver.CUstream(torch.cuda.current_stream(out.device).cuda_stream)

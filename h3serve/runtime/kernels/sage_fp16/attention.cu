@@ -9,9 +9,16 @@
 //
 // One block: 64 query rows of one (batch, head), 4 warps of 16 rows. Keys in tiles of 64.
 // Inputs (n_pad = rows rounded up to 64, padding zero):
-//   q  int8 (B*H, n_pad, 128), q_scale fp32 (B*H, n_pad/16): one scale per warp's 16 rows, times the
-//      softmax scale and log2(e), so scores come out in the exp2 domain;
-//   k  int8 (B*H, n_pad, 128) of K minus its mean over rows, k_scale fp32 (B*H, n_pad/64);
+//   q  int8 (B*H, n_pad, 128), q_scale fp32 (B*H, n_pad): one scale per query row, times the softmax
+//      scale and log2(e), so scores come out in the exp2 domain;
+//   k  int8 (B*H, n_pad, 128) of K minus its mean over rows, k_scale fp32 (B*H, n_pad): one per key;
+//   shift int32 (B*H): see below.
+//   Per-row scales because outlier channels sit in every row: a block's scale is the largest outlier of
+//   all its rows, a row's only its own (docs/turing.md has the measurements). A score is
+//   int32 * (q_scale[row] * k_scale[key]) in fp32; the tile's 64 key scales go through shared memory.
+//   Channels 0..15 of q and k are the head's outlier channels, divided by a power of two before the row's
+//   scale was taken (the pre-pass ordered them so: exact for Q.K^T); their step's int32 sum is multiplied
+//   by 2**shift[bh] (<= 8: it stays in int32) before the other 7 steps add to it;
 //   vt fp16 (B*H, 128, n_pad): V transposed (channel-major, so P.V's B fragments are two adjacent keys),
 //      divided by v_scale fp32 (B*H, 128), a power of two per channel that keeps |V| < 256 in fp16;
 //   out bf16 (B, rows, H, 128), the caller's NHD layout.
@@ -78,10 +85,11 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
     const s8* __restrict__ q, const float* __restrict__ q_scale, const s8* __restrict__ k,
-    const float* __restrict__ k_scale, const u16* __restrict__ vt, const float* __restrict__ v_scale,
-    u16* __restrict__ out, int rows, int heads, int n_pad) {
+    const float* __restrict__ k_scale, const int* __restrict__ shift, const u16* __restrict__ vt,
+    const float* __restrict__ v_scale, u16* __restrict__ out, int rows, int heads, int n_pad) {
     __shared__ __align__(16) s8 ks[BLOCK_K * K_STRIDE];              // 9,216 bytes
     __shared__ __align__(16) u16 vs[HEAD_DIM * V_STRIDE];            // 18,432 bytes
+    __shared__ __align__(16) float kss[BLOCK_K];                      // 256 bytes: the tile's key scales
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
     const int bh = blockIdx.y, row0 = blockIdx.x * BLOCK_Q + warp * WARP_ROWS;
@@ -93,15 +101,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
     for (int m = 0; m < 2; ++m)
         for (int s = 0; s < 8; ++s)
             qf[m][s] = *(const u32*)(q + ((size_t)bh * n_pad + row0 + m * 8 + g) * HEAD_DIM + s * 16 + t * 4);
-    const float qs = q_scale[(size_t)bh * (n_pad / WARP_ROWS) + row0 / WARP_ROWS];
+    const float qs[2] = {q_scale[(size_t)bh * n_pad + row0 + g], q_scale[(size_t)bh * n_pad + row0 + 8 + g]};
+    const float* ksh = k_scale + (size_t)bh * n_pad;
+    const int outlier_factor = 1 << shift[bh];  // a multiply, not acc << shift: that is UB for acc < 0
 
     float o[16][4];  // O (16 rows x 128 channels) as 16 D fragments of 8 channels
     for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.f, 0.f};  // rows g and g+8; l: this lane's share
 
     // A tile is 16-byte words: K 64 x 8 (4 a thread), V^T 128 x 8 (8 a thread); word i of the tile is
-    // row i/8, column i%8 in both. The next tile waits in these registers while this one is computed.
+    // row i/8, column i%8 in both; key scale i is thread i's (i < 64). The next tile waits in these
+    // registers while this one is computed.
     uint4 k_next[4], v_next[8];
+    float ks_next = 0.f;
     const int tiles = n_pad / BLOCK_K;
     auto fetch = [&](int tile) {
         for (int j = 0; j < 4; ++j) {
@@ -112,6 +124,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             const int i = tid + j * THREADS;
             v_next[j] = *(const uint4*)(vh + (size_t)(i / 8) * n_pad + tile * BLOCK_K + (i % 8) * 8);
         }
+        if (tid < BLOCK_K) ks_next = ksh[tile * BLOCK_K + tid];
     };
     fetch(0);
     for (int tile = 0; tile < tiles; ++tile) {
@@ -124,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             const int i = tid + j * THREADS;
             *(uint4*)(vs + (i / 8) * V_STRIDE + (i % 8) * 8) = v_next[j];
         }
+        if (tid < BLOCK_K) kss[tid] = ks_next;
         __syncthreads();
         if (tile + 1 < tiles) fetch(tile + 1);
 
@@ -131,15 +145,21 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
         int acc[2][8][2];
         for (int m = 0; m < 2; ++m)
             for (int n = 0; n < 8; ++n) acc[m][n][0] = acc[m][n][1] = 0;
-        for (int s = 0; s < 8; ++s)
+        for (int s = 0; s < 8; ++s) {
             for (int n = 0; n < 8; ++n) {
                 const u32 b = *(const u32*)(ks + (n * 8 + g) * K_STRIDE + s * 16 + t * 4);
                 mma_s8(acc[0][n][0], acc[0][n][1], qf[0][s], b);
                 mma_s8(acc[1][n][0], acc[1][n][1], qf[1][s], b);
             }
+            if (s == 0)  // the outlier channels' step
+                for (int m = 0; m < 2; ++m)
+                    for (int n = 0; n < 8; ++n) {
+                        acc[m][n][0] *= outlier_factor;
+                        acc[m][n][1] *= outlier_factor;
+                    }
+        }
 
         // Online softmax in fp32, in the exp2 domain (log2(e) is in the Q scale).
-        const float scale = qs * k_scale[(size_t)bh * tiles + tile];
         const int key0 = tile * BLOCK_K + t * 2;
         const bool tail = tile * BLOCK_K + BLOCK_K > rows;
         float p[2][8][2];
@@ -147,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) sage_fp16_attention(
             float mx = NEG_INF;
             for (int n = 0; n < 8; ++n)
                 for (int e = 0; e < 2; ++e) {
-                    float sc = (float)acc[m][n][e] * scale;
+                    float sc = (float)acc[m][n][e] * (qs[m] * kss[n * 8 + t * 2 + e]);
                     if (tail && key0 + n * 8 + e >= rows) sc = NEG_INF;
                     p[m][n][e] = sc;
                     mx = fmaxf(mx, sc);
