@@ -9,9 +9,9 @@ ceiling table's status in the earlier stacks, and names the field; a gRPC client
 from __future__ import annotations
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import error_details_pb2
+
+from h3serve.v1 import rich_status
 
 DOMAIN = "h3serve.v1"
 OVER_CAPACITY = "OVER_CAPACITY"
@@ -20,22 +20,12 @@ OVER_CAPACITY = "OVER_CAPACITY"
 def details(code: grpc.StatusCode, message: str, reason: str, field: str) -> tuple[tuple[str, bytes], ...]:
     """The trailing metadata that gives a refusal its reason and field, to pass to `context.abort`."""
     info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata={"field": field})
-    packed = any_pb2.Any()
-    packed.Pack(info)
-    status = status_pb2.Status(code=code.value[0], message=message, details=[packed])
-    return tuple(rpc_status.to_status(status).trailing_metadata)
+    return rich_status.trailing(code, message, info)
 
 
 def reason(error: grpc.RpcError) -> tuple[str, str] | None:
     """(reason, field) of a refusal marked by `details`; None when it carries none (or is not a call's error)."""
-    if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
-        return None
-    try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]  # an AioRpcError answers the same methods
-    except ValueError:  # details that contradict the status: ignored, as no reason
-        return None
-    for packed in status.details if status else ():
-        info = error_details_pb2.ErrorInfo()
-        if packed.Unpack(info) and info.domain == DOMAIN:
+    for info in rich_status.details(error, error_details_pb2.ErrorInfo):
+        if info.domain == DOMAIN:
             return info.reason, info.metadata.get("field", "")
     return None

@@ -11,30 +11,20 @@ from __future__ import annotations
 import math
 
 import grpc
-from google.protobuf import any_pb2, duration_pb2
-from google.rpc import error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2
+
+from h3serve.v1 import rich_status
 
 
 def details(code: grpc.StatusCode, message: str, wait_s: float) -> tuple[tuple[str, bytes], ...]:
     """The trailing metadata that gives a refusal its retry time, to pass to `context.abort`."""
     retry = error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=math.ceil(wait_s)))
-    packed = any_pb2.Any()
-    packed.Pack(retry)
-    status = status_pb2.Status(code=code.value[0], message=message, details=[packed])
-    return tuple(rpc_status.to_status(status).trailing_metadata)
+    return rich_status.trailing(code, message, retry)
 
 
 def advised_wait_s(error: grpc.RpcError) -> float | None:
     """The wait a refusal advises, in seconds; None when it advises none (or is not a call's error)."""
-    if not isinstance(error, grpc.Call | grpc.aio.AioRpcError):
-        return None
-    try:
-        status = rpc_status.from_call(error)  # type: ignore[arg-type]  # an AioRpcError answers the same methods
-    except ValueError:  # details that contradict the status: ignored, as no advice
-        return None
-    for packed in status.details if status else ():
-        retry = error_details_pb2.RetryInfo()
-        if packed.Unpack(retry):
-            return retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    for retry in rich_status.details(error, error_details_pb2.RetryInfo):
+        return retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
     return None
