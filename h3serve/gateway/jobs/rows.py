@@ -16,6 +16,22 @@ JOB_FIELDS = (
     "job_id, state, request, created, updated, error, last_seq, request_id, attempts, deleted, progress, owner, "
     "webhook_url"
 )
+# A new job's row, the same in both backends; `placeholder` is the driver's parameter mark (? or %s).
+NEW_JOB_FIELDS = "job_id, state, request, created, updated, request_id, request_digest, progress, owner, webhook_url"
+
+
+def insert_new_job(placeholder: str) -> str:
+    marks = ", ".join(placeholder if name != "progress" else "0" for name in NEW_JOB_FIELDS.split(", "))
+    return f"INSERT INTO jobs ({NEW_JOB_FIELDS}) VALUES ({marks})"
+
+
+def new_job_values(job_id: str, request, now: float, request_id: str, digest: str, owner) -> tuple:
+    """The parameters of `insert_new_job`: a queued job, its progress 0."""
+    state = gateway_pb2.JOB_STATE_QUEUED
+    serialized = request.SerializeToString()
+    return (job_id, state, serialized, now, now, request_id or None, digest or None, owner.client, owner.webhook_url)
+
+
 OUTBOX_FIELDS = "event_id, type, attempts, last_status, last_error, delivered_at, next_at"
 ARTIFACT_FIELDS = "artifact_id, file_name, bytes, sha256, media_type"
 RECORD_COLUMNS = ("enqueued", "started", "finished", "replica", "bytes_in", "bytes_out", "tries", "error")

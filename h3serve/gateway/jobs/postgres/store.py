@@ -23,7 +23,9 @@ from h3serve.gateway.jobs.rows import (
     JOB_FIELDS,
     RECORD_COLUMNS,
     artifact_from_row,
+    insert_new_job,
     kept_end,
+    new_job_values,
 )
 from h3serve.gateway.jobs.store import (
     TERMINAL_STATES,
@@ -96,19 +98,8 @@ class PostgresJobStore:
             await _check_bounds(conn, owner, max_unfinished)
             now = time.time()
             await conn.execute(
-                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress, "
-                "owner, webhook_url) VALUES (%s, %s, %s, %s, %s, %s, %s, 0, %s, %s)",
-                (
-                    job_id,
-                    gateway_pb2.JOB_STATE_QUEUED,
-                    request.SerializeToString(),
-                    now,
-                    now,
-                    request_id or None,
-                    digest or None,
-                    owner.client,
-                    owner.webhook_url,
-                ),
+                insert_new_job("%s"),
+                new_job_values(job_id, request, now, request_id, digest, owner),
             )
             if first_event is not None:
                 await _write_event(conn, job_id, first_event)

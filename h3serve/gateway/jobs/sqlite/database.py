@@ -19,7 +19,7 @@ from contextlib import closing
 from h3serve.common.errors import tail
 from h3serve.common.processes import Refused
 from h3serve.gateway.jobs.progress import advance
-from h3serve.gateway.jobs.rows import kept_end
+from h3serve.gateway.jobs.rows import insert_new_job, kept_end, new_job_values
 from h3serve.gateway.jobs.sqlite import asset_owners, identity, outbox, ownership
 from h3serve.gateway.jobs.sqlite.refusals import BUSY_WAIT_S, damaged, locked
 from h3serve.gateway.jobs.sqlite.schema import (
@@ -173,19 +173,8 @@ class Database:
             self._check_bounds(owner, max_unfinished)
             now = time.time()
             self._conn.execute(
-                "INSERT INTO jobs (job_id, state, request, created, updated, request_id, request_digest, progress, "
-                "owner, webhook_url) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?, ?)",
-                (
-                    job_id,
-                    gateway_pb2.JOB_STATE_QUEUED,
-                    request.SerializeToString(),
-                    now,
-                    now,
-                    request_id or None,
-                    digest or None,
-                    owner.client,
-                    owner.webhook_url,
-                ),
+                insert_new_job("?"),
+                new_job_values(job_id, request, now, request_id, digest, owner),
             )
             if first_event is not None:
                 self._write_event(job_id, first_event)
