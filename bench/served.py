@@ -3,6 +3,7 @@ from --dit / --vae / --gpus or a shipped profile, the request they send, and wha
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -104,9 +105,24 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         changes["dit"]["warmup"] = args.sizes.split(",")
     if args.compile_cache:
         changes["dit"]["compile_cache_dir"] = changes["vae"]["compile_cache_dir"] = args.compile_cache
+    if args.one_gpu:
+        _onto_one_gpu(changes)
     # only --fp8-cache's: a profile's own directory would carry the quantised weights from one run into the next
     changes["dit"]["fp8_cache_dir"] = args.fp8_cache
     return changes
+
+
+def _onto_one_gpu(changes: dict[str, dict]) -> None:
+    """--one-gpu: every stage on GPU 0 and the DiT a one-rank group, each stage's kernels, precisions and weight
+    forms as the profile ships them. The memory limits go (one card holds what the profile spreads over several),
+    and so does what needs bitsandbytes, which the lent machines lack: an nf4 encoder runs as torchao's int8."""
+    for name in ("encoder", "dit", "vae"):
+        changes[name] |= {"gpus": "0", "memory_limit_gib": 0.0}
+    changes["dit"] |= {"world_size": 1, "ulysses_degree": 0, "fsdp": False}
+    changes["encoder"] |= {"spread": False}
+    changes["supervisor"] |= {"gpu_memory_gib": 0.0}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        changes["encoder"] |= {"quantize": "int8"}
 
 
 def mux_preset(args) -> str:
@@ -204,7 +220,8 @@ def services_text(args, place: Placement) -> str:
     """The deployment `deployment` built, as a record names it."""
     weights = f", DiT transformer_file {Path(args.transformer_file).name}" if args.transformer_file else ""
     if args.deploy:
-        return f"gRPC services, deployment {args.deploy} as shipped{weights}"
+        shipped = "on one GPU (a one-rank DiT group, no memory limits)" if args.one_gpu else "as shipped"
+        return f"gRPC services, deployment {args.deploy} {shipped}{weights}"
     return (
         f"gRPC services (encoder, DiT, VAE, gateway; {place.describe()}), DiT {args.dit}, VAE {args.vae}"
         + (f", x264 {mux_preset(args)}" if mux_preset(args) != PRESET else "")
@@ -245,6 +262,12 @@ def add_deployment_arguments(parser) -> None:
         "--deploy",
         help="serve with this deployment profile (e.g. docs/deploy/single-32gb.toml) instead "
         "of --dit/--vae/--gpus: its placement, memory limits and offload as shipped",
+    )
+    parser.add_argument(
+        "--one-gpu",
+        action="store_true",
+        help="with --deploy: the profile's stages all on GPU 0, the DiT a one-rank group, memory limits off (a "
+        "several-GPU profile's kernels and precisions served on the one lent card)",
     )
     parser.add_argument(
         "--x264-preset",
