@@ -21,9 +21,9 @@ BytesLike = bytes | bytearray | memoryview
 
 class Blobs(Protocol):
     def put(self, key: str, data: BytesLike | Iterable[BytesLike]) -> tuple[str, int]:
-        """Store `data` (bytes or an iterable of byte chunks: `chunks_of` a file) under `key`,
-        replacing any blob there only once it is whole; returns (sha256 hex, size). A full disk raises DiskFull
-        naming it, and leaves nothing behind."""
+        """Store `data` (bytes or an iterable of byte chunks: `chunks_of` a file) under `key`, replacing any blob
+        there only once it is whole; returns (sha256 hex, size). A full disk raises DiskFull naming it, and leaves
+        nothing behind."""
 
     def open(self, key: str) -> BinaryIO:
         """The blob for reading. FileNotFoundError: no such blob."""
@@ -62,7 +62,7 @@ class DirectoryBlobs:
     def path(self, key: str) -> str:
         """The file of `key`. ValueError: a key that is empty, absolute or leaves the directory."""
         parts = key.split("/")
-        if key.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        if any(part in ("", ".", "..") for part in parts):  # also "" and "/...": a first part that is empty
             raise ValueError(f"a blob key is a relative name inside the blob directory, got {key!r}")
         return os.path.join(self.root, *parts)
 
@@ -86,7 +86,7 @@ class DirectoryBlobs:
     def exists(self, key: str) -> bool:
         try:
             return os.path.isfile(self.path(key))
-        except ValueError:  # a key no blob can have (an old row's absolute path): no such blob
+        except ValueError:  # a key no blob can have: no such blob
             return False
 
     def delete(self, key: str) -> None:

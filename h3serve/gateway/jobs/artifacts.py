@@ -19,10 +19,11 @@ PREFIX = "artifacts/"  # the artifacts' keys
 
 # A store from before blob keys recorded each artifact's local path, always `<data_dir>/artifacts/<file_name>`: its
 # key is then `artifacts/<file_name>`, the same file under the default blob_dir (data_dir). Both backends' migrations
-# rename the column and run this once.
+# run these once, while the column is still `path`: keys first, so that a stop between the two leaves a column that
+# is migrated again, harmlessly.
 KEYS_FROM_PATHS = (
+    f"UPDATE artifacts SET path = '{PREFIX}' || file_name",
     "ALTER TABLE artifacts RENAME COLUMN path TO blob_key",
-    f"UPDATE artifacts SET blob_key = '{PREFIX}' || file_name",
 )
 
 
