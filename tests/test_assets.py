@@ -16,6 +16,7 @@ from media_files import audio, image, mp4
 
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits, AssetRefused, inspect, sniff
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.model import rules, workflows
 from h3serve.model.rules import Geometry
 from h3serve.v1 import common_pb2, gateway_pb2, media_pb2
@@ -56,7 +57,7 @@ async def _chunks(data: bytes, size: int, name: str):
 
 
 def _upload(tmp_path: Path, path: Path, limits: AssetLimits, chunk: int = 4096):
-    store = AssetStore(str(tmp_path / "store"), limits)
+    store = AssetStore(DirectoryBlobs(str(tmp_path / "blobs")), str(tmp_path / "store"), limits)
     return store, asyncio.run(store.upload(_chunks(path.read_bytes(), chunk, path.name)))
 
 
@@ -99,7 +100,7 @@ def test_a_refusal_cuts_a_long_file_name(tmp_path):
         yield gateway_pb2.UploadAssetChunk(file_name="n" * 100_000, data=b"not media at all, just text")
 
     with pytest.raises(AssetRefused) as err:
-        asyncio.run(AssetStore(str(tmp_path / "store"), AssetLimits()).upload(chunks()))
+        asyncio.run(AssetStore(DirectoryBlobs(str(tmp_path)), str(tmp_path / "store"), AssetLimits()).upload(chunks()))
     assert err.value.message.startswith("asset 'nnn") and "(100000 characters)" in err.value.message
     assert len(err.value.message) < 500
 

@@ -33,6 +33,7 @@ from h3serve.common.processes import EXIT_REFUSED
 from h3serve.common.server import is_answering
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
@@ -101,7 +102,7 @@ def test_an_artifact_the_disk_cannot_hold_leaves_no_part_and_retention_still_fre
     data = disk / "data"
 
     async def scenario():
-        store, artifacts = SqliteJobStore(str(data / "jobs.sqlite")), ArtifactStore(str(data / "artifacts"))
+        store, artifacts = SqliteJobStore(str(data / "jobs.sqlite")), ArtifactStore(DirectoryBlobs(str(data)))
         old, old_path = artifacts.save("old", "video", bytes(256 << 10))
         await store.submit("old", REQUEST)
         await store.add_artifact("old", "video", old, old_path)
@@ -113,7 +114,7 @@ def test_an_artifact_the_disk_cannot_hold_leaves_no_part_and_retention_still_fre
         assert os.listdir(data / "artifacts") == [old.file_name], "the partial file is removed"
 
         # The store cannot record the removal before the file has made room for it: the file goes first.
-        assert await Retention(store, max_age_s=1.0).enforce(now=time.time() + 60) == ["old-video"]
+        assert await Retention(store, artifacts, max_age_s=1.0).enforce(now=time.time() + 60) == ["old-video"]
         assert os.listdir(data / "artifacts") == [] and await store.artifacts_oldest_first() == []
 
         filler.unlink()
@@ -132,10 +133,9 @@ def test_a_job_the_full_disk_fails_keeps_its_worker_until_its_end_is_recorded(di
     async def scenario():
         store, config, metrics = SqliteJobStore(str(data / "jobs.sqlite")), GatewayConfig(), GatewayMetrics(STAGE_NAMES)
         hub = EventHub(store)
-        assets = AssetStore(str(data / "assets"), AssetLimits())
-        runner = JobRunner(
-            config, store, hub, StageCaller(config, metrics), ArtifactStore(str(data / "artifacts")), metrics, assets
-        )
+        blobs = DirectoryBlobs(str(data))
+        assets = AssetStore(blobs, str(data / "assets"), AssetLimits())
+        runner = JobRunner(config, store, hub, StageCaller(config, metrics), ArtifactStore(blobs), metrics, assets)
         await store.submit("no-room", REQUEST, first_event=S.JobEvent(accepted=S.Accepted()))
         filler = fill(disk)
         runner.start("no-room", REQUEST)

@@ -12,6 +12,7 @@ import pytest
 from stores import with_store
 
 from h3serve.common.config import GatewayConfig
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.runner import all_of
@@ -369,17 +370,19 @@ def test_stage_records_are_returned_in_order(tmp_path):
 
 def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
     async def scenario(store):
-        artifacts = ArtifactStore(str(tmp_path / "artifacts"))
+        artifacts = ArtifactStore(DirectoryBlobs(str(tmp_path)))
         paths = {}
         for job_id, size in (("old", 100), ("mid", 300), ("new", 300)):
             await store.submit(job_id, REQUEST)
-            artifact, paths[job_id] = artifacts.save(job_id, "video", os.urandom(size))
-            await store.add_artifact(job_id, "video", artifact, paths[job_id])
+            artifact, key = artifacts.save(job_id, "video", os.urandom(size))
+            await store.add_artifact(job_id, "video", artifact, key)
+            paths[job_id] = tmp_path / key
         created = {a.artifact_id: a.created for a in await store.artifacts_oldest_first()}
         now = created["new-video"]
-        assert await Retention(store).enforce(now) == [], "no policy: keep everything"
-        assert await Retention(store, max_age_s=now - created["old-video"] - 1e-6).enforce(now) == ["old-video"]
-        assert await Retention(store, max_bytes=400).enforce(now) == ["mid-video"]
+        assert await Retention(store, artifacts).enforce(now) == [], "no policy: keep everything"
+        old_age = now - created["old-video"] - 1e-6
+        assert await Retention(store, artifacts, max_age_s=old_age).enforce(now) == ["old-video"]
+        assert await Retention(store, artifacts, max_bytes=400).enforce(now) == ["mid-video"]
         assert [a.artifact_id for a in await store.artifacts_oldest_first()] == ["new-video"]
         assert not os.path.exists(paths["old"]) and not os.path.exists(paths["mid"]) and os.path.exists(paths["new"])
         assert await store.artifact("mid-video") is None
@@ -391,10 +394,11 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
 def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_path):
     from media_files import audio
 
-    from h3serve.gateway.assets.store import AssetStore
+    from h3serve.gateway.assets.store import CONTENT, AssetStore, meta_key
     from h3serve.gateway.assets.validate import AssetLimits
 
-    assets = AssetStore(str(tmp_path / "assets"), AssetLimits())
+    blobs = DirectoryBlobs(str(tmp_path))
+    assets = AssetStore(blobs, str(tmp_path / "assets"), AssetLimits())
 
     async def upload(seconds: float) -> str:
         async def chunks():
@@ -405,16 +409,15 @@ def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_p
     async def scenario(store):
         named, loose, fresh = [await upload(seconds) for seconds in (0.5, 0.6, 0.7)]
         for asset_id in (named, loose):
-            os.utime(assets._path("meta", asset_id), (1000.0, 1000.0))  # uploaded long ago
+            os.utime(blobs.path(meta_key(asset_id)), (1000.0, 1000.0))  # uploaded long ago
         request = S.ResolvedRequest(prompt="x", workflow=2, first_frame=named)
         await store.submit("queued-job", request)
-        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [loose]
+        retention = Retention(store, ArtifactStore(blobs), assets=assets, asset_max_age_s=3600)
+        assert await retention.enforce() == [loose]
         assert await assets.find([named, loose, fresh]) == {a: assets.get(a) for a in (named, fresh)}
-        assert not os.path.exists(assets._path("blobs", loose))
+        assert not blobs.exists(CONTENT + loose)
         await store.finish("queued-job", S.JOB_STATE_SUCCEEDED, DONE)
-        assert await Retention(store, assets=assets, asset_max_age_s=3600).enforce() == [named], (
-            "once no unfinished job names it, an old upload goes too"
-        )
+        assert await retention.enforce() == [named], "once no unfinished job names it, an old upload goes too"
 
     with_store(tmp_path / "jobs.sqlite", scenario)
 

@@ -151,6 +151,12 @@ def test_several_gateways_keep_their_jobs_in_postgresql(rendered, tmp_path):
     if "store_url" not in GatewayConfig.model_fields:
         pytest.skip("[gateway] store_url (the PostgreSQL job store) is not in this checkout's configuration")
     assert deploy_of(docs, tmp_path).gateway.store_url == POD_ENV["STORE_URL"]
+    # Artifacts and uploads on the shared claim; data_dir (a gateway's lock and id) each gateway's own.
+    gateway, workload = deploy_of(docs, tmp_path).gateway, find(docs, "Deployment", "h3serve-gateway")
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in container(workload)["volumeMounts"]}
+    assert mounted[gateway.blob_dir]["persistentVolumeClaim"]["claimName"] == "h3serve-gateway-data"
+    assert mounted[gateway.data_dir] == {"name": "data", "emptyDir": {}}, "each gateway's own lock and id"
 
 
 def test_the_dit_across_nodes_is_a_leader_worker_set_whose_leader_is_node_0(rendered, tmp_path):

@@ -16,6 +16,7 @@ from stores import with_store
 
 from h3serve.common.config import GatewayConfig
 from h3serve.common.errors import MAX_ERROR_CHARS
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.sqlite import SqliteJobStore
 from h3serve.gateway.jobs.sqlite.database import Database
@@ -376,8 +377,9 @@ def test_a_restart_spends_no_attempt_and_ends_a_job_caught_in_a_stage_by_more_th
 
 def test_artifact_save_bytes(tmp_path):
     data = os.urandom(300_000)
-    artifact, path = ArtifactStore(str(tmp_path / "artifacts")).save("abc", "video", data)
-    assert path == str(tmp_path / "artifacts" / "h3-abc.mp4")
+    artifact, key = ArtifactStore(DirectoryBlobs(str(tmp_path))).save("abc", "video", data)
+    assert key == "artifacts/h3-abc.mp4"
+    path = tmp_path / "artifacts" / "h3-abc.mp4"
     assert artifact == gateway_pb2.Artifact(
         artifact_id="abc-video",
         file_name="h3-abc.mp4",
@@ -392,20 +394,20 @@ def test_artifact_save_bytes(tmp_path):
 
 def test_artifact_save_chunks(tmp_path):
     chunks = [b"one", bytearray(b"two"), memoryview(b"three")]
-    artifact, path = ArtifactStore(str(tmp_path)).save("abc", "raw", iter(chunks))
+    artifact, key = ArtifactStore(DirectoryBlobs(str(tmp_path))).save("abc", "raw", iter(chunks))
     assert (artifact.file_name, artifact.artifact_id, artifact.media_type) == (
         "h3-abc.npz",
         "abc-raw",
         "application/x-npz",
     )
     assert artifact.bytes == 11 and artifact.sha256 == hashlib.sha256(b"onetwothree").hexdigest()
-    with open(path, "rb") as f:
+    with open(tmp_path / key, "rb") as f:
         assert f.read() == b"onetwothree"
 
 
 def test_artifact_failed_write_leaves_previous_file(tmp_path):
-    artifacts = ArtifactStore(str(tmp_path))
-    _, path = artifacts.save("abc", "video", b"complete")
+    artifacts = ArtifactStore(DirectoryBlobs(str(tmp_path)))
+    _, key = artifacts.save("abc", "video", b"complete")
 
     def broken():
         yield b"partial"
@@ -413,13 +415,13 @@ def test_artifact_failed_write_leaves_previous_file(tmp_path):
 
     with pytest.raises(OSError, match="encoder died"):
         artifacts.save("abc", "video", broken())
-    with open(path, "rb") as f:
+    with open(tmp_path / key, "rb") as f:
         assert f.read() == b"complete"
-    assert os.listdir(tmp_path) == ["h3-abc.mp4"]  # no temporary file left behind
+    assert os.listdir(tmp_path / "artifacts") == ["h3-abc.mp4"]  # no temporary file left behind
 
 
 def test_artifact_rejects_bad_kind_and_id(tmp_path):
-    artifacts = ArtifactStore(str(tmp_path))
+    artifacts = ArtifactStore(DirectoryBlobs(str(tmp_path)))
     with pytest.raises(ValueError):
         artifacts.save("abc", "audio", b"x")
     with pytest.raises(ValueError):

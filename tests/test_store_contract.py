@@ -112,15 +112,15 @@ def test_artifacts_are_kept_listed_oldest_first_and_deleted(backend):
         await store.submit("a", REQUEST, owner=ALICE)
         await store.submit("b", REQUEST, owner=BOB)
         for job_id, artifact_id in (("a", "x1"), ("b", "x2"), ("a", "x3")):
-            await store.add_artifact(job_id, "video", _artifact(artifact_id), f"/blobs/{artifact_id}")
+            await store.add_artifact(job_id, "video", _artifact(artifact_id), f"artifacts/{artifact_id}")
         oldest = await store.artifacts_oldest_first()
-        assert [(s.artifact_id, s.path, s.bytes) for s in oldest] == [
-            ("x1", "/blobs/x1", 3),
-            ("x2", "/blobs/x2", 3),
-            ("x3", "/blobs/x3", 3),
+        assert [(s.artifact_id, s.key, s.bytes) for s in oldest] == [
+            ("x1", "artifacts/x1", 3),
+            ("x2", "artifacts/x2", 3),
+            ("x3", "artifacts/x3", 3),
         ]
-        assert await store.artifact("x1") == (_artifact("x1"), "/blobs/x1")
-        assert await store.artifact("x1", client="alice") == (_artifact("x1"), "/blobs/x1")
+        assert await store.artifact("x1") == (_artifact("x1"), "artifacts/x1")
+        assert await store.artifact("x1", client="alice") == (_artifact("x1"), "artifacts/x1")
         assert await store.artifact("x1", client="bob") is None, "another client's artifact is unknown to it"
         await store.delete_artifact("x1")
         assert await store.artifact("x1") is None

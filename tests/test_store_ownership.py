@@ -16,6 +16,7 @@ from h3serve.common.config import GatewayConfig
 from h3serve.common.free_ports import free_port
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.runner import INTERRUPTED, JobRunner
@@ -37,8 +38,9 @@ def _runner(store, tmp_path, name: str, port: int) -> JobRunner:
     config = GatewayConfig(data_dir=str(tmp_path), encoder=nobody, dit=nobody, vae=nobody, max_attempts=2)
     metrics = GatewayMetrics(STAGE_NAMES)
     caller = StageCaller(config, metrics)
-    assets = AssetStore(str(tmp_path / "assets"), AssetLimits.from_config(config))
-    artifacts = ArtifactStore(str(tmp_path / "artifacts"))
+    blobs = DirectoryBlobs(str(tmp_path))
+    assets = AssetStore(blobs, str(tmp_path / "assets"), AssetLimits.from_config(config))
+    artifacts = ArtifactStore(blobs)
     hub = EventHub(store)
     return JobRunner(config, store, hub, caller, artifacts, metrics, assets, gateway_id=name, lease_s=LEASE_S)
 

@@ -28,6 +28,7 @@ from h3serve.gateway.api.health import StageHealth
 from h3serve.gateway.api.servicer import GatewayServicer
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.http.door import HttpDoor, private_address
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
@@ -130,8 +131,9 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     metrics = GatewayMetrics(STAGE_NAMES)
     hub = EventHub(store)
     caller = StageCaller(config, metrics)
-    assets = AssetStore(str(data_dir / "assets"), AssetLimits.from_config(config))
-    artifacts = ArtifactStore(str(data_dir / "artifacts"))
+    blobs = DirectoryBlobs(config.blob_dir or config.data_dir)
+    assets = AssetStore(blobs, str(data_dir / "assets"), AssetLimits.from_config(config))
+    artifacts = ArtifactStore(blobs)
     runner = JobRunner(config, store, hub, caller, artifacts, metrics, assets, gateway_id=gateway_id(data_dir))
     text_rows = await asyncio.to_thread(_load_text_rows, config)
     loop = asyncio.get_running_loop()

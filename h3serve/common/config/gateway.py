@@ -61,7 +61,10 @@ MESSAGE_ENVELOPE_BYTES = 64 << 10  # a message's fields other than its largest o
 class GatewayConfig(Section):
     host: str = "127.0.0.1"
     port: Port = 50050
-    data_dir: str = "var/gateway"  # SQLite database and artifacts
+    data_dir: str = "var/gateway"  # this gateway's own: its lock, id, SQLite database (and blobs by default)
+    # Artifacts and uploads (docs/storage.md, blobs): empty is data_dir; gateways sharing a PostgreSQL store point it
+    # at one shared filesystem (NFS, a Kubernetes ReadWriteMany volume)
+    blob_dir: str = ""
     # The job store on PostgreSQL instead of data_dir's SQLite file (docs/storage.md; the `postgres` extra)
     store_url: str = Field(default="", pattern=r"^(postgres(ql)?://.*)?$")
     # A stage address may also be a list (or a comma-separated string) of replica addresses.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
 import uuid
 
@@ -283,15 +282,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if len(request.artifact_id) <= MAX_ID_CHARS
             else None
         )
-        if found is None or not await asyncio.to_thread(os.path.isfile, found[1]):
+        if found is None or not await asyncio.to_thread(self.runner.artifacts.exists, found[1]):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"artifact_id: no artifact {shown(request.artifact_id, MAX_ID_CHARS)} (never made, or "
                 f"removed by the retention policy)",
             )
         assert found is not None  # context.abort raised otherwise
-        artifact, path = found
-        file = await asyncio.to_thread(open, path, "rb")
+        artifact, key = found
+        file = await asyncio.to_thread(self.runner.artifacts.open, key)
         try:
             first = True
             while data := await asyncio.to_thread(file.read, DOWNLOAD_CHUNK):

@@ -1,9 +1,11 @@
 """Content-addressed asset storage: an asset's id is the sha256 of its bytes, so the same file is stored once.
 
-Layout under the root: `blobs/<id>` (the original bytes), `meta/<id>.pb` (its `Asset` description),
-`tmp/` (uploads in progress). Both files are written to a temporary name and renamed into place, so a
-reader never sees half an asset; the description is written last, and an asset exists once it has one. An upload
-that meets a full disk leaves nothing behind and raises DiskFull naming the store's root.
+Assets are blobs (h3serve/gateway/blobs.py), so that an upload to one gateway serves a job submitted to another:
+`assets/blobs/<id>` (the original bytes) and `assets/meta/<id>.pb` (its `Asset` description). An upload is spooled
+to a directory of this gateway's own (`<data_dir>/assets/tmp/`) while it is checked and decoded; each blob is
+written whole under a temporary name and renamed into place, so a reader never sees half an asset; the description
+is written last, and an asset exists once it has one. An upload that meets a full disk leaves nothing behind and raises
+DiskFull naming the directory it filled.
 """
 
 from __future__ import annotations
@@ -25,32 +27,31 @@ from h3serve.gateway.assets.validate import (
     over_limit,
     sniff,
 )
+from h3serve.gateway.blobs import Blobs, chunks_of
 from h3serve.v1 import gateway_pb2
 
 _ID = re.compile(r"[0-9a-f]{64}")
+CONTENT, META = "assets/blobs/", "assets/meta/"  # the keys' prefixes: an asset's bytes and its description
 
 
 class AssetStore:
-    def __init__(self, root: str, limits: AssetLimits) -> None:
-        self.root, self.limits = root, limits
-        for sub in ("blobs", "meta", "tmp"):
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
-
-    def _path(self, sub: str, asset_id: str) -> str:
-        return os.path.join(self.root, sub, asset_id + (".pb" if sub == "meta" else ""))
+    def __init__(self, blobs: Blobs, scratch: str, limits: AssetLimits) -> None:
+        """`scratch`: a directory of this gateway's own; uploads are spooled in its `tmp/`."""
+        self.blobs, self.scratch, self.limits = blobs, scratch, limits
+        os.makedirs(os.path.join(scratch, "tmp"), exist_ok=True)
 
     def get(self, asset_id: str) -> gateway_pb2.Asset | None:
-        if not _ID.fullmatch(asset_id):  # also keeps ids from naming paths
+        if not _ID.fullmatch(asset_id):  # also keeps ids from naming other keys
             return None
         try:
-            with open(self._path("meta", asset_id), "rb") as file:
+            with self.blobs.open(meta_key(asset_id)) as file:
                 return gateway_pb2.Asset.FromString(file.read())
         except FileNotFoundError:
             return None
 
     async def read(self, asset_id: str, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
         """The asset's bytes, chunk by chunk, read off the event loop."""
-        file = await asyncio.to_thread(open, self._path("blobs", asset_id), "rb")
+        file = await asyncio.to_thread(self.blobs.open, CONTENT + asset_id)
         try:
             while data := await asyncio.to_thread(file.read, chunk_bytes):
                 yield data
@@ -60,15 +61,20 @@ class AssetStore:
     def remove_older_than(self, cutoff: float, keep: set[str]) -> list[str]:
         """Delete the assets stored before `cutoff` (unix seconds) but those in `keep`; returns their ids."""
         removed = []
-        for name in os.listdir(os.path.join(self.root, "meta")):
-            asset_id = name.removesuffix(".pb")
-            meta = self._path("meta", asset_id)
-            if asset_id in keep or not _ID.fullmatch(asset_id) or os.path.getmtime(meta) >= cutoff:
+        for meta in self.blobs.keys(META):
+            asset_id = meta.removeprefix(META).removesuffix(".pb")
+            if asset_id in keep or not _ID.fullmatch(asset_id) or not self._stored_before(meta, cutoff):
                 continue
-            os.remove(meta)  # first: without its description the asset no longer exists
-            _remove_if_present(self._path("blobs", asset_id))
+            self.blobs.delete(meta)  # first: without its description the asset no longer exists
+            self.blobs.delete(CONTENT + asset_id)
             removed.append(asset_id)
         return removed
+
+    def _stored_before(self, key: str, cutoff: float) -> bool:
+        try:
+            return self.blobs.modified(key) < cutoff
+        except FileNotFoundError:  # another pass removed it meanwhile
+            return False
 
     async def find(self, asset_ids: Iterable[str]) -> dict[str, gateway_pb2.Asset]:
         """The stored descriptions of `asset_ids` (unknown ids left out), read off the event loop."""
@@ -78,8 +84,8 @@ class AssetStore:
     async def upload(self, chunks: AsyncIterator[gateway_pb2.UploadAssetChunk]) -> gateway_pb2.Asset:
         """Spool an upload (refusing it as soon as it passes its format's byte limit), validate it, store it once.
         The disk work and the decode run off the event loop."""
-        with full_named(self.root):
-            fd, tmp = await asyncio.to_thread(tempfile.mkstemp, dir=os.path.join(self.root, "tmp"))
+        with full_named(self.scratch):
+            fd, tmp = await asyncio.to_thread(tempfile.mkstemp, dir=os.path.join(self.scratch, "tmp"))
             try:
                 with os.fdopen(fd, "wb") as file:
                     name, fmt, size, digest = await self._spool(chunks, file)
@@ -95,12 +101,12 @@ class AssetStore:
             return existing
         asset = inspect(tmp, name, fmt, size, self.limits)
         asset.asset_id, asset.file_name = digest, name
-        blob = self._path("blobs", digest)
-        os.replace(tmp, blob)
+        with open(tmp, "rb") as spooled:
+            self.blobs.put(CONTENT + digest, chunks_of(spooled))
         try:
-            self._write_meta(asset)
-        except OSError:  # without its description the blob is no asset, and nothing would ever remove it
-            os.remove(blob)
+            self.blobs.put(meta_key(digest), asset.SerializeToString())
+        except Exception:  # without its description the blob is no asset, and nothing would ever remove it
+            self.blobs.delete(CONTENT + digest)
             raise
         return asset
 
@@ -136,14 +142,9 @@ class AssetStore:
             )
         return fmt, self.limits.max_bytes(candidate_kinds(fmt))
 
-    def _write_meta(self, asset: gateway_pb2.Asset) -> None:
-        fd, tmp = tempfile.mkstemp(dir=os.path.join(self.root, "tmp"))
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(asset.SerializeToString())
-            os.replace(tmp, self._path("meta", asset.asset_id))
-        finally:
-            _remove_if_present(tmp)
+
+def meta_key(asset_id: str) -> str:
+    return f"{META}{asset_id}.pb"
 
 
 def _remove_if_present(path: str) -> None:

@@ -4,7 +4,9 @@ older than theirs go unless a queued or running job names them.
 A removed artifact disappears from the store too, so GetJob never lists a file that is gone and
 DownloadArtifact answers NOT_FOUND for it; a removed asset is an unknown asset_id to the next request.
 On a full disk, when the store cannot record a removal, the file goes first to make the room; a pass the disk
-stops is logged and the next one carries on.
+stops is logged and the next one carries on. Gateways sharing a store and a blob directory take turns: a pass runs
+only on the gateway that has the store's retention turn (PostgreSQL: an advisory lock), the others skip it, so each
+expired artifact is removed once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from h3serve.common.disk import DiskFull
 from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.jobs.artifacts import remove
+from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.store import JobStore, StoredArtifact
 from h3serve.model import workflows
 
@@ -26,16 +28,19 @@ log = logging.getLogger("h3serve.gateway.retention")
 @dataclass(frozen=True)
 class Retention:
     store: JobStore
+    artifacts: ArtifactStore
     max_age_s: float = 0.0  # artifacts; 0: no age limit
     max_bytes: int = 0  # artifacts; 0: no byte cap
     assets: AssetStore | None = None
     asset_max_age_s: float = 0.0  # 0: keep uploads
 
     async def enforce(self, now: float | None = None) -> list[str]:
-        """Delete what the policy no longer keeps; returns the removed artifact and asset ids."""
+        """Delete what the policy no longer keeps; returns the removed artifact and asset ids (none when another
+        gateway's pass is under way: it does this one's work)."""
         now = time.time() if now is None else now
         try:
-            removed = await self._artifacts(now) + await self._assets(now)
+            async with self.store.retention_turn() as ours:
+                removed = await self._artifacts(now) + await self._assets(now) if ours else []
         except DiskFull as exc:
             log.warning("retention stopped until its next pass: %s", exc)
             return []
@@ -71,6 +76,6 @@ class Retention:
         try:
             await self.store.delete_artifact(artifact.artifact_id)
         except DiskFull:
-            await asyncio.to_thread(remove, artifact.path)
+            await asyncio.to_thread(self.artifacts.remove, artifact.key)
             await self.store.delete_artifact(artifact.artifact_id)
-        await asyncio.to_thread(remove, artifact.path)
+        await asyncio.to_thread(self.artifacts.remove, artifact.key)

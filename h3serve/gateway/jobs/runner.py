@@ -36,7 +36,7 @@ from h3serve.common.config import GatewayConfig
 from h3serve.common.disk import DiskFull, space_wanted
 from h3serve.common.errors import describe, tail
 from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike, remove
+from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike
 from h3serve.gateway.jobs.drain import DrainEstimate
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
@@ -110,7 +110,7 @@ class JobRunner:
         }
         self.card = StageQueue("card", 1) if config.stages_take_turns else None  # stage calls one at a time
         self.retention = Retention(
-            store, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
+            store, artifacts, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
         )
         self._tasks: dict[str, asyncio.Task] = {}
         self._leases: dict[str, Lease] = {}  # the jobs this gateway holds
@@ -449,7 +449,7 @@ class JobRunner:
     async def _say_waiting_for_space(self, job: JobContext, needed: int) -> bool:
         """The job's `waiting` event for the artifacts' disk; False when the store, on the same full disk, could not
         keep it either (then it is tried again at the next try)."""
-        reason = space_wanted(self.artifacts.root, needed)
+        reason = space_wanted(self.artifacts.disk, needed)
         try:
             await job.emit(waiting=S.Waiting(stage=ARTIFACTS_STAGE, reason=reason, limit_s=self.space_wait_s))
         except DiskFull:
@@ -459,11 +459,11 @@ class JobRunner:
     async def _store_artifact(self, job_id: str, kind: str, data: BytesLike) -> gateway_pb2.Artifact:
         """Write the job's `kind` artifact and record it. A file whose record failed (rolled back) is removed: the
         retention policy goes by the records and would never remove it."""
-        artifact, path = await asyncio.to_thread(self.artifacts.save, job_id, kind, data)
+        artifact, key = await asyncio.to_thread(self.artifacts.save, job_id, kind, data)
         try:
-            await self.store.add_artifact(job_id, kind, artifact, path, lease=self._lease(job_id))
+            await self.store.add_artifact(job_id, kind, artifact, key, lease=self._lease(job_id))
         except Exception:
-            await asyncio.to_thread(remove, path)
+            await asyncio.to_thread(self.artifacts.remove, key)
             raise
         return artifact
 

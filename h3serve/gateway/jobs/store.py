@@ -20,6 +20,7 @@ took it) can never write over the new holder: at-least-once compute, exactly-onc
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -101,7 +102,7 @@ class Outgoing:
 @dataclass(frozen=True)
 class StoredArtifact:
     artifact_id: str
-    path: str
+    key: str  # its blob's (h3serve/gateway/blobs.py)
     bytes: int
     created: float
 
@@ -189,15 +190,20 @@ class JobStore(Protocol):
     # Artifacts.
 
     async def add_artifact(
-        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
-    ) -> None: ...
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, key: str, lease: Lease | None = None
+    ) -> None:
+        """Record the artifact stored as the blob `key` (a relative name, never a local path)."""
 
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
-        """The artifact and its file path (`client`: only of that client's jobs; None: any)."""
+        """The artifact and its blob key (`client`: only of that client's jobs; None: any)."""
 
     async def artifacts_oldest_first(self) -> list[StoredArtifact]: ...
 
     async def delete_artifact(self, artifact_id: str) -> None: ...
+
+    def retention_turn(self) -> AbstractAsyncContextManager[bool]:
+        """Around a retention pass: whether this gateway runs it now. Gateways sharing the store take turns (one
+        at a time; a gateway that would wait skips its pass instead); one gateway alone always runs it."""
 
     # Reads.
 

@@ -9,6 +9,7 @@ from applying the same step twice.
 
 from __future__ import annotations
 
+from h3serve.gateway.jobs.artifacts import KEYS_FROM_PATHS
 from h3serve.gateway.jobs.rows import DEFAULT_OWNER
 
 MIGRATION_LOCK = 0x6833_0001  # pg_advisory_xact_lock key held while migrating
@@ -58,6 +59,8 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE jobs ADD COLUMN lease_owner TEXT NOT NULL DEFAULT '',
         ADD COLUMN lease_until DOUBLE PRECISION NOT NULL DEFAULT 0, ADD COLUMN fence BIGINT NOT NULL DEFAULT 0;
     """,
+    # 3: artifacts' blob keys (h3serve/gateway/blobs.py) in place of local paths, so that any gateway serves them
+    "; ".join(KEYS_FROM_PATHS),
 )
 
 VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

@@ -7,8 +7,10 @@ so two gateways on one database keep a request_id to one job and the unfinished-
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from psycopg import AsyncConnection, sql
 from psycopg_pool import AsyncConnectionPool
@@ -42,6 +44,7 @@ from h3serve.gateway.webhooks import event as webhook_event
 from h3serve.v1 import gateway_pb2
 
 SUBMIT_LOCK = 0x6833_0002  # pg_advisory_xact_lock key: submits one at a time (the bounds count unfinished jobs)
+RETENTION_LOCK = 0x6833_B10B  # pg_try_advisory_xact_lock key: one gateway's retention pass at a time
 POOL_SIZE = 8
 OPEN_TIMEOUT_S = 10  # seconds (libpq takes whole seconds)
 
@@ -217,15 +220,16 @@ class PostgresJobStore:
     # Artifacts.
 
     async def add_artifact(
-        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, key: str, lease: Lease | None = None
     ) -> None:
-        values = (job_id, kind, artifact.file_name, path, artifact.bytes, artifact.sha256, artifact.media_type)
+        values = (job_id, kind, artifact.file_name, key, artifact.bytes, artifact.sha256, artifact.media_type)
         async with self._pool.connection() as conn, conn.transaction():
             await ownership.hold(conn, job_id, lease)
             await conn.execute(
-                "INSERT INTO artifacts (artifact_id, job_id, kind, file_name, path, bytes, sha256, media_type, "
+                "INSERT INTO artifacts (artifact_id, job_id, kind, file_name, blob_key, bytes, sha256, media_type, "
                 "created) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (artifact_id) DO UPDATE SET "
-                "job_id = excluded.job_id, kind = excluded.kind, file_name = excluded.file_name, path = excluded.path, "
+                "job_id = excluded.job_id, kind = excluded.kind, file_name = excluded.file_name, "
+                "blob_key = excluded.blob_key, "
                 "bytes = excluded.bytes, sha256 = excluded.sha256, media_type = excluded.media_type, "
                 "created = excluded.created",
                 (artifact.artifact_id, *values, time.time()),
@@ -234,21 +238,31 @@ class PostgresJobStore:
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
         mine, params = reads.owned_by(client)
         rows = await self._rows(
-            f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = %s AND job_id IN "
+            f"SELECT {ARTIFACT_FIELDS}, blob_key FROM artifacts WHERE artifact_id = %s AND job_id IN "
             f"(SELECT job_id FROM jobs WHERE {mine})",
             (artifact_id, *params),
         )
         if not rows:
             return None
-        *fields, path = rows[0]
-        return artifact_from_row(fields), path
+        *fields, key = rows[0]
+        return artifact_from_row(fields), key
 
     async def artifacts_oldest_first(self) -> list[StoredArtifact]:
-        rows = await self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, position")
+        rows = await self._rows(
+            "SELECT artifact_id, blob_key, bytes, created FROM artifacts ORDER BY created, position"
+        )
         return [StoredArtifact(*row) for row in rows]
 
     async def delete_artifact(self, artifact_id: str) -> None:
         await self._rows("DELETE FROM artifacts WHERE artifact_id = %s RETURNING 1", (artifact_id,))
+
+    @contextlib.asynccontextmanager
+    async def retention_turn(self) -> AsyncIterator[bool]:
+        """A transaction-level advisory lock, tried, held for the pass: the transaction's end (also a connection
+        lost or an error in the pass) lets it go, so no gateway keeps the turn by accident."""
+        async with self._pool.connection() as conn, conn.transaction():
+            rows = await reads.fetch(conn, "SELECT pg_try_advisory_xact_lock(%s)", (RETENTION_LOCK,))
+            yield bool(rows[0][0])
 
     # Reads.
 

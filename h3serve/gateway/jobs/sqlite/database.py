@@ -202,7 +202,7 @@ class Database:
             return self._write_event(job_id, event)
 
     def add_artifact(
-        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, key: str, lease: Lease | None = None
     ) -> None:
         with self._conn:
             ownership.hold(self._conn, job_id, lease)
@@ -213,7 +213,7 @@ class Database:
                     job_id,
                     kind,
                     artifact.file_name,
-                    path,
+                    key,
                     artifact.bytes,
                     artifact.sha256,
                     artifact.media_type,
@@ -347,7 +347,7 @@ class Database:
     def artifacts_oldest_first(self) -> list[StoredArtifact]:
         return [
             StoredArtifact(*row)
-            for row in self._rows("SELECT artifact_id, path, bytes, created FROM artifacts ORDER BY created, rowid")
+            for row in self._rows("SELECT artifact_id, blob_key, bytes, created FROM artifacts ORDER BY created, rowid")
         ]
 
     def delete_artifact(self, artifact_id: str) -> None:
@@ -359,14 +359,14 @@ class Database:
     def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
         mine, params = _owned_by(client)
         rows = self._rows(
-            f"SELECT {ARTIFACT_FIELDS}, path FROM artifacts WHERE artifact_id = ? AND job_id IN "
+            f"SELECT {ARTIFACT_FIELDS}, blob_key FROM artifacts WHERE artifact_id = ? AND job_id IN "
             f"(SELECT job_id FROM jobs WHERE {mine})",
             (artifact_id, *params),
         )
         if not rows:
             return None
-        *fields, path = rows[0]
-        return artifact_from_row(fields), path
+        *fields, key = rows[0]
+        return artifact_from_row(fields), key
 
     def get_job(self, job_id: str, client: str | None = None) -> gateway_pb2.Job | None:
         return self._job(job_id, client)

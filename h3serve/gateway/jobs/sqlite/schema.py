@@ -9,6 +9,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 
+from h3serve.gateway.jobs.artifacts import KEYS_FROM_PATHS
 from h3serve.gateway.jobs.progress import progress
 from h3serve.gateway.jobs.rows import (  # noqa: F401 (re-exported: the SQLite store reads its rows with them)
     ARTIFACT_FIELDS,
@@ -33,7 +34,8 @@ CREATE TABLE IF NOT EXISTS events (
     PRIMARY KEY (job_id, seq));
 CREATE TABLE IF NOT EXISTS artifacts (
     artifact_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, kind TEXT NOT NULL, file_name TEXT NOT NULL,
-    path TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, media_type TEXT NOT NULL, created REAL NOT NULL);
+    blob_key TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL, media_type TEXT NOT NULL,
+    created REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS artifacts_by_job ON artifacts (job_id);
 CREATE TABLE IF NOT EXISTS stages (
     job_id TEXT NOT NULL, stage TEXT NOT NULL, seconds REAL NOT NULL, PRIMARY KEY (job_id, stage));
@@ -78,9 +80,13 @@ OLD_INDEXES = ("jobs_by_request_id",)  # request_id unique over every client, fr
 def migrate(conn: sqlite3.Connection, rows: Rows, events: Callable[[str], list[gateway_pb2.JobEvent]]) -> None:
     """Bring an older file's jobs table up to JOB_COLUMNS and its indexes, in one transaction: the columns added
     after the first release, and the progress of jobs stored before that column existed, folded from their events
-    (once: NULL only)."""
+    (once: NULL only); and artifacts' blob keys in place of the local paths stored before them (once: the column
+    is renamed)."""
     present = {row[1] for row in rows("PRAGMA table_info(jobs)")}
+    paths_stored = "path" in {row[1] for row in rows("PRAGMA table_info(artifacts)")}
     with conn:
+        for statement in KEYS_FROM_PATHS if paths_stored else ():
+            conn.execute(statement)
         for name, declaration in JOB_COLUMNS:
             if name not in present:
                 conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {declaration}")

@@ -8,9 +8,10 @@ transaction it broke is rolled back, so nothing of it is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
@@ -121,9 +122,9 @@ class SqliteJobStore:
     # Artifacts.
 
     async def add_artifact(
-        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, path: str, lease: Lease | None = None
+        self, job_id: str, kind: str, artifact: gateway_pb2.Artifact, key: str, lease: Lease | None = None
     ) -> None:
-        await self._on_thread(self._db.add_artifact, job_id, kind, artifact, path, lease)
+        await self._on_thread(self._db.add_artifact, job_id, kind, artifact, key, lease)
 
     async def artifact(self, artifact_id: str, client: str | None = None) -> tuple[gateway_pb2.Artifact, str] | None:
         return await self._on_thread(self._db.artifact, artifact_id, client)
@@ -133,6 +134,10 @@ class SqliteJobStore:
 
     async def delete_artifact(self, artifact_id: str) -> None:
         await self._on_thread(self._db.delete_artifact, artifact_id)
+
+    @contextlib.asynccontextmanager
+    async def retention_turn(self) -> AsyncIterator[bool]:
+        yield True  # one gateway uses a SQLite store (its data_dir lock): always its turn
 
     # Reads.
 
