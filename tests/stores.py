@@ -68,11 +68,21 @@ class Backend:
 
 
 class PostgresServer:
-    """A running PostgreSQL on a socket directory of its own; `new_database()` is a fresh, empty database's URL."""
+    """A running PostgreSQL on a socket directory of its own; `new_database()` is a fresh, empty database's URL.
+    `stop()` and `start()` take it away and bring it back (same data, same socket): a store's outage."""
 
-    def __init__(self, socket_dir: str, port: int):
+    def __init__(self, socket_dir: str, port: int, pg_ctl: list[str]):
         self.socket_dir, self.port = socket_dir, port
+        self._pg_ctl = pg_ctl  # pg_ctl with its data directory, as the server's user
         self._names = itertools.count()
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server (`fast`: its sessions are cut off, as in a restart), waiting until it is down."""
+        subprocess.run([*self._pg_ctl, "-m", mode, "-w", "stop"], check=True, capture_output=True)
+
+    def start(self) -> None:
+        """Start it again with its settings, waiting until it takes connections."""
+        subprocess.run([*self._pg_ctl, "-w", "start"], check=True, capture_output=True)
 
     def url(self, database: str) -> str:
         return f"postgresql://h3@/{database}?host={self.socket_dir}&port={self.port}"
@@ -115,21 +125,18 @@ def postgres_server() -> Iterator[PostgresServer]:
         shutil.chown(home, "postgres")
     port = _free_port()
     options = f"-p {port} -k {home} -c listen_addresses='' -c fsync=off -c full_page_writes=off"
+    pg_ctl = [*as_user, f"{bin_dir}/pg_ctl", "-D", data, "-o", options, "-l", f"{home}/log"]
     run = {"check": True, "capture_output": True, "text": True}
     try:
         subprocess.run([*as_user, f"{bin_dir}/initdb", "-D", data, "-A", "trust", "-U", "h3", "--no-sync"], **run)
-        subprocess.run(
-            [*as_user, f"{bin_dir}/pg_ctl", "-D", data, "-o", options, "-l", f"{home}/log", "-w", "start"], **run
-        )
+        subprocess.run([*pg_ctl, "-w", "start"], **run)
     except subprocess.CalledProcessError as exc:
         shutil.rmtree(home, ignore_errors=True)
         pytest.skip(f"PostgreSQL did not start: {exc.stderr.strip() or exc.stdout.strip()}")
     try:
-        yield PostgresServer(home, port)
+        yield PostgresServer(home, port, pg_ctl)
     finally:
-        subprocess.run(
-            [*as_user, f"{bin_dir}/pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"], capture_output=True
-        )
+        subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
 
 

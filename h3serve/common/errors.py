@@ -20,3 +20,12 @@ def describe(exc: BaseException, lines: int = 6) -> str:
     """The exception's own message plus the last traceback lines, trimmed from the front."""
     formatted = "".join(traceback.format_exception(exc)).rstrip().splitlines()
     return tail("\n".join(formatted[-lines:]))
+
+
+class Unavailable(Exception):
+    """Something the server needs (the gateway's job store) is unreachable for now: any call that meets it is
+    UNAVAILABLE with the wait this advises (common/guard.py), worth a retry, never a bug."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -9,7 +9,8 @@
   returns is `caller()` for the rest of the call, and None refuses the call (UNAUTHENTICATED).
 - An exception the servicer did not turn into a status is INTERNAL with its type and first line, never UNKNOWN
   with a traceback; the log keeps the traceback, since it is a bug. A full disk (common/disk.py's DiskFull) is not a
-  bug: any call that meets one is RESOURCE_EXHAUSTED naming the disk.
+  bug: any call that meets one is RESOURCE_EXHAUSTED naming the disk. Nor is a store out of reach
+  (common/errors.py's Unavailable): UNAVAILABLE naming it, with a RetryInfo.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import grpc
 
 from h3serve.common.bounds import brief
 from h3serve.common.disk import DiskFull
+from h3serve.common.errors import Unavailable
+from h3serve.v1 import retry_info
 
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _KINDS = {
@@ -114,13 +117,17 @@ def _undecodable(method: str, context, request: Undecodable) -> tuple[grpc.Statu
     )
 
 
-def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status of an exception the servicer let through: a full disk is the host's state, not a bug, so every call
-    that meets one says so (RESOURCE_EXHAUSTED naming the disk); anything else is INTERNAL, logged with its trace."""
+def _internal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str, tuple]:
+    """The status of an exception the servicer let through, and its trailing metadata: a full disk or a store out
+    of reach is the host's state, not a bug, so every call that meets one says so (RESOURCE_EXHAUSTED naming the
+    disk; UNAVAILABLE naming the store, with the wait it advises); anything else is INTERNAL, logged with its trace."""
     if isinstance(exc, DiskFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ()
+    if isinstance(exc, Unavailable):
+        code = grpc.StatusCode.UNAVAILABLE
+        return code, str(exc), retry_info.details(code, str(exc), exc.retry_after_s)
     log.exception("%s: unexpected error", _rpc(method))
-    return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}"
+    return grpc.StatusCode.INTERNAL, f"{_rpc(method)}: internal error: {brief(exc)}", ()
 
 
 UNAUTHENTICATED = (
@@ -155,7 +162,10 @@ def _bugs_are_internal(method: str, context):
     except Exception as exc:
         if context.code() is not None:  # the servicer aborted: its status stands
             raise
-        context.abort(*_internal(method, exc))
+        code, message, trailing = _internal(method, exc)
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        context.abort(code, message)
 
 
 def _guarded(handler: grpc.RpcMethodHandler, method: str, authorized: bool) -> grpc.RpcMethodHandler:

@@ -142,7 +142,7 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
         lambda: asyncio.run_coroutine_threadsafe(store.count_by_state(), loop).result(timeout=10),
         lambda: {name: queue.depth for name, queue in runner.queues.items()},
     )
-    health = StageHealth(caller, [SERVICE_NAME])
+    health = StageHealth(caller, [SERVICE_NAME], store)
     server = grpc.aio.server(
         interceptors=[AsyncGuard(identify=tenants.identify)],
         options=[

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from h3serve.common.config import GatewayConfig
 from h3serve.common.disk import DiskFull, full_named
+from h3serve.gateway.api.health import REASON_KEY
 from h3serve.gateway.http import schema, videos
 from h3serve.gateway.http.errors import ApiError, error_response, from_api_error, from_http_error, from_rpc_error
 from h3serve.gateway.http.events import job_events
@@ -357,9 +358,11 @@ def create_app(
 
     @app.get("/healthz")
     async def healthz():
-        reply = await health.Check(health_pb2.HealthCheckRequest())
-        serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-        return JSONResponse({"serving": serving}, status_code=200 if serving else 503)
+        call = health.Check(health_pb2.HealthCheckRequest())
+        if (await call).status == health_pb2.HealthCheckResponse.SERVING:
+            return JSONResponse({"serving": True})
+        reason = dict(await call.trailing_metadata()).get(REASON_KEY, "")
+        return JSONResponse({"serving": False, "reason": reason}, status_code=503)
 
     @app.get("/", include_in_schema=False)
     async def console():

@@ -2,7 +2,7 @@
 
 A request over the deployment's ceiling is 422 (h3serve/v1/error_info.py). Every 429 says when to come back
 (`Retry-After`, whole seconds): the wait the gateway's refusal advises (h3serve/v1/retry_info.py), else the queue's
-default."""
+default; so does a 503 whose refusal advises one (the job store out of reach)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def error_response(
     retry_after_s: float | None = None,
 ) -> JSONResponse:
     """`status` overrides the HTTP status `code` maps to (413: a body over the door's limit); `retry_after_s`: the
-    wait a 429 advises."""
+    wait a 429 or 503 advises."""
     mapped, kind = _mapped(code, message)
     status = status or mapped
     if status < 500 and kind == "server_error" or status in (400, 413) and kind == "rate_limit_error":
@@ -83,6 +83,8 @@ def error_response(
     headers = {"x-should-retry": "true" if status in RETRYABLE else "false"}
     if status == 429:
         headers["retry-after"] = str(math.ceil(DEFAULT_WAIT_S if retry_after_s is None else retry_after_s))
+    elif status == 503 and retry_after_s is not None:
+        headers["retry-after"] = str(math.ceil(retry_after_s))
     body = {"error": {"message": message, "type": kind, "param": param, "code": code.name.lower()}}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -101,8 +101,10 @@ def _constraints(path: str, operation: dict, max_limit: int) -> None:
             parameter["schema"] = query[parameter["name"]]
     if path == "/healthz":
         operation["responses"]["503"] = {
-            "description": "not serving: a stage is down",
-            "content": {"application/json": {"schema": {"type": "object", "properties": {"serving": {}}}}},
+            "description": "not serving: the job store is out of reach or a stage is down (`reason` says which)",
+            "content": {
+                "application/json": {"schema": {"type": "object", "properties": {"serving": {}, "reason": {}}}}
+            },
         }
 
 

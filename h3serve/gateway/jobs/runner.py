@@ -18,6 +18,11 @@ errors is still marked FAILED (the field notes' ghost "running" job). A finished
 cannot hold waits for space up to [gateway] artifact_space_wait_s. Any other full disk (DiskFull) fails the job
 with RESOURCE_EXHAUSTED naming it; when the disk is too full to record even that end, the job keeps its task
 and records it once space returns (`_finish`), so it never stays "running" without one.
+
+A job store out of reach (StoreUnavailable: PostgreSQL down, restarting, cut off) pauses a running job: each of its
+writes waits and tries again (`_patiently`, backing off to STORE_RETRY_MAX_S), under the job's lease as it is at each
+try. When the store returns, the fence decides: the job goes on where it was if its lease is still this gateway's
+(however long the outage), and stops writing nothing if another gateway took it over meanwhile.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -40,7 +46,7 @@ from h3serve.gateway.jobs.artifacts import ArtifactStore, BytesLike
 from h3serve.gateway.jobs.drain import DrainEstimate
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.retention import Retention
-from h3serve.gateway.jobs.store import Fenced, JobStore, Lease, Unfinished
+from h3serve.gateway.jobs.store import Fenced, JobStore, Lease, StoreUnavailable, Unfinished
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
 from h3serve.gateway.stages.queue import StageQueue
@@ -68,6 +74,11 @@ ARTIFACTS_STAGE = "artifacts"  # the `waiting` event's stage while a finished cl
 # timer, so a renewal can fail twice before the lease runs out; the claim loop looks for jobs as often.
 LEASE_S = 30.0
 RENEWALS_PER_LEASE = 3
+# How a running job's write waits out a job store out of reach: tried again after STORE_RETRY_FIRST_S, the wait
+# doubling up to STORE_RETRY_MAX_S, so a store back is used within that.
+STORE_RETRY_FIRST_S = 0.25
+STORE_RETRY_MAX_S = 4.0
+T = TypeVar("T")
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -119,6 +130,7 @@ class JobRunner:
         self._cancel_requested: set[str] = set()
         self._ends_waiting: dict[str, DiskFull] = {}  # jobs whose end a full disk keeps from the store, and why
         self.drain = DrainEstimate()  # how long jobs stay: the retry time a full queue advises
+        self._stopping = False  # shutting down: a store out of reach is not waited for (the leases run out instead)
 
     def start(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         """Run the job here: under the lease this gateway's claim loop took, or (a job just submitted) once claimed."""
@@ -146,6 +158,7 @@ class JobRunner:
     async def shutdown(self) -> None:
         """Stop in-flight jobs without a verdict: they go back to the queue, their attempt not counted, and the
         next start runs them again."""
+        self._stopping = True
         for task in list(self._tasks.values()):
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
@@ -235,7 +248,7 @@ class JobRunner:
         """Claim the job unless this gateway holds it already (False: another gateway runs it), and keep its lease
         renewed while it runs here."""
         if job_id not in self._leases:
-            claimed = await self.store.claim(self.gateway_id, self.lease_s, job_id)
+            claimed = await self._patiently(job_id, lambda: self.store.claim(self.gateway_id, self.lease_s, job_id))
             if claimed is None:
                 return False
             self._leases[job_id] = Lease(self.gateway_id, claimed.fence, self.lease_s)
@@ -254,22 +267,52 @@ class JobRunner:
                 self._fenced.add(job_id)
                 self._tasks[job_id].cancel()
                 return
-            except Exception as exc:  # the store unreachable: the job's own writes fail and end it
+            except Exception as exc:  # the store unreachable: the job's own writes wait for it (`_patiently`)
                 log.warning("job %s: renewing its lease: %s", job_id, describe(exc, lines=1))
 
     def _lease(self, job_id: str) -> Lease | None:
         """The job's lease now (read at each write: the claim loop may have renewed a lapsed one)."""
         return self._leases.get(job_id)
 
+    async def _patiently(self, job_id: str, write: Callable[[], Awaitable[T]]) -> T:
+        """`write()` (which reads the job's lease itself: each try is under the lease as it is then), tried again
+        while the store is out of reach (but for a gateway shutting down); Fenced, or any other error, ends the wait."""
+        delay, since = STORE_RETRY_FIRST_S, time.monotonic()
+        while True:
+            try:
+                result = await write()
+            except StoreUnavailable as exc:
+                if self._stopping:
+                    raise
+                if delay == STORE_RETRY_FIRST_S:
+                    log.warning(
+                        "job %s waits for the job store, trying again up to every %g s: %s",
+                        job_id,
+                        STORE_RETRY_MAX_S,
+                        exc,
+                    )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, STORE_RETRY_MAX_S)
+                continue
+            if delay > STORE_RETRY_FIRST_S:
+                log.info(
+                    "job %s: the job store answers again after %.0f s; the job goes on",
+                    job_id,
+                    time.monotonic() - since,
+                )
+            return result
+
     async def _emit(self, job_id: str, **kind) -> gateway_pb2.JobEvent:
-        return await self.hub.emit(job_id, lease=self._lease(job_id), **kind)
+        return await self._patiently(job_id, lambda: self.hub.emit(job_id, lease=self._lease(job_id), **kind))
 
     async def _work(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         began = time.monotonic()
         try:
             if not await self._hold(job_id):  # inside the handlers: a claim a full disk refuses fails the job
                 return
-            while attempt := await self.store.start_attempt(job_id, lease=self._lease(job_id)):
+            while attempt := await self._patiently(
+                job_id, lambda: self.store.start_attempt(job_id, lease=self._lease(job_id))
+            ):
                 if await self._attempt(job_id, request, attempt):
                     return
         except asyncio.CancelledError:
@@ -277,10 +320,15 @@ class JobRunner:
                 return
             if job_id not in self._cancel_requested:  # gateway shutdown: run again at the next start, or elsewhere
                 if (lease := self._lease(job_id)) is not None:  # (not claimed yet: nothing of it is this gateway's)
-                    await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
-                    await self.store.release(job_id, lease)
+                    try:
+                        await self._requeue_uncounted(job_id, "the gateway shut down while this job was in {where}")
+                        await self.store.release(job_id, lease)
+                    except StoreUnavailable as exc:  # its lease runs out instead, and a claim takes it then
+                        log.warning("job %s is left to its lease: %s", job_id, exc)
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
+        except StoreUnavailable as exc:  # met by a call not waited for: left to be claimed again once its lease passes
+            log.warning("job %s stops here and is claimed again when its lease runs out: %s", job_id, exc)
         except StageFailed as exc:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except DiskFull as exc:
@@ -317,7 +365,10 @@ class JobRunner:
         """An attempt was lost: queue the job again while attempts remain (True), else fail it with `reason`."""
         if attempts < self.max_attempts:
             retrying = S.Retrying(attempt=attempts + 1, max_attempts=self.max_attempts, reason=reason)
-            self.hub.publish(await self.store.requeue(job_id, S.JobEvent(retrying=retrying), lease=self._lease(job_id)))
+            requeued = await self._patiently(
+                job_id, lambda: self.store.requeue(job_id, S.JobEvent(retrying=retrying), lease=self._lease(job_id))
+            )
+            self.hub.publish(requeued)
             return True
         await self._finish(
             job_id, S.JOB_STATE_FAILED, failed=failure(code, f"{reason} (attempt {attempts} of {self.max_attempts})")
@@ -328,7 +379,7 @@ class JobRunner:
         """Queue the job again without counting the interrupted attempt; the `retrying` event repeats its number and
         says `why` ("{where}": the stage the job was in). `restart`: JobStore.requeue's `interrupted` and
         `count_restart`, at a start-up."""
-        job = await self.store.get_job(job_id)
+        job = await self._patiently(job_id, lambda: self.store.get_job(job_id))
         assert job is not None  # a job being requeued is in the store
         where = _where(job.stage_records[-1].stage if job.stage_records else "")
         retrying = S.Retrying(
@@ -336,11 +387,13 @@ class JobRunner:
             max_attempts=self.max_attempts,
             reason=why.format(where=where) + "; attempt not counted",
         )
-        self.hub.publish(
-            await self.store.requeue(
+        requeued = await self._patiently(
+            job_id,
+            lambda: self.store.requeue(
                 job_id, S.JobEvent(retrying=retrying), count_attempt=False, lease=self._lease(job_id), **restart
-            )
+            ),
         )
+        self.hub.publish(requeued)
 
     async def _finish(self, job_id: str, state: int, **terminal) -> None:
         """Record the job's end with its terminal event. While a full disk keeps it from the store, try again every
@@ -348,7 +401,10 @@ class JobRunner:
         event = S.JobEvent(**terminal)
         for tries in itertools.count():
             try:
-                self.hub.publish(await self.store.finish(job_id, state, event, lease=self._lease(job_id)))
+                ended = await self._patiently(
+                    job_id, lambda: self.store.finish(job_id, state, event, lease=self._lease(job_id))
+                )
+                self.hub.publish(ended)
                 self._ends_waiting.pop(job_id, None)
                 return
             except DiskFull as exc:
@@ -375,38 +431,45 @@ class JobRunner:
             for stage, output in zip(stages, outputs, strict=True):  # in the plan's order, however the calls ended
                 job.outputs[stage.name] = output
                 for name, seconds in (await stage.finished(job, output)).items():
-                    await self.store.set_stage_seconds(job.job_id, name, seconds, lease=self._lease(job.job_id))
+                    await self._set_stage_seconds(job.job_id, name, seconds)
         await self._complete(job)
+
+    async def _set_stage_seconds(self, job_id: str, stage: str, seconds: float) -> None:
+        await self._patiently(
+            job_id, lambda: self.store.set_stage_seconds(job_id, stage, seconds, lease=self._lease(job_id))
+        )
 
     async def _stage(self, job: JobContext, attempt: int, stage: Stage) -> StageOutput:
         """Wait for a worker of `stage`, run its call, record the pass."""
-        record_id = await self.store.stage_enqueued(job.job_id, attempt, stage.name, lease=self._lease(job.job_id))
+        job_id = job.job_id
+        record_id = await self._patiently(
+            job_id, lambda: self.store.stage_enqueued(job_id, attempt, stage.name, lease=self._lease(job_id))
+        )
         waited = time.monotonic()
         async with self.queues[stage.name].worker(), self.card.worker() if self.card else contextlib.nullcontext():
             started = time.monotonic()
             self.metrics.queue_seconds.labels(stage.name).observe(started - waited)
-            await self.store.stage_update(record_id, lease=self._lease(job.job_id), started=time.time())
+            now = time.time()
+            await self._patiently(
+                job_id, lambda: self.store.stage_update(record_id, lease=self._lease(job_id), started=now)
+            )
             record = CallRecord()
             try:
                 output = await self.caller.run(stage, job, record, Watchdog(self.stall_s))
             except BaseException as exc:
-                await self.store.stage_update(
-                    record_id,
-                    lease=self._lease(job.job_id),
-                    replica=record.replica,
-                    tries=record.tries,
-                    error=self._reason(job.job_id, exc),
+                ended = dict(replica=record.replica, tries=record.tries, error=self._reason(job_id, exc))
+                await self._patiently(
+                    job_id, lambda: self.store.stage_update(record_id, lease=self._lease(job_id), **ended)
                 )
                 raise
-            await self.store.stage_update(
-                record_id,
-                lease=self._lease(job.job_id),
+            done = dict(
                 finished=time.time(),
                 replica=record.replica,
                 tries=record.tries,
                 bytes_in=record.bytes_in,
                 bytes_out=record.bytes_out,
             )
+            await self._patiently(job_id, lambda: self.store.stage_update(record_id, lease=self._lease(job_id), **done))
             self.metrics.stage_seconds.labels(stage.name).observe(time.monotonic() - started)
         return output
 
@@ -461,7 +524,9 @@ class JobRunner:
         retention policy goes by the records and would never remove it."""
         artifact, key = await asyncio.to_thread(self.artifacts.save, job_id, kind, data)
         try:
-            await self.store.add_artifact(job_id, kind, artifact, key, lease=self._lease(job_id))
+            await self._patiently(
+                job_id, lambda: self.store.add_artifact(job_id, kind, artifact, key, lease=self._lease(job_id))
+            )
         except Exception:
             await asyncio.to_thread(self.artifacts.remove, key)
             raise

@@ -24,6 +24,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
+from h3serve.common.errors import Unavailable
 from h3serve.v1 import gateway_pb2
 
 TERMINAL_STATES = (gateway_pb2.JOB_STATE_SUCCEEDED, gateway_pb2.JOB_STATE_FAILED, gateway_pb2.JOB_STATE_CANCELLED)
@@ -52,6 +53,15 @@ class Fenced(Exception):
 
     def __init__(self, job_id: str, lease: Lease):
         super().__init__(f"job {job_id}: lease {lease.fence} of {lease.gateway_id} is no longer the job's")
+
+
+class StoreUnavailable(Unavailable):
+    """The store's server is out of reach (down, restarting, cut off, every connection busy past the wait): nothing of
+    the call was written. Callers wait and try again (a running job's writes: runner.py) or refuse with UNAVAILABLE
+    (a client's call: common/guard.py). Only a shared store's backend raises it (PostgreSQL); SQLite never does."""
+
+    def __init__(self, server: str, reason: str, retry_after_s: float):
+        super().__init__(f"the job store's {server} is unreachable: {reason}", retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,9 @@ class StoredArtifact:
 
 class JobStore(Protocol):
     async def close(self) -> None: ...
+
+    async def ping(self) -> None:
+        """Nothing, when the store answers; StoreUnavailable, saying why, when it does not (the gateway's health)."""
 
     # Jobs and events.
 
@@ -248,8 +261,11 @@ class JobStore(Protocol):
 
     # The webhook outbox.
 
-    async def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
-        """Up to `limit` undelivered events whose next attempt is due at `now`, the longest due first."""
+    async def due_webhooks(self, now: float, limit: int, hold_s: float = 0.0) -> list[Outgoing]:
+        """Up to `limit` undelivered events whose next attempt is due at `now`, the longest due first. With `hold_s`
+        they are taken: in the same transaction each one's next attempt moves to `now + hold_s`, so no other gateway
+        sends it meanwhile, and one whose sender dies before `webhook_attempted` is due again after that (a store
+        one gateway owns, SQLite, needs no taking and ignores it)."""
 
     async def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
         """Record an attempt: one more, its HTTP status (0: none) and error, delivered now or not, the next attempt's

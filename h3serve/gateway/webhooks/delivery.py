@@ -5,6 +5,10 @@ state and the send; what is due is read from the store, so a gateway killed mid-
 (the same webhook-id: receivers drop repeats). An attempt that fails (no answer within [gateway] webhook_timeout_s, or
 any status but 2xx: a redirect too) is tried again after webhook_backoff_s, doubling up to webhook_max_backoff_s, until
 webhook_max_attempts. Each attempt's outcome is written on the job's outbox row, which GetJob shows.
+
+Several gateways on one store each run a sender: reading what is due takes it (JobStore.due_webhooks' `hold_s`), so
+each event goes out from one of them; one that dies mid-send leaves it due again once the hold has passed, and another
+sends it then (at least once; once per event while the gateways keep running). A store out of reach pauses sending.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from urllib.parse import urlsplit
 
 from h3serve.common.bounds import brief
 from h3serve.common.config import GatewayConfig
-from h3serve.gateway.jobs.store import JobStore, Outgoing
+from h3serve.gateway.jobs.store import JobStore, Outgoing, StoreUnavailable
 from h3serve.gateway.tenants.registry import Tenants
 from h3serve.gateway.webhooks.signing import headers
 
@@ -28,6 +32,13 @@ POLL_S = 0.5  # how often the outbox is read for what is due: an event leaves at
 # gateway's own disk work runs on (asyncio's default executor).
 SENDERS = 8
 USER_AGENT = "h3serve-webhooks"
+# How long an event taken to be sent stays another gateway's to leave alone: its connect, its send and its answer are
+# each bounded by webhook_timeout_s, and the margin covers its outcome's write.
+HOLD_MARGIN_S = 5.0
+
+
+def hold_s(timeout_s: float) -> float:
+    return 3 * timeout_s + HOLD_MARGIN_S
 
 
 def post(url: str, body: bytes, signed: dict[str, str], timeout_s: float) -> tuple[int, str]:
@@ -58,8 +69,13 @@ class WebhookSender:
         threads = ThreadPoolExecutor(max_workers=SENDERS, thread_name_prefix="h3serve-webhooks")
         try:
             while True:
-                due = await self.store.due_webhooks(time.time(), SENDERS)
-                await asyncio.gather(*(self._attempt(item, threads) for item in due))
+                try:
+                    due = await self.store.due_webhooks(time.time(), SENDERS, hold_s(self.timeout_s))
+                    await asyncio.gather(*(self._attempt(item, threads) for item in due))
+                except StoreUnavailable as exc:  # an outcome unwritten is sent again once its hold has passed
+                    log.warning("webhooks wait %g s for the job store: %s", exc.retry_after_s, exc)
+                    await asyncio.sleep(exc.retry_after_s)
+                    continue
                 if len(due) < SENDERS:
                     await asyncio.sleep(POLL_S)
         finally:

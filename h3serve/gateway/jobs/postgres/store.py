@@ -13,10 +13,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from psycopg import AsyncConnection, sql
-from psycopg_pool import AsyncConnectionPool
 
 from h3serve.common.errors import tail
 from h3serve.gateway.jobs.postgres import ownership, reads
+from h3serve.gateway.jobs.postgres.pool import PING_WAIT_S, Pool
 from h3serve.gateway.jobs.postgres.schema import MIGRATION_LOCK, MIGRATIONS, VERSION_TABLE
 from h3serve.gateway.jobs.progress import advance
 from h3serve.gateway.jobs.rows import (
@@ -52,8 +52,8 @@ OPEN_TIMEOUT_S = 10  # seconds (libpq takes whole seconds)
 class PostgresJobStore:
     """JobStore (h3serve/gateway/jobs/store.py, where each method is described) on PostgreSQL. Open with `open`."""
 
-    def __init__(self, pool: AsyncConnectionPool):
-        self._pool = pool
+    def __init__(self, pool: Pool):
+        self._pool = pool  # a server out of reach is StoreUnavailable from every method (pool.py)
 
     @classmethod
     async def open(cls, url: str, pool_size: int = POOL_SIZE) -> PostgresJobStore:
@@ -61,12 +61,16 @@ class PostgresJobStore:
         raises its own error (psycopg.OperationalError) within OPEN_TIMEOUT_S, where the pool would only time out."""
         async with await AsyncConnection.connect(url, connect_timeout=OPEN_TIMEOUT_S) as conn, conn.transaction():
             await _migrate(conn)
-        pool = AsyncConnectionPool(url, min_size=1, max_size=pool_size, open=False, kwargs={"autocommit": True})
-        await pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
+        pool = Pool(url, pool_size)
+        await pool.open(OPEN_TIMEOUT_S)
         return cls(pool)
 
     async def close(self) -> None:
         await self._pool.close()
+
+    async def ping(self) -> None:
+        async with self._pool.connection(PING_WAIT_S) as conn:
+            await conn.execute("SELECT 1")
 
     async def _rows(self, query: str, params: tuple = ()) -> list[tuple]:
         """One statement in its own transaction."""
@@ -339,12 +343,21 @@ class PostgresJobStore:
 
     # The webhook outbox.
 
-    async def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
-        rows = await self._rows(
-            "SELECT o.event_id, o.job_id, j.owner, j.webhook_url, o.body, o.attempts FROM outbox o JOIN jobs j "
-            "USING (job_id) WHERE o.next_at > 0 AND o.next_at <= %s ORDER BY o.next_at LIMIT %s",
-            (now, limit),
-        )
+    async def due_webhooks(self, now: float, limit: int, hold_s: float = 0.0) -> list[Outgoing]:
+        # Taken under row locks that other gateways skip (not wait for), and moved past hold_s before they are let go:
+        # gateways polling at once each get different events.
+        async with self._pool.connection() as conn, conn.transaction():
+            rows = await reads.fetch(
+                conn,
+                "SELECT o.event_id, o.job_id, j.owner, j.webhook_url, o.body, o.attempts FROM outbox o JOIN jobs j "
+                "USING (job_id) WHERE o.next_at > 0 AND o.next_at <= %s ORDER BY o.next_at LIMIT %s "
+                "FOR UPDATE OF o SKIP LOCKED",
+                (now, limit),
+            )
+            if rows and hold_s > 0:
+                await conn.execute(
+                    "UPDATE outbox SET next_at = %s WHERE event_id = ANY(%s)", (now + hold_s, [row[0] for row in rows])
+                )
         return [Outgoing(*row) for row in rows]
 
     async def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:

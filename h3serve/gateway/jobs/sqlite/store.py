@@ -50,6 +50,9 @@ class SqliteJobStore:
         await self._on_thread(self._db.close)
         self._thread.shutdown()
 
+    async def ping(self) -> None:
+        """A file on this host: nothing to reach (a full disk is DiskFull at the write that meets it)."""
+
     # Jobs and events.
 
     async def submit(
@@ -177,8 +180,8 @@ class SqliteJobStore:
 
     # The webhook outbox.
 
-    async def due_webhooks(self, now: float, limit: int) -> list[Outgoing]:
-        return await self._on_thread(self._db.due_webhooks, now, limit)
+    async def due_webhooks(self, now: float, limit: int, hold_s: float = 0.0) -> list[Outgoing]:
+        return await self._on_thread(self._db.due_webhooks, now, limit)  # one gateway's: nothing to take from others
 
     async def webhook_attempted(self, event_id: str, status: int, error: str, delivered: bool, next_at: float) -> None:
         await self._on_thread(self._db.webhook_attempted, event_id, status, error, delivered, next_at)

@@ -1,0 +1,146 @@
+"""PostgreSQL going away under a real gateway (issue 52): a submit meanwhile is UNAVAILABLE naming the store, with a
+retry time (HTTP: 503 and Retry-After), health says NOT_SERVING and why; the job running through it pauses, and when
+the server is back it finishes with every event once and nothing lost.
+
+The module starts a PostgreSQL of its own (the session's is shared by other tests: this one stops it) and the tiny
+model's four services on it; the DiT holds the job mid-denoise, so the outage provably lands while it runs."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import stores
+from deployments import QUICK_OUTAGE, STACK_MODEL, Stack, write_config
+from dit_holding import HELD, HOLD_STEP, DitHold
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.client import GatewayClient
+from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
+from h3serve.gateway.api.health import REASON_KEY
+from h3serve.gateway.jobs.postgres.pool import RETRY_AFTER_S
+from h3serve.v1 import gateway_pb2, retry_info
+
+pytestmark = pytest.mark.processes
+
+S = gateway_pb2
+WAITING_LINE = "waits for the job store"  # the gateway's log line when a job's write meets the outage (runner.py)
+
+
+class PostgresStack(Stack):
+    server: stores.PostgresServer
+    database: str
+
+
+@pytest.fixture(scope="module")
+def pg_stack(tmp_path_factory, tiny_model_dir, dit_hold) -> Iterator[PostgresStack]:
+    root = tmp_path_factory.mktemp("pg-stack")
+    with stores.postgres_server() as server:
+        database = server.new_database()
+        ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
+        config_path = write_config(
+            root / "deploy.toml",
+            str(tiny_model_dir),
+            root / "gateway",
+            ports,
+            model=STACK_MODEL,
+            outage_s=QUICK_OUTAGE,
+            retry_backoff_s=0.1,
+            http_port=ports["http"],
+            store_url=database,
+        )
+        with ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root)) as group:
+            stack = PostgresStack(config_path, group, tiny_model_dir, ports)
+            stack.server, stack.database = server, database
+            yield stack
+
+
+def _held(client: GatewayClient, job_id: str, dit_hold: DitHold) -> None:
+    """Return once the job is held mid-denoise."""
+    for event in client.stub.Watch(S.WatchRequest(job_id=job_id)):
+        if dit_hold.holds(event):
+            return
+    pytest.fail(f"job {job_id} ended before its step {HOLD_STEP}")
+
+
+def _wait_for_log(path: Path, line: str, limit_s: float = 120) -> None:
+    """Until the service's log says `line` (the limit only keeps a broken run from hanging)."""
+    deadline = time.monotonic() + limit_s
+    while line not in path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, f"{path.name} never said {line!r}"
+        time.sleep(0.2)
+
+
+def _http(stack: Stack, method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        stack.http + path, data=data, method=method, headers={"content-type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.load(error)
+
+
+def _health(client: GatewayClient) -> tuple[int, str]:
+    reply, call = health_pb2_grpc.HealthStub(client.channel).Check.with_call(health_pb2.HealthCheckRequest())
+    return reply.status, dict(call.trailing_metadata() or ()).get(REASON_KEY, "")
+
+
+def test_a_postgresql_outage_refuses_submits_pauses_the_running_job_and_loses_nothing(pg_stack, dit_hold):
+    server = pg_stack.server
+    database = pg_stack.database.split("?")[0].rsplit("/", 1)[1]
+    named = f"the job store's PostgreSQL at {server.socket_dir}:{server.port}/{database}"
+    with GatewayClient(pg_stack.address("gateway")) as client:
+        assert _health(client) == (health_pb2.HealthCheckResponse.SERVING, "")
+        with dit_hold.armed():
+            job = client.stub.Submit(S.GenerateRequest(prompt="through an outage", **HELD, seed=7))
+            _held(client, job.job_id, dit_hold)
+            server.stop()
+            try:
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.stub.Submit(S.GenerateRequest(prompt="while the store is away", **HELD))
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert refused.value.details().startswith(f"{named} is unreachable: "), refused.value.details()
+                assert retry_info.advised_wait_s(refused.value) == RETRY_AFTER_S
+
+                status, headers, body = _http(pg_stack, "POST", "/v1/videos", {"prompt": "by HTTP, meanwhile"})
+                assert (status, headers["retry-after"]) == (503, str(int(RETRY_AFTER_S)))
+                assert body["error"]["message"].startswith(named), body
+
+                health, reason = _health(client)
+                assert health == health_pb2.HealthCheckResponse.NOT_SERVING and reason.startswith(named), reason
+                status, _, body = _http(pg_stack, "GET", "/healthz")
+                assert status == 503 and body["serving"] is False and body["reason"].startswith(named), body
+
+                dit_hold.release()  # the job goes on denoising: its next event's write meets the outage
+                _wait_for_log(Path(pg_stack.group.log_dir) / "gateway.log", WAITING_LINE)
+            finally:
+                server.start()
+
+        events = list(client.stub.Watch(S.WatchRequest(job_id=job.job_id)))
+        ended = client.job(job.job_id)
+        assert _health(client) == (health_pb2.HealthCheckResponse.SERVING, "")
+        assert _http(pg_stack, "GET", "/healthz")[::2] == (200, {"serving": True})
+        after = client.stub.Submit(
+            S.GenerateRequest(prompt="after the outage", height=32, width=64, num_inference_steps=2)
+        )
+        assert after.state == S.JOB_STATE_QUEUED
+
+    kinds = [event.WhichOneof("kind") for event in events]
+    assert [event.seq for event in events] == list(range(1, len(events) + 1)), kinds
+    steps = [event.denoising.step for event in events if event.HasField("denoising")]
+    assert steps == list(range(1, HELD["num_inference_steps"])), kinds  # each step once, none lost
+    assert kinds.count("done") == 1 and kinds[-1] == "done", kinds
+    assert (ended.state, ended.attempts, ended.error.message) == (S.JOB_STATE_SUCCEEDED, 1, "")
+    assert "retrying" not in kinds, "the outage paused the job; it did not run again"
+    assert len([r for r in ended.stage_records if r.stage == "dit"]) == 1
