@@ -7,11 +7,13 @@ model's four services on it; the DiT holds the job mid-denoise, so the outage pr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -27,6 +29,7 @@ from h3serve.common.config import load_deploy
 from h3serve.common.free_ports import free_port
 from h3serve.gateway.api.health import REASON_KEY
 from h3serve.gateway.jobs.postgres.pool import RETRY_AFTER_S
+from h3serve.gateway.jobs.store import Fenced, Lease, RequestIdConflict, StoreUnavailable
 from h3serve.v1 import gateway_pb2, retry_info
 
 pytestmark = pytest.mark.processes
@@ -35,32 +38,73 @@ S = gateway_pb2
 WAITING_LINE = "waits for the job store"  # the gateway's log line when a job's write meets the outage (runner.py)
 
 
+@dataclass
 class PostgresStack(Stack):
-    server: stores.PostgresServer
-    database: str
+    database: str = ""  # the store_url of its gateway
 
 
 @pytest.fixture(scope="module")
-def pg_stack(tmp_path_factory, tiny_model_dir, dit_hold) -> Iterator[PostgresStack]:
+def server() -> Iterator[stores.PostgresServer]:
+    """This module's own PostgreSQL: its tests stop it."""
+    with stores.postgres_server() as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def pg_stack(tmp_path_factory, tiny_model_dir, dit_hold, server) -> Iterator[PostgresStack]:
     root = tmp_path_factory.mktemp("pg-stack")
-    with stores.postgres_server() as server:
-        database = server.new_database()
-        ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
-        config_path = write_config(
-            root / "deploy.toml",
-            str(tiny_model_dir),
-            root / "gateway",
-            ports,
-            model=STACK_MODEL,
-            outage_s=QUICK_OUTAGE,
-            retry_backoff_s=0.1,
-            http_port=ports["http"],
-            store_url=database,
-        )
-        with ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root)) as group:
-            stack = PostgresStack(config_path, group, tiny_model_dir, ports)
-            stack.server, stack.database = server, database
-            yield stack
+    database = server.new_database()
+    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
+    config_path = write_config(
+        root / "deploy.toml",
+        str(tiny_model_dir),
+        root / "gateway",
+        ports,
+        model=STACK_MODEL,
+        outage_s=QUICK_OUTAGE,
+        retry_backoff_s=0.1,
+        http_port=ports["http"],
+        store_url=database,
+    )
+    with ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root)) as group:
+        yield PostgresStack(config_path, group, tiny_model_dir, ports, database)
+
+
+def _named(server: stores.PostgresServer, url: str) -> str:
+    """How the gateway names the store at `url` in its messages."""
+    database = url.split("?")[0].rsplit("/", 1)[1]
+    return f"the job store's PostgreSQL at {server.socket_dir}:{server.port}/{database}"
+
+
+def test_the_store_names_the_server_it_cannot_reach_and_keeps_its_own_refusals(server):
+    from h3serve.gateway.jobs.postgres import PostgresJobStore
+
+    url = server.new_database()
+    request, event = S.ResolvedRequest(prompt="a fox"), S.JobEvent(accepted=S.Accepted())
+
+    async def scenario():
+        store = await PostgresJobStore.open(url)
+        await store.submit("known", request, request_id="once", digest="first")
+        with pytest.raises(RequestIdConflict):  # what PostgreSQL itself decides stays as it is
+            await store.submit("other", request, request_id="once", digest="second")
+        with pytest.raises(Fenced):
+            await store.append_event("known", event, lease=Lease("another gateway", 99, 30.0))
+        server.stop()
+        try:
+            for call in (store.get_job("known"), store.ping(), store.append_event("known", event)):
+                with pytest.raises(StoreUnavailable) as away:
+                    await call
+                assert str(away.value).startswith(f"{_named(server, url)} is unreachable: ")
+                assert away.value.retry_after_s == RETRY_AFTER_S
+        finally:
+            server.start()
+        # the first call after the server is back finds a live connection, not one the restart broke
+        assert [e.seq for e in await store.events("known")] == [], "the write refused meanwhile left nothing"
+        await store.append_event("known", event)
+        assert [e.seq for e in await store.events("known")] == [1]
+        await store.close()
+
+    asyncio.run(scenario())
 
 
 def _held(client: GatewayClient, job_id: str, dit_hold: DitHold) -> None:
@@ -96,10 +140,8 @@ def _health(client: GatewayClient) -> tuple[int, str]:
     return reply.status, dict(call.trailing_metadata() or ()).get(REASON_KEY, "")
 
 
-def test_a_postgresql_outage_refuses_submits_pauses_the_running_job_and_loses_nothing(pg_stack, dit_hold):
-    server = pg_stack.server
-    database = pg_stack.database.split("?")[0].rsplit("/", 1)[1]
-    named = f"the job store's PostgreSQL at {server.socket_dir}:{server.port}/{database}"
+def test_a_postgresql_outage_refuses_submits_pauses_the_running_job_and_loses_nothing(server, pg_stack, dit_hold):
+    named = _named(server, pg_stack.database)
     with GatewayClient(pg_stack.address("gateway")) as client:
         assert _health(client) == (health_pb2.HealthCheckResponse.SERVING, "")
         with dit_hold.armed():

@@ -327,8 +327,8 @@ class JobRunner:
                         log.warning("job %s is left to its lease: %s", job_id, exc)
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
-        except StoreUnavailable as exc:  # met by a call not waited for: left to be claimed again once its lease passes
-            log.warning("job %s stops here and is claimed again when its lease runs out: %s", job_id, exc)
+        except StoreUnavailable as exc:  # met by a call not waited for: nothing of it is written; an unfinished job
+            log.warning("job %s: its worker here stops: %s", job_id, exc)  # is claimed again once its lease runs out
         except StageFailed as exc:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except DiskFull as exc:
