@@ -2,7 +2,7 @@
 (one in flight per replica of a stage), so two gateways have two DiT calls in flight at once; the bound that holds
 for the whole deployment is the service's own, the DiT group running one request at a time and queueing the next.
 
-Real processes: the tiny model's services, and gateways A and B on one PostgreSQL database. The DiT holds A's job
+Real processes: the test stack's model services, and gateways A and B on one PostgreSQL database. The DiT holds A's job
 mid-denoise while A takes a second job and B one: A's waits in A, B's is sent and waits in the DiT's queue."""
 
 from __future__ import annotations
@@ -39,17 +39,18 @@ class TwoGateways:
 
 
 @pytest.fixture(scope="module")
-def two_gateways(tmp_path_factory, tiny_model_dir, dit_hold, postgres) -> Iterator[TwoGateways]:
+def two_gateways(tmp_path_factory, stack, postgres) -> Iterator[TwoGateways]:
+    """Gateways A and B on one database, in front of the test stack's model services (whose DiT holds)."""
     root = tmp_path_factory.mktemp("two-gateways")
     store_url = postgres.new_database()
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
+    ports = {name: stack.ports[name] for name in ("encoder", "dit", "vae")}
     configs = []
     for name in ("a", "b"):
         ports["gateway"] = free_port()
         configs.append(
             write_config(
                 root / f"deploy-{name}.toml",
-                str(tiny_model_dir),
+                str(stack.model_dir),
                 root / f"gateway-{name}",
                 ports,
                 model=STACK_MODEL,
@@ -59,10 +60,11 @@ def two_gateways(tmp_path_factory, tiny_model_dir, dit_hold, postgres) -> Iterat
             )
         )
     a, b = (load_deploy(config) for config in configs)
+    gateway = dict(names=("gateway",), ready=is_answering)
     with (
-        ServiceGroup(a, str(configs[0]), log_dir=str(root / "a")),
-        ServiceGroup(b, str(configs[1]), log_dir=str(root / "b"), names=("gateway",), ready=is_answering),
-        grpc.insecure_channel(f"127.0.0.1:{ports['dit']}") as dit,
+        ServiceGroup(a, str(configs[0]), log_dir=str(root / "a"), **gateway),
+        ServiceGroup(b, str(configs[1]), log_dir=str(root / "b"), **gateway),
+        grpc.insecure_channel(stack.address("dit")) as dit,
     ):
         yield TwoGateways(
             f"127.0.0.1:{a.gateway.port}", f"127.0.0.1:{b.gateway.port}", dit_pb2_grpc.DiTStub(dit), store_url

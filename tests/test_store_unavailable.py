@@ -3,7 +3,7 @@ retry time (HTTP: 503 and Retry-After), health says NOT_SERVING and why; the job
 the server is back it finishes with every event once and nothing lost.
 
 The module starts a PostgreSQL of its own (the session's is shared by other tests: this one stops it) and the tiny
-model's four services on it; the DiT holds the job mid-denoise, so the outage provably lands while it runs."""
+model's services (the test stack's); the DiT holds the job mid-denoise, so the outage provably lands while it runs."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
 from h3serve.common.free_ports import free_port
+from h3serve.common.server import is_answering
 from h3serve.gateway.api.health import REASON_KEY
 from h3serve.gateway.jobs.postgres.pool import RETRY_AFTER_S
 from h3serve.gateway.jobs.store import Fenced, Lease, RequestIdConflict, StoreUnavailable
@@ -51,13 +52,15 @@ def server() -> Iterator[stores.PostgresServer]:
 
 
 @pytest.fixture(scope="module")
-def pg_stack(tmp_path_factory, tiny_model_dir, dit_hold, server) -> Iterator[PostgresStack]:
+def pg_stack(tmp_path_factory, stack, server) -> Iterator[PostgresStack]:
+    """A gateway on this module's PostgreSQL, in front of the test stack's model services (whose DiT holds)."""
     root = tmp_path_factory.mktemp("pg-stack")
     database = server.new_database()
-    ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway", "http")}
+    ports = {name: stack.ports[name] for name in ("encoder", "dit", "vae")}
+    ports.update(gateway=free_port(), http=free_port())
     config_path = write_config(
         root / "deploy.toml",
-        str(tiny_model_dir),
+        str(stack.model_dir),
         root / "gateway",
         ports,
         model=STACK_MODEL,
@@ -66,8 +69,11 @@ def pg_stack(tmp_path_factory, tiny_model_dir, dit_hold, server) -> Iterator[Pos
         http_port=ports["http"],
         store_url=database,
     )
-    with ServiceGroup(load_deploy(config_path), str(config_path), log_dir=str(root)) as group:
-        yield PostgresStack(config_path, group, tiny_model_dir, ports, database)
+    group = ServiceGroup(
+        load_deploy(config_path), str(config_path), log_dir=str(root), names=("gateway",), ready=is_answering
+    )
+    with group:
+        yield PostgresStack(config_path, group, stack.model_dir, ports, database)
 
 
 def _named(server: stores.PostgresServer, url: str) -> str:
@@ -91,7 +97,7 @@ def test_the_store_names_the_server_it_cannot_reach_and_keeps_its_own_refusals(s
             await store.append_event("known", event, lease=Lease("another gateway", 99, 30.0))
         server.stop()
         try:
-            for call in (store.get_job("known"), store.ping(), store.append_event("known", event)):
+            for call in (store.ping(), store.append_event("known", event)):  # its health, a write
                 with pytest.raises(StoreUnavailable) as away:
                     await call
                 assert str(away.value).startswith(f"{_named(server, url)} is unreachable: ")
