@@ -1,8 +1,8 @@
 """`h3serve serve gateway`: the gateway's parts wired together, served until SIGTERM or SIGINT.
 
-The parts: the job store (SQLite), the event hub, the stage caller (stages and their replicas), the
-job runner, the asset and artifact stores, the admission's text-row counter, the API servicer and
-health. The gateway process never imports torch (tests/test_layers.py checks it).
+The parts: the job store (SQLite, or PostgreSQL at store_url), the event hub, the stage caller (stages and their
+replicas), the job runner, the asset and artifact stores, the admission's text-row counter, the API servicer and
+health (the store's and the stages'). The gateway process never imports torch (tests/test_layers.py checks it).
 """
 
 from __future__ import annotations
