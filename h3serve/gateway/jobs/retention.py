@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from h3serve.common.disk import DiskFull
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.jobs.artifacts import ArtifactStore
-from h3serve.gateway.jobs.store import JobStore, StoredArtifact
+from h3serve.gateway.jobs.store import JobStore, StoredArtifact, StoreUnavailable
 from h3serve.model import workflows
 
 log = logging.getLogger("h3serve.gateway.retention")
@@ -41,7 +41,7 @@ class Retention:
         try:
             async with self.store.retention_turn() as ours:
                 removed = await self._artifacts(now) + await self._assets(now) if ours else []
-        except DiskFull as exc:
+        except (DiskFull, StoreUnavailable) as exc:
             log.warning("retention stopped until its next pass: %s", exc)
             return []
         if removed:
