@@ -22,6 +22,7 @@ import stores
 from deployments import QUICK_OUTAGE, STACK_MODEL, Stack, write_config
 from dit_holding import HELD, HOLD_STEP, DitHold
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_store_ownership import REQUEST, _runner, _until
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
@@ -109,6 +110,46 @@ def test_the_store_names_the_server_it_cannot_reach_and_keeps_its_own_refusals(s
         await store.append_event("known", event)
         assert [e.seq for e in await store.events("known")] == [1]
         await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_whose_write_waits_past_its_lease_stops_writing_nothing_and_is_claimed_again(server, tmp_path, caplog):
+    """Another gateway may hold the job once its lease has run out: the gateway cut off from the store stops the
+    job's stage call and writes nothing more of it; with the store back, any gateway's claim takes the job."""
+    from h3serve.gateway.jobs.postgres import PostgresJobStore
+
+    url = server.new_database()
+
+    async def scenario():
+        store = await PostgresJobStore.open(url)
+        runner = _runner(store, tmp_path, "A", free_port())  # its encoder: an address nobody answers
+        try:
+            await store.submit("j", REQUEST, first_event=S.JobEvent(accepted=S.Accepted()))
+            runner.start("j", REQUEST)
+            task = runner._tasks["j"]
+
+            async def in_encoder():
+                job = await store.get_job("j")
+                return bool(job.stage_records) and job.stage_records[0].started > 0
+
+            await _until(in_encoder)
+            server.stop()
+            try:
+                runner.cancel("j")  # the cancel's writes meet the outage and wait, past the lease (LEASE_S)
+                await asyncio.wait_for(task, 60)  # a safety bound only
+            finally:
+                server.start()
+            assert "the job store was out of reach past its lease (0.6 s)" in caplog.text
+            assert runner.queues["encoder"].busy == 0, "its stage call was cancelled"
+            job = await store.get_job("j")
+            assert (job.state, job.stage_records[0].error) == (S.JOB_STATE_RUNNING, ""), "nothing written after"
+            claimed = await store.claim("B", 30.0)
+            assert claimed is not None and claimed.job_id == "j"
+        finally:
+            await runner.shutdown()
+            await runner.caller.close()
+            await store.close()
 
     asyncio.run(scenario())
 

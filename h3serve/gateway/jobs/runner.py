@@ -21,8 +21,10 @@ and records it once space returns (`_finish`), so it never stays "running" witho
 
 A job store out of reach (StoreUnavailable: PostgreSQL down, restarting, cut off) pauses a running job: each of its
 writes waits and tries again (`_patiently`, backing off to STORE_RETRY_MAX_S), under the job's lease as it is at each
-try. When the store returns, the fence decides: the job goes on where it was if its lease is still this gateway's
-(however long the outage), and stops writing nothing if another gateway took it over meanwhile.
+try. A store back within the job's lease: the fence decides, and the job goes on where it was (or stops, writing
+nothing, if another gateway took it over meanwhile). A wait past the lease: another gateway may hold the job by now
+(this one, cut off, cannot know), so its stage calls stop here and nothing more of it is written (`LeaseLapsed`, as
+Fenced); once the store is back a claim takes the job again, this gateway's own if no other did.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ RENEWALS_PER_LEASE = 3
 STORE_RETRY_FIRST_S = 0.25
 STORE_RETRY_MAX_S = 4.0
 T = TypeVar("T")
+
+
+class LeaseLapsed(Fenced):
+    """A write waited for the job store longer than the job's lease: another gateway may hold the job now."""
+
+    def __init__(self, job_id: str, lease: Lease, cause: StoreUnavailable):
+        Exception.__init__(
+            self, f"job {job_id}: the job store was out of reach past its lease ({lease.seconds:g} s): {cause}"
+        )
 
 
 def failure(code: grpc.StatusCode, message: str) -> gateway_pb2.Failed:
@@ -276,7 +287,8 @@ class JobRunner:
 
     async def _patiently(self, job_id: str, write: Callable[[], Awaitable[T]]) -> T:
         """`write()` (which reads the job's lease itself: each try is under the lease as it is then), tried again
-        while the store is out of reach (but for a gateway shutting down); Fenced, or any other error, ends the wait."""
+        while the store is out of reach (but for a gateway shutting down), up to the job's lease (then LeaseLapsed);
+        Fenced, or any other error, ends the wait."""
         delay, since = STORE_RETRY_FIRST_S, time.monotonic()
         while True:
             try:
@@ -284,6 +296,9 @@ class JobRunner:
             except StoreUnavailable as exc:
                 if self._stopping:
                     raise
+                lease = self._lease(job_id)  # renewed last before this wait began: by now it has run out
+                if lease is not None and time.monotonic() - since > lease.seconds:
+                    raise LeaseLapsed(job_id, lease, exc) from exc
                 if delay == STORE_RETRY_FIRST_S:
                     log.warning(
                         "job %s waits for the job store, trying again up to every %g s: %s",
@@ -327,6 +342,8 @@ class JobRunner:
                         log.warning("job %s is left to its lease: %s", job_id, exc)
                 raise
             await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
+        except Fenced:  # not this gateway's job to end any more (a takeover, or its lease lapsed): `_run` says so
+            raise
         except StoreUnavailable as exc:  # met by a call not waited for: nothing of it is written; an unfinished job
             log.warning("job %s: its worker here stops: %s", job_id, exc)  # is claimed again once its lease runs out
         except StageFailed as exc:
@@ -457,6 +474,8 @@ class JobRunner:
             try:
                 output = await self.caller.run(stage, job, record, Watchdog(self.stall_s))
             except BaseException as exc:
+                if isinstance(exc, Fenced):  # the job's record is not this gateway's to write any more
+                    raise
                 ended = dict(replica=record.replica, tries=record.tries, error=self._reason(job_id, exc))
                 await self._patiently(
                     job_id, lambda: self.store.stage_update(record_id, lease=self._lease(job_id), **ended)
