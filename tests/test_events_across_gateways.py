@@ -40,6 +40,7 @@ from h3serve.v1 import common_pb2, gateway_pb2
 S = gateway_pb2
 postgres, backend = stores.postgres, stores.backend  # fixtures
 QUICK_LEASE_S = 0.6  # renewed every 0.2 s: a missed announcement is made up for within that
+NEVER_RENEWED_S = 3600.0  # a lease whose timer never fires within a test
 QUIET = S.ResolvedRequest(  # its stages are an address nobody answers: its encoder call stays in progress
     prompt="a fox", height=32, width=64, num_frames=9, params=common_pb2.GenerationParams(num_inference_steps=2)
 )
@@ -197,6 +198,34 @@ def test_a_watch_on_b_gets_every_event_once_across_a_cut_listen_connection(stack
     seen, stored = asyncio.run(scenario())
     kinds = _seqs_once_in_order(seen)
     assert kinds[-1] == "done" and "denoising" in kinds and seen == stored, kinds
+
+
+@pytest.mark.gateway
+def test_a_cancel_on_b_reaches_a_by_its_announcement_alone(postgres, tmp_path):
+    """A's lease outlasts the test (its timer never reads the cancel mark): only the announcement can stop A's job;
+    B's watcher hears its events only through B's listener."""
+    url = postgres.new_database()
+
+    async def scenario(store_a):
+        store_b = await stores.Backend("postgresql", url).open()
+        async with (
+            Gateway(store_a, _quiet_config(tmp_path / "a"), "A", NEVER_RENEWED_S, url) as a,
+            Gateway(store_b, _quiet_config(tmp_path / "b"), "B", NEVER_RENEWED_S, url) as b,
+        ):
+            await store_a.submit("j", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
+            a.runner.start("j", QUIET)
+            on_b = []
+            async with asyncio.timeout(60):  # a safety bound only
+                async for event in b.hub.watch("j"):
+                    on_b.append(event)
+                    if event.HasField("waiting"):  # A's encoder call waits for its stage: it runs
+                        assert await b.runner.request_cancel("j")
+        await store_b.close()
+        return on_b, await store_a.get_job("j")
+
+    on_b, job = stores.Backend("postgresql", url).run(scenario)
+    assert _seqs_once_in_order(on_b)[-1] == "cancelled" and job.state == S.JOB_STATE_CANCELLED
+    assert [r.error for r in job.stage_records] == [CANCELLED_BY_CLIENT], "A's own task stopped its stage call"
 
 
 @pytest.mark.gateway
