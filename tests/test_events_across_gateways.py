@@ -265,6 +265,7 @@ def test_a_job_no_gateway_holds_is_cancelled_in_the_store_and_a_marked_one_at_it
             await store.submit("free", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             assert await b.runner.request_cancel("free"), "nobody holds it: B ends it"
             assert not await b.runner.request_cancel("free"), "ended: nothing more to do"
+            assert await store.request_cancel("free") is None and await store.request_cancel("unknown") is None
             await store.submit("held", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             assert (await store.claim("A", 30.0)).job_id == "held"
             assert await store.request_cancel("held") == "A", "A holds it: B leaves it to A"

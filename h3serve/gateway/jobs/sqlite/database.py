@@ -321,11 +321,12 @@ class Database:
             return ownership.expire(self._conn, gateway_id)
 
     def request_cancel(self, job_id: str) -> str | None:
+        now = time.time()
         with self._conn:
             rows = self._rows(
                 "UPDATE jobs SET cancel_requested = ? WHERE job_id = ? AND state IN (?, ?) "
                 "RETURNING CASE WHEN lease_until >= ? THEN lease_owner ELSE '' END",
-                (time.time(), job_id, *UNFINISHED_STATES, time.time()),
+                (now, job_id, *UNFINISHED_STATES, now),
             )
         return rows[0][0] if rows else None
 
