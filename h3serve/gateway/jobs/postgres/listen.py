@@ -24,7 +24,7 @@ EVENTS = "h3serve_events"  # payload: "seq job_id" of one stored event
 CANCELS = "h3serve_cancels"  # payload: the job id a cancel was requested for
 APPLICATION_NAME = "h3serve listener"
 CONNECT_TIMEOUT_S = 10  # seconds (libpq takes whole seconds)
-PROBE_S = 30.0  # a connection quiet this long is asked `SELECT 1`: a connection cut without a word ends there
+PROBE_S = 30.0  # how often the connection is asked `SELECT 1`: one cut without a word ends there
 PROBE_TIMEOUT_S = 10.0
 FIRST_BACKOFF_S, MAX_BACKOFF_S = 0.2, 10.0  # reconnecting after a drop: doubling from the first, up to the most
 
