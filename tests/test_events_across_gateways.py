@@ -3,9 +3,10 @@
 Two real `h3serve serve gateway` processes, A and B, share one database and the tiny stack's services: a Watch on B
 of a job running on A sees every event once, in order, and a CancelJob on B cancels A's job mid-denoise (the DiT
 holds it there), with one terminal `cancelled`. In-process runners on one store show what processes cannot pin
-down: a watcher whose LISTEN connection was cut while the job ended still gets every event once, a cancel whose
-announcement nobody hears still stops the job at its holder's next lease renewal (also on SQLite, which announces
-nothing), a job no gateway holds is cancelled in the store, and a takeover says who took the job from whom.
+down: a watcher whose LISTEN connection was cut while the job ended still gets every event once, a cancel reaches
+the job's holder by its announcement alone, one whose announcement nobody hears still stops the job at its holder's
+next lease renewal (also on SQLite, which announces nothing), a job no gateway holds is cancelled in the store, and
+a takeover says who took the job from whom.
 """
 
 from __future__ import annotations
