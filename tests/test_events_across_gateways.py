@@ -29,6 +29,7 @@ from h3serve.common.server import is_answering
 from h3serve.gateway.admission.request import RequestLimits, resolve
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits
+from h3serve.gateway.blobs import DirectoryBlobs
 from h3serve.gateway.jobs.artifacts import ArtifactStore
 from h3serve.gateway.jobs.events import EventHub
 from h3serve.gateway.jobs.postgres.listen import APPLICATION_NAME, Listener
@@ -109,16 +110,16 @@ class Gateway:
     """A JobRunner and its EventHub on a store of its own (and, given the database's `url`, its Listener)."""
 
     def __init__(self, store, config: GatewayConfig, name: str, lease_s: float = QUICK_LEASE_S, url: str = ""):
-        root, metrics = Path(config.data_dir), GatewayMetrics(STAGE_NAMES)
+        metrics, blobs = GatewayMetrics(STAGE_NAMES), DirectoryBlobs(config.data_dir)
         self.hub = EventHub(store)
         self.runner = JobRunner(
             config,
             store,
             self.hub,
             StageCaller(config, metrics),
-            ArtifactStore(str(root / "artifacts")),
+            ArtifactStore(blobs),
             metrics,
-            AssetStore(str(root / "assets"), AssetLimits.from_config(config)),
+            AssetStore(blobs, str(Path(config.data_dir) / "assets"), AssetLimits.from_config(config)),
             gateway_id=name,
             lease_s=lease_s,
         )
@@ -162,7 +163,9 @@ def test_a_watch_on_b_gets_every_event_once_across_a_cut_listen_connection(stack
             await stores.Backend("postgresql", url).open(),
             await stores.Backend("postgresql", url).open(),
         )
-        config_a, config_b = (stack_config.model_copy(update={"data_dir": str(tmp_path / n)}) for n in "ab")
+        config_a, config_b = (
+            stack_config.model_copy(update={"data_dir": str(tmp_path / n), "blob_dir": ""}) for n in "ab"
+        )
         request = resolve(
             S.GenerateRequest(prompt="a fox in the rain", **HELD, seed=5), RequestLimits.from_config(config_a)
         )
