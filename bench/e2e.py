@@ -74,6 +74,7 @@ from h3serve.services.vae.mux import encode_mp4
 from h3serve.v1 import common_pb2
 
 OUTPUTS = (".mp4", ".npz")  # what each side's last request leaves for the comparison: the MP4, the raw output
+ALONE = "none"  # --baseline-file of a services run compared with nothing
 PIPELINE_STAGES = {"text_encoder": "encode", "denoise": "denoise", "decode": "decode"}
 
 
@@ -317,6 +318,16 @@ def adapter_file(args, work: Path) -> str:
     return str(write_lora(model, work / f"{ADAPTER}.safetensors", args.adapter_rank, seed=0))
 
 
+def served_alone(served: dict[Size, Side], work: Path) -> list[Comparison]:
+    """--baseline-file none: the services' figures and whether every raw output value is finite, with nothing to
+    compare them with (where the in-process pipeline cannot load, and a profile's numbers are the question)."""
+    for size, side in served.items():
+        with np.load(work / f"served-{size}.npz") as raw:
+            finite = {name: bool(np.isfinite(raw[name]).all()) for name in raw.files}
+        print(f"services alone {size}: {side}; raw outputs finite: {finite}", flush=True)
+    return []
+
+
 def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparison], str]:
     """The side(s) --side asks for, in `work`; the comparisons (none for --side in-process) and the command."""
     baseline_file, command = Path(args.baseline_file), args.command
@@ -327,6 +338,8 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
             raise SystemExit(f"bench.e2e: {exc}") from exc
         refuse_early(load_deploy(config_path), placement(args, device), device)
         print(f"services placed on {placement(args, device).describe()}", flush=True)
+    if args.side == "services" and args.baseline_file == ALONE:
+        return served_alone(through_services(sizes, args, device, work, config_path), work), command
     if args.side == "services":
         baseline, baseline_command = load_baseline(baseline_file, args)
         command = f"{baseline_command}; {args.command}"
@@ -387,7 +400,12 @@ def parser() -> argparse.ArgumentParser:
         help="one side per call when both do not fit in one: in-process saves its medians to "
         "--baseline-file, services compares with them (the same machine, the same options)",
     )
-    p.add_argument("--baseline-file", default="var/e2e-baseline.json")
+    p.add_argument(
+        "--baseline-file",
+        default="var/e2e-baseline.json",
+        help=f"where --side in-process saves its medians for --side services; {ALONE!r} with --side services: the "
+        "services alone, nothing compared and no rows written (their figures and a finite check are printed)",
+    )
     p.add_argument(
         "--adapter-rank",
         type=int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -168,6 +169,8 @@ def summed(peaks: dict[str, float], digits: int) -> str:
 def _host(record: Record) -> str:
     if record.host_peak_gib is None:
         return ""
+    if record.host_file_gib is None or record.host_used_gib is None:  # one process's own peak, sampled alone
+        return f"{record.host_peak_gib:.1f}"
     return f"{record.host_peak_gib:.1f} (+{record.host_file_gib:.1f}; system +{record.host_used_gib:.1f})"
 
 
@@ -193,6 +196,10 @@ def add_output_arguments(parser) -> None:
     parser.add_argument("--markdown", default="BENCHMARKS.md")
 
 
+SETTINGS = ("H3SERVE_SAGE_TARGET",)  # environment variables that change what a bench measures
+
+
 def command_line(module: str, argv: list[str] | None) -> str:
-    """The command a record names, so that anyone can make it again."""
-    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+    """The command a record names, so that anyone can make it again (with the settings it ran under)."""
+    settings = [f"{name}={os.environ[name]}" for name in SETTINGS if os.environ.get(name)]
+    return " ".join([*settings, f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])

@@ -6,9 +6,9 @@ version, 75, proves which module runs). The instructions are Turing's own (m8n8k
 numbers are the ones a 2080 Ti computes; its speed and Turing's resource limits are not (the sm_75 CUBIN's SASS
 and resource usage are checked on the CPU, tests/test_sage_sass.py). Every time is labelled so.
 
-First the kernel (PTX and native CUBIN) against its CPU model (tests/sage_model.py) on (1, 1000, 2, 128), Gaussian
-and DiT-like (whose outlier channels take the kernel's shifted first step): the same numbers up to the kernel's
-ex2.approx and summation order. Then at the full-size DiT's attention shapes
+First the kernel (PTX and native CUBIN) against its CPU model (tests/sage_model.py), both fed the inputs the GPU's
+pre-pass made, on (1, 1000, 2, 128), Gaussian and DiT-like (whose outlier channels take the kernel's shifted first
+step): the same numbers up to the kernel's ex2.approx and summation order. Then at the full-size DiT's attention shapes
 (1, 15100 / 37966, 56, 128) (480x832x124, 768x1344x124):
 - the bars of issue 49 against fp32 SDPA (memory-efficient kernel): Gaussian inputs cosine >= 0.9999 and
   relative L1 <= 0.015; DiT-like (a per-channel K bias x8, 4 outlier channels x4 in Q and K) cosine >= 0.999,
@@ -128,7 +128,9 @@ def against_model(loaded: sage.Kernel) -> dict:
         print(
             f"  {loaded.binary.target} against the CPU model, {case}: every output written {measured['written']}, "
             f"{measured['mismatch']:.2%} differ, by at most {measured['max_ulps']:.2f} bf16 ulp: "
-            f"{'matches' if measured['matches'] else 'DOES NOT MATCH'}",
+            f"{'matches' if measured['matches'] else 'DOES NOT MATCH'} (both from the GPU's pre-pass; the CPU's "
+            f"int8 Q / K differ from it in {measured['prepass_int8_differ']['q']:.3%} / "
+            f"{measured['prepass_int8_differ']['k']:.3%} of entries)",
             flush=True,
         )
         results[case] = measured

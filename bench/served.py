@@ -115,11 +115,13 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
 def _onto_one_gpu(changes: dict[str, dict]) -> None:
     """--one-gpu: every stage on GPU 0 and the DiT a one-rank group, each stage's kernels, precisions and weight
     forms as the profile ships them. The memory limits go (one card holds what the profile spreads over several),
-    and so does what needs bitsandbytes, which the lent machines lack: an nf4 encoder runs as torchao's int8."""
+    and so does what needs bitsandbytes, which the lent machines lack: an nf4 encoder runs as torchao's int8. The
+    encoder's layers are streamed from the host (as the one-H100 profile's are): an 80 GB card does not hold them
+    beside a whole DiT."""
     for name in ("encoder", "dit", "vae"):
         changes[name] |= {"gpus": "0", "memory_limit_gib": 0.0}
     changes["dit"] |= {"world_size": 1, "ulysses_degree": 0, "fsdp": False}
-    changes["encoder"] |= {"spread": False}
+    changes["encoder"] |= {"spread": False, "cpu_offload": True}
     changes["supervisor"] |= {"gpu_memory_gib": 0.0}
     if importlib.util.find_spec("bitsandbytes") is None:
         changes["encoder"] |= {"quantize": "int8"}

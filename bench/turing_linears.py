@@ -303,7 +303,7 @@ def records(
             baseline_seconds=drove.bf16_seconds,
             ratio=drove.bf16_seconds / drove.seconds,
             peak_gib=0.0,
-            variant=f"fp16_scaled, activations driven to max |{maxima}| (reported maxima reached: {drove.reached}); "
+            variant=f"fp16_scaled, activations driven to max abs {maxima} (reported maxima reached: {drove.reached}); "
             f"finite: {drove.scaled_finite}; block 0 in plain fp16 finite: {drove.plain_fp16_block_finite}, with its "
             f"residual input within fp16: {drove.plain_fp16_branch_finite}",
             baseline="the driven model in bf16, same run",

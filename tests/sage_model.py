@@ -9,6 +9,8 @@ points differ from the kernel by less than the bars can see: its ex2.approx (2 u
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from h3serve.runtime.kernels import sage_prepare
@@ -16,6 +18,7 @@ from h3serve.runtime.kernels.sage_prepare import BLOCK_K, HEAD_DIM, OUTLIER_CHAN
 
 MODEL_ULPS = 2  # the kernel may differ from the model by this many bf16 ulps (of the output's largest value)
 MODEL_MISMATCH = 0.01  # in at most this fraction of the outputs
+TENSOR_FIELDS = ("q", "q_scale", "k", "k_scale", "shift", "vt", "v_scale")
 
 
 def kernel_model(p: Prepared, queries: int | None = None) -> torch.Tensor:
@@ -47,6 +50,10 @@ def kernel_model(p: Prepared, queries: int | None = None) -> torch.Tensor:
     return out.to(torch.bfloat16)
 
 
+def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a != b).double().mean().item()
+
+
 def attention_fp64(q, k, v, scale, queries: int | None = None, chunk: int = 1024):
     """(batch, rows, heads, d) attention in fp64 for the first `queries` rows (all by default), `chunk` query
     rows at a time so that full-size rows fit in a few GiB."""
@@ -59,20 +66,26 @@ def attention_fp64(q, k, v, scale, queries: int | None = None, chunk: int = 1024
 
 
 def kernel_vs_model(loaded, q, k, v) -> dict:
-    """The GPU kernel's output (poisoned with NaN before the launch) against the model's on the same inputs."""
+    """The GPU kernel's output (poisoned with NaN before the launch) against the model's, both from the inputs the
+    GPU's pre-pass made (the kernel's own arithmetic alone); and how far the CPU's pre-pass differs from the GPU's
+    (its scales and int8 roundings), which the model's tests on the CPU start from."""
     from h3serve.runtime.kernels import sage
 
+    prepared = sage_prepare.prepare(q.cuda(), k.cuda(), v.cuda(), HEAD_DIM**-0.5)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    sage.launch(loaded, sage_prepare.prepare(q.cuda(), k.cuda(), v.cuda(), HEAD_DIM**-0.5), out)
+    sage.launch(loaded, prepared, out)
     torch.cuda.synchronize()
+    on_cpu = dataclasses.replace(prepared, **{f: getattr(prepared, f).cpu() for f in TENSOR_FIELDS})
     got = out.cpu().double()
-    want = kernel_model(sage_prepare.prepare(q.cpu(), k.cpu(), v.cpu(), HEAD_DIM**-0.5)).double()
+    want = kernel_model(on_cpu).double()
     ulp = want.abs().max().item() * 2.0**-7  # a bf16 ulp at the largest output
     difference = (got - want).abs()
     mismatch = (difference > 0).double().mean().item()
+    cpu_prepared = sage_prepare.prepare(q.cpu(), k.cpu(), v.cpu(), HEAD_DIM**-0.5)
     return {
         "written": bool(torch.isfinite(got).all()),
         "max_ulps": (difference.max() / ulp).item(),
         "mismatch": mismatch,
+        "prepass_int8_differ": {f: _differ(getattr(cpu_prepared, f), getattr(on_cpu, f)) for f in "qk"},
         "matches": bool(difference.max() <= MODEL_ULPS * ulp) and mismatch <= MODEL_MISMATCH,
     }

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -43,6 +44,9 @@ from h3serve.gateway.tenants.clients import ClientsFileError
 from h3serve.gateway.tenants.registry import Tenants
 from h3serve.gateway.webhooks.delivery import WebhookSender
 from h3serve.v1 import gateway_pb2, gateway_pb2_grpc
+
+if TYPE_CHECKING:  # imported where a store_url names PostgreSQL: psycopg is the `postgres` extra's
+    from h3serve.gateway.jobs.postgres.listen import Listener
 
 log = logging.getLogger("h3serve.gateway")
 RETENTION_PERIOD_S = 60.0
@@ -108,6 +112,16 @@ async def _open_postgres(url: str) -> JobStore:
         refuse(f"[gateway] store_url: the job store's PostgreSQL cannot be used ({exc}); start it, or fix store_url")
 
 
+def _store_listener(config: GatewayConfig, hub: EventHub, runner: JobRunner) -> Listener | None:
+    """On PostgreSQL, what the store announces (events and cancels from any gateway) reaching this gateway's
+    watchers and jobs (gateway/jobs/postgres/listen.py); None on SQLite."""
+    if not config.store_url:
+        return None
+    from h3serve.gateway.jobs.postgres.listen import Listener
+
+    return Listener(config.store_url, runner.gateway_id, hub.announced, runner.cancel, hub.reread)
+
+
 def _tenants(config: GatewayConfig) -> Tenants:
     """The clients; a clients file that cannot be used is refused (EXIT_REFUSED), naming the client and key."""
     try:
@@ -163,6 +177,9 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     if door:  # before the gRPC port opens: once health answers, the HTTP port is open too
         await door.start()
     await server.start()
+    listener = _store_listener(config, hub, runner)
+    if listener:
+        listener.start()
     await runner.resume()
     claims = loop.create_task(runner.claim_loop())
     retention = loop.create_task(_retention_loop(runner))
@@ -187,6 +204,8 @@ async def serve_async(config: GatewayConfig, capacity: CapacityTable | None = No
     retention.cancel()
     webhooks.cancel()
     await runner.shutdown()
+    if listener:
+        await listener.stop()
     await server.stop(GRACE_SECONDS)
     await caller.close()
     await store.close()

@@ -259,10 +259,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.store.set_deleted(job.job_id, False)
 
     async def _cancel(self, job_id: str) -> None:
-        """Cancel a queued or running job and return once it has reached its terminal state (else at once). While a
-        full disk keeps that state from the store, DiskFull says so at once (the guard's RESOURCE_EXHAUSTED): the job
-        is stopped, and its end is recorded when space returns."""
-        if not self.runner.cancel(job_id):
+        """Cancel a queued or running job, wherever it runs, and return once it has reached its terminal state (else
+        at once). While a full disk keeps that state from the store, DiskFull says so at once (the guard's
+        RESOURCE_EXHAUSTED): the job is stopped, and its end is recorded when space returns."""
+        if not await self.runner.request_cancel(job_id):
             return
         ended = asyncio.ensure_future(self._terminal(job_id))
         try:

@@ -151,13 +151,30 @@ class JobRunner:
         self._tasks[job_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(job_id, None) if self._tasks.get(job_id) is task else None)
 
+    async def request_cancel(self, job_id: str) -> bool:
+        """Cancel the job wherever it runs (False: it had already ended). A job running here stops at once (before
+        the store is written: a full disk must not keep it running); the request is also marked in the store, where
+        the job's holder hears of it (at once on PostgreSQL, else at its next renewal); a job no gateway holds ends
+        here, in the store."""
+        here = self.cancel(job_id)
+        holder = await self.store.request_cancel(job_id)
+        if here or holder:
+            return True
+        if holder is None:
+            return False
+        self.hub.publish(await self.store.finish(job_id, S.JOB_STATE_CANCELLED, S.JobEvent(cancelled=_by_client())))
+        return True
+
     def cancel(self, job_id: str) -> bool:
-        """Ask a running job to stop; its stage call is cancelled, the DiT stops at a step boundary."""
+        """Stop a job running here (False: none runs here); its stage call is cancelled, the DiT stops at a step
+        boundary. Its terminal `cancelled` event is written by its own task, once."""
         task = self._tasks.get(job_id)
         if task is None:
             return False
-        if job_id in self._ends_waiting:  # already ending: cancelling its task again would cut the retries
-            return True  # that record its end, leaving it running in the store with no worker
+        # Already ending: cancelling its task again would cut the write of its end (a second request, or a full
+        # disk's retries), leaving it running in the store with no worker.
+        if job_id in self._ends_waiting or job_id in self._cancel_requested:
+            return True
         self._cancel_requested.add(job_id)
         task.cancel()
         return True
@@ -210,19 +227,24 @@ class JobRunner:
 
     async def _take_over(self, job: Unfinished) -> bool:
         """A claimed job that was running (its gateway stopped, or lost its lease) is queued again without spending
-        an attempt, or ends past the restart bound (then False: nothing to run)."""
+        an attempt, or ends past the restart bound (then False: nothing to run). A job whose cancel was requested
+        while its holder was gone ends cancelled."""
+        if await self.store.cancel_requested(job.job_id):
+            await self._finish(job.job_id, S.JOB_STATE_CANCELLED, cancelled=_by_client())
+            self._leases.pop(job.job_id, None)
+            return False
         if job.state != S.JOB_STATE_RUNNING:
             return True
         if not job.in_stage:
             waited = f"for the {job.last_stage} stage" if job.last_stage else "in the queue"
             await self._requeue_uncounted(
-                job.job_id, f"the gateway restarted while this job waited {waited}", interrupted=INTERRUPTED
+                job.job_id, self._interrupted(job, f"waited {waited}"), interrupted=INTERRUPTED
             )
             return True
         if job.restarts < MAX_RESTART_RERUNS:
             await self._requeue_uncounted(
                 job.job_id,
-                f"the gateway restarted while this job was in {{where}}; re-run {job.restarts + 1}"
+                self._interrupted(job, "was in {where}") + f"; re-run {job.restarts + 1}"
                 f" of {MAX_RESTART_RERUNS} after a restart",
                 interrupted=INTERRUPTED,
                 count_restart=True,
@@ -234,7 +256,7 @@ class JobRunner:
             S.JOB_STATE_FAILED,
             failed=failure(
                 grpc.StatusCode.ABORTED,
-                f"the gateway restarted while this job was in {_where(job.last_stage)}: {job.restarts + 1} "
+                self._interrupted(job, f"was in {_where(job.last_stage)}") + f": {job.restarts + 1} "
                 f"restarts caught one of its stages in progress; restarts spend none of its "
                 f"{self.max_attempts} attempts, but after {MAX_RESTART_RERUNS} such re-runs the job "
                 "ends, in case it is what brings the gateway down",
@@ -242,6 +264,13 @@ class JobRunner:
         )
         self._leases.pop(job.job_id, None)
         return False
+
+    def _interrupted(self, job: Unfinished, doing: str) -> str:
+        """What ended the run of a claimed job while it was `doing` something: this gateway's own restart (its
+        earlier run held the job), or another gateway's lease that ran out (it stopped, or was cut off)."""
+        if job.holder in ("", self.gateway_id):
+            return f"the gateway restarted while this job {doing}"
+        return f"gateway {job.holder}'s lease ran out while this job {doing}; gateway {self.gateway_id} took it over"
 
     async def _run(self, job_id: str, request: gateway_pb2.ResolvedRequest) -> None:
         """The job's worker while this gateway holds its lease; a lost lease (Fenced) ends it writing nothing."""
@@ -268,11 +297,14 @@ class JobRunner:
 
     async def _renew(self, job_id: str) -> None:
         """Renew the job's lease in quiet phases (a long DiT call writes nothing for minutes); a lease another
-        gateway took cancels the job's task, which then writes nothing."""
+        gateway took cancels the job's task, which then writes nothing. A cancel requested on any gateway
+        (request_cancel) stops the job here at the latest at its next renewal."""
         while True:
             await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
             try:
                 await self.store.renew(job_id, self._leases[job_id])
+                if await self.store.cancel_requested(job_id):  # its announcement missed (or not on PostgreSQL)
+                    self.cancel(job_id)  # (once: the lease is still renewed while the task records its end)
             except Fenced as exc:
                 log.warning("job %s: %s", job_id, exc)
                 self._fenced.add(job_id)
@@ -341,7 +373,7 @@ class JobRunner:
                     except StoreUnavailable as exc:  # its lease runs out instead, and a claim takes it then
                         log.warning("job %s is left to its lease: %s", job_id, exc)
                 raise
-            await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
+            await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=_by_client())
         except Fenced:  # not this gateway's job to end any more (a takeover, or its lease lapsed): `_run` says so
             raise
         except StoreUnavailable as exc:  # met by a call not waited for: nothing of it is written; an unfinished job
@@ -350,7 +382,7 @@ class JobRunner:
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(exc.code, str(exc)))
         except DiskFull as exc:
             if job_id in self._cancel_requested:  # met while the cancel was being recorded: the client's word stands
-                await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=S.Cancelled(reason=CANCELLED_BY_CLIENT))
+                await self._finish(job_id, S.JOB_STATE_CANCELLED, cancelled=_by_client())
                 return
             log.warning("job %s failed: %s", job_id, exc)
             await self._finish(job_id, S.JOB_STATE_FAILED, failed=failure(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)))
@@ -550,6 +582,10 @@ class JobRunner:
             await asyncio.to_thread(self.artifacts.remove, key)
             raise
         return artifact
+
+
+def _by_client() -> gateway_pb2.Cancelled:
+    return S.Cancelled(reason=CANCELLED_BY_CLIENT)
 
 
 def _where(stage: str) -> str:

@@ -85,6 +85,7 @@ class Unfinished:
     restarts: int = 0  # gateway restarts that caught one of its stage calls in progress (runner.py: free re-runs)
     in_stage: bool = False  # a stage call of it was in progress (started, not ended) when the gateway stopped
     fence: int = 0  # the fence counter (as `claim` returns it: the claim's own)
+    holder: str = ""  # (as `claim` returns it) the gateway whose lease it was before the claim ("": none ever)
 
 
 @dataclass(frozen=True)
@@ -178,8 +179,8 @@ class JobStore(Protocol):
 
     async def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
         """Take the oldest unfinished job whose lease has run out (a new job has none; `job_id`: only that one), for
-        `lease_s` from now, raising its fence; returns it with the new fence, None when there is none. Two claims
-        never take one job while its lease runs."""
+        `lease_s` from now, raising its fence; returns it with the new fence and its lease's holder before, None when
+        there is none. Two claims never take one job while its lease runs."""
 
     async def renew(self, job_id: str, lease: Lease) -> None:
         """Extend the lease `lease.seconds` from now. Fenced: it is no longer the job's."""
@@ -189,6 +190,14 @@ class JobStore(Protocol):
 
     async def expire(self, gateway_id: str) -> int:
         """End now every lease `gateway_id` holds (its earlier run's, at its start); returns how many."""
+
+    async def request_cancel(self, job_id: str) -> str | None:
+        """Mark the unfinished job cancel-requested, for whichever gateway runs it (on PostgreSQL also announced in
+        the same transaction: listen.py's CANCELS). Returns the gateway whose lease holds it now ("" when no lease
+        holds it: nobody runs it), None when the job is unknown or already final (nothing marked)."""
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        """Whether a cancel was requested for the job (`request_cancel`)."""
 
     # Stage records and timings.
 

@@ -38,18 +38,19 @@ async def hold_record(conn: AsyncConnection, record_id: int, lease: Lease | None
     await hold(conn, found[0], lease)
 
 
-async def claim(conn: AsyncConnection, gateway_id: str, lease_s: float, job_id: str) -> str | None:
-    """Take the oldest claimable job (or `job_id` only, if claimable); returns its id."""
+async def claim(conn: AsyncConnection, gateway_id: str, lease_s: float, job_id: str) -> tuple[str, str] | None:
+    """Take the oldest claimable job (or `job_id` only, if claimable); returns its id and its lease's holder before
+    ("" when none ever held it)."""
     now = time.time()
     only, params = ("AND job_id = %s", (job_id,)) if job_id else ("", ())
     cursor = await conn.execute(
-        "UPDATE jobs SET lease_owner = %s, lease_until = %s, fence = fence + 1 WHERE job_id = (SELECT job_id FROM "
+        "UPDATE jobs SET lease_owner = %s, lease_until = %s, fence = fence + 1 FROM (SELECT job_id, lease_owner FROM "
         f"jobs WHERE state = ANY(%s) AND lease_until < %s {only} ORDER BY created, position "
-        "FOR UPDATE SKIP LOCKED LIMIT 1) RETURNING job_id",
+        "FOR UPDATE SKIP LOCKED LIMIT 1) AS was WHERE jobs.job_id = was.job_id RETURNING jobs.job_id, was.lease_owner",
         (gateway_id, now + lease_s, list(UNFINISHED_STATES), now, *params),
     )
     found = await cursor.fetchone()
-    return found[0] if found else None
+    return (found[0], found[1]) if found else None
 
 
 async def release(conn: AsyncConnection, job_id: str, lease: Lease) -> None:

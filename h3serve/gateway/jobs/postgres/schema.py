@@ -61,6 +61,9 @@ MIGRATIONS: tuple[str, ...] = (
     """,
     # 3: artifacts' blob keys (h3serve/gateway/blobs.py) in place of local paths, so that any gateway serves them
     "; ".join(KEYS_FROM_PATHS),
+    # 4: a cancel requested on any gateway (JobStore.request_cancel): when (0: none), for the job's holder to act on
+    # (IF NOT EXISTS: a database whose schema_version was set back below it, as tests/test_blobs.py's, migrates again)
+    "ALTER TABLE jobs ADD COLUMN IF NOT EXISTS cancel_requested DOUBLE PRECISION NOT NULL DEFAULT 0;",
 )
 
 VERSION_TABLE = "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)"

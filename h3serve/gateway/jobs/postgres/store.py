@@ -2,7 +2,9 @@
 
 Each method is one transaction on a pooled connection. Where SQLite serialises writers by its one file lock,
 here the writes that read-then-write take a row lock (`FOR UPDATE` on the job) and submit takes one advisory lock,
-so two gateways on one database keep a request_id to one job and the unfinished-job bounds exact.
+so two gateways on one database keep a request_id to one job and the unfinished-job bounds exact. Each stored
+event and each cancel request is announced with pg_notify in its own transaction (listen.py), so every gateway's
+watchers and the job's holder hear of it on commit.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from psycopg import AsyncConnection, sql
 
 from h3serve.common.errors import tail
 from h3serve.gateway.jobs.postgres import ownership, reads
+from h3serve.gateway.jobs.postgres.listen import CANCELS, EVENTS, event_payload
 from h3serve.gateway.jobs.postgres.pool import PING_WAIT_S, Pool
 from h3serve.gateway.jobs.postgres.schema import MIGRATION_LOCK, MIGRATIONS, VERSION_TABLE
 from h3serve.gateway.jobs.progress import advance
@@ -174,7 +178,7 @@ class PostgresJobStore:
     async def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
         async with self._pool.connection() as conn, conn.transaction():
             claimed = await ownership.claim(conn, gateway_id, lease_s, job_id)
-            return (await reads.unfinished(conn, claimed))[0] if claimed else None
+            return replace((await reads.unfinished(conn, claimed[0]))[0], holder=claimed[1]) if claimed else None
 
     async def renew(self, job_id: str, lease: Lease) -> None:
         async with self._pool.connection() as conn:
@@ -187,6 +191,22 @@ class PostgresJobStore:
     async def expire(self, gateway_id: str) -> int:
         async with self._pool.connection() as conn:
             return await ownership.expire(conn, gateway_id)
+
+    async def request_cancel(self, job_id: str) -> str | None:
+        now = time.time()
+        async with self._pool.connection() as conn, conn.transaction():
+            rows = await reads.fetch(
+                conn,
+                "UPDATE jobs SET cancel_requested = %s WHERE job_id = %s AND state = ANY(%s) "
+                "RETURNING CASE WHEN lease_until >= %s THEN lease_owner ELSE '' END",
+                (now, job_id, list(UNFINISHED_STATES), now),
+            )
+            if rows:  # announced on commit, to the gateway that runs it
+                await conn.execute("SELECT pg_notify(%s, %s)", (CANCELS, job_id))
+        return rows[0][0] if rows else None
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        return bool(await self._rows("SELECT 1 FROM jobs WHERE job_id = %s AND cancel_requested > 0", (job_id,)))
 
     # Stage records and timings.
 
@@ -416,10 +436,10 @@ async def _write_event(conn: AsyncConnection, job_id: str, event: gateway_pb2.Jo
     stored.job_id, stored.seq, stored.time = job_id, seq[0][0], now
     if stored.HasField("failed"):
         stored.failed.message = tail(stored.failed.message)
-    rows = await reads.fetch(
+    rows = await reads.fetch(  # announced on commit, to every gateway's watchers (listen.py)
         conn,
-        "INSERT INTO events (job_id, seq, time, event) VALUES (%s, %s, %s, %s) RETURNING log_seq",
-        (job_id, stored.seq, now, stored.SerializeToString()),
+        "INSERT INTO events (job_id, seq, time, event) VALUES (%s, %s, %s, %s) RETURNING log_seq, pg_notify(%s, %s)",
+        (job_id, stored.seq, now, stored.SerializeToString(), EVENTS, event_payload(job_id, stored.seq)),
     )
     stored.log_seq = rows[0][0]  # stored blobs lack it: reads take it from the column
     return stored

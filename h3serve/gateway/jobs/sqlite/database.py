@@ -15,6 +15,7 @@ import os
 import sqlite3
 import time
 from contextlib import closing
+from dataclasses import replace
 
 from h3serve.common.errors import tail
 from h3serve.common.processes import Refused
@@ -305,7 +306,7 @@ class Database:
     def claim(self, gateway_id: str, lease_s: float, job_id: str = "") -> Unfinished | None:
         with self._conn:
             claimed = ownership.claim(self._conn, gateway_id, lease_s, job_id)
-            return self.unfinished(claimed)[0] if claimed else None
+            return replace(self.unfinished(claimed[0])[0], holder=claimed[1]) if claimed else None
 
     def renew(self, job_id: str, lease: Lease) -> None:
         with self._conn:
@@ -318,6 +319,19 @@ class Database:
     def expire(self, gateway_id: str) -> int:
         with self._conn:
             return ownership.expire(self._conn, gateway_id)
+
+    def request_cancel(self, job_id: str) -> str | None:
+        now = time.time()
+        with self._conn:
+            rows = self._rows(
+                "UPDATE jobs SET cancel_requested = ? WHERE job_id = ? AND state IN (?, ?) "
+                "RETURNING CASE WHEN lease_until >= ? THEN lease_owner ELSE '' END",
+                (now, job_id, *UNFINISHED_STATES, now),
+            )
+        return rows[0][0] if rows else None
+
+    def cancel_requested(self, job_id: str) -> bool:
+        return bool(self._rows("SELECT 1 FROM jobs WHERE job_id = ? AND cancel_requested > 0", (job_id,)))
 
     # Stage records: one row per pass of a job through a stage.
 

@@ -41,19 +41,25 @@ def hold_record(conn: sqlite3.Connection, record_id: int, lease: Lease | None) -
     hold(conn, found[0], lease)
 
 
-def claim(conn: sqlite3.Connection, gateway_id: str, lease_s: float, job_id: str) -> str | None:
-    """Take the oldest claimable job (or `job_id` only, if claimable); returns its id."""
+def claim(conn: sqlite3.Connection, gateway_id: str, lease_s: float, job_id: str) -> tuple[str, str] | None:
+    """Take the oldest claimable job (or `job_id` only, if claimable); returns its id and its lease's holder before
+    ("" when none ever held it)."""
     now = time.time()
     only, params = ("AND job_id = ?", (job_id,)) if job_id else ("", ())
     with closing(
         conn.execute(
-            "UPDATE jobs SET lease_owner = ?, lease_until = ?, fence = fence + 1 WHERE job_id = (SELECT job_id FROM "
-            f"jobs WHERE {UNFINISHED} AND lease_until < ? {only} ORDER BY created, rowid LIMIT 1) RETURNING job_id",
-            (gateway_id, now + lease_s, *UNFINISHED_STATES, now, *params),
+            f"SELECT job_id, lease_owner FROM jobs WHERE {UNFINISHED} AND lease_until < ? {only} "
+            "ORDER BY created, rowid LIMIT 1",
+            (*UNFINISHED_STATES, now, *params),
         )
     ) as cursor:
         found = cursor.fetchone()
-    return found[0] if found else None
+    if found is not None:
+        conn.execute(
+            "UPDATE jobs SET lease_owner = ?, lease_until = ?, fence = fence + 1 WHERE job_id = ?",
+            (gateway_id, now + lease_s, found[0]),
+        )
+    return (found[0], found[1]) if found else None
 
 
 def release(conn: sqlite3.Connection, job_id: str, lease: Lease) -> None:

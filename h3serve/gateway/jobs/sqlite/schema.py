@@ -68,6 +68,7 @@ JOB_COLUMNS = (
     ("lease_owner", "TEXT NOT NULL DEFAULT ''"),
     ("lease_until", "REAL NOT NULL DEFAULT 0"),
     ("fence", "INTEGER NOT NULL DEFAULT 0"),
+    ("cancel_requested", "REAL NOT NULL DEFAULT 0"),  # when a cancel was requested (request_cancel; 0: none)
 )
 # A request_id names one job per client: a client reusing another's id makes its own job, and learns nothing.
 REQUEST_ID_INDEX = (

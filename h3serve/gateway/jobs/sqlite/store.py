@@ -111,6 +111,12 @@ class SqliteJobStore:
     async def expire(self, gateway_id: str) -> int:
         return await self._on_thread(self._db.expire, gateway_id)
 
+    async def request_cancel(self, job_id: str) -> str | None:
+        return await self._on_thread(self._db.request_cancel, job_id)
+
+    async def cancel_requested(self, job_id: str) -> bool:
+        return await self._on_thread(self._db.cancel_requested, job_id)
+
     # Stage records and timings.
 
     async def stage_enqueued(self, job_id: str, attempt: int, stage: str, lease: Lease | None = None) -> int:
