@@ -299,19 +299,31 @@ class JobRunner:
         """Renew the job's lease in quiet phases (a long DiT call writes nothing for minutes); a lease another
         gateway took cancels the job's task, which then writes nothing. A cancel requested on any gateway
         (request_cancel) stops the job here at the latest at its next renewal."""
+        renewed = time.monotonic()
         while True:
             await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
             try:
                 await self.store.renew(job_id, self._leases[job_id])
+                renewed = time.monotonic()
                 if await self.store.cancel_requested(job_id):  # its announcement missed (or not on PostgreSQL)
                     self.cancel(job_id)  # (once: the lease is still renewed while the task records its end)
             except Fenced as exc:
-                log.warning("job %s: %s", job_id, exc)
-                self._fenced.add(job_id)
-                self._tasks[job_id].cancel()
+                self._stop_fenced(job_id, exc)
                 return
-            except Exception as exc:  # the store unreachable: the job's own writes wait for it (`_patiently`)
+            except StoreUnavailable as exc:  # the job's own writes wait for it (`_patiently`); a quiet phase has none
+                lease = self._leases[job_id]
+                if time.monotonic() - renewed > lease.seconds:  # another gateway may hold the job by now
+                    self._stop_fenced(job_id, LeaseLapsed(job_id, lease, exc))
+                    return
                 log.warning("job %s: renewing its lease: %s", job_id, describe(exc, lines=1))
+            except Exception as exc:
+                log.warning("job %s: renewing its lease: %s", job_id, describe(exc, lines=1))
+
+    def _stop_fenced(self, job_id: str, exc: Fenced) -> None:
+        """The job is no longer this gateway's: its task is cancelled and writes nothing more."""
+        log.warning("job %s: %s", job_id, exc)
+        self._fenced.add(job_id)
+        self._tasks[job_id].cancel()
 
     def _lease(self, job_id: str) -> Lease | None:
         """The job's lease now (read at each write: the claim loop may have renewed a lapsed one)."""
