@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import tempfile
 import time
 import tomllib
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=64)
     add_output_arguments(parser)
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as a Ctrl-C: PostgreSQL and the services stop too
     two, one_pg, one_sqlite = measure(args)
     print(
         f"| store | gateways | {args.jobs} jobs, {args.clients} clients | jobs/s |\n|---|---|---|---|\n"

@@ -5,7 +5,8 @@ fourth, nginx in front (tests/topology.py): any gateway finishes any job, exactl
   through nginx, broken with A, resumes on B with Last-Event-ID: no gap, no repeat.
 - A SIGSTOPped past its lease, then its host cut off 5 s as it wakes: B finishes the job, A's writes under its stale
   fence are refused (the store holds one run's events after the takeover, one terminal event, one artifact).
-- An Idempotency-Key sent to A's HTTP door, then to B's: one job.
+- An Idempotency-Key sent to A's HTTP door, then to B's: one job, whose artifact B serves (the shared blob_dir).
+- An asset uploaded to A serves a job submitted to B.
 - A bounded load run on both gateways (bench/two_gateways.py, at a small size): none lost, none committed twice.
 Counted per job from the store: events 1..N with no gap or repeat, one terminal event, one artifact.
 """
@@ -23,6 +24,7 @@ from collections.abc import Generator, Iterator
 import pytest
 import stores
 from dit_holding import HELD, HOLD_STEP
+from media_files import image
 from namespaces import Unavailable
 from topology import NginxUnavailable, Topology, topology
 
@@ -111,9 +113,7 @@ def until_retrying(two: Topology, job_id: str) -> None:
         time.sleep(0.5)
 
 
-def test_a_killed_gateways_job_is_finished_by_the_other_and_its_sse_stream_resumes_through_nginx(
-    two, dit_hold, tmp_path
-):
+def test_a_killed_gateways_job_is_finished_by_the_other_and_its_sse_stream_resumes_through_nginx(two, dit_hold):
     with GatewayClient(two.a.address) as a:
         job = a.stub.Submit(held("killed-gateway"))
     first: list[tuple[int, str, dict]] = []
@@ -133,10 +133,8 @@ def test_a_killed_gateways_job_is_finished_by_the_other_and_its_sse_stream_resum
     assert seen == [e.seq for e in events], "the stream missed or repeated an event"
     assert [kind for _, kind, _ in first + resumed] == [e.WhichOneof("kind") for e in events]
     assert resumed[-1][1] == "done" and "the gateway restarted" in events[len(first)].retrying.reason
-    video = events[-1].done.video
-    with GatewayClient(two.b.address) as b:  # the gateway that finished it (any gateway, once blobs are shared)
-        downloaded = b.download(video.artifact_id, tmp_path / video.file_name)
-    assert hashlib.sha256(downloaded.read_bytes()).hexdigest() == video.sha256
+    content = http_get(two.http, f"/v1/videos/{job.job_id}/content")  # nginx sends it to A, back up: B's artifact
+    assert hashlib.sha256(content).hexdigest() == events[-1].done.video.sha256
 
 
 def test_a_gateway_stopped_past_its_lease_and_cut_off_writes_nothing_under_its_stale_fence(two, dit_hold):
@@ -160,6 +158,11 @@ def test_a_gateway_stopped_past_its_lease_and_cut_off_writes_nothing_under_its_s
     committed_once(two, job.job_id)
 
 
+def http_get(door: str, path: str) -> bytes:
+    with NO_PROXY.open(f"http://{door}{path}", timeout=60) as response:
+        return response.read()
+
+
 def create_video(door: str, key: str) -> dict:
     """POST /v1/videos to one gateway's HTTP door with an Idempotency-Key; the video object."""
     body = json.dumps({"prompt": "one key, two gateways", "size": "64x32", "steps": 2, "seed": 4}).encode()
@@ -169,7 +172,7 @@ def create_video(door: str, key: str) -> dict:
         return json.loads(response.read())
 
 
-def test_one_idempotency_key_sent_to_a_then_b_makes_one_job(two):
+def test_one_idempotency_key_sent_to_a_then_b_makes_one_job_whose_artifact_b_serves(two, tmp_path):
     first, again = create_video(two.a.http_address, "a-then-b"), create_video(two.b.http_address, "a-then-b")
     assert again["id"] == first["id"]
     with GatewayClient(two.b.address) as b:
@@ -177,7 +180,23 @@ def test_one_idempotency_key_sent_to_a_then_b_makes_one_job(two):
     assert listed == [first["id"]]
     with GatewayClient(two.a.address) as a:  # the gateway running it (B's Watch hears only stored events today)
         assert is_terminal(list(a.events(first["id"]))[-1])
-    committed_once(two, first["id"])
+    video = committed_once(two, first["id"])[-1].done.video
+    with GatewayClient(two.b.address) as b:  # A's artifact, from B
+        downloaded = b.download(video.artifact_id, tmp_path / video.file_name)
+    assert hashlib.sha256(downloaded.read_bytes()).hexdigest() == video.sha256
+
+
+def test_an_asset_uploaded_to_a_serves_a_job_submitted_to_b(two, tmp_path):
+    with GatewayClient(two.a.address) as a:
+        picture = a.upload(image(tmp_path / "picture.png", 48, 32, seed=5)).asset_id
+    request = S.GenerateRequest(prompt="<Picture 1> on two hosts", height=32, width=64)
+    request.params.num_inference_steps = 2
+    request.references.add(asset_id=picture)
+    with GatewayClient(two.b.address) as b:
+        job = b.submit(request)
+        assert list(b.events(job.job_id))[-1].HasField("done")
+    assert stored(two, job.job_id)[1].request.references[0].asset_id == picture
+    committed_once(two, job.job_id)
 
 
 def test_a_small_load_run_on_both_gateways_loses_nothing_and_commits_each_job_once(two):

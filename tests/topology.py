@@ -1,5 +1,6 @@
 """Two gateways on one PostgreSQL, each on a host of its own: four network namespaces (tests/namespaces.py), gateway
 A, gateway B, PostgreSQL and the tiny model's encoder, DiT and VAE, with nginx in front on this machine's loopback.
+The gateways share one blob directory (artifacts and uploads), as gateways on hosts of their own share a filesystem.
 
 What a test does to one host (SIGKILL or SIGSTOP its gateway, cut its link) reaches only that host, as on separate
 machines. Every process here is a fresh one (the tests' fork server lives in this machine's namespace: its forks
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deployments import QUICK_OUTAGE, write_config
+from deployments import QUICK_OUTAGE, STACK_MODEL, write_config
 from namespaces import Hosts
 from stores import PostgresServer, start_postgres
 
@@ -268,11 +269,13 @@ def topology(root: Path, model_dir: Path) -> Iterator[Topology]:
                 str(model_dir),
                 data_dir,
                 {**ports, "gateway": port},
+                model=STACK_MODEL,
                 service_keys={"host": stages},
                 host=hosts.address(index),
                 http_host=hosts.address(index),
                 http_port=http_port,
                 store_url=store_url,
+                blob_dir=str(root / "blobs"),  # the shared filesystem both gateways' artifacts and uploads are on
                 outage_s=QUICK_OUTAGE,
                 retry_backoff_s=0.1,
             )
