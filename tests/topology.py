@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from h3serve.common.config import SERVICES
 from h3serve.common.free_ports import free_port
 from h3serve.common.processes import Tree, end_trees
 from h3serve.common.server import is_answering, is_serving
+from h3serve.gateway.jobs.gateway_id import FILE_NAME
 
 HOST_A, HOST_B, HOST_DB, HOST_STAGES = range(4)
 START_S = 240.0  # fresh interpreters importing torch, three at once, on the loaded 2-core machine
@@ -132,7 +134,7 @@ class Gateway:
     @property
     def gateway_id(self) -> str:
         """The id its leases carry (h3serve/gateway/jobs/gateway_id.py: kept in its data_dir)."""
-        return (self.data_dir / "gateway.id").read_text().strip()
+        return (self.data_dir / FILE_NAME).read_text().strip()
 
     def start(self) -> None:
         argv = [sys.executable, "-m", "h3serve.cli", "serve", "gateway", "--config", str(self.config)]
@@ -205,8 +207,6 @@ class Nginx:
             raise NginxUnavailable(f"nginx did not start: {exc}\n{tail(self.root / 'error.log')}") from exc
 
     def _answers(self) -> bool:
-        import socket
-
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
             return True
         return False
@@ -223,7 +223,6 @@ class Topology:
     store_url: str  # the gateways' store: the database over TCP, on the database host's address
     gateways: dict[str, Gateway]
     nginx: Nginx
-    stages: list[subprocess.Popen]
 
     @property
     def a(self) -> Gateway:
@@ -294,4 +293,4 @@ def topology(root: Path, model_dir: Path) -> Iterator[Topology]:
         nginx.root.mkdir()
         stack.callback(nginx.stop)
         nginx.start()
-        yield Topology(hosts, postgres, store_url, gateways, nginx, services)
+        yield Topology(hosts, postgres, store_url, gateways, nginx)
