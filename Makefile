@@ -63,7 +63,16 @@ postgresql:
 		&& apt-get update -qq && apt-get install -y -qq postgresql >/dev/null; } \
 		|| echo "make: no PostgreSQL, and apt-get cannot install it here: the store contract's PostgreSQL tests will skip"
 
-test: all chromium postgresql
+# Two gateways behind nginx (tests/test_two_gateways.py, tests/topology.py): nginx from the OS packages, installed
+# here as Chromium is; where it cannot be, those tests skip and say so.
+NGINX := /usr/sbin/nginx
+.PHONY: nginx
+nginx:
+	@test -x $(NGINX) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; } \
+		|| echo "make: no nginx at $(NGINX), and apt-get cannot install it here: the two-gateway tests will skip"
+
+test: all chromium postgresql nginx
 	@started=$$(date +%s); $(PYTEST) -m "not timing" --durations=25; status=$$?; \
 	echo "make test: $$(( $$(date +%s) - started )) s"; exit $$status
 

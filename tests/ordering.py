@@ -22,6 +22,7 @@ LONGEST_FIRST = (
     "test_supervision",
     "test_distributed",
     "test_multinode",
+    "test_two_gateways",
     "test_fault_walk",
     "test_fastpath",
     "test_adapters",

@@ -3,12 +3,13 @@ PostgreSQL server for the session with a fresh database per test (the store cont
 
 PostgreSQL comes from the OS packages (`make test` installs them where apt-get can); `initdb` refuses root, so
 under root the server runs as the `postgres` user through runuser. Where it cannot be installed or started,
-`postgres_server` skips with the reason.
+`postgres_server` skips with the reason (`start_postgres`, for a bench, raises PostgresUnavailable).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import glob
 import itertools
 import os
@@ -67,12 +68,17 @@ class Backend:
         return asyncio.run(go())
 
 
-class PostgresServer:
-    """A running PostgreSQL on a socket directory of its own; `new_database()` is a fresh, empty database's URL.
-    `stop()` and `start()` take it away and bring it back (same data, same socket): a store's outage."""
+class PostgresUnavailable(Exception):
+    """PostgreSQL is not installed here, or did not start (the reason)."""
 
-    def __init__(self, socket_dir: str, port: int, pg_ctl: list[str]):
-        self.socket_dir, self.port = socket_dir, port
+
+class PostgresServer:
+    """A running PostgreSQL on a socket directory of its own (and, when started with `address`, on that TCP address);
+    `new_database()` is a fresh, empty database's URL. `stop()` and `start()` take it away and bring it back (same
+    data, same socket): a store's outage."""
+
+    def __init__(self, socket_dir: str, port: int, pg_ctl: list[str], address: str = ""):
+        self.socket_dir, self.port, self.address = socket_dir, port, address
         self._pg_ctl = pg_ctl  # pg_ctl with its data directory, as the server's user
         self._names = itertools.count()
 
@@ -87,13 +93,22 @@ class PostgresServer:
     def url(self, database: str) -> str:
         return f"postgresql://h3@/{database}?host={self.socket_dir}&port={self.port}"
 
+    def tcp_url(self, database: str) -> str:
+        """The URL of `database` over TCP, as a client on another host reaches it (`address` must be set)."""
+        assert self.address, "started without a TCP address"
+        return f"postgresql://h3@{self.address}:{self.port}/{database}"
+
     def new_database(self) -> str:
+        return self.url(self.create_database())
+
+    def create_database(self) -> str:
+        """A fresh, empty database; returns its name."""
         import psycopg
 
         name = f"t{os.getpid()}_{next(self._names)}"
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name}")
-        return self.url(name)
+        return name
 
 
 def _postgres_bin() -> str | None:
@@ -111,33 +126,49 @@ def _free_port() -> int:
 
 
 @contextmanager
-def postgres_server() -> Iterator[PostgresServer]:
-    """Start PostgreSQL (as `postgres` under root), listening only on a socket in a temporary directory; stop it
-    and remove its files afterwards. Skips when PostgreSQL or psycopg is not installed."""
-    pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
+def start_postgres(address: str = "", inside: list[str] | None = None) -> Iterator[PostgresServer]:
+    """Start PostgreSQL (as `postgres` under root), listening on a socket in a temporary directory and, with
+    `address`, on that TCP address too, open to any client there (trust: a test server); `inside` prefixes its
+    commands (`ip netns exec NAME`: the server runs in that network namespace). Stopped, its files removed,
+    afterwards. Raises PostgresUnavailable with the reason where it is not installed or does not start."""
     bin_dir = _postgres_bin()
     if bin_dir is None:
-        pytest.skip("PostgreSQL is not installed (no initdb; `make test` installs it where apt-get can)")
-    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+        raise PostgresUnavailable("PostgreSQL is not installed (no initdb; `make test` installs it where apt-get can)")
+    as_user = [*(inside or []), *(["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else [])]
     home = tempfile.mkdtemp(prefix="h3serve-pg-")
     data = os.path.join(home, "data")
-    if as_user:
+    if os.geteuid() == 0:
         shutil.chown(home, "postgres")
     port = _free_port()
-    options = f"-p {port} -k {home} -c listen_addresses='' -c fsync=off -c full_page_writes=off"
+    options = f"-p {port} -k {home} -c listen_addresses='{address}' -c fsync=off -c full_page_writes=off"
     pg_ctl = [*as_user, f"{bin_dir}/pg_ctl", "-D", data, "-o", options, "-l", f"{home}/log"]
     run = {"check": True, "capture_output": True, "text": True}
     try:
         subprocess.run([*as_user, f"{bin_dir}/initdb", "-D", data, "-A", "trust", "-U", "h3", "--no-sync"], **run)
+        if address:
+            subprocess.run([*as_user, "sh", "-c", f"echo 'host all all 0.0.0.0/0 trust' >> {data}/pg_hba.conf"], **run)
         subprocess.run([*pg_ctl, "-w", "start"], **run)
     except subprocess.CalledProcessError as exc:
         shutil.rmtree(home, ignore_errors=True)
-        pytest.skip(f"PostgreSQL did not start: {exc.stderr.strip() or exc.stdout.strip()}")
+        raise PostgresUnavailable(f"PostgreSQL did not start: {exc.stderr.strip() or exc.stdout.strip()}") from exc
     try:
-        yield PostgresServer(home, port, pg_ctl)
+        yield PostgresServer(home, port, pg_ctl, address)
     finally:
         subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], capture_output=True)
         shutil.rmtree(home, ignore_errors=True)
+
+
+@contextmanager
+def postgres_server(address: str = "", inside: list[str] | None = None) -> Iterator[PostgresServer]:
+    """`start_postgres` for a test: skips with the reason when PostgreSQL or psycopg is not installed, or it does
+    not start."""
+    pytest.importorskip("psycopg", reason="the postgres extra (psycopg) is not installed")
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(start_postgres(address, inside))
+        except PostgresUnavailable as exc:
+            pytest.skip(str(exc))
+        yield server
 
 
 @pytest.fixture(scope="session")
