@@ -7,6 +7,7 @@ differences into a few levels of a pixel or a small audio sample difference, whi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
@@ -74,3 +75,22 @@ class FramesDiff:
             f"raw frames differ by at most {self.frames:.3g} ({self.levels} levels after uint8), "
             f"audio by {self.audio:.3g}"
         )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m bench.media_diff REFERENCE.npz OTHER.npz`: how far OTHER's raw output is from REFERENCE's (two
+    served runs' `served-*.npz`, say): the largest differences, and each part's relative L2 distance."""
+    reference, other = map(Path, argv if argv is not None else sys.argv[1:])
+    print(FramesDiff.of(other, reference).describe())
+    with np.load(reference) as want, np.load(other) as got:
+        for name in ("frames", "audio"):
+            expected = want[name].astype(np.float64)
+            difference = got[name].astype(np.float64) - expected
+            print(
+                f"{name} {got[name].shape}: relative L2 {np.linalg.norm(difference) / np.linalg.norm(expected):.3e}, "
+                f"mean abs {np.abs(difference).mean():.3g}"
+            )
+
+
+if __name__ == "__main__":
+    main()
