@@ -165,29 +165,23 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.write:
         name = f"submit_to_finish_{args.height}x{args.width}x{args.steps}steps_{args.jobs}jobs_{args.clients}clients"
+        compared = [  # (seconds, its variant, the baseline's seconds, the baseline)
+            (two, "2 gateways, PostgreSQL (0 lost, 0 double commits)", one_pg, "1 gateway, PostgreSQL"),
+            (one_pg, "1 gateway, PostgreSQL", one_sqlite, "1 gateway, SQLite"),
+        ]
         records = [
             cpu_record(
                 "bench.two_gateways",
                 argv,
                 name=name,
-                seconds=two,
-                baseline_seconds=one_pg,
-                ratio=one_pg / two,
+                seconds=seconds,
+                baseline_seconds=base,
+                ratio=base / seconds,
                 peak_gib=0.0,
-                variant="2 gateways, PostgreSQL (0 lost, 0 double commits)",
-                baseline="1 gateway, PostgreSQL",
-            ),
-            cpu_record(
-                "bench.two_gateways",
-                argv,
-                name=name,
-                seconds=one_pg,
-                baseline_seconds=one_sqlite,
-                ratio=one_sqlite / one_pg,
-                peak_gib=0.0,
-                variant="1 gateway, PostgreSQL",
-                baseline="1 gateway, SQLite",
-            ),
+                variant=variant,
+                baseline=baseline,
+            )
+            for seconds, variant, base, baseline in compared
         ]
         update_results(records, args.results, args.markdown)
 
