@@ -1,8 +1,10 @@
 """Two gateways, A and B, each on a host of its own, on one PostgreSQL on a third, the tiny model's services on a
 fourth, nginx in front (tests/topology.py): any gateway finishes any job, exactly once.
 
+- A DELETE on B's own door cancels the job A runs, held at a DiT step: one terminal `cancelled`, no step after it.
+- An SSE stream opened on B's own door follows the job A runs live: every event once, in order, to the end.
 - A SIGKILLed while its job is held at a DiT step: B takes the job over and finishes it; the client's SSE stream
-  through nginx, broken with A, resumes on B with Last-Event-ID: no gap, no repeat.
+  through nginx (round-robin: on A or B), broken with A, resumes on B with Last-Event-ID: no gap, no repeat.
 - A SIGSTOPped past its lease, then its host cut off 5 s as it wakes: B finishes the job, A's writes under its stale
   fence are refused (the store holds one run's events after the takeover, one terminal event, one artifact).
 - An Idempotency-Key sent to A's HTTP door, then to B's: one job, whose artifact B serves (the shared blob_dir).
@@ -31,7 +33,7 @@ from topology import NginxUnavailable, Topology, topology
 from bench import two_gateways
 from h3serve.client import GatewayClient
 from h3serve.client.events import is_terminal
-from h3serve.gateway.jobs.runner import LEASE_S, RENEWALS_PER_LEASE
+from h3serve.gateway.jobs.runner import CANCELLED_BY_CLIENT, LEASE_S, RENEWALS_PER_LEASE
 from h3serve.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.processes
@@ -87,10 +89,11 @@ def committed_once(two: Topology, job_id: str) -> list[S.JobEvent]:
     return events
 
 
-def sse(two: Topology, job_id: str, last_event_id: int = 0) -> Generator[tuple[int, str, dict], None, None]:
-    """The job's SSE stream through nginx as (id, event, data), from after `last_event_id`, until it ends."""
+def sse(door: str, job_id: str, last_event_id: int = 0) -> Generator[tuple[int, str, dict], None, None]:
+    """The job's SSE stream from an HTTP door (nginx or one gateway's) as (id, event, data), from after
+    `last_event_id`, until it ends."""
     headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
-    request = urllib.request.Request(f"http://{two.http}/v1/videos/{job_id}/events", headers=headers)
+    request = urllib.request.Request(f"http://{door}/v1/videos/{job_id}/events", headers=headers)
     fields: dict[str, str] = {}
     with NO_PROXY.open(request, timeout=TAKEOVER_S) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -113,19 +116,54 @@ def until_retrying(two: Topology, job_id: str) -> None:
         time.sleep(0.5)
 
 
+def test_a_delete_on_b_cancels_the_job_a_runs_within_one_step(two, dit_hold):
+    with dit_hold.armed(), GatewayClient(two.a.address) as a:
+        job = a.stub.Submit(held("cancelled-from-b"))  # A claims the job submitted to it, and runs it
+        for event in a.stub.Watch(S.WatchRequest(job_id=job.job_id)):
+            if dit_hold.holds(event):
+                break  # A's DiT call waits at the hold: the cancel lands mid-denoise
+        deleted = json.loads(http(two.b.http_address, f"/v1/videos/{job.job_id}", "DELETE"))  # once it has ended
+    assert deleted == {"id": job.job_id, "object": "video.deleted", "deleted": True}
+    events, ended = stored(two, job.job_id)
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert [is_terminal(e) for e in events].count(True) == 1 and events[-1].HasField("cancelled"), events[-1]
+    assert events[-1].cancelled.reason == CANCELLED_BY_CLIENT and ended.state == S.JOB_STATE_CANCELLED
+    steps = [e.denoising.step for e in events if e.HasField("denoising")]
+    assert steps == list(range(1, HOLD_STEP + 1)), "the DiT ran a step after the cancel"
+    dit = [r for r in ended.stage_records if r.stage == "dit"]
+    assert [r.error for r in dit] == [CANCELLED_BY_CLIENT], "A's own task stopped its DiT call"
+
+
+def test_an_sse_stream_opened_on_b_follows_the_job_a_runs_live(two, dit_hold):
+    seen: list[tuple[int, str, dict]] = []
+    with dit_hold.armed():
+        with GatewayClient(two.a.address) as a:
+            job = a.stub.Submit(held("followed-on-b"))
+        for message in sse(two.b.http_address, job.job_id):  # B's own door, not nginx
+            seen.append(message)
+            if message[1] == "denoising" and message[2]["denoising"]["step"] == HOLD_STEP:
+                dit_hold.release()  # A's job goes on only now: every later event is made after B's stream saw this
+    events = committed_once(two, job.job_id)
+    assert [message[0] for message in seen] == [e.seq for e in events], "B's stream missed or repeated an event"
+    assert [kind for _, kind, _ in seen] == [e.WhichOneof("kind") for e in events]
+    held_at = next(i for i, e in enumerate(events) if dit_hold.holds(e))
+    assert [e.denoising.step for e in events[held_at + 1 :] if e.HasField("denoising")], "no step came after the hold"
+    assert seen[-1][1] == "done"
+
+
 def test_a_killed_gateways_job_is_finished_by_the_other_and_its_sse_stream_resumes_through_nginx(two, dit_hold):
     with GatewayClient(two.a.address) as a:
         job = a.stub.Submit(held("killed-gateway"))
     first: list[tuple[int, str, dict]] = []
     try:
-        with dit_hold.armed(), contextlib.closing(sse(two, job.job_id)) as stream:  # nginx sends it to A
+        with dit_hold.armed(), contextlib.closing(sse(two.http, job.job_id)) as stream:  # to A or B
             for message in stream:
                 first.append(message)
                 if message[1] == "denoising" and message[2]["denoising"]["step"] == HOLD_STEP:
                     break  # held there: the client goes away, then A dies mid-denoise
             stream.close()
             two.a.kill()
-        resumed = list(sse(two, job.job_id, last_event_id=first[-1][0]))  # refused by A, nginx tries B
+        resumed = list(sse(two.http, job.job_id, last_event_id=first[-1][0]))  # A refuses: nginx tries B
     finally:
         two.a.start()
     seen = [message[0] for message in first + resumed]
@@ -135,7 +173,7 @@ def test_a_killed_gateways_job_is_finished_by_the_other_and_its_sse_stream_resum
     takeover = events[len(first)]  # B's first write: the job runs again, spending no attempt
     assert takeover.HasField("retrying") and takeover.retrying.attempt == 1, takeover
     assert resumed[-1][1] == "done"
-    content = http_get(two.http, f"/v1/videos/{job.job_id}/content")  # nginx sends it to A, back up: B's artifact
+    content = http(two.http, f"/v1/videos/{job.job_id}/content")  # from A, back up, or B: B's artifact
     assert hashlib.sha256(content).hexdigest() == events[-1].done.video.sha256
 
 
@@ -160,8 +198,9 @@ def test_a_gateway_stopped_past_its_lease_and_cut_off_writes_nothing_under_its_s
     committed_once(two, job.job_id)
 
 
-def http_get(door: str, path: str) -> bytes:
-    with NO_PROXY.open(f"http://{door}{path}", timeout=60) as response:
+def http(door: str, path: str, method: str = "GET") -> bytes:
+    """The body of a request to an HTTP door (nginx or one gateway's)."""
+    with NO_PROXY.open(urllib.request.Request(f"http://{door}{path}", method=method), timeout=60) as response:
         return response.read()
 
 
@@ -180,8 +219,8 @@ def test_one_idempotency_key_sent_to_a_then_b_makes_one_job_whose_artifact_b_ser
     with GatewayClient(two.b.address) as b:
         listed = [j.job_id for j in b.stub.ListJobs(S.ListJobsRequest()).jobs if j.request_id == "a-then-b"]
     assert listed == [first["id"]]
-    with GatewayClient(two.a.address) as a:  # the gateway running it (B's Watch hears only stored events today)
-        assert is_terminal(list(a.events(first["id"]))[-1])
+    with GatewayClient(two.b.address) as b:  # B follows A's job live
+        assert is_terminal(list(b.events(first["id"]))[-1])
     video = committed_once(two, first["id"])[-1].done.video
     with GatewayClient(two.b.address) as b:  # A's artifact, from B
         downloaded = b.download(video.artifact_id, tmp_path / video.file_name)

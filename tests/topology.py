@@ -183,13 +183,9 @@ class Nginx:
     process: subprocess.Popen | None = None
 
     def config(self) -> str:
-        # The first gateway serves while it is up, the second takes its place when it is not: a stream of a job
-        # reconnects to the gateway that runs it (a Watch elsewhere follows stored events only, until events cross
-        # gateways through LISTEN/NOTIFY; docs/deploy/several-gateways.md shows the round-robin form).
-        servers = "".join(
-            f"    server {address} max_fails=1 fail_timeout=2s{' backup' if i else ''};\n"
-            for i, address in enumerate(self.upstreams)
-        )
+        # Round-robin over the gateways: any of them streams any job live (LISTEN/NOTIFY), so a stream of a job
+        # running on one may land on the other, and a reconnect after one dies goes to the next (proxy_next_upstream).
+        servers = "".join(f"    server {address} max_fails=1 fail_timeout=2s;\n" for address in self.upstreams)
         temp = "".join(f"  {kind}_temp_path {self.root}/{kind};\n" for kind in NGINX_TEMP)
         return NGINX_CONFIG.format(
             root=self.root, user="user root;" if os.geteuid() == 0 else "", temp=temp, servers=servers, port=self.port
