@@ -65,7 +65,8 @@ def test_each_store_implements_every_method_of_the_protocol():
     declared = {name for name, value in vars(JobStore).items() if asyncio.iscoroutinefunction(value)}
     for implementation in (SqliteJobStore, PostgresJobStore):
         assert all(asyncio.iscoroutinefunction(vars(implementation).get(name)) for name in declared)
-    assert all(callable(getattr(Database, name)) for name in declared)
+    answered_by_the_store = {"ping"}  # SQLite's store answers it itself: a local file has no server to reach
+    assert all(callable(getattr(Database, name)) for name in declared - answered_by_the_store)
 
 
 def test_journal_mode_is_wal(db_path):
