@@ -331,6 +331,8 @@ def served_alone(served: dict[Size, Side], work: Path) -> list[Comparison]:
 def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparison], str]:
     """The side(s) --side asks for, in `work`; the comparisons (none for --side in-process) and the command."""
     baseline_file, command = Path(args.baseline_file), args.command
+    if args.side != "services":
+        in_process_offload.refuse_a_small_host(args.in_process_offload, args.model_dir, args.dtype)
     if args.side != "in-process":
         try:
             config_path = deployment(args, device, work)

@@ -81,3 +81,23 @@ def test_model_offload_on_the_cpu_is_refused_by_diffusers_and_the_refusal_names_
     with pytest.raises(SystemExit, match=r"--in-process-offload model: diffusers refuses it on cpu: .*mem_get_info"):
         in_process(tmp_path, "model")
     assert not (tmp_path / "model.json").exists()
+
+
+@pytest.mark.parametrize("available_kib, refused", [(110 << 20, True), (124 << 20, False)])
+def test_an_offloaded_full_size_baseline_is_refused_at_once_on_a_host_smaller_than_its_weights(
+    tmp_path, available_kib, refused
+):
+    from bench import in_process_offload
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       131000000 kB\nMemAvailable:   {available_kib} kB\n")
+    need = in_process_offload.released_weights_gib("bfloat16")
+    assert 110 < need < 124  # 61.7 transformer + 48.9 encoder + the VAEs: a 128 GB host just holds them
+    refusal = rf"weights \({need:.1f} GiB\) load on the host first, and it has 110.0 GiB available"
+    if refused:
+        with pytest.raises(SystemExit, match=refusal):
+            in_process_offload.refuse_a_small_host("model", "random:full", "bfloat16", str(meminfo))
+    else:
+        in_process_offload.refuse_a_small_host("model", "random:full", "bfloat16", str(meminfo))
+    in_process_offload.refuse_a_small_host("none", "random:full", "bfloat16", str(meminfo))  # on the card: no check
+    in_process_offload.refuse_a_small_host("model", "", "bfloat16", str(meminfo))  # the tiny preset: no check
