@@ -193,7 +193,7 @@ def records(shape: str, rows: int, measured: dict, ms: dict, args) -> list[Recor
     gaussian, dit = measured["gaussian"], measured["dit-like"]
     numbers = (
         f"vs fp32 SDPA: Gaussian cosine {gaussian['cosine']:.6f} rel L1 {gaussian['rel_l1']:.4f}; DiT-like cosine "
-        f"{dit['cosine']:.6f} rel L1 {dit['rel_l1']:.4f}; |V| 4e3 and 1e5 finite "
+        f"{dit['cosine']:.6f} rel L1 {dit['rel_l1']:.4f}; same-sign abs V 4e3 and 1e5 finite "
         f"{measured['same-sign |V| 4e3']['finite'] and measured['same-sign |V| 1e5']['finite']}"
     )
     common = dict(
