@@ -20,32 +20,21 @@ import pytest
 import stores
 from deployments import write_config
 from dit_holding import HELD
+from job_runners import QUIET, Gateway, quiet_config, until_in_encoder
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
-from h3serve.common.config import GatewayConfig, load_deploy
+from h3serve.common.config import load_deploy
 from h3serve.common.free_ports import free_port
 from h3serve.common.server import is_answering
 from h3serve.gateway.admission.request import RequestLimits, resolve
-from h3serve.gateway.assets.store import AssetStore
-from h3serve.gateway.assets.validate import AssetLimits
-from h3serve.gateway.blobs import DirectoryBlobs
-from h3serve.gateway.jobs.artifacts import ArtifactStore
-from h3serve.gateway.jobs.events import EventHub
-from h3serve.gateway.jobs.postgres.listen import APPLICATION_NAME, Listener
-from h3serve.gateway.jobs.runner import CANCELLED_BY_CLIENT, MAX_RESTART_RERUNS, JobRunner
-from h3serve.gateway.metrics import GatewayMetrics
-from h3serve.gateway.stages import STAGE_NAMES
-from h3serve.gateway.stages.calls import StageCaller
-from h3serve.v1 import common_pb2, gateway_pb2
+from h3serve.gateway.jobs.postgres.listen import APPLICATION_NAME
+from h3serve.gateway.jobs.runner import CANCELLED_BY_CLIENT, MAX_RESTART_RERUNS
+from h3serve.v1 import gateway_pb2
 
 S = gateway_pb2
 postgres, backend = stores.postgres, stores.backend  # fixtures
-QUICK_LEASE_S = 0.6  # renewed every 0.2 s: a missed announcement is made up for within that
 NEVER_RENEWED_S = 3600.0  # a lease whose timer never fires within a test
-QUIET = S.ResolvedRequest(  # its stages are an address nobody answers: its encoder call stays in progress
-    prompt="a fox", height=32, width=64, num_frames=9, params=common_pb2.GenerationParams(num_inference_steps=2)
-)
 
 
 def _seqs_once_in_order(events: list[gateway_pb2.JobEvent]) -> list[str]:
@@ -98,49 +87,6 @@ def test_a_watch_and_a_cancel_on_b_reach_the_job_a_runs(gateways, dit_hold):
 
 
 # In-process gateways on one store.
-
-
-def _quiet_config(root: Path) -> GatewayConfig:
-    """Stages at an address nobody answers: a job's encoder call stays in progress until something ends it."""
-    nobody = f"127.0.0.1:{free_port()}"
-    return GatewayConfig(data_dir=str(root), encoder=nobody, dit=nobody, vae=nobody, max_attempts=2)
-
-
-class Gateway:
-    """A JobRunner and its EventHub on a store of its own (and, given the database's `url`, its Listener)."""
-
-    def __init__(self, store, config: GatewayConfig, name: str, lease_s: float = QUICK_LEASE_S, url: str = ""):
-        metrics, blobs = GatewayMetrics(STAGE_NAMES), DirectoryBlobs(config.data_dir)
-        self.hub = EventHub(store)
-        self.runner = JobRunner(
-            config,
-            store,
-            self.hub,
-            StageCaller(config, metrics),
-            ArtifactStore(blobs),
-            metrics,
-            AssetStore(blobs, str(Path(config.data_dir) / "assets"), AssetLimits.from_config(config)),
-            gateway_id=name,
-            lease_s=lease_s,
-        )
-        self.listener = Listener(url, name, self.hub.announced, self.runner.cancel, self.hub.reread) if url else None
-
-    async def __aenter__(self) -> Gateway:
-        if self.listener:
-            self.listener.start()
-            await self.listener.listening.wait()
-        return self
-
-    async def __aexit__(self, *_) -> None:
-        if self.listener:
-            await self.listener.stop()
-        await self.runner.shutdown()
-        await self.runner.caller.close()
-
-
-async def _until(condition) -> None:
-    while not await condition():
-        await asyncio.sleep(0.05)
 
 
 async def _terminate(url: str, application_name: str) -> None:
@@ -213,8 +159,8 @@ def test_a_cancel_on_b_reaches_a_by_its_announcement_alone(postgres, tmp_path):
     async def scenario(store_a):
         store_b = await stores.Backend("postgresql", url).open()
         async with (
-            Gateway(store_a, _quiet_config(tmp_path / "a"), "A", NEVER_RENEWED_S, url) as a,
-            Gateway(store_b, _quiet_config(tmp_path / "b"), "B", NEVER_RENEWED_S, url) as b,
+            Gateway(store_a, quiet_config(tmp_path / "a"), "A", NEVER_RENEWED_S, url) as a,
+            Gateway(store_b, quiet_config(tmp_path / "b"), "B", NEVER_RENEWED_S, url) as b,
         ):
             await store_a.submit("j", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             a.runner.start("j", QUIET)
@@ -239,17 +185,13 @@ def test_a_cancel_nobody_announces_stops_the_job_at_its_holders_next_renewal(bac
     async def scenario(store_a):
         store_b = await backend.open()
         async with (
-            Gateway(store_a, _quiet_config(tmp_path / "a"), "A") as a,
-            Gateway(store_b, _quiet_config(tmp_path / "b"), "B") as b,
+            Gateway(store_a, quiet_config(tmp_path / "a"), "A") as a,
+            Gateway(store_b, quiet_config(tmp_path / "b"), "B") as b,
         ):
             await store_a.submit("j", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             a.runner.start("j", QUIET)
 
-            async def in_encoder():
-                job = await store_b.get_job("j")
-                return bool(job.stage_records) and job.stage_records[0].started > 0
-
-            await _until(in_encoder)
+            await until_in_encoder(store_b, "j")
             assert await b.runner.request_cancel("j"), "B asked; A holds the job"
             assert "j" in a.runner._tasks, "nothing told A yet"
             await asyncio.wait_for(a.runner._tasks["j"], 60)  # a safety bound only: A's next renewal stops it
@@ -265,7 +207,7 @@ def test_a_cancel_nobody_announces_stops_the_job_at_its_holders_next_renewal(bac
 
 def test_a_job_no_gateway_holds_is_cancelled_in_the_store_and_a_marked_one_at_its_claim(backend, tmp_path):
     async def scenario(store):
-        async with Gateway(store, _quiet_config(tmp_path), "B") as b:
+        async with Gateway(store, quiet_config(tmp_path), "B") as b:
             await store.submit("free", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             assert await b.runner.request_cancel("free"), "nobody holds it: B ends it"
             assert not await b.runner.request_cancel("free"), "ended: nothing more to do"
@@ -285,17 +227,13 @@ def test_a_job_no_gateway_holds_is_cancelled_in_the_store_and_a_marked_one_at_it
 
 def test_a_takeover_says_which_gateway_took_the_job_from_which(backend, tmp_path):
     async def scenario(store):
-        async with Gateway(store, _quiet_config(tmp_path / "a"), "A") as a:
+        async with Gateway(store, quiet_config(tmp_path / "a"), "A") as a:
             await store.submit("j", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
             a.runner.start("j", QUIET)
 
-            async def in_encoder():
-                job = await store.get_job("j")
-                return bool(job.stage_records) and job.stage_records[0].started > 0
-
-            await _until(in_encoder)
+            await until_in_encoder(store, "j")
             await store.expire("A")  # A's lease runs out (A paused, or cut off)
-            async with Gateway(store, _quiet_config(tmp_path / "b"), "B") as b:
+            async with Gateway(store, quiet_config(tmp_path / "b"), "B") as b:
                 await b.runner._claim_all()
         return [e.retrying.reason for e in await store.events("j") if e.HasField("retrying")]
 

@@ -22,7 +22,7 @@ import stores
 from deployments import QUICK_OUTAGE, STACK_MODEL, Stack, write_config
 from dit_holding import HELD, HOLD_STEP, DitHold
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_store_ownership import REQUEST, _runner, _until
+from job_runners import QUICK_LEASE_S, QUIET, Gateway, quiet_config, until_in_encoder
 
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
@@ -123,32 +123,26 @@ def test_a_job_whose_write_waits_past_its_lease_stops_writing_nothing_and_is_cla
 
     async def scenario():
         store = await PostgresJobStore.open(url)
-        runner = _runner(store, tmp_path, "A", free_port())  # its encoder: an address nobody answers
         try:
-            await store.submit("j", REQUEST, first_event=S.JobEvent(accepted=S.Accepted()))
-            runner.start("j", REQUEST)
-            task = runner._tasks["j"]
-
-            async def in_encoder():
+            async with Gateway(store, quiet_config(tmp_path), "A") as gateway:
+                runner = gateway.runner
+                await store.submit("j", QUIET, first_event=S.JobEvent(accepted=S.Accepted()))
+                runner.start("j", QUIET)
+                task = runner._tasks["j"]
+                await until_in_encoder(store, "j")
+                server.stop()
+                try:
+                    runner.cancel("j")  # the cancel's writes meet the outage and wait, past the lease
+                    await asyncio.wait_for(task, 60)  # a safety bound only
+                finally:
+                    server.start()
+                assert f"the job store was out of reach past its lease ({QUICK_LEASE_S:g} s)" in caplog.text
+                assert runner.queues["encoder"].busy == 0, "its stage call was cancelled"
                 job = await store.get_job("j")
-                return bool(job.stage_records) and job.stage_records[0].started > 0
-
-            await _until(in_encoder)
-            server.stop()
-            try:
-                runner.cancel("j")  # the cancel's writes meet the outage and wait, past the lease (LEASE_S)
-                await asyncio.wait_for(task, 60)  # a safety bound only
-            finally:
-                server.start()
-            assert "the job store was out of reach past its lease (0.6 s)" in caplog.text
-            assert runner.queues["encoder"].busy == 0, "its stage call was cancelled"
-            job = await store.get_job("j")
-            assert (job.state, job.stage_records[0].error) == (S.JOB_STATE_RUNNING, ""), "nothing written after"
-            claimed = await store.claim("B", 30.0)
-            assert claimed is not None and claimed.job_id == "j"
+                assert (job.state, job.stage_records[0].error) == (S.JOB_STATE_RUNNING, ""), "nothing written after"
+                claimed = await store.claim("B", 30.0)
+                assert claimed is not None and claimed.job_id == "j"
         finally:
-            await runner.shutdown()
-            await runner.caller.close()
             await store.close()
 
     asyncio.run(scenario())
