@@ -57,8 +57,7 @@ def pg_stack(tmp_path_factory, stack, server) -> Iterator[PostgresStack]:
     """A gateway on this module's PostgreSQL, in front of the test stack's model services (whose DiT holds)."""
     root = tmp_path_factory.mktemp("pg-stack")
     database = server.new_database()
-    ports = {name: stack.ports[name] for name in ("encoder", "dit", "vae")}
-    ports.update(gateway=free_port(), http=free_port())
+    ports = {**stack.ports, "gateway": free_port(), "http": free_port()}  # the stack's model services
     config_path = write_config(
         root / "deploy.toml",
         str(stack.model_dir),

@@ -128,8 +128,7 @@ def test_every_event_arrives_verified_across_a_gateway_sigkill_between_its_deliv
         entry("alice", tokens["alice"], webhook_url=receiver.url + "/client", webhook_secret=secret)
         + entry("bob", tokens["bob"])
     )
-    ports = {name: stack.ports[name] for name in ("encoder", "dit", "vae")}
-    ports.update(gateway=free_port(), http=free_port())
+    ports = {**stack.ports, "gateway": free_port(), "http": free_port()}  # the stack's model services
     config = write_config(
         tmp_path / "deploy.toml",
         str(stack.model_dir),
