@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from h3serve.common.memory_plan.counts import AUDIO_VAE, DTYPE_BYTES, GIB, TEXT_ENCODER, TRANSFORMER, VIDEO_VAE
+from h3serve.common.memory_plan.counts import AUDIO_VAE, GIB, TEXT_ENCODER, TRANSFORMER, VIDEO_VAE
+from h3serve.common.processes import MEMINFO, read_meminfo
 
 OFFLOADS = ("none", "model", "sequential")
 DESCRIBED = {
@@ -30,27 +31,22 @@ def load_device(offload: str, device: str) -> str:
 def released_weights_gib(dtype: str) -> float:
     """The weights of every model of the pipeline at the released sizes in `dtype`, as the host holds them before
     the hooks move any (the text encoder as the services count it, without its language-model head)."""
-    encoder = TEXT_ENCODER.total * DTYPE_BYTES[dtype]
-    return (TRANSFORMER.bytes(dtype, False) + encoder + VIDEO_VAE.bytes(dtype) + AUDIO_VAE.bytes(dtype)) / GIB
+    models = (
+        TRANSFORMER.bytes(dtype, False),
+        TEXT_ENCODER.bytes(dtype, "none"),
+        VIDEO_VAE.bytes(dtype),
+        AUDIO_VAE.bytes(dtype),
+    )
+    return sum(models) / GIB
 
 
-def available_gib(meminfo: str = "/proc/meminfo") -> float | None:
-    """MemAvailable, in GiB; None where there is no such file (not Linux)."""
-    try:
-        with open(meminfo) as file:
-            fields = dict(line.split(":", 1) for line in file if ":" in line)
-        return int(fields["MemAvailable"].split()[0]) / 2**20
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def refuse_a_small_host(offload: str, model_dir: str, dtype: str, meminfo: str = "/proc/meminfo") -> None:
+def refuse_a_small_host(offload: str, model_dir: str, dtype: str, meminfo: str = MEMINFO) -> None:
     """Offloaded, the full-size pipeline is built in host memory before any hook moves a model: where the host's
     available memory is less than its weights, SystemExit now with both figures, not the OOM killer minutes later."""
     if offload == "none" or not model_dir:  # no directory: the tiny preset
         return
-    need, have = released_weights_gib(dtype), available_gib(meminfo)
-    if have is not None and need > have:
+    host, need = read_meminfo(meminfo), released_weights_gib(dtype)
+    if host is not None and need > (have := host.available / GIB):
         raise SystemExit(
             f"bench.e2e: --in-process-offload {offload}: the pipeline's {dtype} weights ({need:.1f} GiB) load on the "
             f"host first, and it has {have:.1f} GiB available"
