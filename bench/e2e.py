@@ -243,6 +243,10 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
                     peaks = [round(r.peak_bytes / 2**30, 2) for r in dit_info(config).ranks]
                     print(f"services {size}: the DiT ranks' peaks {peaks} GiB", flush=True)
                     sides[size] = Side.of(runs, device_used_gib(device, place.gpus), peaks, ready_s, first)
+                    # printed now: a call cut by its time limit before the rows are written still has the medians
+                    median = sides[size]
+                    text = f"median of {len(runs)} {median.seconds:.2f} s ({stage_text(median)})"
+                    print(f"services {size}: {text}", flush=True)
                 wait_for_fp8_save(args.fp8_cache)
                 names = {service.process.pid: service.name for service in group.running}
             finally:
@@ -267,12 +271,13 @@ def through_services(sizes: list[Size], args, device: str, work: Path, config_pa
     return {size: replace(side, used_gib=peak, process_peaks_gib=processes) for size, side in sides.items()}
 
 
-def records(comparison: Comparison, args, device: str, command: str) -> list[Record]:
+def records(size: Size, ours: Side, base: Side | None, args, device: str, command: str) -> list[Record]:
     """The end-to-end record, then one per stage (transport: what neither side spends in a stage).
 
-    device and world_size are the services' (N GPUs, the DiT's ranks); the baseline always ran on one."""
-    name, place = f"e2e_{comparison.size}_{args.steps}steps", placement(args, device)
-    ours, base = comparison.served, comparison.in_process
+    device and world_size are the services' (N GPUs, the DiT's ranks); the baseline always ran on one. No baseline
+    (--baseline-file none): the services' figures alone, baseline seconds and ratio 0."""
+    name, place = f"e2e_{size}_{args.steps}steps", placement(args, device)
+    base = base or Side(0.0, dict.fromkeys(STAGES, 0.0), 0.0, "", 0.0)
     rows = [(name, ours.seconds, base.seconds)]
     rows += [(f"{name}_{s}", ours.stages[s], base.stages[s]) for s in STAGES]
     rows.append((f"{name}_transport", ours.transport, base.transport))
@@ -295,10 +300,14 @@ def records(comparison: Comparison, args, device: str, command: str) -> list[Rec
         date=datetime.date.today().isoformat(),
         software=software(),
         variant=services_text(args, place) + adapted(args) + args.cache_state,
-        baseline=f"diffusers MiniMaxH3Blocks in process on {device_label(device)}"
-        + in_process_offload.DESCRIBED[args.in_process_offload]
-        + " + the same MP4 mux"
-        + adapted(args),
+        baseline=(
+            f"diffusers MiniMaxH3Blocks in process on {device_label(device)}"
+            + in_process_offload.DESCRIBED[args.in_process_offload]
+            + " + the same MP4 mux"
+            + adapted(args)
+            if base.seconds
+            else "none in this run (--baseline-file none: the services alone)"
+        ),
     )
     return [Record(name=n, seconds=s, baseline_seconds=b, ratio=b / s if s > 0 else 0.0, **common) for n, s, b in rows]
 
@@ -318,13 +327,17 @@ def adapter_file(args, work: Path) -> str:
     return str(write_lora(model, work / f"{ADAPTER}.safetensors", args.adapter_rank, seed=0))
 
 
-def served_alone(served: dict[Size, Side], work: Path) -> list[Comparison]:
+def served_alone(served: dict[Size, Side], work: Path, args, device: str) -> list[Comparison]:
     """--baseline-file none: the services' figures and whether every raw output value is finite, with nothing to
-    compare them with (where the in-process pipeline cannot load, and a profile's numbers are the question)."""
+    compare them with (where the in-process pipeline cannot load, and a profile's numbers are the question); with
+    --write, their rows (baseline seconds 0)."""
     for size, side in served.items():
         with np.load(work / f"served-{size}.npz") as raw:
             finite = {name: bool(np.isfinite(raw[name]).all()) for name in raw.files}
         print(f"services alone {size}: {side}; raw outputs finite: {finite}", flush=True)
+    if args.write:
+        rows = [r for size, side in served.items() for r in records(size, side, None, args, device, args.command)]
+        update_results(rows, args.results, args.markdown)
     return []
 
 
@@ -341,7 +354,7 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
         refuse_early(load_deploy(config_path), placement(args, device), device)
         print(f"services placed on {placement(args, device).describe()}", flush=True)
     if args.side == "services" and args.baseline_file == ALONE:
-        return served_alone(through_services(sizes, args, device, work, config_path), work), command
+        return served_alone(through_services(sizes, args, device, work, config_path), work, args, device), command
     if args.side == "services":
         baseline, baseline_command = load_baseline(baseline_file, args)
         command = f"{baseline_command}; {args.command}"
@@ -463,7 +476,8 @@ def main(argv: list[str] | None = None) -> list[Comparison]:
         return []
     print_table(comparisons, in_process_offload.LABELS[args.in_process_offload])
     if args.write:
-        update_results([r for c in comparisons for r in records(c, args, device, command)], args.results, args.markdown)
+        rows = [r for c in comparisons for r in records(c.size, c.served, c.in_process, args, device, command)]
+        update_results(rows, args.results, args.markdown)
     return comparisons
 
 

@@ -102,7 +102,7 @@ class Comparison:
         return cls(size, in_process, served, MediaDiff(0, 0.0) if same else MediaDiff.of(*videos), FramesDiff.of(*raw))
 
 
-def stage_text(run: Run) -> str:
+def stage_text(run: Run | Side) -> str:
     stages = ", ".join(f"{stage} {run.stages.get(stage, 0.0):.2f} s" for stage in STAGES)
     return f"{stages}, transport {run.transport:.2f} s"
 
@@ -121,14 +121,29 @@ def setup(args) -> dict:
     }
 
 
+def same_setup(saved: dict, args) -> bool:
+    """Whether a saved baseline's setup is this run's: a subset of its sizes may be compared, warm-ups are untimed."""
+    unchecked = {"sizes": None, "warmup_steps": None}
+    return {**saved, **unchecked} == {**setup(args), **unchecked}
+
+
 def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
+    """Save the in-process medians; a file of the same setup measured at other sizes keeps those (one call per size
+    where a 10-minute call holds one size's load and runs, not both)."""
+    saved = {"sides": {}, "command": ""}
+    if path.exists():
+        earlier = json.loads(path.read_text())
+        if same_setup(earlier["setup"], args):
+            saved = earlier
+    kept = {size: side for size, side in saved["sides"].items() if size not in {str(s) for s in sides}}
+    merged = {**kept, **{str(size): asdict(side) for size, side in sides.items()}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
             {
-                "setup": setup(args),
-                "command": args.command,
-                "sides": {str(size): asdict(side) for size, side in sides.items()},
+                "setup": {**setup(args), "sizes": ",".join(merged)},
+                "command": "; ".join(filter(None, [saved["command"] if kept else "", args.command])),
+                "sides": merged,
             },
             indent=1,
         )
@@ -147,10 +162,8 @@ def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
             f"{saved['setup']['in_process_offload']}, this run names {args.in_process_offload}: give the same, or "
             "run --side in-process again"
         )
-    unchecked = {"sizes": None, "warmup_steps": None}  # a subset of sizes may be compared; warm-ups are untimed
-    same = {**saved["setup"], **unchecked} == {**setup(args), **unchecked}
     missing = set(args.sizes.split(",")) - set(saved["sides"])
-    if not same or missing:  # a subset of its sizes may be compared: one call per size when time is short
+    if not same_setup(saved["setup"], args) or missing:
         raise SystemExit(
             f"--side services: the baseline in {path} was measured with {saved['setup']}, this run is {setup(args)}"
         )

@@ -221,6 +221,20 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
     args.adapter_rank, args.steps = 0, 50
     with pytest.raises(SystemExit, match="measured with .*'steps': 4.*this run is .*'steps': 50"):
         e2e.load_baseline(path, args)
+    # one call per size: a second size of the same setup joins the file, another setup replaces it
+    args.steps, args.command = 4, "python -m bench.e2e --side in-process --sizes 32x64x124"
+    one = tmp_path / "per-size.json"
+    e2e.save_baseline(one, args, {Size(32, 64, 124): side})
+    args.sizes, args.command = "64x32x124", "python -m bench.e2e --side in-process --sizes 64x32x124"
+    faster = replace(side, seconds=1.5)
+    e2e.save_baseline(one, args, {Size(64, 32, 124): faster})
+    args.sizes = "32x64x124,64x32x124"
+    expected = {Size(32, 64, 124): side, Size(64, 32, 124): faster}
+    both_commands = "python -m bench.e2e --side in-process --sizes 32x64x124; " + args.command
+    assert e2e.load_baseline(one, args) == (expected, both_commands)
+    args.flow_shift, args.sizes = 6.0, "64x32x124"
+    e2e.save_baseline(one, args, {Size(64, 32, 124): side})
+    assert e2e.load_baseline(one, args) == ({Size(64, 32, 124): side}, args.command)
 
 
 def test_e2e_deployment_puts_every_service_on_the_device_with_the_requested_fast_paths(tmp_path):

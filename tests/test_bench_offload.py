@@ -6,6 +6,7 @@ baseline, the rows and the table name the offload, and a services run of another
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -69,10 +70,25 @@ def test_the_rows_and_the_table_name_the_offload(baselines, capsys):
     sides, _ = e2e.load_baseline(baselines / "sequential.json", args)
     side = sides[SIZE]
     comparison = e2e.Comparison(SIZE, side, side, MediaDiff(0, 0.0), FramesDiff(0.0, 0, 0.0))
-    [row, *_] = e2e.records(comparison, args, "cpu", args.command)
+    [row, *_] = e2e.records(SIZE, side, side, args, "cpu", args.command)
     assert "with diffusers' sequential CPU offload (apply_group_offloading, leaf level)" in row.baseline
     e2e.print_table([comparison], "in proc+seq")
     assert f"{SIZE!s:16} in proc+seq " in capsys.readouterr().out
+
+
+def test_the_services_alone_write_their_rows_with_no_baseline(baselines):
+    """--baseline-file none (where nothing in process fits the card): the same rows, baseline seconds and ratio 0,
+    the baseline named as absent; the first request and start-to-ready rows with --warm-start's figures."""
+    args = quick_args("sequential")
+    sides, _ = e2e.load_baseline(baselines / "sequential.json", args)
+    served = replace(sides[SIZE], first_s=3.5, ready_s=12.0)
+    rows = {row.name: row for row in e2e.records(SIZE, served, None, args, "cpu", args.command)}
+    name = f"e2e_{SIZE}_{args.steps}steps"
+    assert set(rows) == {name, *(f"{name}_{s}" for s in (*e2e.STAGES, "transport", "first_request", "start_to_ready"))}
+    assert {(r.baseline_seconds, r.ratio) for r in rows.values()} == {(0.0, 0.0)}
+    assert rows[name].seconds == served.seconds and rows[f"{name}_first_request"].seconds == 3.5
+    assert rows[f"{name}_start_to_ready"].seconds == 12.0
+    assert rows[name].baseline == "none in this run (--baseline-file none: the services alone)"
 
 
 def test_model_offload_on_the_cpu_is_refused_by_diffusers_and_the_refusal_names_the_option(tmp_path):
