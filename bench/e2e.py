@@ -116,7 +116,7 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
     pipe = reference_pipeline(source, device=in_process_offload.load_device(offload, device), dtype=args.dtype)
     sources = {ADAPTER: AdapterSource(path=args.adapter_file)} if args.adapter_file else {}
     load_adapters(pipe, sources)  # as a diffusers user loads a LoRA: load_lora_weights, set_adapters
-    in_process_offload.apply(pipe, offload, device)
+    in_process_offload.apply(pipe, offload, device, args.offload_margin)
     ready_s = time.perf_counter() - started
     clock = StageClock(pipe, PIPELINE_STAGES, device)
 
@@ -302,7 +302,7 @@ def records(size: Size, ours: Side, base: Side | None, args, device: str, comman
         variant=services_text(args, place) + adapted(args) + args.cache_state,
         baseline=(
             f"diffusers MiniMaxH3Blocks in process on {device_label(device)}"
-            + in_process_offload.DESCRIBED[args.in_process_offload]
+            + in_process_offload.described(args.in_process_offload, args.offload_margin)
             + " + the same MP4 mux"
             + adapted(args)
             if base.seconds
@@ -441,6 +441,12 @@ def parser() -> argparse.ArgumentParser:
         help="the in-process baseline with diffusers' own CPU offload, where the bf16 pipeline does not fit the card: "
         "model (ComponentsManager.enable_auto_cpu_offload) or sequential (apply_group_offloading, leaf level); "
         "named in the rows and the saved baseline",
+    )
+    p.add_argument(
+        "--offload-margin",
+        default=in_process_offload.DEFAULT_MARGIN,
+        help="with --in-process-offload model: the memory ComponentsManager keeps free beside the model it moves in "
+        "(diffusers' memory_reserve_margin, default %(default)s; 768x1344x124 ran one H100 out of memory with it)",
     )
     p.add_argument(
         "--warm-start",

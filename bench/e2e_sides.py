@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from bench.common import HostPeak, Size
+from bench.in_process_offload import DEFAULT_MARGIN
 from bench.media_diff import FramesDiff, MediaDiff
 
 STAGES = ("encode", "denoise", "decode", "mux")
@@ -107,6 +108,9 @@ def stage_text(run: Run | Side) -> str:
     return f"{stages}, transport {run.transport:.2f} s"
 
 
+BEFORE_OPTIONS = {"in_process_offload": "none", "offload_margin": DEFAULT_MARGIN}  # a baseline saved before them
+
+
 def setup(args) -> dict:
     """What a saved baseline must share with the services run it is compared with."""
     return {
@@ -118,13 +122,14 @@ def setup(args) -> dict:
         "adapter_rank": args.adapter_rank,
         "flow_shift": args.flow_shift,
         "in_process_offload": args.in_process_offload,
+        "offload_margin": args.offload_margin,
     }
 
 
 def same_setup(saved: dict, args) -> bool:
     """Whether a saved baseline's setup is this run's: a subset of its sizes may be compared, warm-ups are untimed."""
     unchecked = {"sizes": None, "warmup_steps": None}
-    return {**saved, **unchecked} == {**setup(args), **unchecked}
+    return {**BEFORE_OPTIONS, **saved, **unchecked} == {**setup(args), **unchecked}
 
 
 def save_baseline(path: Path, args, sides: dict[Size, Side]) -> None:
@@ -155,7 +160,7 @@ def load_baseline(path: Path, args) -> tuple[dict[Size, Side], str]:
     if not path.exists():
         raise SystemExit(f"--side services: no baseline at {path}; run with --side in-process first")
     saved = json.loads(path.read_text())
-    saved["setup"] = {"in_process_offload": "none", **saved["setup"]}  # saved before the option: none
+    saved["setup"] = {**BEFORE_OPTIONS, **saved["setup"]}
     if saved["setup"]["in_process_offload"] != args.in_process_offload:
         raise SystemExit(
             f"--side services: the baseline in {path} ran diffusers in process with --in-process-offload "

@@ -191,6 +191,7 @@ def test_e2e_baseline_saved_by_one_call_is_only_used_by_a_run_of_the_same_setup(
         adapter_rank=0,
         flow_shift=12.0,
         in_process_offload="none",
+        offload_margin="3GB",
         command="python -m bench.e2e --quick --side in-process",
     )
     side = e2e.Side(seconds=2.5, stages={s: 0.5 for s in e2e.STAGES}, transport=0.5, digest="ab", used_gib=1.0)

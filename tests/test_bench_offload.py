@@ -58,11 +58,30 @@ def test_a_services_run_of_another_offload_refuses_the_baseline(baselines):
     args.in_process_offload = "sequential"
     sides, _ = e2e.load_baseline(baselines / "sequential.json", args)
     assert set(sides) == {SIZE}
-    saved = json.loads((baselines / "none.json").read_text())  # as saved before the option existed: none
-    del saved["setup"]["in_process_offload"]
+    saved = json.loads((baselines / "none.json").read_text())  # as saved before the options existed: none, 3GB
+    del saved["setup"]["in_process_offload"], saved["setup"]["offload_margin"]
     (baselines / "older.json").write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="--in-process-offload none, this run names sequential"):
         e2e.load_baseline(baselines / "older.json", args)
+    args.in_process_offload = "none"
+    assert set(e2e.load_baseline(baselines / "older.json", args)[0]) == {SIZE}
+
+
+def test_a_model_offload_margin_is_part_of_the_baseline_and_named_in_its_rows(tmp_path):
+    """--offload-margin: the room diffusers' auto offload keeps beside the model it moves in (the user's answer to the
+    out-of-memory its default met at 768x1344x124 on one H100); a baseline of another margin is refused, and the rows
+    name a margin other than diffusers' default."""
+    args = quick_args("model")
+    side = e2e.Side(seconds=2.5, stages=dict.fromkeys(e2e.STAGES, 0.5), transport=0.5, digest="ab", used_gib=1.0)
+    e2e.save_baseline(tmp_path / "model.json", args, {SIZE: side})
+    args.offload_margin = "12GB"
+    with pytest.raises(SystemExit, match="'offload_margin': '3GB'.*this run is .*'offload_margin': '12GB'"):
+        e2e.load_baseline(tmp_path / "model.json", args)
+    [row, *_] = e2e.records(SIZE, side, side, args, "cpu", args.command)
+    assert "(ComponentsManager.enable_auto_cpu_offload, memory_reserve_margin 12GB) + the same MP4 mux" in row.baseline
+    args.offload_margin = "3GB"
+    [row, *_] = e2e.records(SIZE, side, side, args, "cpu", args.command)
+    assert "(ComponentsManager.enable_auto_cpu_offload) + the same MP4 mux" in row.baseline
 
 
 def test_the_rows_and_the_table_name_the_offload(baselines, capsys):
