@@ -6,6 +6,7 @@ tests/test_served_adapters.py; on 2 ranks with FSDP2: tests/test_distributed.py.
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from h3serve.model.rules import InvalidRequest
 from h3serve.runtime import fastpath
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.tiny import build_component
-from h3serve.services.dit import adapters, checks, config_check
+from h3serve.services.dit import adapters, checks, config_check, warmup
 from h3serve.services.dit.runner import DenoiseRunner
 from h3serve.v1 import common_pb2, dit_pb2, gateway_pb2, media_pb2
 
@@ -191,6 +192,20 @@ def test_compiled_slots_switch_adapters_without_recompiling(files):
     graphs = counters["stats"]["unique_graphs"]
     run(resident, spec(("kohya", 0.5)))
     assert counters["stats"]["unique_graphs"] > graphs
+
+
+def test_a_compiled_dit_warms_up_with_its_first_adapter_already_in_a_slot(files):
+    """The warm-up names the first adapter loaded (in name order) that adapts t2va's partition, so its factors are in
+    slot 0 before SERVING and the first request naming it copies nothing in from host memory; resident adapters have
+    nothing to copy, so their warm-up names none."""
+    names = ["ref", "qkv"]  # loaded in name order; "ref" adapts transformer_ref only
+    compiled = runner(files, names, fast=FastPath(compile=True), adapter_slots=2)
+    config = DiTConfig(adapters={n: str(files[n]) for n in names}, compile=True, adapter_slots=2)
+    message = warmup.warm_message(SimpleNamespace(runner=compiled), config, "32x64x124", 10)
+    assert [(a.name, a.weight) for a in message.spec.params.adapters] == [("qkv", 1.0)]
+    compiled.adapters.apply(T2VA.partition, message.spec.params.adapters)  # what the warm-up's run does first
+    assert compiled.adapters.holder.holding[T2VA.partition] == ["qkv", None]
+    assert runner(files, names).adapters.warm(T2VA.partition) == []
 
 
 def test_slots_hold_each_adapters_factors_as_peft_loaded_them_in_its_dtype(files):

@@ -280,6 +280,13 @@ class Slots:
                     factors[module].scale * _weight(wanted) if wanted is not None and module in factors else 0.0
                 )
 
+    def first(self, partition: str) -> list[str]:
+        """The adapter slot 0 should hold before serving: the first loaded (in name order) that adapts `partition`
+        (none if none does). The first request naming an adapter copies its factors in from host memory, zero-padded
+        on the CPU: 2.4 GiB for a rank-128 LoRA, the likeliest part of the 0.4-0.6 s by which the first request's DiT
+        exceeded the next ones' on one H100 (docs/deploy/single-h100.md)."""
+        return list(self.factors.get(partition, {}))[:1]
+
 
 def _slot_names(count: int) -> list[str]:
     return [f"slot{i}" for i in range(count)]
@@ -401,6 +408,11 @@ class Adapters:
     def apply(self, partition: str, adapters: Request) -> None:
         if self.holder is not None:
             self.holder.apply(partition, adapters)
+
+    def warm(self, partition: str) -> list[str]:
+        """The adapters a warm-up of `partition` names, so that none is copied in under a request: with compiled slots,
+        the first loaded (`Slots.first`); resident or fused adapters are in place already."""
+        return self.holder.first(partition) if isinstance(self.holder, Slots) else []
 
     def describe(self) -> dict:
         """The DiTInfo fields."""

@@ -24,6 +24,7 @@ import torch
 
 from h3serve.common.config import DiTConfig, parse_shape
 from h3serve.model import rules, workflows
+from h3serve.model.adapters import AdapterCatalog
 from h3serve.runtime import compile_cache, memory
 from h3serve.services.dit import checks
 from h3serve.services.dit.group import WARMUP, GroupMember, Message
@@ -106,7 +107,8 @@ def warm_run(member: GroupMember, config: DiTConfig, shape: str, tokens: int) ->
 
 
 def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int) -> Message:
-    """A t2va request of `shape` with random text embeddings of `tokens` rows, through the service's own checks."""
+    """A t2va request of `shape` with random text embeddings of `tokens` rows, naming the adapter a compiled DiT should
+    hold in its slot before serving, through the service's own checks."""
     height, width, frames = parse_shape(shape)
     spec = dit_pb2.DenoiseSpec(
         job_id=f"warmup-{shape}-{tokens}",
@@ -116,8 +118,13 @@ def warm_message(member: GroupMember, config: DiTConfig, shape: str, tokens: int
         num_frames=frames,
         params=common_pb2.GenerationParams(num_inference_steps=steps(config), seed=SEED),
     )
+    for name in member.runner.adapters.warm(WORKFLOW.partition):  # its factors in a slot before SERVING
+        spec.params.adapters.add(name=name, weight=1.0)
     check = checks.DenoiseCheck(
-        config, [flow.value for flow in served(config.workflows)], lambda flow: checks.model_dims(member.runner, flow)
+        config,
+        [flow.value for flow in served(config.workflows)],
+        lambda flow: checks.model_dims(member.runner, flow),
+        AdapterCatalog.from_info(dit_pb2.DiTInfo(**member.runner.adapters.describe())),  # as the server checks
     )
     check.expect(spec)
     assert check.dims is not None  # set by expect()
