@@ -51,6 +51,11 @@ FP16_SCALED_ACT_FACTOR = 1.4
 # attention_backend = "sage": its int8 Q and K copies and fp16 V, per element of q/k/v (56 heads x 128 per row), and
 # Q's and K's fp32 scales, one per row and head
 SAGE_WORKSPACE_BYTES_PER_ROW = (2 * 1 + 2) * 56 * 128 + 2 * 4 * 56
+# fp8 = true without compile: torchao quantises each linear's input with eager kernels, which hold |x| in bf16 and an
+# fp32 copy of the widest input, the FFN's inner activations (14,336 a row); compile fuses them away. CALIBRATED on
+# the 24 GB profile (eager fp8, native attention) on one H200, 2026-12-04: its DiT peaked at 14.1 GiB at 768x1344x124
+# where the bf16 line alone plans 11.4 (docs/memory-plan.md "Planned against measured")
+FP8_EAGER_BYTES_PER_ROW = (2 + 4) * 14_336
 
 
 def limit_fraction(limit_gib: float, total_bytes: int) -> float:
@@ -245,6 +250,8 @@ def _dit_shares(dit: DiTConfig, work: Workload, notes: list[str]) -> list[Share]
     rows = math.ceil(work.rows / world)
     activations = DIT_ACT_FIXED_GIB + DIT_ACT_PER_ROW_GIB * rows * (DIT_SPLIT_FACTOR if world > 1 else 1.0)
     activations *= FP16_SCALED_ACT_FACTOR if dit.linear_precision == "fp16_scaled" else 1.0
+    if dit.fp8 and not dit.compile:
+        activations += gib(FP8_EAGER_BYTES_PER_ROW * rows)
     if dit.attention_backend == "sage":  # Ulysses: a rank attends all rows over its heads, the same bytes
         activations += gib(SAGE_WORKSPACE_BYTES_PER_ROW * rows)
     if dit.weights == "int8":  # one int8 weight widened to fp16 at a time
