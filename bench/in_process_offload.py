@@ -29,8 +29,9 @@ DEFAULT_MARGIN = "3GB"
 
 def described(offload: str, margin: str) -> str:
     """The offload as the rows and the baseline name it, with a margin other than diffusers' default."""
-    extra = f", memory_reserve_margin {margin}" if offload == "model" and margin != DEFAULT_MARGIN else ""
-    return DESCRIBED[offload][:-1] + extra + ")" if extra else DESCRIBED[offload]
+    if offload != "model" or margin == DEFAULT_MARGIN:
+        return DESCRIBED[offload]
+    return DESCRIBED[offload].replace(")", f", memory_reserve_margin {margin})")
 
 
 def load_device(offload: str, device: str) -> str:
