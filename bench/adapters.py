@@ -41,16 +41,24 @@ from h3serve.services.dit.runner import DenoiseRunner, served
 from h3serve.v1 import common_pb2
 
 
+def lora_targets(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
+    """The linears the bench's LoRA adapts: every one in the transformer blocks."""
+    return [
+        (name, module)
+        for name, module in transformer.named_modules()
+        if name.startswith("transformer_blocks.") and isinstance(module, torch.nn.Linear)
+    ]
+
+
 def write_lora(transformer: torch.nn.Module, path: Path, rank: int, seed: int) -> Path:
     """A random LoRA of `rank` on every linear layer of the transformer blocks, small next to the weights."""
     generator = torch.Generator().manual_seed(seed)
     factors = {}
-    for name, module in transformer.named_modules():
-        if name.startswith("transformer_blocks.") and isinstance(module, torch.nn.Linear):
-            down = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
-            up = torch.randn(module.out_features, rank, generator=generator) * 0.01 / rank**0.5
-            factors[f"transformer.{name}.lora_A.weight"] = down.to(torch.bfloat16).contiguous()
-            factors[f"transformer.{name}.lora_B.weight"] = up.to(torch.bfloat16).contiguous()
+    for name, module in lora_targets(transformer):
+        down = torch.randn(rank, module.in_features, generator=generator) / module.in_features**0.5
+        up = torch.randn(module.out_features, rank, generator=generator) * 0.01 / rank**0.5
+        factors[f"transformer.{name}.lora_A.weight"] = down.to(torch.bfloat16).contiguous()
+        factors[f"transformer.{name}.lora_B.weight"] = up.to(torch.bfloat16).contiguous()
     save_file(factors, str(path))
     return path
 

@@ -102,18 +102,15 @@ def bench_arguments(command: str) -> argparse.Namespace:
 
 @functools.cache
 def lora_bytes(rank: int) -> int:
-    """What bench.adapters.write_lora's file of `rank` weighs (bf16 factors on every block linear), counted on a
+    """What bench.adapters.write_lora's file of `rank` weighs (bf16 factors on each of its targets), counted on a
     weightless transformer."""
     import torch
 
+    from bench.adapters import lora_targets
     from bench.dit_step import components
 
     model = components(False, "meta", torch.bfloat16)["transformer"]
-    return sum(
-        2 * rank * (m.in_features + m.out_features)
-        for name, m in model.named_modules()
-        if name.startswith("transformer_blocks.") and isinstance(m, torch.nn.Linear)
-    )
+    return sum(2 * rank * (m.in_features + m.out_features) for _, m in lora_targets(model))
 
 
 def check(record: dict, work: Path) -> Check | None:
