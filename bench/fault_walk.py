@@ -13,7 +13,7 @@ attempts as they ship; only `start_timeout_s` is bench.e2e's 900 s (the H200 pro
 Victims and their moments:
 
 - `dit-fp8-save`: DiT rank 0 the moment the fp8 store's background save has begun writing, that is once its
-  directory aside (`<partition>-fp8-<key>.partial-<pid>`, h3serve/runtime/fp8_store.py) exists in --fp8-cache,
+  directory aside (`<partition>-fp8-<key>.partial-<pid>`, h3serve/runtime/quantised_store.py) exists in --fp8-cache,
   polled every 50 ms. The cache must start empty, --dit must have fp8, and it needs a GPU (torchao refuses fp8 on a
   CPU; tests/test_fp8_store.py kills a CPU save with that check lifted).
 - `dit-compile`: DiT rank 0 at the first job's first `denoising` event while it compiles into an empty

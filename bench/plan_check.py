@@ -1,12 +1,12 @@
 """`h3serve plan` against what the GPUs measured: every shipped profile's served rows in bench/results.json.
 
-For each end-to-end row of a shipped deployment (`--deploy docs/deploy/X.toml`) whose profile still holds the settings
-it held on the row's date (git history; comments aside), the deployment bench.e2e served is built again from the
-row's own command (the profile with the bench's changes: random weights, the request's LoRA,
-warm-up sizes, one GPU), planned by `h3serve.common.memory_plan.plan` for the row's canvas and frames, and set beside
-the row's peaks: all processes together on the fullest GPU (nvidia-smi, sampled while they ran) and each process's own
-(its allocator's peak: the DiT's ranks and the encoder and VAE). The issue's bar is every profile's planned peak within
-10 % of a measured one. Nothing is run on a GPU; the table is reproducible from the committed rows.
+For each end-to-end row of a shipped deployment (`--deploy docs/deploy/X.toml`) whose profile is still planned as the
+one it served on the row's date (git history; a setting the plan does not read leaves its rows in), the deployment
+bench.e2e served is built again from the row's own command (the profile with the bench's changes: random weights, the
+request's LoRA, warm-up sizes, one GPU), planned by `h3serve.common.memory_plan.plan` for the row's canvas and frames,
+and set beside the row's peaks: all processes together on the fullest GPU (nvidia-smi, sampled while they ran) and
+each process's own (its allocator's peak: the DiT's ranks and the encoder and VAE). The issue's bar is every profile's
+planned peak within 10 % of a measured one. Nothing is run on a GPU; the table is reproducible from the committed rows.
 
     python -m bench.plan_check            # the markdown table docs/memory-plan.md shows
 """
@@ -51,6 +51,10 @@ class Check:
     planned_parts: dict[str, float]
 
     @property
+    def plan(self) -> tuple[float, dict[str, float]]:
+        return self.planned, self.planned_parts
+
+    @property
     def off(self) -> float:
         return (self.planned - self.measured) / self.measured
 
@@ -77,9 +81,8 @@ def served_rows(records: list[dict]) -> list[dict]:
     return list(newest.values())
 
 
-def unchanged_since(profile: str, date: str) -> bool | None:
-    """Whether `profile` holds today the settings it held at the end of `date` (its comments aside); None where git
-    cannot say (no history)."""
+def profile_then(profile: str, date: str) -> str | None:
+    """`profile`'s text at the end of `date` (git history); None where git cannot say (no history)."""
     try:
         commit = subprocess.run(
             ["git", "rev-list", "-1", f"--before={date} 23:59:59", "HEAD", "--", profile],
@@ -90,7 +93,22 @@ def unchanged_since(profile: str, date: str) -> bool | None:
         then = subprocess.run(["git", "show", f"{commit}:{profile}"], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None
-    return bool(commit) and tomllib.loads(then.stdout) == tomllib.loads(Path(profile).read_text())
+    return then.stdout if commit else None
+
+
+def planned_as_served(record: dict, work: Path) -> bool | None:
+    """Whether today's profile plans the row's request as the profile it served on its date did (a setting the plan
+    does not read, such as a cache directory, leaves its rows in); None where git cannot say."""
+    profile = DEPLOYMENT.search(record["variant"]).group(1)
+    text = profile_then(profile, record["date"])
+    if text is None:
+        return None
+    if tomllib.loads(text) == tomllib.loads(Path(profile).read_text()):
+        return True
+    then = work / "profile-then.toml"
+    then.write_text(text)
+    today, served = check(record, work), check(record, work, then)
+    return today is None or (served is not None and today.plan == served.plan)  # None: counted as a missing file
 
 
 def bench_arguments(command: str) -> argparse.Namespace:
@@ -113,8 +131,9 @@ def lora_bytes(rank: int) -> int:
     return sum(2 * rank * (m.in_features + m.out_features) for _, m in lora_targets(model))
 
 
-def check(record: dict, work: Path) -> Check | None:
-    """The row beside its plan; None where the row's deployment named a file this machine lacks (a GGUF)."""
+def check(record: dict, work: Path, profile: Path | None = None) -> Check | None:
+    """The row beside its plan (of `profile`, by default the row's own profile as it is today); None where the row's
+    deployment named a file this machine lacks (a GGUF)."""
     args = bench_arguments(record["command"])
     if args.transformer_file and not Path(args.transformer_file).exists():
         return None
@@ -123,7 +142,8 @@ def check(record: dict, work: Path) -> Check | None:
         with open(args.adapter_file, "wb") as sparse:
             sparse.truncate(lora_bytes(args.adapter_rank))
     size = Size.parse(record["name"].split("_")[1])
-    config = load_deploy(profile_deployment(Path(args.deploy), profile_changes(args, work), work / "deploy.toml"))
+    deploy = profile_deployment(profile or Path(args.deploy), profile_changes(args, work), work / "deploy.toml")
+    config = load_deploy(deploy)
     gpu = memory_plan.plan(config, canvas=(size.height, size.width), frames=size.frames).gpus[0]
     planned = {share.process.split()[0]: share.total for share in gpu.shares}
     ranks = record.get("rank_peaks_gib") or []
@@ -147,12 +167,12 @@ def main(argv: list[str] | None = None) -> list[Check]:
     p.add_argument("--results", default="bench/results.json")
     args = p.parse_args(argv)
     rows = served_rows(json.loads(Path(args.results).read_text()))
-    current = [r for r in rows if unchanged_since(DEPLOYMENT.search(r["variant"]).group(1), r["date"]) is not False]
     with tempfile.TemporaryDirectory(prefix="h3serve-plan-check-") as scratch:
+        current = [r for r in rows if planned_as_served(r, Path(scratch)) is not False]
         checks = [c for r in current if (c := check(r, Path(scratch)))]
     print(table(checks))
     print(
-        f"\nleft out: {len(rows) - len(current)} row(s) of a profile whose settings changed since, "
+        f"\nleft out: {len(rows) - len(current)} row(s) of a profile whose plan changed since, "
         f"{len(current) - len(checks)} whose deployment named a file this machine lacks (a GGUF)"
     )
     within = sum(abs(c.off) <= BAR for c in checks)

@@ -19,7 +19,7 @@ from h3serve.common.config import DeployConfig, load_deploy
 from h3serve.common.deploy_toml import dumps
 from h3serve.common.free_ports import free_port
 from h3serve.common.memory_plan import card_size
-from h3serve.runtime import fp8_store
+from h3serve.runtime import quantised_store
 from h3serve.services.vae.mux import PRESET, THREADS
 
 PROMPT = (
@@ -107,8 +107,10 @@ def profile_changes(args, work: Path) -> dict[str, dict]:
         changes["dit"]["compile_cache_dir"] = changes["vae"]["compile_cache_dir"] = args.compile_cache
     if args.one_gpu:
         _onto_one_gpu(changes)
-    # only --fp8-cache's: a profile's own directory would carry the quantised weights from one run into the next
+    # only --fp8-cache's and --int8-cache's: a profile's own directories would carry the quantised weights from one
+    # run into the next
     changes["dit"]["fp8_cache_dir"] = args.fp8_cache
+    changes["encoder"]["int8_cache_dir"] = args.int8_cache
     return changes
 
 
@@ -140,12 +142,13 @@ def x264_threads(args) -> int:
 
 
 def cache_state(args) -> str:
-    """What --compile-cache and --fp8-cache held before the services started: a warm restart loads them, a cold
-    start fills them."""
+    """What --compile-cache, --fp8-cache and --int8-cache held before the services started: a warm restart loads
+    them, a cold start fills them."""
+    caches = {"compile cache": args.compile_cache, "fp8 cache": args.fp8_cache, "int8 cache": args.int8_cache}
     return "".join(
         f", {what} {'filled: ' + format(size / 2**20, '.0f') + ' MiB' if size else 'empty'} at start"
-        for what, size in (("compile cache", _bytes_in(args.compile_cache)), ("fp8 cache", _bytes_in(args.fp8_cache)))
-        if size is not None
+        for what, directory in caches.items()
+        if (size := _bytes_in(directory)) is not None
     )
 
 
@@ -191,12 +194,12 @@ def dit_group(config: DeployConfig, place: Placement) -> str:
 
 
 def wait_for_fp8_save(directory: str, timeout_s: float = 600.0) -> None:
-    """The DiT writes the fp8 weights while it warms up and serves (h3serve/runtime/fp8_store.py), and a stop loses
-    a save in flight: wait for it, so the next run of the bench starts from the file as a restart would."""
-    if not directory or not fp8_store.saves_in_flight(Path(directory)):
+    """The DiT writes the fp8 weights while it warms up and serves (h3serve/runtime/quantised_store.py), and a stop
+    loses a save in flight: wait for it, so the next run of the bench starts from the file as a restart would."""
+    if not directory or not quantised_store.saves_in_flight(Path(directory)):
         return
     started = time.perf_counter()
-    while fp8_store.saves_in_flight(Path(directory)) and time.perf_counter() - started < timeout_s:
+    while quantised_store.saves_in_flight(Path(directory)) and time.perf_counter() - started < timeout_s:
         time.sleep(1.0)
     print(
         f"services: the fp8 weights in {directory} written {time.perf_counter() - started:.1f} s after the "
@@ -292,4 +295,10 @@ def add_deployment_arguments(parser) -> None:
         default="",
         help="the DiT's fp8_cache_dir (with fp8): the first start saves the quantised weights, a restart "
         "assigns them instead of building and quantising",
+    )
+    parser.add_argument(
+        "--int8-cache",
+        default="",
+        help="with --deploy: the encoder's int8_cache_dir (a profile whose encoder streams or spreads int8 layers): "
+        "the first start saves them, a restart assigns them instead of quantising",
     )

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from bench.served import wait_for_fp8_save
 from bench.walk_stack import Stack, until
-from h3serve.runtime import fp8_store
+from h3serve.runtime import quantised_store
 
 SAVING = "saving"  # the moment of FP8_SAVE: the fp8 save's directory aside exists
-PARTIAL = ".partial-"  # fp8_store's directory aside: `<partition>-fp8-<key>.partial-<writer pid>`
+PARTIAL = ".partial-"  # the quantised store's directory aside: `<partition>-fp8-<key>.partial-<writer pid>`
 SAVE_POLL_S = 0.05  # the kill lands within this of the fp8 save's start
 
 
@@ -83,12 +83,12 @@ def fp8_aftermath(stack: Stack, cache: Path, killed: SaveAtKill, log_from: int) 
     """The cache once no save is in flight (the restarted DiT's own, which a stop would cut), and what the fp8 store
     logged since the kill (`log_from`: the DiT log's size then)."""
     wait_for_fp8_save(str(cache))
-    running, partials = fp8_store.saves_in_flight(cache), []
+    running, partials = quantised_store.saves_in_flight(cache), []
     for partial in sorted(cache.glob(f"*{PARTIAL}*")):
         whose = "the killed rank 0's" if writer(partial) == writer(killed.directory) else f"pid {writer(partial)}'s"
         partials.append(f"{partial.name} ({whose}, {'still writing' if partial in running else 'its writer dead'})")
     with open(stack.dit_log(), "rb") as log:
         log.seek(log_from)
         lines = log.read().decode(errors="replace").splitlines()
-    restart = [line.partition("h3serve.fp8_store: ")[2] for line in lines if "h3serve.fp8_store: " in line]
+    restart = [line.partition("h3serve.quantised_store: ")[2] for line in lines if "h3serve.quantised_store: " in line]
     return Fp8Aftermath(killed, whole(cache), partials, restart)

@@ -311,7 +311,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
         ours, theirs = config.service(name), shipped.service(name)
         assert ours.model_dir == "random:full" and ours.port not in (0, theirs.port)
         changed = {
-            "encoder": ("cache_bytes",),
+            "encoder": ("cache_bytes", "int8_cache_dir"),
             "vae": ("max_raw_bytes",),
             "dit": ("adapters", "warmup", "fp8_cache_dir"),
         }[name]
@@ -322,6 +322,7 @@ def test_e2e_serves_a_shipped_profile_as_it_ships_on_this_machines_ports(tmp_pat
     assert (config.dit.warmup, list(config.dit.adapters)) == (("768x1344x124",), [served.ADAPTER])
     assert (config.dit.offload, config.dit.memory_limit_gib, config.encoder.cpu_offload) == ("group", 14.0, True)
     assert shipped.dit.fp8_cache_dir and not config.dit.fp8_cache_dir, "the bench's own --fp8-cache only"
+    assert shipped.encoder.int8_cache_dir and not config.encoder.int8_cache_dir, "the bench's own --int8-cache only"
     assert config.gateway.data_dir == str(tmp_path / "gateway") and config.supervisor.start_timeout_s == 900
     assert served.emulated_card(config) == 31.5, "the card printed beside the services' peak"
     assert served.emulated_card(load_deploy(Path(__file__).resolve().parents[1] / "docs/deploy/tiny-cpu.toml")) == 0

@@ -136,6 +136,10 @@ def test_the_cache_is_keyed_by_variant_through_the_real_services(reference):
             {"cpu_offload": True, "quantize": "nf4", "device": "cuda"},
             'cpu_offload = true and quantize = "nf4" do not go',
         ),
+        (
+            {"cpu_offload": True, "quantize": "int8", "device": "cuda", "int8_cache_dir": "int8-cache"},
+            "int8_cache_dir keeps an encoder built from [model] dir (or random:full) layer by layer: the tiny preset",
+        ),
     ],
 )
 def test_placements_that_cannot_work_here_are_refused_at_start(monkeypatch, settings, needle):

@@ -1,6 +1,6 @@
 """`[dit] fp8_save`: the first start's background save of the served fp8 weights finishes before SERVING (the
 default), so no request runs under it; the save is still whole and a restart assigns it. fp8 on the CPU as
-tests/test_fp8_store.py runs it (torchao's hardware check lifted), through the DiT rank's own `load_whole`."""
+tests/test_quantised_store.py runs it (torchao's hardware check lifted), through the DiT rank's own `load_whole`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from test_fp8_store import CPU, ONE_RANK, assert_same, fp8_state, start
 
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fp8_store
+from h3serve.runtime import quantised_store
 from h3serve.services.dit import rank
 
 pytestmark = pytest.mark.processes
@@ -29,7 +29,7 @@ def held_save(monkeypatch) -> threading.Event:
     monkeypatch.setattr(torch, "save", held)
     yield release
     release.set()
-    fp8_store.wait_for_saves(timeout_s=120)
+    quantised_store.wait_for_saves(timeout_s=120)
 
 
 def first_start(model_dir, cache_dir, when: str) -> torch.nn.Module:
@@ -57,7 +57,7 @@ def test_serving_waits_for_the_save_which_is_whole_and_a_restart_assigns_it(
         announced.set()
 
     def hold() -> None:
-        fp8_store.before_serving(DiTConfig().fp8_save, announce)
+        quantised_store.before_serving(DiTConfig().fp8_save, announce)
         serving.set()
 
     holder = threading.Thread(target=hold)
@@ -82,14 +82,14 @@ def test_serving_waits_for_the_save_which_is_whole_and_a_restart_assigns_it(
 def test_background_serves_at_once_while_the_save_goes_on(fp8_on_cpu, loads, held_save, tiny_model_dir, tmp_path):
     first_start(tiny_model_dir, tmp_path, "background")
     states: list[str] = []
-    fp8_store.before_serving("background", states.append)  # returns with the save still held
-    assert states == [] and not fp8_store.wait_for_saves(timeout_s=0)
+    quantised_store.before_serving("background", states.append)  # returns with the save still held
+    assert states == [] and not quantised_store.wait_for_saves(timeout_s=0)
     held_save.set()
-    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert quantised_store.wait_for_saves(timeout_s=120)
     assert len(list(tmp_path.glob("transformer-fp8-*"))) == 1
 
 
 def test_nothing_to_write_is_no_wait():
     states: list[str] = []
-    fp8_store.before_serving("before_serving", states.append)
+    quantised_store.before_serving("before_serving", states.append)
     assert states == []

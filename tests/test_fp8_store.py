@@ -18,7 +18,8 @@ import torch
 
 from bench.common import Size, denoise_spec
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fp8_store, pinned
+from h3serve.runtime import pinned, quantised_store
+from h3serve.runtime.fastpath import FP8_LAYOUT
 from h3serve.runtime.models import ModelSource
 from h3serve.services.dit import parallel, rank
 from h3serve.services.dit.runner import DenoiseRunner, served
@@ -35,7 +36,7 @@ def start(model_dir, cache_dir) -> torch.nn.Module:
     )
     components, model, _ = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
     assert "transformer" in model.components
-    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert quantised_store.wait_for_saves(timeout_s=120)
     return components["transformer"]
 
 
@@ -48,7 +49,7 @@ def fp8_state(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def latents(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+def latents(transformer: torch.nn.Module, device: torch.device = CPU) -> dict[str, torch.Tensor]:
     from h3serve.runtime.tiny import build_component
 
     parts = {
@@ -57,7 +58,7 @@ def latents(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
         "audio_scheduler": build_component("audio_scheduler"),
     }
     embeds = torch.randn(1, TOKENS, transformer.config.text_dim, generator=torch.Generator().manual_seed(0))
-    runner = DenoiseRunner(parts, served(["t2va"]), device=CPU)
+    runner = DenoiseRunner(parts, served(["t2va"]), device=device)
     return runner.run(
         denoise_spec(Size.parse("32x64x124"), forwards=2),
         embeds.to(torch.bfloat16),
@@ -97,7 +98,7 @@ def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, l
     (saved,) = tmp_path.glob("transformer-fp8-*")
     block = saved / "transformer_blocks.1.pt"
     block.write_bytes(block.read_bytes()[: block.stat().st_size // 2])  # a truncated file
-    with caplog.at_level(logging.WARNING, logger="h3serve.fp8_store"):
+    with caplog.at_level(logging.WARNING, logger="h3serve.quantised_store"):
         again = start(tiny_model_dir, tmp_path)
     assert "does not load" in caplog.text and "quantising again" in caplog.text
     assert loads[-1] == ["transformer", "scheduler", "audio_scheduler"]
@@ -111,7 +112,7 @@ def test_a_file_that_does_not_load_is_replaced_by_quantising_again(fp8_on_cpu, l
 SLOW_SAVE = """
 import sys, time, torch
 from torchao.quantization import quant_api
-from h3serve.runtime import fp8_store
+from h3serve.runtime import quantised_store
 sys.path.insert(0, sys.argv[3])
 from test_fp8_store import start
 quant_api._check_hardware_support = lambda granularity: None
@@ -120,7 +121,7 @@ def paused(state, path):
     save(state, path)
     print(path, flush=True)
     time.sleep(60)
-fp8_store.torch.save = paused
+quantised_store.torch.save = paused
 start(sys.argv[1], sys.argv[2])
 """
 
@@ -167,9 +168,11 @@ def test_the_start_goes_on_while_the_served_weights_are_written(
         model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path), workflows=("t2va",)
     )
     first = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])[0]["transformer"]
-    assert not list(tmp_path.glob("transformer-fp8-????????????????")) and not fp8_store.wait_for_saves(timeout_s=0)
+    assert not list(tmp_path.glob("transformer-fp8-????????????????")) and not quantised_store.wait_for_saves(
+        timeout_s=0
+    )
     release.set()
-    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert quantised_store.wait_for_saves(timeout_s=120)
     assert len(list(tmp_path.glob("transformer-fp8-*"))) == 1 and not list(tmp_path.glob("*.partial-*"))
     assert_same(fp8_state(start(tiny_model_dir, tmp_path)), fp8_state(first))
     assert loads[-1] == ["scheduler", "audio_scheduler"]
@@ -183,9 +186,9 @@ def test_a_background_save_copies_from_the_gpu_what_the_stream_queued_before_it(
     with torch.no_grad():
         for _ in range(20):  # queued work the save must wait for
             module.weight.mul_(1.0001).add_(0.5)
-    store = fp8_store.Fp8Store(tmp_path, "rev", torch.bfloat16)
+    store = quantised_store.QuantisedStore(tmp_path, "rev", torch.bfloat16, FP8_LAYOUT)
     store.save_later("transformer", module)
-    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert quantised_store.wait_for_saves(timeout_s=120)
     saved = torch.load(store.path("transformer") / "rest.pt", weights_only=True)
     assert torch.equal(saved["weight"], module.weight.cpu()) and torch.equal(saved["bias"], module.bias.cpu())
 
@@ -193,7 +196,7 @@ def test_a_background_save_copies_from_the_gpu_what_the_stream_queued_before_it(
 def test_a_save_that_fails_is_a_warning_not_a_failed_start(fp8_on_cpu, tiny_model_dir, tmp_path, caplog):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    with caplog.at_level(logging.WARNING, logger="h3serve.fp8_store"):
+    with caplog.at_level(logging.WARNING, logger="h3serve.quantised_store"):
         transformer = start(tiny_model_dir, blocked)
     assert "not saved" in caplog.text and "the next start quantises again" in caplog.text
     assert any(pinned.parts(tensor) for tensor in transformer.state_dict().values()), "served in fp8 all the same"
@@ -202,12 +205,12 @@ def test_a_save_that_fails_is_a_warning_not_a_failed_start(fp8_on_cpu, tiny_mode
 def test_the_key_names_the_weights_partition_dtype_and_versions(tmp_path, monkeypatch):
     import torchao
 
-    store = fp8_store.Fp8Store(tmp_path, "rev-a", torch.bfloat16)
+    store = quantised_store.QuantisedStore(tmp_path, "rev-a", torch.bfloat16, FP8_LAYOUT)
     path = store.path("transformer")
     others = [
-        fp8_store.Fp8Store(tmp_path, "rev-b", torch.bfloat16).path("transformer"),
+        quantised_store.QuantisedStore(tmp_path, "rev-b", torch.bfloat16, FP8_LAYOUT).path("transformer"),
         store.path("transformer_ref"),
-        fp8_store.Fp8Store(tmp_path, "rev-a", torch.float32).path("transformer"),
+        quantised_store.QuantisedStore(tmp_path, "rev-a", torch.float32, FP8_LAYOUT).path("transformer"),
     ]
     monkeypatch.setattr(torchao, "__version__", "0.0.1")
     others.append(store.path("transformer"))
@@ -216,7 +219,7 @@ def test_the_key_names_the_weights_partition_dtype_and_versions(tmp_path, monkey
 
 
 def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
-    store = fp8_store.Fp8Store(tmp_path, "rev", torch.bfloat16)
+    store = quantised_store.QuantisedStore(tmp_path, "rev", torch.bfloat16, FP8_LAYOUT)
     path = store.path("transformer")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = path.with_name(f"{path.name}.partial-{int(dead.stdout)}")
@@ -224,7 +227,7 @@ def test_a_save_deletes_what_dead_saves_left_and_keeps_a_running_ones(tmp_path):
     for partial in (stale, live):
         partial.mkdir()
         (partial / "transformer_blocks.0.pt").write_bytes(b"half a file")
-    assert fp8_store.saves_in_flight(tmp_path) == [live]  # what the e2e bench waits for before it stops the DiT
+    assert quantised_store.saves_in_flight(tmp_path) == [live]  # what the e2e bench waits for before it stops the DiT
     store.save("transformer", torch.nn.Linear(2, 2))
     assert (path / "rest.pt").is_file() and not stale.exists() and live.exists()
 
@@ -267,13 +270,14 @@ def test_the_block_by_block_build_frees_each_block_although_its_quantised_weight
 
     weights = ModelSource(str(tiny_model_dir)).weights("transformer")
     model = random_full.skeleton(weights.factory, torch.bfloat16).requires_grad_(False)
+    build = quantised_store.Build(weights, lambda: model, CPU, quantize_in_a_cycle)
     built: list[weakref.ref] = []
     gc.disable()
     try:
-        for name, _state in fp8_store._quantised_groups(model, weights, torch.device("cpu"), quantize_in_a_cycle):
+        for name, _state in quantised_store._quantised_groups(model, FP8_LAYOUT.blocks, build):
             alive = [ref for ref in built if ref() is not None]
             assert not alive, f"{len(alive)} earlier block(s) still held when {name} is handed over"
-            if name != fp8_store.REST:
+            if name != quantised_store.REST:
                 linears = [m for m in model.transformer_blocks[len(built)].modules() if isinstance(m, torch.nn.Linear)]
                 built.append(weakref.ref(linears.pop().weight))
                 del linears

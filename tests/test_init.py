@@ -87,12 +87,13 @@ def test_a_box_no_profile_fits_is_refused_with_every_reason(tmp_path, capsys):
     assert "not single-24gb-gguf.toml: it serves the DiT from your GGUF: give --transformer-file" in out
 
 
-def test_a_small_disk_leaves_out_a_profile_whose_fp8_store_it_cannot_hold(tmp_path, capsys):
+def test_a_small_disk_leaves_out_a_profile_whose_quantised_weights_it_cannot_hold(tmp_path, capsys):
     box, _ = BOXES["1x80GB sm_90"]
     with pytest.raises(SystemExit):
-        run_init(tmp_path, {**box, "disk_gib": 20}, "--dry-run")
+        run_init(tmp_path, {**box, "disk_gib": 60}, "--dry-run")
     assert (
-        "not single-h100.toml: its fp8 store takes 43.8 GiB of disk, the box has 20 GiB free" in capsys.readouterr().out
+        "not single-h100.toml: its quantised weights take the DiT's fp8 43.8 and the encoder's int8 25.7 GiB of disk, "
+        "the box has 60 GiB free" in capsys.readouterr().out
     )
 
 

@@ -16,7 +16,8 @@ from lora_files import original_lora
 from test_fp8_store import ONE_RANK, assert_same, fp8_state, latents
 
 from h3serve.common.config import DiTConfig
-from h3serve.runtime import fp8_store, weight_stream
+from h3serve.runtime import quantised_store, weight_stream
+from h3serve.runtime.fastpath import FP8_LAYOUT as FP8
 from h3serve.services.dit import rank
 
 CPU = torch.device("cpu")
@@ -38,7 +39,7 @@ def start(model_dir, cache_dir, offload="group", **settings):
         **settings,
     )
     components, _, held = rank.load_whole(config, ONE_RANK, CPU, ["transformer"])
-    assert fp8_store.wait_for_saves(timeout_s=120)
+    assert quantised_store.wait_for_saves(timeout_s=120)
     return components["transformer"], held
 
 
@@ -176,3 +177,53 @@ def test_on_a_gpu_the_streamed_blocks_give_the_resident_latents_request_after_re
     for _ in range(2):
         assert_same(gpu_latents(streamed, gpu), expected)
     assert streamed.transformer_blocks[0].attn.to_q.weight.qdata.device.type == "cpu", "back in host memory"
+
+
+def test_a_resident_start_moves_the_stored_weights_out_of_the_files_through_the_staging_slots(
+    fp8_on_cpu, tiny_model_dir, tmp_path, monkeypatch
+):
+    """weight_stream.move_to_device (a resident start from the fp8 store) with the CPU as the device and slots the
+    size of its largest tensor, so that the tiny transformer crosses in several loads of each slot: every tensor
+    leaves the store's mapped files, each torchao weight a new one over its moved parts, and the model denoises as it
+    did from the files."""
+    from h3serve.runtime.models import ModelSource
+
+    start(tiny_model_dir, tmp_path, offload="none")  # fills the store
+    store = quantised_store.QuantisedStore(tmp_path, ModelSource(str(tiny_model_dir)).revision(), torch.bfloat16, FP8)
+    mapped = store.load(
+        "transformer", rank.skeleton_of(ModelSource(str(tiny_model_dir)), "transformer", torch.bfloat16)
+    )
+    assert mapped is not None and mapped_file(mapped.transformer_blocks[0].attn.to_q.weight.qdata)
+    expected_state = {name: tensor.clone() for name, tensor in fp8_state(mapped).items()}
+    expected = latents(mapped)
+    loads = []
+    groups = weight_stream._slot_groups
+    monkeypatch.setattr(weight_stream, "UPLOAD_SLOT_BYTES", 1 << 16)
+    monkeypatch.setattr(weight_stream, "_slot_groups", lambda *a: loads.append(groups(*a)) or loads[-1])
+    weight_stream.move_to_device(mapped, CPU)
+    assert len(loads[0]) > 1, "several slot loads, each slot reused"
+    state = fp8_state(mapped)
+    stored = [name for name, tensor in state.items() if str(mapped_file(tensor)).startswith(str(tmp_path))]
+    assert stored == [], "nothing left in the store's mapped files"
+    assert_same(state, expected_state)
+    assert_same(latents(mapped), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_resident_gpu_start_from_the_fp8_store_denoises_as_the_start_that_quantised(tiny_model_dir, tmp_path):
+    """The served path on a GPU: the first start quantises on the card and saves; the restart assigns the files and
+    moves them through the pinned slots (move_to_device): torchao weights that say they are on the card, the same
+    fp8 bytes and latents."""
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    config = DiTConfig(
+        model_dir=str(tiny_model_dir), dtype="bfloat16", fp8=True, fp8_cache_dir=str(tmp_path), workflows=("t2va",)
+    )
+    first = rank.load_whole(config, ONE_RANK, gpu, ["transformer"])[0]["transformer"]
+    assert quantised_store.wait_for_saves(timeout_s=120)
+    again = rank.load_whole(config, ONE_RANK, gpu, ["transformer"])[0]["transformer"]
+    weight = again.transformer_blocks[0].attn.to_q.weight
+    assert weight.device.type == "cuda" and weight.qdata.device.type == "cuda" and mapped_file(weight.qdata) is None
+    assert all(tensor.device.type == "cuda" for tensor in fp8_state(again).values())
+    assert_same({k: v.cpu() for k, v in fp8_state(again).items()}, {k: v.cpu() for k, v in fp8_state(first).items()})
+    assert_same(latents(again, gpu), latents(first, gpu))

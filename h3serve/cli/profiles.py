@@ -22,7 +22,7 @@ import h3serve
 from h3serve.cli.box import Box
 from h3serve.common.ceilings import SHORTEST, Ceilings
 from h3serve.common.config import SERVICES, ConfigError, DeployConfig, load_deploy
-from h3serve.common.memory_plan import GIB, dit_weights, plan
+from h3serve.common.memory_plan import GIB, TEXT_ENCODER, dit_weights, plan
 
 
 @dataclass(frozen=True)
@@ -177,11 +177,21 @@ def assess(profile: Profile, box: Box, directory: Path, model_dir: str = "", ggu
         return Verdict(profile, text, (f"set to this box it does not load: {exc}",))
     result = plan(config, gpu_gib=card, frames=SHORTEST, host_gib=box.host_gib, host_source="the box")
     why_not = [f"a {SHORTEST}-frame clip at its default canvas: {problem}" for problem in result.problems]
-    if config.dit.fp8_cache_dir:
-        store = dit_weights(config.dit)[0] / GIB
-        if store > box.disk_gib:
-            why_not.append(f"its fp8 store takes {store:.1f} GiB of disk, the box has {box.disk_gib:g} GiB free")
+    stores = quantised_stores_gib(config)
+    if stores and sum(stores.values()) > box.disk_gib:
+        takes = " and ".join(f"{what} {gib:.1f}" for what, gib in stores.items())
+        why_not.append(f"its quantised weights take {takes} GiB of disk, the box has {box.disk_gib:g} GiB free")
     return Verdict(profile, text, tuple(why_not), config, card)
+
+
+def quantised_stores_gib(config: DeployConfig) -> dict[str, float]:
+    """The disk each quantised store of the deployment fills at its first start (h3serve/runtime/quantised_store.py)."""
+    stores = {}
+    if config.dit.fp8_cache_dir:
+        stores["the DiT's fp8"] = dit_weights(config.dit)[0] / GIB
+    if config.encoder.int8_cache_dir:
+        stores["the encoder's int8"] = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
+    return stores
 
 
 def choose(box: Box, directory: Path, model_dir: str = "", gguf: str = "") -> list[Verdict]:

@@ -32,6 +32,7 @@ import torch
 from h3serve.runtime import fp16_linears, pinned
 from h3serve.runtime.kernels import fp8_attention
 from h3serve.runtime.kernels import local as local_kernels
+from h3serve.runtime.quantised_store import Layout
 
 if TYPE_CHECKING:
     from diffusers.models.modeling_utils import ModelMixin
@@ -153,10 +154,18 @@ def set_attention(model: ModelMixin, backend: str) -> None:
         model.set_attention_backend(backend)
 
 
+# The transformer's fp8 partitions in the quantised store (`[dit] fp8_cache_dir`): a file per block
+FP8_LAYOUT = Layout(
+    kind="fp8",
+    blocks="transformer_blocks",
+    recipe="torchao Float8DynamicActivationFloat8WeightConfig PerRow on fastpath.fp8_target, a file per block, v2",
+)
+
+
 def quantize_fp8(model: torch.nn.Module, prefix: str = "") -> None:
     """fp8 the block linears of a MiniMax-H3 transformer (its `transformer_blocks.*`), or of a video VAE's ViT decoder
     (named as the transformer's are), on the device its weights are on; `prefix` is the name of `model` in the whole
-    transformer when it is a part of it (one block: fp8_store.build)."""
+    transformer when it is a part of it (one block: quantised_store.build)."""
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
     except ImportError as exc:
@@ -177,7 +186,7 @@ def quantize_fp8(model: torch.nn.Module, prefix: str = "") -> None:
 def fp8_target(module: torch.nn.Module, name: str) -> bool:
     """The block linears fp8 quantises. A LoRA adapter's own linears (peft's `<layer>.lora_A.<adapter>`) stay in
     their dtype: they are small, and adapters switch by writing them; the layer they adapt (`<layer>.base_layer`)
-    is quantised as any other. A linear already fp8 (assigned from the fp8 store, h3serve/runtime/fp8_store.py) is
+    is quantised as any other. A linear already fp8 (assigned from the fp8 store, h3serve/runtime/quantised_store.py) is
     left as it is."""
     return (
         isinstance(module, torch.nn.Linear)

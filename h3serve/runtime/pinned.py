@@ -67,11 +67,12 @@ def parts(tensor: torch.Tensor) -> list[str]:
     return [name for name in names if getattr(tensor, name, None) is not None]
 
 
-def alias(tensor: TraceableWrapperSubclass) -> torch.Tensor:
-    """A second torchao tensor object over `tensor`'s own parts (no copy)."""
+def alias(tensor: TraceableWrapperSubclass, parts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """A second torchao tensor object over `tensor`'s own parts, or over `parts` in their place (no copy)."""
     names, attributes = tensor.__tensor_flatten__()
+    parts = parts or {}
     return type(tensor).__tensor_unflatten__(
-        {name: getattr(tensor, name) for name in names}, attributes, tensor.size(), tensor.stride()
+        {name: parts.get(name, getattr(tensor, name)) for name in names}, attributes, tensor.size(), tensor.stride()
     )
 
 

@@ -1,5 +1,5 @@
 """Block weights streamed from memory-mapped files to a GPU through a bounded pinned staging area (`[dit] offload =
-"group"` with `fp8_cache_dir`: the weights are the fp8 store's files, h3serve/runtime/fp8_store.py).
+"group"` with `fp8_cache_dir`: the weights are the fp8 store's files, h3serve/runtime/quantised_store.py).
 
 Pinning every offloaded weight (h3serve/runtime/pinned.py) keeps the 43.8 GiB of the released transformer's fp8
 weights in page-locked host memory for the life of the process: with a 49 GiB text encoder beside it, more than a
@@ -31,11 +31,14 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from h3serve.runtime import pinned
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TraceableWrapperSubclass
 
 log = logging.getLogger("h3serve.weight_stream")
 PREFETCH = 2  # blocks copied ahead of the one running: the copy thread never waits for the GPU to ask
@@ -229,3 +232,78 @@ def _move_others(model: torch.nn.Module, staged: set[int], device: torch.device)
             continue
         for attribute, piece in _pieces(tensor):
             Part(tensor, attribute, piece, 0).point_at(piece.to(device))
+
+
+UPLOAD_SLOT_BYTES = 256 << 20  # a staging slot of move_to_device (or the largest tensor, when larger)
+
+
+def move_to_device(model: torch.nn.Module, device: torch.device) -> None:
+    """Every tensor of `model` (in host memory: the quantised store's memory-mapped files) moved to `device` for good,
+    through `STAGING_SLOTS` pinned slots: COPY_THREADS threads copy a slot's worth of tensors out of the page cache
+    while the slot before it crosses to the GPU on a side stream. `model.to(device)` copies each tensor from pageable
+    memory by itself, the pages faulted in by one thread: the fp8 transformer's 43.8 GiB took about 15 s on one H100
+    (docs/deploy/single-h100.md). A torchao tensor becomes a new one over its moved parts. On the CPU (tests) the
+    same path runs without pinning or streams."""
+    cuda = device.type == "cuda"
+    owned = [
+        (module, name, tensor, is_parameter)
+        for module in model.modules()
+        for is_parameter, named in ((True, module.named_parameters), (False, module.named_buffers))
+        for name, tensor in named(recurse=False)
+    ]
+    tensors = {id(tensor): tensor for _, _, tensor, _ in owned}  # a tensor two modules share moves once
+    pieces = [(key, attribute, source) for key, tensor in tensors.items() for attribute, source in _pieces(tensor)]
+    spans = [-(-pinned.span_bytes(source) // pinned.ALIGN) * pinned.ALIGN for _, _, source in pieces]
+    slot_bytes = max([UPLOAD_SLOT_BYTES, *spans])
+    slots = [Slot(torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda)) for _ in range(STAGING_SLOTS)]
+    stream = torch.cuda.Stream(device) if cuda else None
+    moved: dict[int, dict[str | None, torch.Tensor]] = {}  # each tensor's moved pieces, by attribute
+    with ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="upload-copy") as copiers:
+        for number, group in enumerate(_slot_groups(spans, slot_bytes)):
+            slot = slots[number % len(slots)]
+            if slot.event is not None:
+                slot.event.synchronize()  # the GPU has read what the slot held before
+            staged = [(pieces[index], offset) for index, offset in group]
+            chunks = [
+                (slot.buffer.data_ptr() + offset + start, source.data_ptr() + start, min(CHUNK_BYTES, span - start))
+                for (_, _, source), offset in staged
+                for span in [pinned.span_bytes(source)]
+                for start in range(0, span, CHUNK_BYTES)
+            ]
+            list(copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
+            with torch.cuda.stream(stream):
+                for (key, attribute, source), offset in staged:
+                    target = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=device)
+                    target.copy_(Part(source, None, source, offset).view_in(slot.buffer), non_blocking=cuda)
+                    moved.setdefault(key, {})[attribute] = target
+                if stream is not None:
+                    slot.event = torch.cuda.Event()
+                    slot.event.record(stream)
+    if stream is not None:
+        stream.synchronize()  # the slots are freed on return: their copies must have finished
+    replaced = {key: _rebuilt(tensors[key], parts) for key, parts in moved.items()}
+    for module, name, tensor, is_parameter in owned:
+        if is_parameter:
+            module._parameters[name] = torch.nn.Parameter(replaced[id(tensor)], tensor.requires_grad)
+        else:
+            module._buffers[name] = replaced[id(tensor)]
+
+
+def _rebuilt(tensor: torch.Tensor, parts: dict[str | None, torch.Tensor]) -> torch.Tensor:
+    """`tensor` over its moved pieces: the plain tensor itself, or a torchao tensor of the moved parts."""
+    if None in parts:
+        return parts[None]
+    return pinned.alias(cast("TraceableWrapperSubclass", tensor), cast(dict[str, torch.Tensor], parts))
+
+
+def _slot_groups(spans: list[int], slot_bytes: int) -> list[list[tuple[int, int]]]:
+    """The pieces (by index, each `spans` bytes) in order, in groups that fill a slot: (index, offset in the slot)."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    used = 0
+    for index, span in enumerate(spans):
+        if used + span > slot_bytes and groups[-1]:
+            groups.append([])
+            used = 0
+        groups[-1].append((index, used))
+        used += span
+    return [group for group in groups if group]

@@ -65,13 +65,13 @@ class DiTConfig(CompiledServiceConfig):
     adapter_slots: PositiveInt = 1  # compile = true: adapters one request may name (slots switched in place)
     fsdp_offload: bool = False  # fsdp = true: parameters live in host memory, each block's gathered to the GPU
     # With fp8 = true: the quantised weights saved here at the first start and assigned at later ones, memory-mapped,
-    # instead of loading bf16 and quantising again (h3serve/runtime/fp8_store.py; ~44 GiB for the released model);
+    # instead of loading bf16 and quantising again (h3serve/runtime/quantised_store.py; ~44 GiB for the released model);
     # unfused adapters run over them. With offload = "group" the blocks are streamed from these files.
     fp8_cache_dir: str = ""
     # When a start that quantised writes the served fp8 weights to fp8_cache_dir (resident weights only: a streamed or
     # sharded start writes them before it goes on): "before_serving" holds health NOT_SERVING until they are written
     # (beside the warm-up), so no request runs under the save; "background" turns SERVING without waiting, and the
-    # first requests share the machine with the save (h3serve/runtime/fp8_store.py)
+    # first requests share the machine with the save (h3serve/runtime/quantised_store.py)
     fp8_save: Literal["before_serving", "background"] = "before_serving"
     # Warm start: "HxWxF" shapes denoised (compiled, with compile = true) before health turns SERVING, so the first
     # request is as fast as the hundredth. See docs/performance.md, "Warm start".

@@ -111,6 +111,11 @@ class EncoderConfig(ModelServiceConfig):
     # changes the embeddings (the cache key says which)
     spread: bool = False  # the decoder layers spread over every visible GPU (accelerate's device map)
     cpu_offload: bool = False  # weights in pinned host memory, each layer streamed to the device as it runs
+    # With quantize = "int8" and cpu_offload or spread: the int8 weights saved here, a file per decoder layer, at the
+    # first start and assigned at later ones, memory-mapped, instead of quantising again (25.7 GiB for the released
+    # encoder; h3serve/runtime/quantised_store.py). Needs [model] dir (or random:full): refused at start for the
+    # tiny preset, which is built whole
+    int8_cache_dir: str = ""
 
     @field_validator("cpu_offload")
     @classmethod
@@ -118,3 +123,15 @@ class EncoderConfig(ModelServiceConfig):
         if offload and info.data.get("spread"):
             raise ValueError("spread and cpu_offload are two placements of the same layers: choose one")
         return offload
+
+    @field_validator("int8_cache_dir")
+    @classmethod
+    def _int8_to_cache(cls, directory: str, info: ValidationInfo) -> str:
+        if directory and info.data.get("quantize") != "int8":
+            raise ValueError('int8_cache_dir keeps the int8-quantized weights: it needs quantize = "int8"')
+        if directory and not (info.data.get("cpu_offload") or info.data.get("spread")):
+            raise ValueError(
+                "int8_cache_dir keeps the encoder quantized layer by layer, as cpu_offload and spread build it: set "
+                'one of them, or int8_cache_dir = "" (a resident int8 encoder is quantized whole)'
+            )
+        return directory

@@ -41,7 +41,8 @@ HOST_RESERVE_GIB = 4.0  # left to the OS, page tables and whatever else the host
 ARENA_GIB = 1  # h3serve/runtime/pinned.py ARENA_BYTES (tests/test_host_plan.py checks they agree)
 STAGING_SLOTS = 2  # h3serve/runtime/weight_stream.py's (the same check)
 SMALL_MODEL_GIB = 1.0  # a model directory with fewer GiB of weights is not the released model
-FP8_BUILD_BLOCKS = 2  # h3serve/runtime/fp8_store.py build: blocks' fp8 tensors held for the writer at most
+# h3serve/runtime/quantised_store.py build: blocks' quantised tensors held for the writer at most
+QUANTISED_BUILD_BLOCKS = 2
 
 
 class HostMemoryError(ValueError):
@@ -119,7 +120,7 @@ def dit_host(dit: DiTConfig) -> HostNeed:
         return HostNeed("dit", {**runtime, **held, **adapters}, {**runtime, **held})
     if dit.offload == "group" and dit.fp8_cache_dir:
         staging = {"staging": STAGING_SLOTS * pinned_gib(block, (block,) if block > ARENA_GIB * GIB else ())}
-        build = {"fp8 build": FP8_BUILD_BLOCKS * gib(block)}
+        build = {"fp8 build": QUANTISED_BUILD_BLOCKS * gib(block)}
         return HostNeed("dit", {**runtime, **staging, **adapters, **build}, {**runtime, **staging}, gib(weights))
     if dit.offload == "group":
         pinned = {"pinned weights": pinned_gib(weights)}
@@ -149,8 +150,9 @@ def encoder_host(encoder: EncoderConfig, quantize: str | None = None) -> HostNee
     if encoder.cpu_offload:
         embedding = TEXT_ENCODER.embedding * DTYPE_BYTES[encoder.dtype]
         pinned = {"pinned weights": pinned_gib(weights, (embedding,) if embedding > ARENA_GIB * GIB else ())}
-        if quantize != "none":  # built layer by layer on the GPU (placement.layer_weights)
-            layer = {"one layer": gib(TEXT_ENCODER.layer_bytes(encoder.dtype, quantize))}
+        if quantize != "none":  # built layer by layer on the GPU (placement.layer_weights), or into the int8 store
+            layers = QUANTISED_BUILD_BLOCKS if encoder.int8_cache_dir else 1
+            layer = {"layers built": layers * gib(TEXT_ENCODER.layer_bytes(encoder.dtype, quantize))}
             return HostNeed("encoder", {**runtime, **pinned, **layer}, {**runtime, **pinned})
         return HostNeed("encoder", {**runtime, "bf16 load": max(bf16, pinned["pinned weights"])}, {**runtime, **pinned})
     if quantize != "none" and encoder.spread:  # built layer by layer on its GPUs (placement.build_spread)

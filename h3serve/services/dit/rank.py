@@ -19,6 +19,7 @@ it is seen, by the driver.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,7 +37,7 @@ from h3serve.common.config import DiTConfig
 from h3serve.common.errors import describe
 from h3serve.common.server import GRACE_SECONDS, set_serving, start_server
 from h3serve.model.adapters import FUSED
-from h3serve.runtime import compile_cache, fastpath, fp8_store, memory, weight_stream
+from h3serve.runtime import compile_cache, fastpath, memory, quantised_store, random_full, weight_stream
 from h3serve.runtime.fastpath import FastPath
 from h3serve.runtime.models import DTYPES, ModelSource, own_memory
 from h3serve.runtime.service import load_model_service
@@ -86,7 +88,7 @@ class Endpoint:
             if config.warmup:
                 self.view.state = f"warming up {', '.join(config.warmup)}"
                 info.warm_shapes.extend(dict.fromkeys(run.shape for run in warmup.warm_up(member, config)))
-            fp8_store.before_serving(config.fp8_save, lambda state: setattr(self.view, "state", state))
+            quantised_store.before_serving(config.fp8_save, lambda state: setattr(self.view, "state", state))
         except BaseException as exc:
             log.error("rank 0 could not join the DiT group: %s", describe(exc))
             reason = compile_cache.set_aside_if_damaged(exc) or describe(exc, lines=1)
@@ -179,7 +181,11 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
         DTYPES[config.dtype],
         FastPath.of(config),
     )
-    store = fp8_store.Fp8Store(Path(config.fp8_cache_dir), source.revision(), dtype) if config.fp8_cache_dir else None
+    store = (
+        quantised_store.QuantisedStore(Path(config.fp8_cache_dir), source.revision(), dtype, fastpath.FP8_LAYOUT)
+        if config.fp8_cache_dir
+        else None
+    )
     streamed = grouped and store is not None
     if streamed:  # capped first: the partitions are quantised block by block on the GPU
         assert store is not None  # streamed
@@ -187,7 +193,7 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
         stored = {partition: stored_or_built(store, source, partition, device) for partition in loaded}
     else:
         found = (
-            {partition: store.load(partition, source.weights(partition).factory) for partition in loaded}
+            {partition: store.load(partition, skeleton_of(source, partition, dtype)) for partition in loaded}
             if store
             else {}
         )
@@ -213,7 +219,7 @@ def load_whole(config: DiTConfig, layout: parallel.Layout, device: torch.device,
         parallel.ready_model(transformer, fast, device, dtype, sequence_split=layout.world_size > 1)
         parallel.parallelize(transformer, layout, device)
         if streamed:  # kept on the module for its figures (the hooks hold it anyway)
-            transformer.weight_stream = weight_stream.BlockStream(transformer, fp8_store.BLOCKS, base, device)
+            transformer.weight_stream = weight_stream.BlockStream(transformer, fastpath.FP8_LAYOUT.blocks, base, device)
         elif grouped:
             parallel.offload_groups(transformer, device)
     return components, model, held
@@ -224,7 +230,7 @@ def quantise_then_adapt(
     fast: FastPath,
     partitions: adapters.Partitions,
     built: list[str],
-    store: fp8_store.Fp8Store | None,
+    store: quantised_store.QuantisedStore | None,
     layout: parallel.Layout,
 ) -> adapters.Adapters:
     """fp8 the partitions built here and save them (rank 0), then install the adapters over the quantised base as
@@ -245,21 +251,18 @@ def quantise_then_adapt(
 
 
 def stored_or_built(
-    store: fp8_store.Fp8Store, source: ModelSource, partition: str, device: torch.device
+    store: quantised_store.QuantisedStore, source: ModelSource, partition: str, device: torch.device
 ) -> torch.nn.Module:
     """The partition from the fp8 store, quantised there block by block on `device` first if it is not saved yet:
     group offload streams its blocks from those files (h3serve/runtime/weight_stream.py)."""
-    weights = source.weights(partition)
-    transformer = store.load(partition, weights.factory)
-    if transformer is None:
-        store.build(partition, weights, device, fastpath.quantize_fp8)
-        transformer = store.load(partition, weights.factory)
-    if transformer is None:
-        raise RuntimeError(
-            f"{partition}: group offload streams the fp8 weights from fp8_cache_dir = "
-            f"{str(store.directory)!r}, and they could not be saved there (the warning above says why)"
-        )
-    return transformer
+    skeleton = skeleton_of(source, partition, store.dtype)
+    build = quantised_store.Build(source.weights(partition), skeleton, device, fastpath.quantize_fp8)
+    return store.load_or_build(partition, build)
+
+
+def skeleton_of(source: ModelSource, partition: str, dtype: torch.dtype) -> Callable[[], torch.nn.Module]:
+    """The partition on the meta device, as the fp8 store assigns and builds it."""
+    return functools.partial(random_full.skeleton, source.weights(partition).factory, dtype)
 
 
 def base_tensors(transformer: torch.nn.Module) -> set[int]:
@@ -279,7 +282,8 @@ def place_stored(transformer: torch.nn.Module, home: str, grouped: bool) -> torc
     if torch.device(home).type == "cpu":
         own_memory(transformer)
         return transformer
-    return transformer.to(home)
+    weight_stream.move_to_device(transformer, torch.device(home))  # through pinned slots, not from pageable memory
+    return transformer
 
 
 def load_by_shard(config: DiTConfig, layout: parallel.Layout, device: torch.device, loaded: list[str]):

@@ -34,6 +34,13 @@ Qwen3-VL-32B is ~62 GiB in bf16, more than one small card holds. `[encoder]` cho
   GiB for the released encoder instead of 48.9: what makes the 32 GB profile fit a 64 GB host); each decoder
   layer is quantized on the GPU and brought back (`quantize_through`). nf4 cannot be streamed: refused.
 
+**int8 cache.** `int8_cache_dir` (with int8 and cpu_offload or spread) keeps the int8 encoder in the quantised
+store (h3serve/runtime/quantised_store.py, `INT8_LAYOUT`: a file per decoder layer): the first start quantizes into
+it layer by layer on the GPU, every start then assigns the files, memory-mapped, and places the int8 model from host
+memory (pinned for cpu_offload, dispatched for spread), so a restart neither reads the bf16 weights nor quantizes.
+The quantization took 25.5 s of the one-H100 profile's 76.9 s start from filled caches (docs/deploy/
+single-h100.md). Embeddings are those of the encoder quantized without the store (tests/test_encoder_int8_store.py).
+
 Whenever one of these is set on a CUDA device the components are loaded to the CPU first and placed from there, so
 the whole bf16 model never has to fit one GPU (int8/nf4: each linear is moved to the GPU and quantized there, one
 at a time). Only quantization changes the numbers: offload gave bit-identical embeddings on the CPU and, in bf16
@@ -67,9 +74,11 @@ Reproduce (2 shared CPU cores: seconds; ~2-5 min): `.venv/bin/python -m bench.en
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -77,6 +86,7 @@ import torch
 from h3serve.common.config import EncoderConfig
 from h3serve.runtime import pinned
 from h3serve.runtime.offload import stream_from_host
+from h3serve.runtime.quantised_store import Build, Layout, QuantisedStore
 
 if TYPE_CHECKING:
     from transformers import Qwen3VLForConditionalGeneration
@@ -86,6 +96,12 @@ log = logging.getLogger("h3serve.encoder")
 DECODER_LAYERS = "model.language_model.layers."  # Qwen3VLForConditionalGeneration's text decoder layers
 SHORT_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# The int8 layers in the quantised store (`[encoder] int8_cache_dir`): a file per decoder layer
+INT8_LAYOUT = Layout(
+    kind="int8",
+    blocks=DECODER_LAYERS.rstrip("."),
+    recipe="torchao Int8WeightOnlyConfig on every linear of a decoder layer (quantize_layer), a file per layer, v1",
+)
 SPREAD_HEADROOM = 0.9  # of each GPU's free memory (or memory_limit_gib) the spread weights may take
 # Qwen3VLModel's children diffusers' block-level offload recurses into (it groups the ModuleLists of each)
 OFFLOAD_BLOCK_MODULES = ["language_model", "visual"]
@@ -142,6 +158,11 @@ def check(config: EncoderConfig) -> None:
                 'cpu_offload = true and quantize = "nf4" do not go together (bitsandbytes\' 4-bit '
                 'weights cannot be kept in host memory and streamed); use quantize = "int8" with it'
             )
+    if config.int8_cache_dir and not config.model_dir:
+        raise ValueError(
+            "int8_cache_dir keeps an encoder built from [model] dir (or random:full) layer by layer: the tiny "
+            'preset is built whole in a moment, there is nothing to save (set int8_cache_dir = "")'
+        )
     if quantize == "int8" and importlib.util.find_spec("torchao") is None:
         raise ValueError('quantize = "int8" needs the torchao package (pip install torchao)')
     if quantize == "nf4":
@@ -177,10 +198,9 @@ def load(config: EncoderConfig, names: list[str]):
     weights = layer_weights(config)
     if weights is None:
         components, model = load_model_service("encoder", names, config.replace(device="cpu") if staged else config)
-    else:  # the text encoder as a skeleton, filled layer by layer by place()
+    else:  # the text encoder filled layer by layer below (from the int8 store, or by place())
         others = [name for name in names if name != "text_encoder"]
         components, model = load_model_service("encoder", others, config.replace(device="cpu"))
-        components["text_encoder"] = skeleton(weights, TORCH_DTYPES[config.dtype])
         model.components.append("text_encoder")
     if staged:  # load_model_service capped the allocator of the device it loaded to, the CPU: cap the GPU(s) now
         from h3serve.runtime import memory
@@ -189,7 +209,11 @@ def load(config: EncoderConfig, names: list[str]):
             memory.cap(config, config.device)
         except memory.MemoryLimitError as exc:
             raise ValueError(f"memory_limit_gib: {exc}") from None
-    model.device = place(components["text_encoder"], config, weights)
+    store = int8_store(config, model.model_revision) if weights is not None else None
+    if weights is not None:
+        dtype = TORCH_DTYPES[config.dtype]
+        components["text_encoder"] = from_store(store, weights, config) if store else skeleton(weights, dtype)
+    model.device = place(components["text_encoder"], config, None if store else weights, quantized=bool(store))
     model.dtype = describe_dtype(config)
     log.info("encoder: text encoder %s on %s (variant %s)", model.dtype, model.device, variant(config))
     return components, model
@@ -213,6 +237,31 @@ def layer_weights(config: EncoderConfig):
     return ModelSource(config.model_dir).weights("text_encoder")
 
 
+def int8_store(config: EncoderConfig, revision: str) -> QuantisedStore | None:
+    """`[encoder] int8_cache_dir`'s store of the int8 layers, None without one."""
+    if not config.int8_cache_dir:
+        return None
+    return QuantisedStore(Path(config.int8_cache_dir), revision, TORCH_DTYPES[config.dtype], INT8_LAYOUT)
+
+
+def from_store(store: QuantisedStore, weights, config: EncoderConfig) -> torch.nn.Module:
+    """The int8 text encoder assigned from `store` (memory-mapped, on the CPU), quantized into it layer by layer
+    first when it is not saved yet: each decoder layer filled on the (first) GPU and quantized there, the rest drawn
+    there too (where `random:full` draws it for an encoder built without the store, so both hold the same values)."""
+    dtype = TORCH_DTYPES[config.dtype]
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    layers = Build(
+        weights,
+        functools.partial(skeleton, weights, dtype),
+        device,
+        lambda layer, _prefix: quantize_layer(layer, "int8", dtype),
+        rest_device=device,
+    )
+    return store.load_or_build("text_encoder", layers)
+
+
 def skeleton(weights, dtype: torch.dtype) -> torch.nn.Module:
     """The text encoder on the meta device as the service holds it (h3serve/runtime/models.py drop_unread_parts)."""
     from h3serve.runtime import random_full
@@ -221,12 +270,15 @@ def skeleton(weights, dtype: torch.dtype) -> torch.nn.Module:
     return drop_unread_parts({"text_encoder": random_full.skeleton(weights.factory, dtype)})["text_encoder"]
 
 
-def place(text_encoder: Qwen3VLForConditionalGeneration, config: EncoderConfig, weights=None) -> str:
+def place(
+    text_encoder: Qwen3VLForConditionalGeneration, config: EncoderConfig, weights=None, quantized: bool = False
+) -> str:
     """Place (and quantize) `text_encoder` as `config` says, in place; returns where it runs, in words.
 
-    The model may be on the CPU (staged), on the meta device (built layer by layer from `weights`), or already on
-    `config.device` (nothing to do but quantize)."""
+    The model may be on the CPU (staged, or `quantized` already: assigned from the int8 store), on the meta device
+    (built layer by layer from `weights`), or already on `config.device` (nothing to do but quantize)."""
     quantize, spread, offload = _settings(config)
+    quantize = "none" if quantized else quantize
     device = torch.device(config.device)
     dtype = TORCH_DTYPES[config.dtype]
     if spread and weights is not None:
