@@ -8,10 +8,15 @@ import os
 from h3serve.common.config import SERVICES, load_deploy, override
 
 # Model processes share cards, so their CUDA allocators map memory in growable segments: what a compile or a request
-# freed goes back whole instead of staying reserved in fragments (measured in docs/gpu-benchmarks.md). Torch reads it
-# before CUDA starts, so it is set in the environment; the DiT's ranks inherit it from their launcher; a user's own
-# setting wins.
-ALLOCATOR_SETTING = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+# freed goes back whole instead of staying reserved in fragments (measured in docs/gpu-benchmarks.md). Pinned host
+# memory (the encoder's 25 GiB of arenas, the DiT's staging slots) is allocated and its pages touched by 8 threads,
+# then registered with CUDA, instead of cudaHostAlloc faulting every page in with one thread while it holds the
+# driver's lock (torch's pinned_use_cuda_host_register). Torch reads it before CUDA starts, so it is set in the
+# environment; the DiT's ranks inherit it from their launcher; a user's own setting wins.
+ALLOCATOR_SETTING = (
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+)
 ALLOCATOR_VARIABLES = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}  # torch reads either
 SERVICE_FLAGS = ("host", "port", "model_dir", "device", "dtype", "attention_backend")  # over the service's section
 

@@ -29,6 +29,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -244,7 +245,7 @@ def move_to_device(model: torch.nn.Module, device: torch.device) -> None:
     memory by itself, the pages faulted in by one thread: the fp8 transformer's 43.8 GiB took about 15 s on one H100
     (docs/deploy/single-h100.md). A torchao tensor becomes a new one over its moved parts. On the CPU (tests) the
     same path runs without pinning or streams."""
-    cuda = device.type == "cuda"
+    cuda, started = device.type == "cuda", time.perf_counter()
     owned = [
         (module, name, tensor, is_parameter)
         for module in model.modules()
@@ -287,6 +288,11 @@ def move_to_device(model: torch.nn.Module, device: torch.device) -> None:
             module._parameters[name] = torch.nn.Parameter(replaced[id(tensor)], tensor.requires_grad)
         else:
             module._buffers[name] = replaced[id(tensor)]
+    seconds = time.perf_counter() - started
+    total = sum(spans) / 2**30
+    log.info(
+        "%.1f GiB moved to %s through pinned slots in %.1f s (%.1f GiB/s)", total, device, seconds, total / seconds
+    )
 
 
 def _rebuilt(tensor: torch.Tensor, parts: dict[str | None, torch.Tensor]) -> torch.Tensor:

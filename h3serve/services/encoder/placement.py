@@ -77,6 +77,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -489,6 +490,7 @@ def offload_to_host(
     # applied to `model.model`, which the pipeline calls (it reads hidden_states[50] and never runs the top module):
     # diffusers' hooks on the top module would never fire, and with a stream its prefetch hook there re-registers
     # the layer trackers of the two below and fails (one H200)
+    started = time.perf_counter()
     language_model = model.model.language_model
     embed, language_model.embed_tokens = language_model.embed_tokens, None
     arenas = stream_from_host(model.model, device, OFFLOAD_BLOCK_MODULES, use_stream)
@@ -498,5 +500,10 @@ def offload_to_host(
     # and two layers)
     language_model.embed_tokens = embed
     stream_from_host(embed, device, use_stream=use_stream, arenas=arenas)
-    log.info("encoder: weights pinned in host memory: %d arenas of %d MiB", arenas.count, pinned.ARENA_BYTES >> 20)
+    log.info(
+        "encoder: weights pinned in host memory: %d arenas of %d MiB in %.1f s",
+        arenas.count,
+        pinned.ARENA_BYTES >> 20,
+        time.perf_counter() - started,
+    )
     return arenas
