@@ -142,6 +142,9 @@ def test_what_a_fork_cannot_reproduce_starts_plainly(server, tmp_path):
     env = {**os.environ, "TORCH_LOGS": "dynamo"}  # read when torch imports: the server's import did not see it
     child = run(server, "exit", "4", env=env)
     assert isinstance(child, subprocess.Popen) and child.wait(30) == 4
+    blas = {**os.environ, "OPENBLAS_NUM_THREADS": "3"}  # read when numpy loads its OpenBLAS, in the server
+    child = run(server, "exit", "3", env=blas)
+    assert isinstance(child, subprocess.Popen) and child.wait(30) == 3
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     assert run(server, "exit", "5", cwd=str(elsewhere)).wait(30) == 5  # a Popen option it does not take

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ log = logging.getLogger("h3serve.forkserver")
 ENV = "H3SERVE_FORKSERVER"  # the server's socket path, for the processes started below it (the DiT's launcher)
 # Variables read while the server imported (by the interpreter, the dynamic loader, torch's configuration modules):
 # a child whose value differs would not see its own, so its command starts as a plain process.
-IMPORT_TIME = ("PYTHON", "LD_", "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "MKL_", "KMP_", "GOMP_")
+IMPORT_TIME = ("PYTHON", "LD_", "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "MKL_", "KMP_", "GOMP_", "OPENBLAS_")
 RUN_TIME = {"TORCH_SYMM_MEM_DISABLE_MULTICAST"}  # among those, read only when a process group first uses it
 # OpenMP reads it when torch loads; a child applies its own value again (torch.set_num_threads), as torchrun's ranks
 # sharing a host's cores each take one.
@@ -148,7 +149,7 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector) -> tuple[
             return None
         assert request is not None
         server = os.getpid()
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             for key in list(selector.get_map().values()):
                 _close(key.fileobj)
@@ -169,6 +170,17 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector) -> tuple[
     with contextlib.suppress(OSError):
         messages.send({"pid": pid})
     return None
+
+
+def _fork() -> int:
+    """os.fork() without Python 3.12's warning that the process is multi-threaded: the server's only other threads are
+    numpy's OpenBLAS workers (started when numpy loads, idle between calls), and OpenBLAS's own fork handlers stop and
+    restart them around a fork, so no lock of theirs is held in a child."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"This process \(pid=\d+\) is multi-threaded", category=DeprecationWarning
+        )
+        return os.fork()
 
 
 def _close(fileobj: Any) -> None:
