@@ -108,6 +108,16 @@ def test_a_layer_file_that_does_not_load_is_replaced_by_quantizing_again(
     assert torch.load(damaged, weights_only=True), "written whole again"
 
 
+def test_a_store_that_cannot_be_written_is_a_warning_and_the_encoder_is_quantized_without_it(
+    tiny_model_dir, tmp_path, caplog
+):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="h3serve.quantised_store"):
+        assert from_store(stored_config(tiny_model_dir, blocked)) is None
+    assert "int8 weights not saved" in caplog.text and "the next start quantises again" in caplog.text
+
+
 def test_the_key_names_the_model_and_the_dtype_and_is_not_the_dit_s(tmp_path):
     from h3serve.runtime.fastpath import FP8_LAYOUT
     from h3serve.runtime.quantised_store import QuantisedStore
@@ -142,15 +152,19 @@ def test_int8_cache_dir_is_refused_where_it_would_keep_nothing(settings, needle,
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_offloaded_int8_encoder_from_the_store_embeds_as_the_one_quantized_without_it(tiny_model_dir, tmp_path):
-    """The service's own load on a GPU, three times: without the store, into it, from it; the same embeddings."""
+    """The service's own load on a GPU: without the store, into it, from it, and with a store it cannot write; the
+    same embeddings every time."""
     config = EncoderConfig(
         model_dir=str(tiny_model_dir), device="cuda", dtype="float32", quantize="int8", cpu_offload=True
     )
     embeddings = []
-    for settings in ({}, {"int8_cache_dir": str(tmp_path)}, {"int8_cache_dir": str(tmp_path)}):
+    blocked = tmp_path / "a-file"  # a store that cannot be written: quantized without it
+    blocked.write_text("not a directory")
+    stores = [str(tmp_path / "int8"), str(tmp_path / "int8"), str(blocked)]
+    for settings in ({}, *({"int8_cache_dir": store} for store in stores)):
         components, model = placement.load(config.replace(**settings), ["text_encoder", "tokenizer", "processor"])
         assert model.device == "cuda (weights in host memory, cpu_offload)"
         parts = {name: components[name] for name in ("tokenizer", "processor")}
         embeddings.append(embed(components["text_encoder"], parts).cpu())
-    assert list(tmp_path.glob("text_encoder-int8-*")), "saved"
-    assert torch.equal(embeddings[1], embeddings[0]) and torch.equal(embeddings[2], embeddings[0])
+    assert list((tmp_path / "int8").glob("text_encoder-int8-*")), "saved"
+    assert all(torch.equal(other, embeddings[0]) for other in embeddings[1:])

@@ -87,13 +87,28 @@ def test_a_box_no_profile_fits_is_refused_with_every_reason(tmp_path, capsys):
     assert "not single-24gb-gguf.toml: it serves the DiT from your GGUF: give --transformer-file" in out
 
 
-def test_a_small_disk_leaves_out_a_profile_whose_quantised_weights_it_cannot_hold(tmp_path, capsys):
+def test_a_small_disk_turns_off_the_stores_that_only_speed_a_start_up_and_says_so(tmp_path, capsys):
+    """The lent H100 has 64 GiB of disk: the DiT's fp8 store (43.8 GiB) and the encoder's int8 one (25.7) do not fit
+    together, so the encoder's, which saves less, is turned off in the file; at 20 GiB both are."""
     box, _ = BOXES["1x80GB sm_90"]
+    run_init(tmp_path, {**box, "disk_gib": 64}, "--dry-run")
+    out = capsys.readouterr().out
+    assert "\nchosen: single-h100.toml: " in out
+    assert "  int8_cache_dir off: the encoder's int8 weights (25.7 GiB) do not fit the disk (64 GiB free)" in out
+    written = tomllib.loads(out.split(":\n\n", 1)[1])
+    assert written["encoder"]["int8_cache_dir"] == "" and written["dit"]["fp8_cache_dir"] == "var/fp8-cache"
+    run_init(tmp_path, {**box, "disk_gib": 20}, "--dry-run")
+    written = tomllib.loads(capsys.readouterr().out.split(":\n\n", 1)[1])
+    assert written["encoder"]["int8_cache_dir"] == written["dit"]["fp8_cache_dir"] == ""
+
+
+def test_a_disk_too_small_for_the_weights_a_profile_streams_from_leaves_it_out(tmp_path, capsys):
+    box, _ = BOXES["1x32GB sm_120"]
     with pytest.raises(SystemExit):
-        run_init(tmp_path, {**box, "disk_gib": 60}, "--dry-run")
+        run_init(tmp_path, {**box, "disk_gib": 30}, "--dry-run")
     assert (
-        "not single-h100.toml: its quantised weights take the DiT's fp8 43.8 and the encoder's int8 25.7 GiB of disk, "
-        "the box has 60 GiB free" in capsys.readouterr().out
+        "not single-32gb.toml: its quantised weights take the DiT's fp8 43.8 GiB of disk, the box has 30 GiB free"
+        in capsys.readouterr().out
     )
 
 

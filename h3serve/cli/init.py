@@ -22,7 +22,7 @@ def report(box: boxes.Box, verdicts: list[profiles.Verdict]) -> list[str]:
         name = f"{verdict.profile.name}.toml"
         if verdict.fits:
             out.append(f"chosen: {name}: {verdict.profile.fast}")
-            out += [f"  {line}" for line in profiles.costs(verdict)]
+            out += [f"  {line}" for line in (*verdict.notes, *profiles.costs(verdict))]
             unused = len(box.gpus) - profiles.gpus_named(verdict.config) if verdict.config else 0
             if unused > 0:
                 out.append(f"  {unused} GPU(s) of the box unused: no shipped layout places a stage on them")

@@ -6,7 +6,8 @@ as `[supervisor] gpu_memory_gib`, its host as `host_memory_gib`, the model direc
 - have their compute capability: the oldest its kernels run on (`Profile.capability`, with the reason);
 - fit the memory plan (h3serve/common/memory_plan.py) with a 5-second clip at its default canvas: every process
   within its GPU and cap, the host at start and while serving;
-- have the disk for its fp8 store where it keeps one (the fp8 weights' size, from the plan's parameter counts);
+- have the disk for the quantised stores it streams from (the fp8 weights' size, from the plan's parameter counts);
+  a store that only speeds a restart up is turned off, saying so, where the disk cannot also hold it;
 - have the user's file where it needs one (a GGUF of the transformer).
 The first that passes is chosen; every profile ahead of it says why it did not.
 """
@@ -119,6 +120,7 @@ class Verdict:
     why_not: tuple[str, ...]  # empty: it fits
     config: DeployConfig | None = None
     card_gib: float = 0.0  # the smallest of its GPUs
+    notes: tuple[str, ...] = ()  # what was changed to fit the box, and why
 
     @property
     def fits(self) -> bool:
@@ -177,21 +179,51 @@ def assess(profile: Profile, box: Box, directory: Path, model_dir: str = "", ggu
         return Verdict(profile, text, (f"set to this box it does not load: {exc}",))
     result = plan(config, gpu_gib=card, frames=SHORTEST, host_gib=box.host_gib, host_source="the box")
     why_not = [f"a {SHORTEST}-frame clip at its default canvas: {problem}" for problem in result.problems]
-    stores = quantised_stores_gib(config)
-    if stores and sum(stores.values()) > box.disk_gib:
-        takes = " and ".join(f"{what} {gib:.1f}" for what, gib in stores.items())
-        why_not.append(f"its quantised weights take {takes} GiB of disk, the box has {box.disk_gib:g} GiB free")
-    return Verdict(profile, text, tuple(why_not), config, card)
+    text, config, notes, short = fit_stores(text, config, box.disk_gib)
+    return Verdict(profile, text, tuple(why_not + short), config, card, tuple(notes))
 
 
-def quantised_stores_gib(config: DeployConfig) -> dict[str, float]:
-    """The disk each quantised store of the deployment fills at its first start (h3serve/runtime/quantised_store.py)."""
-    stores = {}
+@dataclass(frozen=True)
+class Store:
+    """A quantised store of a deployment (h3serve/runtime/quantised_store.py) and the disk it fills."""
+
+    section: str
+    key: str
+    what: str
+    gib: float
+    needed: bool  # the service reads its weights from the files (streamed), not only starts faster from them
+
+
+def quantised_stores(config: DeployConfig) -> list[Store]:
+    """The deployment's stores, the ones it cannot do without first, then those that save the most start time."""
+    stores = []
     if config.dit.fp8_cache_dir:
-        stores["the DiT's fp8"] = dit_weights(config.dit)[0] / GIB
+        streamed = config.dit.offload == "group"
+        stores.append(Store("dit", "fp8_cache_dir", "the DiT's fp8", dit_weights(config.dit)[0] / GIB, streamed))
     if config.encoder.int8_cache_dir:
-        stores["the encoder's int8"] = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
-    return stores
+        gib = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
+        stores.append(Store("encoder", "int8_cache_dir", "the encoder's int8", gib, False))
+    return sorted(stores, key=lambda store: not store.needed)
+
+
+def fit_stores(text: str, config: DeployConfig, disk_gib: float) -> tuple[str, DeployConfig, list[str], list[str]]:
+    """`text` with every store the disk cannot also hold turned off, the last ones first (each only speeds a restart
+    up: it is quantised at every start instead), with a note each; a reason the profile does not fit where the
+    stores it streams from are more than the disk."""
+    stores, notes = quantised_stores(config), []
+    while sum(store.gib for store in stores) > disk_gib and stores and not stores[-1].needed:
+        dropped = stores.pop()
+        note = f"off: {dropped.what} store ({dropped.gib:.1f} GiB) does not fit this box's disk beside the rest"
+        text = set_key(text, dropped.section, dropped.key, '""', note)
+        notes.append(
+            f"{dropped.key} off: {dropped.what} weights ({dropped.gib:.1f} GiB) do not fit the disk "
+            f"({disk_gib:g} GiB free) beside the rest: quantised again at every start"
+        )
+    short = []
+    if sum(store.gib for store in stores) > disk_gib:
+        takes = " and ".join(f"{store.what} {store.gib:.1f}" for store in stores)
+        short.append(f"its quantised weights take {takes} GiB of disk, the box has {disk_gib:g} GiB free")
+    return text, (_load(text) if notes else config), notes, short
 
 
 def choose(box: Box, directory: Path, model_dir: str = "", gguf: str = "") -> list[Verdict]:

@@ -138,18 +138,13 @@ class QuantisedStore:
             torch.cuda.empty_cache()  # the blocks passed through the allocator's cache: the card is shared
         log.info("%s: quantised from %s in %.1f s", partition, source.weights.label, time.perf_counter() - started)
 
-    def load_or_build(self, partition: str, source: Build) -> torch.nn.Module:
-        """The partition from the store, quantised into it block by block first (`build`) if it is not saved yet.
-        Raises RuntimeError when it could not be saved (the warning before it says why)."""
+    def load_or_build(self, partition: str, source: Build) -> torch.nn.Module | None:
+        """The partition from the store, quantised into it block by block first (`build`) if it is not saved yet;
+        None when it could not be saved (the warning before it says why)."""
         model = self.load(partition, source.skeleton)
         if model is None:
             self.build(partition, source)
             model = self.load(partition, source.skeleton)
-        if model is None:
-            raise RuntimeError(
-                f"{partition}: the {self.layout.kind} weights are assigned from {str(self.directory)!r}, and they "
-                "could not be saved there (the warning above says why)"
-            )
         return model
 
     def save(self, partition: str, model: torch.nn.Module) -> None:

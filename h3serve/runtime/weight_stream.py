@@ -285,7 +285,9 @@ def move_to_device(model: torch.nn.Module, device: torch.device) -> None:
     replaced = {key: _rebuilt(tensors[key], parts) for key, parts in moved.items()}
     for module, name, tensor, is_parameter in owned:
         if is_parameter:
-            module._parameters[name] = torch.nn.Parameter(replaced[id(tensor)], tensor.requires_grad)
+            if not isinstance(replaced[id(tensor)], torch.nn.Parameter):  # one Parameter for modules that share it
+                replaced[id(tensor)] = torch.nn.Parameter(replaced[id(tensor)], tensor.requires_grad)
+            module._parameters[name] = cast(torch.nn.Parameter, replaced[id(tensor)])
         else:
             module._buffers[name] = replaced[id(tensor)]
     seconds = time.perf_counter() - started

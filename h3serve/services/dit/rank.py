@@ -257,7 +257,13 @@ def stored_or_built(
     group offload streams its blocks from those files (h3serve/runtime/weight_stream.py)."""
     skeleton = skeleton_of(source, partition, store.dtype)
     build = quantised_store.Build(source.weights(partition), skeleton, device, fastpath.quantize_fp8)
-    return store.load_or_build(partition, build)
+    transformer = store.load_or_build(partition, build)
+    if transformer is None:
+        raise RuntimeError(
+            f"{partition}: group offload streams the fp8 weights from fp8_cache_dir = "
+            f"{str(store.directory)!r}, and they could not be saved there (the warning above says why)"
+        )
+    return transformer
 
 
 def skeleton_of(source: ModelSource, partition: str, dtype: torch.dtype) -> Callable[[], torch.nn.Module]:

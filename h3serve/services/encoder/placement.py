@@ -211,10 +211,11 @@ def load(config: EncoderConfig, names: list[str]):
         except memory.MemoryLimitError as exc:
             raise ValueError(f"memory_limit_gib: {exc}") from None
     store = int8_store(config, model.model_revision) if weights is not None else None
-    if weights is not None:
-        dtype = TORCH_DTYPES[config.dtype]
-        components["text_encoder"] = from_store(store, weights, config) if store else skeleton(weights, dtype)
-    model.device = place(components["text_encoder"], config, None if store else weights, quantized=bool(store))
+    stored = from_store(store, weights, config) if store else None
+    if weights is not None:  # quantized layer by layer by place() where the store holds none
+        components["text_encoder"] = stored or skeleton(weights, TORCH_DTYPES[config.dtype])
+    quantized = stored is not None
+    model.device = place(components["text_encoder"], config, None if quantized else weights, quantized=quantized)
     model.dtype = describe_dtype(config)
     log.info("encoder: text encoder %s on %s (variant %s)", model.dtype, model.device, variant(config))
     return components, model
@@ -245,10 +246,11 @@ def int8_store(config: EncoderConfig, revision: str) -> QuantisedStore | None:
     return QuantisedStore(Path(config.int8_cache_dir), revision, TORCH_DTYPES[config.dtype], INT8_LAYOUT)
 
 
-def from_store(store: QuantisedStore, weights, config: EncoderConfig) -> torch.nn.Module:
+def from_store(store: QuantisedStore, weights, config: EncoderConfig) -> torch.nn.Module | None:
     """The int8 text encoder assigned from `store` (memory-mapped, on the CPU), quantized into it layer by layer
     first when it is not saved yet: each decoder layer filled on the (first) GPU and quantized there, the rest drawn
-    there too (where `random:full` draws it for an encoder built without the store, so both hold the same values)."""
+    there too (where `random:full` draws it for an encoder built without the store, so both hold the same values).
+    None when the store could not save it (a full disk: the warning says so), and the start quantizes without it."""
     dtype = TORCH_DTYPES[config.dtype]
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is None:
