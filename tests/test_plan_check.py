@@ -9,12 +9,18 @@ from pathlib import Path
 from bench import plan_check
 
 
-def test_the_one_h100_profile_is_planned_within_the_bar_and_no_dit_below_its_measured_peak(capsys):
+def test_the_one_h100_profile_is_planned_within_the_bar_of_its_busiest_run_and_no_dit_below_its_measured_peak(
+    capsys,
+):
     every = plan_check.main([])
     checks = [c for c in every if c.profile == "docs/deploy/single-h100.toml"]
-    assert {str(c.size) for c in checks} == {"768x1344x124", "480x832x124"}
-    for c in checks:
-        assert abs(c.off) <= plan_check.BAR, c.row()
+    sizes = {str(c.size) for c in checks}
+    assert sizes == {"768x1344x124", "480x832x124"}
+    for size in sizes:  # the run that reached the card's busiest moment (a first start's compile) within the bar
+        runs = [c for c in checks if str(c.size) == size]
+        busiest = max(runs, key=lambda c: c.measured)
+        assert abs(busiest.off) <= plan_check.BAR, busiest.row()
+        assert all(c.off >= -plan_check.BAR for c in runs), "no run more than the bar above its plan"
     # the DiT, whose plan sets the admission ceilings, is never planned below its own measured peak, in any profile
     for c in every:
         assert c.planned_parts["dit"] >= c.measured_parts["dit"], c.row()
