@@ -195,7 +195,8 @@ class Store:
 
 
 def quantised_stores(config: DeployConfig) -> list[Store]:
-    """The deployment's stores, the ones it cannot do without first, then those that save the most start time."""
+    """The deployment's stores, those it streams from first, then the DiT's before the encoder's (its quantisation is
+    the longer): `fit_stores` turns them off from the end."""
     stores = []
     if config.dit.fp8_cache_dir:
         streamed = config.dit.offload == "group"

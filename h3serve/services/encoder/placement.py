@@ -210,10 +210,12 @@ def load(config: EncoderConfig, names: list[str]):
             memory.cap(config, config.device)
         except memory.MemoryLimitError as exc:
             raise ValueError(f"memory_limit_gib: {exc}") from None
-    store = int8_store(config, model.model_revision) if weights is not None else None
-    stored = from_store(store, weights, config) if store else None
-    if weights is not None:  # quantized layer by layer by place() where the store holds none
-        components["text_encoder"] = stored or skeleton(weights, TORCH_DTYPES[config.dtype])
+    stored = None  # the int8 encoder assigned from the store
+    if weights is not None:  # filled layer by layer: from the int8 store, else by place() below
+        store = int8_store(config, model.model_revision)
+        stored = from_store(store, weights, config) if store else None
+        dtype = TORCH_DTYPES[config.dtype]
+        components["text_encoder"] = stored if stored is not None else skeleton(weights, dtype)
     quantized = stored is not None
     model.device = place(components["text_encoder"], config, None if quantized else weights, quantized=quantized)
     model.dtype = describe_dtype(config)
