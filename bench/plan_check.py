@@ -96,9 +96,9 @@ def profile_then(profile: str, date: str) -> str | None:
     return then.stdout if commit else None
 
 
-def planned_as_served(record: dict, work: Path) -> bool | None:
-    """Whether today's profile plans the row's request as the profile it served on its date did (a setting the plan
-    does not read, such as a cache directory, leaves its rows in); None where git cannot say."""
+def planned_as_served(record: dict, today: Check, work: Path) -> bool | None:
+    """Whether today's profile plans the row's request (`today`) as the profile it served on its date did (a setting
+    the plan does not read, such as a cache directory, leaves its rows in); None where git cannot say."""
     profile = DEPLOYMENT.search(record["variant"]).group(1)
     text = profile_then(profile, record["date"])
     if text is None:
@@ -107,8 +107,8 @@ def planned_as_served(record: dict, work: Path) -> bool | None:
         return True
     then = work / "profile-then.toml"
     then.write_text(text)
-    today, served = check(record, work), check(record, work, then)
-    return today is None or (served is not None and today.plan == served.plan)  # None: counted as a missing file
+    served = check(record, work, then)
+    return served is not None and today.plan == served.plan
 
 
 def bench_arguments(command: str) -> argparse.Namespace:
@@ -168,12 +168,14 @@ def main(argv: list[str] | None = None) -> list[Check]:
     args = p.parse_args(argv)
     rows = served_rows(json.loads(Path(args.results).read_text()))
     with tempfile.TemporaryDirectory(prefix="h3serve-plan-check-") as scratch:
-        current = [r for r in rows if planned_as_served(r, Path(scratch)) is not False]
-        checks = [c for r in current if (c := check(r, Path(scratch)))]
+        work = Path(scratch)
+        planned = [(r, check(r, work)) for r in rows]
+        checks = [c for r, c in planned if c is not None and planned_as_served(r, c, work) is not False]
+    lacking = sum(c is None for _, c in planned)
     print(table(checks))
     print(
-        f"\nleft out: {len(rows) - len(current)} row(s) of a profile whose plan changed since, "
-        f"{len(current) - len(checks)} whose deployment named a file this machine lacks (a GGUF)"
+        f"\nleft out: {len(rows) - lacking - len(checks)} row(s) of a profile whose plan changed since, "
+        f"{lacking} whose deployment named a file this machine lacks (a GGUF)"
     )
     within = sum(abs(c.off) <= BAR for c in checks)
     print(f"\n{within} of {len(checks)} within {BAR:.0%} of the measured peak")

@@ -36,7 +36,7 @@ KNOWN_NOTICES = (
         arg_module="torchao",
     ),
     # diffusers adds torchao's uintx / NF4 tensor classes to torch.load's allow-list and says so when this torchao no
-    # longer has them; h3serve saves and loads torchao's fp8 tensors only (h3serve/runtime/quantised_store.py).
+    # longer has them; h3serve saves and loads torchao's fp8 and int8 tensors only (h3serve/runtime/quantised_store.py).
     KnownNotice("diffusers.quantizers.torchao.torchao_quantizer", "Unable to import `torchao` Tensor objects"),
 )
 

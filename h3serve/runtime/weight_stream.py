@@ -66,9 +66,7 @@ class Part:
             setattr(self.owner, self.attribute, tensor)
 
     def view_in(self, buffer: torch.Tensor) -> torch.Tensor:
-        span = pinned.span_bytes(self.source)
-        view = buffer[self.offset : self.offset + span].view(self.source.dtype)
-        return view.as_strided(self.source.shape, self.source.stride())
+        return _view(buffer, self.offset, self.source)
 
 
 @dataclass
@@ -170,17 +168,7 @@ class BlockStream:
         if slot.event is not None:
             slot.event.synchronize()  # its last copy to the GPU has read it
         size = self.block_bytes[index]
-        chunks = [
-            (
-                slot.buffer.data_ptr() + part.offset + start,
-                part.source.data_ptr() + start,
-                min(CHUNK_BYTES, span - start),
-            )
-            for part in self.parts[index]
-            for span in [pinned.span_bytes(part.source)]
-            for start in range(0, span, CHUNK_BYTES)
-        ]
-        list(self.copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
+        _copy_into(slot.buffer, [(part.source, part.offset) for part in self.parts[index]], self.copiers)
         self._wait_for_room()  # after the memcpy: the host's copy overlaps the wait for the GPU
         if not self.cuda:
             onload.buffer = slot.buffer[:size].clone()
@@ -207,6 +195,24 @@ class BlockStream:
             if done is not None:
                 done.synchronize()
             self.live -= 1
+
+
+def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of `buffer` from `offset` seen as a tensor with `like`'s dtype, shape and strides."""
+    span = pinned.span_bytes(like)
+    return buffer[offset : offset + span].view(like.dtype).as_strided(like.shape, like.stride())
+
+
+def _copy_into(buffer: torch.Tensor, staged: list[tuple[torch.Tensor, int]], copiers: ThreadPoolExecutor) -> None:
+    """Each (host tensor, offset) copied into host `buffer` at its offset, CHUNK_BYTES at a time over the copiers'
+    threads (one memcpy runs at a few GB/s; ctypes releases the GIL)."""
+    chunks = [
+        (buffer.data_ptr() + offset + start, source.data_ptr() + start, min(CHUNK_BYTES, span - start))
+        for source, offset in staged
+        for span in [pinned.span_bytes(source)]
+        for start in range(0, span, CHUNK_BYTES)
+    ]
+    list(copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))
 
 
 def _layout(block: torch.nn.Module, streamed: set[int]) -> list[Part]:
@@ -265,17 +271,11 @@ def move_to_device(model: torch.nn.Module, device: torch.device) -> None:
             if slot.event is not None:
                 slot.event.synchronize()  # the GPU has read what the slot held before
             staged = [(pieces[index], offset) for index, offset in group]
-            chunks = [
-                (slot.buffer.data_ptr() + offset + start, source.data_ptr() + start, min(CHUNK_BYTES, span - start))
-                for (_, _, source), offset in staged
-                for span in [pinned.span_bytes(source)]
-                for start in range(0, span, CHUNK_BYTES)
-            ]
-            list(copiers.map(lambda chunk: ctypes.memmove(*chunk), chunks))  # ctypes releases the GIL
+            _copy_into(slot.buffer, [(source, offset) for (_, _, source), offset in staged], copiers)
             with torch.cuda.stream(stream):
                 for (key, attribute, source), offset in staged:
                     target = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=device)
-                    target.copy_(Part(source, None, source, offset).view_in(slot.buffer), non_blocking=cuda)
+                    target.copy_(_view(slot.buffer, offset, source), non_blocking=cuda)
                     moved.setdefault(key, {})[attribute] = target
                 if stream is not None:
                     slot.event = torch.cuda.Event()

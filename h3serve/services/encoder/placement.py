@@ -253,10 +253,7 @@ def from_store(store: QuantisedStore, weights, config: EncoderConfig) -> torch.n
     first when it is not saved yet: each decoder layer filled on the (first) GPU and quantized there, the rest drawn
     there too (where `random:full` draws it for an encoder built without the store, so both hold the same values).
     None when the store could not save it (a full disk: the warning says so), and the start quantizes without it."""
-    dtype = TORCH_DTYPES[config.dtype]
-    device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    dtype, device = TORCH_DTYPES[config.dtype], torch.device(config.device)
     layers = Build(
         weights,
         functools.partial(skeleton, weights, dtype),
