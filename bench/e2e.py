@@ -93,23 +93,38 @@ def repeated(once, args) -> list[Run]:
     return [once(args.steps) for _ in range(args.repeats)]
 
 
-def in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
-    """The baseline, in a process of its own: when it exits, the device is free for the services."""
+def in_process(sizes: list[Size], args, device: str, out: Path, keep: Path | None = None) -> dict[Size, Side]:
+    """The baseline, in a process of its own: when it exits, the device is free for the services. With `keep` (a
+    baseline file), each size is saved there as soon as it is measured: a call cut by its time limit keeps the sizes
+    it finished."""
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-        sides = pool.submit(_in_process, sizes, args, device, out).result()
+        sides = pool.submit(_in_process, sizes, args, device, out, keep).result()
     print(f"in process done: {device_used_gib(device)} GiB in use on the device", flush=True)
     return sides
 
 
-def _in_process(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+def _in_process(sizes: list[Size], args, device: str, out: Path, keep: Path | None) -> dict[Size, Side]:
     # sampled in the child itself, from before the pipeline loads: its own peak, as the services' is theirs
     with host_peak(lambda: [os.getpid()]) as host:
-        sides = _pipeline_sides(sizes, args, device, out)
+
+        def measured(size: Size, side: Side) -> None:  # the host's peak so far: the sizes measured until now
+            if keep is not None:
+                keep_baseline(keep, args, size, side.with_host(host), out)
+
+        sides = _pipeline_sides(sizes, args, device, out, measured)
     return {size: side.with_host(host) for size, side in sides.items()}
 
 
-def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Size, Side]:
+def keep_baseline(baseline_file: Path, args, size: Size, side: Side, out: Path) -> None:
+    """One size's in-process medians and outputs, where the `--side services` calls compare with them."""
+    save_baseline(baseline_file, args, {size: side})
+    for suffix in OUTPUTS:
+        shutil.copyfile(out / f"in-process-{size}{suffix}", baseline_output(baseline_file, size, suffix))
+    print(f"in process {size}: median {side.seconds:.2f} s ({stage_text(side)}); saved to {baseline_file}", flush=True)
+
+
+def _pipeline_sides(sizes: list[Size], args, device: str, out: Path, measured) -> dict[Size, Side]:
     started = time.perf_counter()
     offload = args.in_process_offload
     source = ModelSource(args.model_dir or None)
@@ -157,6 +172,7 @@ def _pipeline_sides(sizes: list[Size], args, device: str, out: Path) -> dict[Siz
         print(f"in process {size}: warm-up + {args.repeats} runs", flush=True)
         runs = repeated(lambda steps, size=size: once(size, steps), args)
         sides[size] = Side.of(runs, device_used_gib(device), ready_s=ready_s)
+        measured(size, sides[size])
     return sides
 
 
@@ -366,15 +382,13 @@ def run(args, sizes: list[Size], device: str, work: Path) -> tuple[list[Comparis
             raise SystemExit(
                 f"--side services: the in-process outputs {missing} are missing; run --side in-process again"
             )
+    elif args.side == "in-process":
+        in_process(sizes, args, device, work, keep=baseline_file)
+        print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
+        return [], command
     else:
         baseline = in_process(sizes, args, device, work)
         reference = {(size, suffix): work / f"in-process-{size}{suffix}" for size in sizes for suffix in OUTPUTS}
-    if args.side == "in-process":
-        save_baseline(baseline_file, args, baseline)
-        for (size, suffix), path in reference.items():
-            shutil.copyfile(path, baseline_output(baseline_file, size, suffix))
-        print(f"in-process medians saved to {baseline_file}; next: the same command with --side services")
-        return [], command
     served = through_services(sizes, args, device, work, config_path)
     return [
         Comparison.of(

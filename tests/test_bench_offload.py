@@ -136,3 +136,14 @@ def test_an_offloaded_full_size_baseline_is_refused_at_once_on_a_host_smaller_th
         in_process_offload.refuse_a_small_host("model", "random:full", "bfloat16", str(meminfo))
     in_process_offload.refuse_a_small_host("none", "random:full", "bfloat16", str(meminfo))  # on the card: no check
     in_process_offload.refuse_a_small_host("model", "", "bfloat16", str(meminfo))  # the tiny preset: no check
+
+
+def test_an_in_process_call_cut_short_keeps_the_sizes_it_finished(tmp_path):
+    """A 10-minute device call holds about one full-size offloaded size: each is saved as it is measured, so the
+    size after a cut (here: a request the pipeline refuses) costs only itself."""
+    with pytest.raises(ValueError, match="num_frames"):
+        e2e._in_process([SIZE, Size(32, 64, 0)], quick_args("none"), "cpu", tmp_path, tmp_path / "baseline.json")
+    saved = json.loads((tmp_path / "baseline.json").read_text())
+    assert list(saved["sides"]) == [str(SIZE)] and saved["setup"]["sizes"] == str(SIZE)
+    kept = np.load(tmp_path / f"baseline-{SIZE}.npz")
+    np.testing.assert_array_equal(kept["frames"], np.load(tmp_path / f"in-process-{SIZE}.npz")["frames"])

@@ -17,6 +17,8 @@ from h3serve.cli import init, profiles
 
 pytestmark = pytest.mark.processes
 
+DEPLOY = Path(__file__).parents[1] / "docs" / "deploy"
+
 
 def gpus(count: int, memory_gib: float, capability: str) -> dict:
     return {"gpus": [{"memory_gib": memory_gib, "capability": capability, "count": count}]}
@@ -110,6 +112,26 @@ def test_a_disk_too_small_for_the_weights_a_profile_streams_from_leaves_it_out(t
         "not single-32gb.toml: its quantised weights take the DiT's fp8 43.8 GiB of disk, the box has 30 GiB free"
         in capsys.readouterr().out
     )
+
+
+def test_on_this_machine_the_caches_a_restart_reuses_count_as_room_for_them(tmp_path, monkeypatch):
+    """`h3serve init` again on a box whose caches are filled: their files are room for the same caches (a restart
+    reuses them), so a run that filled the disk does not turn its own caches off; a cache turned off still holds its
+    files, which are no room for another, and one whose files are there is kept before one that would need new room.
+    The files are sparse: their size is what the directory holds."""
+    monkeypatch.chdir(tmp_path)  # the profiles' cache directories are relative to where the deployment runs
+    for directory, gib in (("var/fp8-cache", 43.8), ("var/int8-cache", 25.7)):
+        Path(directory).mkdir(parents=True)
+        with open(Path(directory) / "filled.safetensors", "wb") as file:
+            file.truncate(int(gib * 2**30))
+    h100 = (boxes.Gpu(79.2, (9, 0)),)
+    here = profiles.choose(boxes.Box(h100, 125.0, 10.0, "this machine", here=True), DEPLOY)[-1]
+    assert here.profile.name == "single-h100" and here.notes == ()
+    described = profiles.choose(boxes.Box(h100, 125.0, 10.0, "box.json"), DEPLOY)[-1]
+    assert [note.split(":")[0] for note in described.notes] == ["fp8_cache_dir off", "int8_cache_dir off"]
+    (Path("var/fp8-cache") / "filled.safetensors").unlink()  # emptied: 10 GiB free cannot hold it, the int8 is there
+    emptied = profiles.choose(boxes.Box(h100, 125.0, 10.0, "this machine", here=True), DEPLOY)[-1]
+    assert [note.split(":")[0] for note in emptied.notes] == ["fp8_cache_dir off"]
 
 
 def test_the_box_readers():

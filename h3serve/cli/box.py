@@ -48,6 +48,16 @@ class Box:
     host_gib: float
     disk_gib: float  # free, where the deployment's caches go
     source: str  # where the description comes from
+    here: bool = False  # this machine: what its cache directories already hold can be measured
+
+    def held_gib(self, directory: str) -> float:
+        """What `directory` (a cache's, relative to where the deployment runs) already holds on this machine: a
+        restart reuses those files, so they are room for that cache as much as free space is. 0 for a described
+        box, which has no directories to measure."""
+        path = Path(directory)
+        if not self.here or not path.is_dir():
+            return 0.0
+        return sum(file.stat().st_size for file in path.rglob("*") if file.is_file()) / GIB
 
     def describe(self) -> str:
         kinds = {(gpu.memory_gib, gpu.sm) for gpu in self.gpus}
@@ -139,4 +149,4 @@ def read_machine(disk_dir: str | Path, meminfo: str = MEMINFO) -> Box:
     memory = read_meminfo(meminfo)
     if memory is None:
         raise BoxError(f"{meminfo}: host memory unknown: describe the box with --box FILE")
-    return Box(gpus, round(memory.total / GIB, 1), round(free_disk_gib(disk_dir), 1), f"this machine: {how}")
+    return Box(gpus, round(memory.total / GIB, 1), round(free_disk_gib(disk_dir), 1), f"this machine: {how}", True)

@@ -179,7 +179,7 @@ def assess(profile: Profile, box: Box, directory: Path, model_dir: str = "", ggu
         return Verdict(profile, text, (f"set to this box it does not load: {exc}",))
     result = plan(config, gpu_gib=card, frames=SHORTEST, host_gib=box.host_gib, host_source="the box")
     why_not = [f"a {SHORTEST}-frame clip at its default canvas: {problem}" for problem in result.problems]
-    text, config, notes, short = fit_stores(text, config, box.disk_gib)
+    text, config, notes, short = fit_stores(text, config, box)
     return Verdict(profile, text, tuple(why_not + short), config, card, tuple(notes))
 
 
@@ -189,6 +189,7 @@ class Store:
 
     section: str
     key: str
+    directory: str
     what: str
     gib: float
     needed: bool  # the service reads its weights from the files (streamed), not only starts faster from them
@@ -196,34 +197,43 @@ class Store:
 
 def quantised_stores(config: DeployConfig) -> list[Store]:
     """The deployment's stores, those it streams from first, then the DiT's before the encoder's (its quantisation is
-    the longer): `fit_stores` turns them off from the end."""
+    the longer): `fit_stores` keeps them in this order while the disk holds them."""
     stores = []
     if config.dit.fp8_cache_dir:
         streamed = config.dit.offload == "group"
-        stores.append(Store("dit", "fp8_cache_dir", "the DiT's fp8", dit_weights(config.dit)[0] / GIB, streamed))
+        fp8_gib = dit_weights(config.dit)[0] / GIB
+        stores.append(Store("dit", "fp8_cache_dir", config.dit.fp8_cache_dir, "the DiT's fp8", fp8_gib, streamed))
     if config.encoder.int8_cache_dir:
         gib = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
-        stores.append(Store("encoder", "int8_cache_dir", "the encoder's int8", gib, False))
+        stores.append(Store("encoder", "int8_cache_dir", config.encoder.int8_cache_dir, "the encoder's int8", gib, False))
     return sorted(stores, key=lambda store: not store.needed)
 
 
-def fit_stores(text: str, config: DeployConfig, disk_gib: float) -> tuple[str, DeployConfig, list[str], list[str]]:
-    """`text` with every store the disk cannot also hold turned off, the last ones first (each only speeds a restart
-    up: it is quantised at every start instead), with a note each; a reason the profile does not fit where the
-    stores it streams from are more than the disk."""
-    stores, notes = quantised_stores(config), []
-    while sum(store.gib for store in stores) > disk_gib and stores and not stores[-1].needed:
-        dropped = stores.pop()
-        note = f"off: {dropped.what} store ({dropped.gib:.1f} GiB) does not fit this box's disk beside the rest"
-        text = set_key(text, dropped.section, dropped.key, '""', note)
+def fit_stores(text: str, config: DeployConfig, box: Box) -> tuple[str, DeployConfig, list[str], list[str]]:
+    """`text` with each store the disk cannot also hold turned off (each only speeds a restart up: it is quantised at
+    every start instead), the first ones kept first, with a note each; a reason the profile does not fit where the
+    stores it streams from are more than the disk. A store's room is the free disk and what its directory already
+    holds (a restart's files, reused); a store turned off leaves its files where they are."""
+    kept, notes = [], []
+
+    def fits(stores: list[Store]) -> bool:
+        room = box.disk_gib + sum(min(box.held_gib(store.directory), store.gib) for store in stores)
+        return sum(store.gib for store in stores) <= room
+
+    for store in quantised_stores(config):
+        if store.needed or fits([*kept, store]):
+            kept.append(store)
+            continue
+        note = f"off: {store.what} store ({store.gib:.1f} GiB) does not fit this box's disk beside the rest"
+        text = set_key(text, store.section, store.key, '""', note)
         notes.append(
-            f"{dropped.key} off: {dropped.what} weights ({dropped.gib:.1f} GiB) do not fit the disk "
-            f"({disk_gib:g} GiB free) beside the rest: quantised again at every start"
+            f"{store.key} off: {store.what} weights ({store.gib:.1f} GiB) do not fit the disk "
+            f"({box.disk_gib:g} GiB free) beside the rest: quantised again at every start"
         )
     short = []
-    if sum(store.gib for store in stores) > disk_gib:
-        takes = " and ".join(f"{store.what} {store.gib:.1f}" for store in stores)
-        short.append(f"its quantised weights take {takes} GiB of disk, the box has {disk_gib:g} GiB free")
+    if not fits(kept):
+        takes = " and ".join(f"{store.what} {store.gib:.1f}" for store in kept)
+        short.append(f"its quantised weights take {takes} GiB of disk, the box has {box.disk_gib:g} GiB free")
     return text, (_load(text) if notes else config), notes, short
 
 
