@@ -204,8 +204,9 @@ def quantised_stores(config: DeployConfig) -> list[Store]:
         fp8_gib = dit_weights(config.dit)[0] / GIB
         stores.append(Store("dit", "fp8_cache_dir", config.dit.fp8_cache_dir, "the DiT's fp8", fp8_gib, streamed))
     if config.encoder.int8_cache_dir:
-        gib = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
-        stores.append(Store("encoder", "int8_cache_dir", config.encoder.int8_cache_dir, "the encoder's int8", gib, False))
+        int8_gib = TEXT_ENCODER.bytes(config.encoder.dtype, "int8") / GIB
+        directory = config.encoder.int8_cache_dir
+        stores.append(Store("encoder", "int8_cache_dir", directory, "the encoder's int8", int8_gib, False))
     return sorted(stores, key=lambda store: not store.needed)
 
 
