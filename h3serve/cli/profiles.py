@@ -215,7 +215,8 @@ def fit_stores(text: str, config: DeployConfig, box: Box) -> tuple[str, DeployCo
     every start instead), the first ones kept first, with a note each; a reason the profile does not fit where the
     stores it streams from are more than the disk. A store's room is the free disk and what its directory already
     holds (a restart's files, reused); a store turned off leaves its files where they are."""
-    kept, notes = [], []
+    kept: list[Store] = []
+    notes: list[str] = []
 
     def fits(stores: list[Store]) -> bool:
         room = box.disk_gib + sum(min(box.held_gib(store.directory), store.gib) for store in stores)
