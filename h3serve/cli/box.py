@@ -51,9 +51,9 @@ class Box:
     here: bool = False  # this machine: what its cache directories already hold can be measured
 
     def held_gib(self, directory: str) -> float:
-        """What `directory` (a cache's, relative to where the deployment runs) already holds on this machine: a
-        restart reuses those files, so they are room for that cache as much as free space is. 0 for a described
-        box, which has no directories to measure."""
+        """What `directory` (a cache's; a relative one from here, as `h3serve up` run here resolves it) already
+        holds on this machine: a restart reuses those files, so they are room for that cache as much as free space
+        is. 0 for a described box, which has no directories to measure."""
         path = Path(directory)
         if not self.here or not path.is_dir():
             return 0.0
