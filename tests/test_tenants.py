@@ -309,6 +309,27 @@ def test_a_client_over_its_own_bound_is_refused_and_the_others_are_not(gateway):
 
 
 @pytest.mark.processes
+def test_a_requests_own_webhook_url_is_refused_when_it_is_no_endpoint_or_its_client_cannot_sign(gateway):
+    """A request may name its own endpoint (docs/webhooks.md): one that is no http(s) URL, or carries credentials, is
+    refused with the rule; a valid one from a client without a webhook_secret (nobody here has one) is refused too,
+    since its events could not be signed. The same refusal over gRPC and the HTTP door; nothing is queued."""
+    cases = {
+        "ftp://hooks.example/h": "webhook_url: an absolute http:// or https:// URL, got 'ftp://hooks.example/h'",
+        "https://me:pw@hooks.example/h": "webhook_url: no user or password in the URL",
+        "https://hooks.example/h": "webhook_url: client 'alice' has no webhook_secret in the clients file",
+    }
+    with gateway.client("alice") as client:
+        before = len(client.stub.ListJobs(S.ListJobsRequest()).jobs)
+        for url, reason in cases.items():
+            refused = _refusal(lambda url=url: _submit(gateway, "alice", "a hooked fox", webhook_url=url))
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in refused.details()
+            with pytest.raises(openai.BadRequestError) as http_refused:
+                gateway.sdk("alice").videos.create(prompt="a hooked fox", size="64x32", extra_body={"webhook_url": url})
+            assert reason in str(http_refused.value)
+        assert len(client.stub.ListJobs(S.ListJobsRequest()).jobs) == before
+
+
+@pytest.mark.processes
 def test_a_token_added_by_the_cli_works_after_a_sighup_without_a_restart(gateway, capsys):
     root = argparse.ArgumentParser()
     token_cli.add_parser(root.add_subparsers(dest="command"))
