@@ -34,12 +34,14 @@ from h3serve.common.server import is_answering
 from h3serve.gateway.jobs.store import Ownership
 from h3serve.gateway.tenants.clients import DEFAULT, ClientsFileError, entry, new_token, read, token_hash
 from h3serve.gateway.tenants.registry import Tenants
+from h3serve.gateway.webhooks.signing import new_secret
 from h3serve.v1 import common_pb2
 from h3serve.v1 import gateway_pb2 as S
 
 SMALL = dict(height=32, width=64, num_inference_steps=2)
 MISSING_JOB = "0123456789abcdef"  # an id of the same length as the gateway's, never made
 ADMIN, BOUNDED = "root", "carol"
+WEBHOOK_HOSTS = ("hooks.example", ".internal.example")  # the gateway fixture's [gateway] webhook_hosts
 
 
 # The clients file and the guard's decisions, in-process.
@@ -184,7 +186,7 @@ def gateway(tmp_path_factory):
     listens on."""
     root = tmp_path_factory.mktemp("tenants")
     clients_file = root / "clients.toml"
-    tokens = _clients_file(clients_file, alice={}, bob={}, root={"admin": True})
+    tokens = _clients_file(clients_file, alice={}, bob={}, root={"admin": True}, dora={"webhook_secret": new_secret()})
     tokens[BOUNDED] = new_token()
     with clients_file.open("a") as file:
         file.write(entry(BOUNDED, tokens[BOUNDED]) + "max_unfinished_jobs = 1\n")
@@ -199,6 +201,7 @@ def gateway(tmp_path_factory):
         clients_file=str(clients_file),
         max_unfinished_jobs_per_client=5,
         open_without_token=[],
+        webhook_hosts=list(WEBHOOK_HOSTS),
         http_port=ports["http"],
         metrics_port=ports["metrics"],
     )
@@ -309,24 +312,37 @@ def test_a_client_over_its_own_bound_is_refused_and_the_others_are_not(gateway):
 
 
 @pytest.mark.processes
-def test_a_requests_own_webhook_url_is_refused_when_it_is_no_endpoint_or_its_client_cannot_sign(gateway):
-    """A request may name its own endpoint (docs/webhooks.md): one that is no http(s) URL, or carries credentials, is
-    refused with the rule; a valid one from a client without a webhook_secret (nobody here has one) is refused too,
-    since its events could not be signed. The same refusal over gRPC and the HTTP door; nothing is queued."""
+def test_a_requests_own_webhook_url_is_refused_when_it_is_no_endpoint_or_its_client_cannot_sign_or_post_there(gateway):
+    """A request may name its own endpoint (docs/webhooks.md): one that is no http(s) URL or carries credentials is
+    refused with the rule; a valid one from a client without a webhook_secret (alice) is refused, since its events
+    could not be signed; one on a host outside [gateway] webhook_hosts is refused for a client with a secret (dora),
+    one under an allowed ".name" is hers. The same refusals over gRPC and the HTTP door; nothing refused is queued."""
+    allowed = ", ".join(WEBHOOK_HOSTS)
     cases = {
-        "ftp://hooks.example/h": "webhook_url: an absolute http:// or https:// URL, got 'ftp://hooks.example/h'",
-        "https://me:pw@hooks.example/h": "webhook_url: no user or password in the URL",
-        "https://hooks.example/h": "webhook_url: client 'alice' has no webhook_secret in the clients file",
+        (
+            "alice",
+            "ftp://hooks.example/h",
+        ): "webhook_url: an absolute http:// or https:// URL, got 'ftp://hooks.example/h'",
+        ("alice", "https://me:pw@hooks.example/h"): "webhook_url: no user or password in the URL",
+        ("alice", "https://hooks.example/h"): "webhook_url: client 'alice' has no webhook_secret in the clients file",
+        ("dora", "https://10.0.0.1/h"): f"webhook_url: host '10.0.0.1' is not one this gateway posts to "
+        f"([gateway] webhook_hosts: {allowed})",
+        ("dora", "https://internal.example/h"): "webhook_url: host 'internal.example' is not one",
     }
-    with gateway.client("alice") as client:
-        before = len(client.stub.ListJobs(S.ListJobsRequest()).jobs)
-        for url, reason in cases.items():
-            refused = _refusal(lambda url=url: _submit(gateway, "alice", "a hooked fox", webhook_url=url))
-            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in refused.details()
-            with pytest.raises(openai.BadRequestError) as http_refused:
-                gateway.sdk("alice").videos.create(prompt="a hooked fox", size="64x32", extra_body={"webhook_url": url})
-            assert reason in str(http_refused.value)
-        assert len(client.stub.ListJobs(S.ListJobsRequest()).jobs) == before
+    for name in ("alice", "dora"):
+        with gateway.client(name) as client:
+            before = len(client.stub.ListJobs(S.ListJobsRequest()).jobs)
+            for url, reason in ((url, reason) for (who, url), reason in cases.items() if who == name):
+                refused = _refusal(lambda url=url: _submit(gateway, name, "a hooked fox", webhook_url=url))
+                assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in refused.details()
+                with pytest.raises(openai.BadRequestError) as http_refused:
+                    gateway.sdk(name).videos.create(
+                        prompt="a hooked fox", size="64x32", extra_body={"webhook_url": url}
+                    )
+                assert reason in str(http_refused.value)
+            assert len(client.stub.ListJobs(S.ListJobsRequest()).jobs) == before
+    hooked = _submit(gateway, "dora", "a hooked fox", webhook_url="https://Hooks.a.Internal.example/h")
+    assert hooked.webhook.url == "https://Hooks.a.Internal.example/h"
 
 
 @pytest.mark.processes

@@ -13,6 +13,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    StringConstraints,
     ValidationInfo,
     field_validator,
 )
@@ -33,6 +34,10 @@ from h3serve.common.config.base import (
     Steps,
 )
 from h3serve.model.rules import Geometry
+
+# A host name (or IPv4 address), kept in lower case, with a leading "." for every name under it: [gateway] webhook_hosts
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+WebhookHost = Annotated[str, StringConstraints(to_lower=True, pattern=rf"^\.?{LABEL}(\.{LABEL})*$")]
 
 
 def _addresses(value: str) -> tuple[str, ...]:
@@ -135,6 +140,10 @@ class GatewayConfig(Section):
     webhook_backoff_s: PositiveFloat = 1.0
     webhook_max_backoff_s: PositiveFloat = 600.0
     webhook_max_attempts: PositiveInt = 20
+    # The hosts a request's own webhook_url may name: "hooks.example.com" that name, ".example.com" any name under it.
+    # Empty: any host (only clients with a webhook_secret may name one). The clients file's endpoints are the
+    # operator's own and are not held to it.
+    webhook_hosts: Annotated[tuple[WebhookHost, ...], Field(strict=False)] = ()
     tls_cert: str = ""  # PEM files: serve the public API over TLS
     tls_key: str = ""
     stage_tls_ca: str = ""  # PEM root for TLS stage services (empty: plaintext to the stages)

@@ -31,7 +31,7 @@ from h3serve.gateway.jobs.runner import JobRunner
 from h3serve.gateway.jobs.store import UNFINISHED_STATES, JobStore, Ownership, QueueFull, RequestIdConflict
 from h3serve.gateway.tenants.clients import Client
 from h3serve.gateway.tenants.registry import DEFAULT_CLIENT, Tenants
-from h3serve.gateway.webhooks.endpoint import url_problem
+from h3serve.gateway.webhooks.endpoint import host_problem, url_problem
 from h3serve.model import rules, workflows
 from h3serve.model.adapters import AdapterCatalog
 from h3serve.model.rules import InvalidRequest
@@ -64,11 +64,11 @@ def _scope() -> str | None:
     return None if client.admin else client.name
 
 
-def _webhook_url(request: gateway_pb2.GenerateRequest, client: Client) -> str:
+def _webhook_url(request: gateway_pb2.GenerateRequest, client: Client, hosts: tuple[str, ...]) -> str:
     """The job's endpoint: the request's, else the client's (empty: none). InvalidRequest for one it cannot have."""
     if not request.webhook_url:
         return client.webhook_url
-    if problem := url_problem(request.webhook_url):
+    if problem := url_problem(request.webhook_url) or host_problem(request.webhook_url, hosts):
         raise InvalidRequest("webhook_url", problem)
     if not client.webhook_secret:
         raise InvalidRequest(
@@ -113,9 +113,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for field, asset_id in workflows.asset_fields(request):
                 check_id(field, asset_id)  # before any refusal echoes it
             assets = await self._owned_assets(workflows.asset_ids(request), client)
-            owner = Ownership(
-                client.name, self.tenants.bound(client) if self.tenants else 0, _webhook_url(request, client)
-            )
+            endpoint = _webhook_url(request, client, self.config.webhook_hosts)
+            owner = Ownership(client.name, self.tenants.bound(client) if self.tenants else 0, endpoint)
             offer = await self.served.offer()
             catalog = offer.adapters if offer else None
             if catalog is None and request.params.adapters:

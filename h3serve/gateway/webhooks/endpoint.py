@@ -1,7 +1,8 @@
 """Which URLs a webhook endpoint may be: absolute http(s) URLs of bounded length, no credentials in them.
 
 One rule for both places an endpoint is named: a client's `webhook_url` in the clients file, and a request's
-`webhook_url` field.
+`webhook_url` field; a request's is also held to the hosts the operator allows (`[gateway] webhook_hosts`), so that a
+client cannot have the gateway post to a host of the operator's network.
 """
 
 from __future__ import annotations
@@ -28,3 +29,12 @@ def url_problem(url: str) -> str | None:
     if parts.username or parts.password:
         return "no user or password in the URL: the requests are signed (webhook-signature)"
     return None
+
+
+def host_problem(url: str, hosts: tuple[str, ...]) -> str | None:
+    """Why a request may not name `url` (valid by `url_problem`) under `[gateway] webhook_hosts`, or None: any host
+    when there are none; else its host is one of them, or under one that starts with "."."""
+    host = (urlsplit(url).hostname or "").lower()
+    if not hosts or any(host == allowed or (allowed[0] == "." and host.endswith(allowed)) for allowed in hosts):
+        return None
+    return f"host {host!r} is not one this gateway posts to ([gateway] webhook_hosts: {', '.join(hosts)})"
