@@ -333,7 +333,7 @@ def test_a_requests_own_webhook_url_is_refused_when_it_is_no_endpoint_or_its_cli
         with gateway.client(name) as client:
             before = len(client.stub.ListJobs(S.ListJobsRequest()).jobs)
             for url, reason in ((url, reason) for (who, url), reason in cases.items() if who == name):
-                refused = _refusal(lambda url=url: _submit(gateway, name, "a hooked fox", webhook_url=url))
+                refused = _refusal(lambda url=url, name=name: _submit(gateway, name, "a hooked fox", webhook_url=url))
                 assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and reason in refused.details()
                 with pytest.raises(openai.BadRequestError) as http_refused:
                     gateway.sdk(name).videos.create(
