@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -161,3 +162,25 @@ def test_set_key_replaces_inserts_and_adds_a_section():
     assert profiles.set_key(text, "supervisor", "gpu_memory_gib", "79.2", "n").endswith(
         "\n\n[supervisor]\ngpu_memory_gib = 79.2  # n\n"
     )
+
+
+def test_up_refuses_a_file_planned_for_a_larger_card_than_nvidia_smi_lists(tmp_path):
+    """single-h200.toml (139.8 GiB planned) started beside an H100 (a stand-in nvidia-smi on PATH lists one) is
+    refused before anything starts, with the way out; the same file beside an H200's listing is not refused for its
+    card. On a lent H100 that file's DiT ran out of memory at load instead."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\necho "81559, 0, 9.0"\n')  # an H100 80GB HBM3 as nvidia-smi lists it
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{smi.parent}{os.pathsep}{os.environ['PATH']}"}
+    command = [sys.executable, "-m", "h3serve.cli", "up", "--config", str(DEPLOY / "single-h200.toml")]
+    done = subprocess.run([*command, "--log-dir", str(tmp_path / "logs")], capture_output=True, text=True, env=env)
+    assert done.returncode == 1 and done.stderr.strip() == (
+        f"h3serve up: {DEPLOY / 'single-h200.toml'}: [supervisor] gpu_memory_gib is 139.8 GiB, but this machine's "
+        "largest GPU has 79.6 GiB (nvidia-smi): its plan would admit what does not fit. Write a deployment for this "
+        "box with `h3serve init`, or set gpu_memory_gib to the card's size and check it with `h3serve plan`"
+    )
+    assert not (tmp_path / "logs").exists(), "nothing started"
+    h100, h200 = boxes.Gpu(79.2, (9, 0)), boxes.Gpu(139.8, (9, 0))
+    assert boxes.card_problem(139.8, (h100, h200)) is None and boxes.card_problem(79.6, (h100,)) is None
+    assert boxes.card_problem(0.0, (h100,)) is None and boxes.card_problem(139.8, ()) is None

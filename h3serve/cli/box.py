@@ -26,6 +26,7 @@ NVIDIA_SMI = ("nvidia-smi", "--format=csv,noheader,nounits")
 # MiB, MiB, "9.0"; a driver that knows no memory.reserved refuses the query, and is asked without it
 FIELDS = ("memory.total,memory.reserved,compute_cap", "memory.total,compute_cap")
 MIB = 1 << 20
+CARD_ROUNDING = 1.01  # a declared card this much over the one read still starts: both are rounded, read two ways
 
 
 class BoxError(ValueError):
@@ -120,12 +121,19 @@ def parse_nvidia_smi(output: str) -> tuple[Gpu, ...]:
     return tuple(gpus)
 
 
-def machine_gpus() -> tuple[tuple[Gpu, ...], str]:
-    """This machine's GPUs and how they were read: nvidia-smi, else torch (where installed), else none."""
+def smi_gpus() -> tuple[Gpu, ...] | None:
+    """This machine's GPUs as nvidia-smi lists them; None without a working nvidia-smi (no torch is imported)."""
     for fields in FIELDS if shutil.which(NVIDIA_SMI[0]) else ():
         done = subprocess.run([*NVIDIA_SMI, f"--query-gpu={fields}"], capture_output=True, text=True, timeout=60)
         if done.returncode == 0:
-            return parse_nvidia_smi(done.stdout), "nvidia-smi"
+            return parse_nvidia_smi(done.stdout)
+    return None
+
+
+def machine_gpus() -> tuple[tuple[Gpu, ...], str]:
+    """This machine's GPUs and how they were read: nvidia-smi, else torch (where installed), else none."""
+    if (listed := smi_gpus()) is not None:
+        return listed, "nvidia-smi"
     try:
         import torch
     except ImportError:
@@ -134,6 +142,23 @@ def machine_gpus() -> tuple[tuple[Gpu, ...], str]:
         return (), "torch sees no CUDA device"
     props = [torch.cuda.get_device_properties(index) for index in range(torch.cuda.device_count())]
     return tuple(Gpu(round(p.total_memory / GIB, 1), (p.major, p.minor)) for p in props), "torch"
+
+
+def card_problem(declared_gib: float, gpus: tuple[Gpu, ...]) -> str | None:
+    """Why a deployment planned for cards of `declared_gib` (`[supervisor] gpu_memory_gib`) must not start beside
+    `gpus` (this machine's): it names a card larger than any here, so its plan would admit requests, and place
+    weights, that run out of memory (a file written for an H200, started on an H100, failed at load with CUDA's
+    out-of-memory). None where it names none, no GPU is seen, or a card here is as large (within rounding)."""
+    if not declared_gib or not gpus:
+        return None
+    largest = max(gpu.memory_gib for gpu in gpus)
+    if declared_gib <= largest * CARD_ROUNDING:
+        return None
+    return (
+        f"[supervisor] gpu_memory_gib is {declared_gib:g} GiB, but this machine's largest GPU has {largest:g} GiB "
+        "(nvidia-smi): its plan would admit what does not fit. Write a deployment for this box with `h3serve init`, "
+        "or set gpu_memory_gib to the card's size and check it with `h3serve plan`"
+    )
 
 
 def free_disk_gib(directory: str | Path) -> float:

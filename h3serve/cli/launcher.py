@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from h3serve.cli import box as boxes
 from h3serve.common import forkserver, processes
 from h3serve.common.config import SERVICES, WILDCARD_HOSTS, ConfigError, DeployConfig
 from h3serve.common.processes import Tree, children, describe_exit, end_trees
@@ -150,6 +151,12 @@ class ServiceGroup:
         if shared:
             raise ConfigError("\n".join(f"{self.config_path or 'the deployment'} {line}" for line in shared))
 
+    def check_cards(self) -> None:
+        """Refuse a deployment planned for a larger card than this machine has, before anything starts: its
+        services would load into memory the card does not have, and its plan admit what cannot run."""
+        if problem := boxes.card_problem(self.config.supervisor.gpu_memory_gib, boxes.smi_gpus() or ()):
+            raise ConfigError(f"{self.config_path or 'the deployment'}: {problem}")
+
     def claim(self) -> None:
         """Refused (naming each port or directory and its holder) when another process holds one of this group's
         ports or its gateway's data directory: another `h3serve up` on this configuration, or on this data_dir with
@@ -182,6 +189,7 @@ class ServiceGroup:
         """Start every service, once the group owns its ports and data directory (else exit EXIT_REFUSED, having
         started nothing)."""
         self.check_ports()
+        self.check_cards()
         try:
             self.claim()
         except processes.Refused as exc:
