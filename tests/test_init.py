@@ -15,6 +15,8 @@ import pytest
 
 from h3serve.cli import box as boxes
 from h3serve.cli import init, profiles
+from h3serve.cli.launcher import ServiceGroup
+from h3serve.common.config import ConfigError, load_deploy
 
 pytestmark = pytest.mark.processes
 
@@ -164,10 +166,10 @@ def test_set_key_replaces_inserts_and_adds_a_section():
     )
 
 
-def test_up_refuses_a_file_planned_for_a_larger_card_than_nvidia_smi_lists(tmp_path):
+def test_up_refuses_a_file_planned_for_a_larger_card_than_nvidia_smi_lists(tmp_path, monkeypatch):
     """single-h200.toml (139.8 GiB planned) started beside an H100 (a stand-in nvidia-smi on PATH lists one) is
-    refused before anything starts, with the way out; the same file beside an H200's listing is not refused for its
-    card. On a lent H100 that file's DiT ran out of memory at load instead."""
+    refused before anything starts, with the way out; a host starting only its gateway is not held to the card, nor
+    is the file beside an H200's listing. On a lent H100 that file's DiT ran out of memory at load instead."""
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text('#!/bin/sh\necho "81559, 0, 9.0"\n')  # an H100 80GB HBM3 as nvidia-smi lists it
@@ -181,6 +183,11 @@ def test_up_refuses_a_file_planned_for_a_larger_card_than_nvidia_smi_lists(tmp_p
         "box with `h3serve init`, or set gpu_memory_gib to the card's size and check it with `h3serve plan`"
     )
     assert not (tmp_path / "logs").exists(), "nothing started"
+    monkeypatch.setenv("PATH", env["PATH"])
+    config = load_deploy(DEPLOY / "single-h200.toml")
+    ServiceGroup(config, "single-h200.toml", names=("gateway",)).check_cards()  # the gateway's host: no GPU of it
+    with pytest.raises(ConfigError, match="gpu_memory_gib is 139.8 GiB, but this machine's largest GPU has 79.6"):
+        ServiceGroup(config, "single-h200.toml", names=("dit",)).check_cards()
     h100, h200 = boxes.Gpu(79.2, (9, 0)), boxes.Gpu(139.8, (9, 0))
     assert boxes.card_problem(139.8, (h100, h200)) is None and boxes.card_problem(79.6, (h100,)) is None
     assert boxes.card_problem(0.0, (h100,)) is None and boxes.card_problem(139.8, ()) is None

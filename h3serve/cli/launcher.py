@@ -153,8 +153,10 @@ class ServiceGroup:
 
     def check_cards(self) -> None:
         """Refuse a deployment planned for a larger card than this machine has, before anything starts: its
-        services would load into memory the card does not have, and its plan admit what cannot run."""
-        if problem := boxes.card_problem(self.config.supervisor.gpu_memory_gib, boxes.smi_gpus() or ()):
+        services would load into memory the card does not have, and its plan admit what cannot run. Only where
+        this group starts a model service on a GPU (a gateway host's own GPU, if any, is not the deployment's)."""
+        on_gpu = [name for name in set(self.names) & set(SERVICES) if getattr(self.config, name).device != "cpu"]
+        if on_gpu and (problem := boxes.card_problem(self.config.supervisor.gpu_memory_gib, boxes.smi_gpus() or ())):
             raise ConfigError(f"{self.config_path or 'the deployment'}: {problem}")
 
     def claim(self) -> None:
