@@ -183,6 +183,10 @@ def test_up_refuses_a_file_planned_for_a_larger_card_than_nvidia_smi_lists(tmp_p
         "box with `h3serve init`, or set gpu_memory_gib to the card's size and check it with `h3serve plan`"
     )
     assert not (tmp_path / "logs").exists(), "nothing started"
+    unit = subprocess.run(  # a unit per service (docs/deploy/systemd) starts it with `serve`: refused the same way
+        [*command[:3], "serve", "dit", *command[4:]], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert unit.returncode == 1 and unit.stderr.strip() == done.stderr.strip().replace("h3serve up", "h3serve serve")
     monkeypatch.setenv("PATH", env["PATH"])
     config = load_deploy(DEPLOY / "single-h200.toml")
     ServiceGroup(config, "single-h200.toml", names=("gateway",)).check_cards()  # the gateway's host: no GPU of it

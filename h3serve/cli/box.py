@@ -20,6 +20,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from h3serve.common.config import ConfigError, DeployConfig
 from h3serve.common.processes import GIB, MEMINFO, read_meminfo
 
 NVIDIA_SMI = ("nvidia-smi", "--format=csv,noheader,nounits")
@@ -159,6 +160,14 @@ def card_problem(declared_gib: float, gpus: tuple[Gpu, ...]) -> str | None:
         "(nvidia-smi): its plan would admit what does not fit. Write a deployment for this box with `h3serve init`, "
         "or set gpu_memory_gib to the card's size and check it with `h3serve plan`"
     )
+
+
+def require_the_card(config: DeployConfig, path: str | None, on_gpu: bool) -> None:
+    """ConfigError (`card_problem`'s reason) where a start that puts a model service on a GPU (`on_gpu`) finds this
+    machine's cards smaller than the deployment was planned for: `h3serve up` before it starts anything, `h3serve
+    serve` (a unit per service) before its service loads."""
+    if on_gpu and (problem := card_problem(config.supervisor.gpu_memory_gib, smi_gpus() or ())):
+        raise ConfigError(f"{path or 'the deployment'}: {problem}")
 
 
 def free_disk_gib(directory: str | Path) -> float:

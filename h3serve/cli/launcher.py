@@ -155,9 +155,8 @@ class ServiceGroup:
         """Refuse a deployment planned for a larger card than this machine has, before anything starts: its
         services would load into memory the card does not have, and its plan admit what cannot run. Only where
         this group starts a model service on a GPU (a gateway host's own GPU, if any, is not the deployment's)."""
-        on_gpu = [name for name in set(self.names) & set(SERVICES) if getattr(self.config, name).device != "cpu"]
-        if on_gpu and (problem := boxes.card_problem(self.config.supervisor.gpu_memory_gib, boxes.smi_gpus() or ())):
-            raise ConfigError(f"{self.config_path or 'the deployment'}: {problem}")
+        on_gpu = any(self.config.service(name).device != "cpu" for name in set(self.names) & set(SERVICES))
+        boxes.require_the_card(self.config, self.config_path, on_gpu)
 
     def claim(self) -> None:
         """Refused (naming each port or directory and its holder) when another process holds one of this group's

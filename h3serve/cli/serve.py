@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from h3serve.cli import box as boxes
 from h3serve.common.config import SERVICES, load_deploy, override
 
 # Model processes share cards, so their CUDA allocators map memory in growable segments: what a compile or a request
@@ -36,6 +37,7 @@ def _run(args) -> None:
             raise SystemExit("--world-size applies to the dit service only")
         flags["world_size"] = args.world_size
     section = override(config.service(args.service), **flags)
+    boxes.require_the_card(config, args.config, on_gpu=section.device != "cpu")  # `up` checked its group already
     if not ALLOCATOR_VARIABLES & os.environ.keys():  # the DiT's ranks inherit it from their launcher
         os.environ[ALLOCATOR_SETTING[0]] = ALLOCATOR_SETTING[1]
     # the DiT's entry is its launcher, which must start its ranks without first importing what they import
