@@ -36,8 +36,8 @@ from h3serve.common.config.base import (
 from h3serve.model.rules import Geometry
 
 # A host name (or IPv4 address), kept in lower case, with a leading "." for every name under it: [gateway] webhook_hosts
-LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
-WebhookHost = Annotated[str, StringConstraints(to_lower=True, pattern=rf"^\.?{LABEL}(\.{LABEL})*$")]
+_HOST_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?"
+WebhookHost = Annotated[str, StringConstraints(to_lower=True, pattern=rf"^\.?{_HOST_LABEL}(\.{_HOST_LABEL})*$")]
 
 
 def _addresses(value: str) -> tuple[str, ...]:
