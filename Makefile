@@ -54,7 +54,7 @@ chromium:
 		&& apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "make: no Chromium at $(CHROMIUM), and apt-get cannot install it here: the console tests will skip"
 
-# The job store's contract runs on PostgreSQL too (tests/stores.py starts one server from the OS packages for the
+# The job store's contract runs on PostgreSQL too (bench/job_stores.py starts one server from the OS packages for the
 # session): installed here as Chromium is; where it cannot be, the PostgreSQL half of the contract skips and says so.
 POSTGRES_INITDB := $(firstword $(wildcard /usr/lib/postgresql/*/bin/initdb))
 .PHONY: postgresql

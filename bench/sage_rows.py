@@ -1,4 +1,4 @@
-"""The sage_fp16 kernel's CPU model (tests/sage_model.py) against fp64 attention at the full-size DiT's row counts.
+"""The sage_fp16 kernel's CPU model (bench/sage_model.py) against fp64 attention at the full-size DiT's row counts.
 
 No GPU: the model is the kernel's exact arithmetic (a lent H100 matched it to 0.31 bf16 ulp), so its errors at
 15,100 and 37,966 rows (480x832x124, 768x1344x124) are the kernel's. The suite runs 1,000 rows; the DiT-like
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from bench.sage_model import attention_fp64, kernel_model
 from bench.sage_turing import CASES, HEAD_DIM, OUTLIER_CHANNELS, compare, inputs
 from h3serve.runtime.kernels import sage_prepare
-from tests.sage_model import attention_fp64, kernel_model
 
 SCALE_ROWS = {"16/64": (16, 64), "16/16": (16, 16), "1/64": (1, 64), "16/1": (16, 1), "1/1": (1, 1)}
 EXTRAS = ("outliers", "balanced", "oracle")

@@ -6,7 +6,7 @@ version, 75, proves which module runs). The instructions are Turing's own (m8n8k
 numbers are the ones a 2080 Ti computes; its speed and Turing's resource limits are not (the sm_75 CUBIN's SASS
 and resource usage are checked on the CPU, tests/test_sage_sass.py). Every time is labelled so.
 
-First the kernel (PTX and native CUBIN) against its CPU model (tests/sage_model.py), both fed the inputs the GPU's
+First the kernel (PTX and native CUBIN) against its CPU model (bench/sage_model.py), both fed the inputs the GPU's
 pre-pass made, on (1, 1000, 2, 128), Gaussian and DiT-like (whose outlier channels take the kernel's shifted first
 step): the same numbers up to the kernel's ex2.approx and summation order. Then at the full-size DiT's attention shapes
 (1, 15100 / 37966, 56, 128) (480x832x124, 768x1344x124):
@@ -38,8 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.common import device_label, software
 from bench.results import Record, add_output_arguments, command_line, update_results
+from bench.sage_model import kernel_vs_model
 from h3serve.runtime.kernels import nvrtc_cache, sage, sage_prepare
-from tests.sage_model import kernel_vs_model
 
 SHAPES = {"480x832x124": 15100, "768x1344x124": 37966}
 HEADS, HEAD_DIM = 56, 128

@@ -1,7 +1,7 @@
 """Several gateways on one PostgreSQL job store, under load: every job committed exactly once, and what the store
 costs against SQLite.
 
-Starts PostgreSQL (the OS packages, as the tests do: tests/stores.py) and the tiny model's encoder, DiT and VAE on
+Starts PostgreSQL (the OS packages, as the tests do: bench/job_stores.py) and the tiny model's encoder, DiT and VAE on
 CPU (bench/deployment.py), then three runs of the same tiny jobs from `--clients` client threads, each job submitted
 and followed to its end (submit-to-finish), its client's gateway by turns:
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.deployment import MODEL_SERVICES, cpu_record, tiny_deployment
+from bench.job_stores import Backend, start_postgres
 from bench.results import add_output_arguments, update_results
 from h3serve.cli.launcher import ServiceGroup, is_answering
 from h3serve.client import GatewayClient
@@ -36,7 +37,6 @@ from h3serve.common.config import load_deploy
 from h3serve.common.deploy_toml import dumps
 from h3serve.common.free_ports import free_port
 from h3serve.v1 import common_pb2, gateway_pb2
-from tests.stores import Backend, start_postgres
 
 S = gateway_pb2
 

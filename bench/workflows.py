@@ -19,11 +19,11 @@ from pathlib import Path
 
 from bench.common import leaves_gpu_empty
 from bench.deployment import DEMO, tiny_deployment
+from bench.media_files import image, mp4, wav
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
 from h3serve.v1 import common_pb2, gateway_pb2
-from tests.media_files import image, mp4, wav
 
 
 def _requests(client: GatewayClient, media: Path, steps: int) -> dict[str, gateway_pb2.GenerateRequest]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from media_files import audio, image, mp4
 
+from bench.media_files import audio, image, mp4
 from h3serve.gateway.assets.store import AssetStore
 from h3serve.gateway.assets.validate import AssetLimits, AssetRefused, inspect, sniff
 from h3serve.gateway.blobs import DirectoryBlobs

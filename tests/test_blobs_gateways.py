@@ -13,9 +13,9 @@ import psycopg
 import pytest
 import stores
 from deployments import QUICK_OUTAGE, write_config
-from media_files import image
 from test_blobs import downgrade
 
+from bench.media_files import image
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy

@@ -21,9 +21,9 @@ import grpc
 import openai
 import pytest
 from deployments import write_config
-from media_files import image
 from up_process import eventually
 
+from bench.media_files import image
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import GatewayConfig, load_deploy

@@ -658,7 +658,7 @@ def test_after_the_fuzzing_the_logs_are_bounded_and_hold_no_traceback(fuzz):
 
 @pytest.fixture(scope="module")
 def media(tmp_path_factory) -> dict[str, bytes]:
-    import media_files
+    from bench import media_files
 
     root = tmp_path_factory.mktemp("media")
     made = {
@@ -769,7 +769,7 @@ def test_any_media_under_any_declared_kind(fuzz, media, d, service, workflow):
 
 @pytest.mark.parametrize("service", ["encoder", "vae"])
 def test_a_video_reference_too_short_for_the_blocks_is_invalid_argument(fuzz, tmp_path, service):
-    import media_files
+    from bench import media_files
 
     short = media_files.mp4(tmp_path / "short.mp4", 64, 32, 3).read_bytes()
     assert (

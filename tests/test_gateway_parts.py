@@ -392,8 +392,7 @@ def test_retention_removes_old_then_oldest_beyond_the_byte_cap(tmp_path):
 
 
 def test_retention_removes_old_uploads_that_no_queued_or_running_job_names(tmp_path):
-    from media_files import audio
-
+    from bench.media_files import audio
     from h3serve.gateway.assets.store import CONTENT, AssetStore, meta_key
     from h3serve.gateway.assets.validate import AssetLimits
 

@@ -27,19 +27,20 @@ ALLOWED = {
 TORCH = ("torch", "torchvision", "torchaudio", "diffusers")
 
 
-def _h3serve_imports(path: Path) -> set[str]:
-    """The h3serve packages a module imports, at any depth of its code (function-level imports included)."""
+def _imported(path: Path) -> set[str]:
+    """Every module name a module imports, at any depth of its code (function-level imports included)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = (
-            [alias.name for alias in node.names]
-            if isinstance(node, ast.Import)
-            else [node.module or ""]
-            if isinstance(node, ast.ImportFrom)
-            else []
-        )
-        found |= {name.split(".")[1] for name in names if name.startswith("h3serve.") and name.count(".") >= 1}
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module or "")
     return found
+
+
+def _h3serve_imports(path: Path) -> set[str]:
+    """The h3serve packages a module imports."""
+    return {name.split(".")[1] for name in _imported(path) if name.startswith("h3serve.") and name.count(".") >= 1}
 
 
 def test_every_package_imports_only_the_layers_below_it():
@@ -56,6 +57,21 @@ def test_every_package_imports_only_the_layers_below_it():
         for p in ROOT.iterdir()
         if p.name != "__init__.py" and not p.name.startswith("__pycache__")
     }, "a new package needs its place in ALLOWED"
+
+
+def test_the_benches_import_nothing_of_the_tests():
+    """The tests use the benches (what both need, such as request media or a PostgreSQL server, lives in bench/),
+    never the other way round: a bench is a tool of its own, and a helper imported as `tests.x` by a bench and as `x`
+    by the tests was two modules in one process."""
+    tests = Path(__file__).parent
+    helpers = {path.stem for path in tests.glob("*.py")} | {"tests"}
+    wrong = [
+        f"{path.relative_to(tests.parent)} imports {name}"
+        for path in sorted((tests.parent / "bench").glob("*.py"))
+        for name in sorted(_imported(path))
+        if name.split(".")[0] in helpers
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.processes  # a fresh interpreter

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from deployments import write_config
 from forked import run_forked
-from media_files import image, mp4, wav
 
+from bench.media_files import image, mp4, wav
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.cli.reference import ReferenceRequest, base_params, run_reference
 from h3serve.client import GatewayClient

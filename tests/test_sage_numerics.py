@@ -1,4 +1,4 @@
-"""The sage_fp16 kernel's arithmetic (its CPU model, tests/sage_model.py) against fp64 attention: issue 49's bars.
+"""The sage_fp16 kernel's arithmetic (its CPU model, bench/sage_model.py) against fp64 attention: issue 49's bars.
 
 On a GPU (`-m gpu`), the kernel itself against the model: the same numbers but for the kernel's ex2.approx and
 its fp32 summation order.
@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from bench.common import Size, denoise_spec
+from bench.sage_model import attention_fp64, kernel_model, kernel_vs_model
 from bench.sage_turing import inputs as bench_inputs
 from h3serve.runtime.kernels import local, sage_prepare
 from h3serve.runtime.kernels.sage_prepare import HEAD_DIM
 from h3serve.runtime.tiny import build_component
 from h3serve.services.dit.runner import DenoiseRunner, served
-from tests.sage_model import attention_fp64, kernel_model, kernel_vs_model
 
 ROWS, HEADS = 1000, 2  # not a multiple of 64: the tail keys and rows are exercised
 GAUSSIAN = {"cosine": 0.9999, "rel_l1": 0.015}

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from deployments import ADAPTER_GEOMETRY
 from forked import run_forked
-from media_files import image
 
+from bench.media_files import image
 from h3serve.cli.reference import ReferenceRequest, run_reference
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy

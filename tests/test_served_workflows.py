@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 from deployments import QUICK_OUTAGE, write_config
-from media_files import image
 
+from bench.media_files import image
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy

@@ -21,10 +21,10 @@ import openai
 import pytest
 from deployments import write_config
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from media_files import image
 from stores import with_store
 from up_process import wait_until
 
+from bench.media_files import image
 from h3serve.cli import token as token_cli
 from h3serve.cli.launcher import ServiceGroup
 from h3serve.client import GatewayClient

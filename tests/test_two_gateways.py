@@ -26,11 +26,11 @@ from collections.abc import Generator, Iterator
 import pytest
 import stores
 from dit_holding import HELD, HOLD_STEP
-from media_files import image
 from namespaces import Unavailable
 from topology import NginxUnavailable, Topology, topology
 
 from bench import two_gateways
+from bench.media_files import image
 from h3serve.client import GatewayClient
 from h3serve.client.events import is_terminal
 from h3serve.gateway.jobs.runner import CANCELLED_BY_CLIENT, LEASE_S, RENEWALS_PER_LEASE

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
-from media_files import image, mp4, wav
 
+from bench.media_files import image, mp4, wav
 from h3serve.common.config import VaeConfig
 from h3serve.common.server import GRPC_OPTIONS
 from h3serve.model import workflows

@@ -1,4 +1,5 @@
-"""Small media files made in the tests themselves (Pillow, PyAV, numpy): no binary fixtures."""
+"""Small media files made where they are used (Pillow, PyAV, numpy): no binary fixtures. The tests and the benches
+make their request media here."""
 
 from __future__ import annotations
 

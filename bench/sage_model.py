@@ -1,4 +1,5 @@
-"""A CPU model of the sage_fp16 kernel's arithmetic, and fp64 attention to hold it to (tests and bench/sage_turing.py).
+"""A CPU model of the sage_fp16 kernel's arithmetic, and fp64 attention to hold it to (tests/test_sage_numerics.py,
+bench/sage_turing.py, bench/sage_rows.py).
 
 The model takes the kernel's own inputs (h3serve/runtime/kernels/sage_prepare.py runs here as on the GPU) and repeats
 its loop: 64-key tiles, int8 Q.K^T exact in int32 (the first 16 channels' sum times 2**shift), scores =
