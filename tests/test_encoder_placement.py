@@ -290,6 +290,26 @@ def test_spread_over_two_gpus(text_parts, reference, quantize):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_service_gives_the_card_back_what_an_encode_cached(reference):
+    """As the DiT and the VAE do after every request, for a stage sharing the card (the plan counts an encoder between
+    requests as its weights and context only): after an Encode over gRPC the process reserves less than the encode
+    did, and the embeddings are the same."""
+    config = EncoderConfig(device="cuda", cpu_offload=True, cache_bytes=0)
+    components, model = placement.load(config, COMPONENTS)
+    server, channel = serve_on_loopback(EncoderServicer(TextEncoderRunner(components), model, config))
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        embeddings, summary = encode(encoder_pb2_grpc.EncoderStub(channel))
+        assert not summary.cache_hit
+        assert torch.cuda.memory_reserved() < torch.cuda.max_memory_reserved()
+        assert placement.embedding_error(embeddings["prompt_embeds"], reference)[1] < 1e-4
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_streamed_offload_on_a_gpu_gives_the_resident_embeddings(text_parts):
     """The served path in bf16: pinned in place, each layer streamed on a side stream, against the same encoder
     moved whole to the GPU; twice, since the first request traces the order the second prefetches in."""

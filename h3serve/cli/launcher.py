@@ -6,6 +6,11 @@ session of its own, so a Ctrl-C at the terminal reaches the launcher only, which
 each gets SIGTERM when the launcher dies (parent-death signal), so even `kill -9` of it leaves none behind.
 A stop ends each service's whole tree: SIGTERM, the grace, then SIGKILL of what remains of it, anything
 left in its process group included.
+
+With `[gateway] stages_take_turns` (one card for every stage) the model services start one at a time as well, each
+once the one before it serves: started together, their loads and warm-ups overlapped on the card, which the plan's
+busiest turn does not count (the 24 GB profile's start held 22.6 GiB of the card at once against 15.8 planned,
+docs/memory-plan.md). The gateway starts with the first.
 """
 
 from __future__ import annotations
@@ -65,8 +70,25 @@ class ServiceGroup:
         self.grace = config.supervisor.stop_grace_s
         self.supervisor_state = supervisor_state  # `up`'s state file, which the gateway reads (common/supervision.py)
         self.running: list[Running] = []
+        self.waiting = self._later_turns()  # model services not started yet: they wait for their turn on the card
         self.fork_server: forkserver.ForkServer | None = None
         self.owns_fork_server = False
+
+    def _later_turns(self) -> list[str]:
+        """The model services that start only once the one before them serves: every one after the first where the
+        stages take turns on one card, none otherwise."""
+        if not self.config.gateway.stages_take_turns:
+            return []
+        return [name for name in self.names if name in SERVICES][1:]
+
+    def start_next(self) -> Running:
+        """Start the next model service waiting for its turn, in its place in the start order (a stop goes in reverse
+        of it)."""
+        name = self.waiting.pop(0)
+        item = self._spawn(name)
+        later = [i for i, other in enumerate(self.running) if self.names.index(other.name) > self.names.index(name)]
+        self.running.insert(later[0] if later else len(self.running), item)
+        return item
 
     def _command(self, name: str) -> list[str]:
         command = [sys.executable, "-m", "h3serve.cli", "serve", name]
@@ -198,7 +220,7 @@ class ServiceGroup:
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
         self._start_fork_server()
-        self.running.extend(self._spawn(name) for name in self.names)
+        self.running.extend(self._spawn(name) for name in self.names if name not in self.waiting)
 
     def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
         """Stop one service with `signum` (SIGKILL simulates a crash), start it again, wait until healthy."""
@@ -210,19 +232,21 @@ class ServiceGroup:
         self.wait_healthy()
 
     def wait_healthy(self) -> None:
+        """Until every service is healthy, starting each one waiting for its turn once no model service is starting;
+        each has `start_timeout_s` from its own start."""
         timeout = self.config.supervisor.start_timeout_s
-        deadline = time.monotonic() + timeout
         pending = [item for item in self.running if not self.ready(item.address, root_pem=self.root_pem(item.name))]
-        while pending:
+        while pending or self.waiting:
             for item in list(pending):
                 if (code := item.process.poll()) is not None:
                     raise RuntimeError(f"{item.name} {describe_exit(code)} during start-up{self.log_tail(item.name)}")
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
-            if time.monotonic() > deadline:
+            if self.waiting and not any(item.name in SERVICES for item in pending):
+                pending.append(self.start_next())
+            if overdue := [item.name for item in pending if time.monotonic() - item.started > timeout]:
                 raise TimeoutError(
-                    f"not healthy after {timeout:.0f} s ([supervisor] start_timeout_s): "
-                    f"{', '.join(i.name for i in pending)}"
+                    f"not healthy after {timeout:.0f} s ([supervisor] start_timeout_s): {', '.join(overdue)}"
                 )
             time.sleep(0.2)
 

@@ -7,9 +7,10 @@ directory another process holds), and the same start-up failure twice in a row (
 reason class, before the service ever reached SERVING), which a third start would only repeat. A SIGKILL with the host
 near its memory limit at the last sample reads as the OOM killer's (common/processes.py, MemoryWatch). What the dead
 service's process left (its process group: e.g. DiT ranks) is stopped before the new one starts, so nothing of the old
-one holds its port or its GPU memory. A start (the first or a restart) that has not reached SERVING within
-`start_timeout_s` (a gateway: answered health, as its own SERVING waits for every stage's) has its tree stopped and
-counts as such an exit. A stop signal ends the watch at once: nothing is restarted after it.
+one holds its port or its GPU memory. Where the stages take turns on one card, a model service waiting for its turn
+starts once every model service started before it serves (launcher.py). A start (the first or a restart) that has
+not reached SERVING within `start_timeout_s` (a gateway: answered health, as its own SERVING waits for every stage's)
+has its tree stopped and counts as such an exit. A stop signal ends the watch at once: nothing is restarted after it.
 
 Each service's state (starting, serving, restart due, given up) goes to the state file the gateway reads
 (common/supervision.py), rewritten at every change, so a job waits past its outage limit for a service being brought
@@ -73,7 +74,7 @@ class Watch:
                 if reason:
                     return reason
             self._sample()
-            if not healthy and not self.due and len(self.ready) == len(self.group.running):
+            if not healthy and not self.due and not self.group.waiting and len(self.ready) == len(self.group.running):
                 healthy = True
                 on_healthy()
             self.stop.sleep(POLL_S)
@@ -87,6 +88,11 @@ class Watch:
             if item.name not in self.ready and self._serving(item):
                 self.ready.add(item.name)
                 self.states.set(item.name, replace(self.states.services[item.name], state=SERVING, since=time.time()))
+        if self.group.waiting and all(item.name in self.ready for item in self._models()):
+            self._starting(self.group.start_next(), restart=False)  # its turn on the card (launcher.py)
+
+    def _models(self) -> list[Running]:
+        return [item for item in self.group.running if item.name != "gateway"]
 
     def _serving(self, item: Running) -> bool:
         """A model service once it says SERVING; the gateway once it answers: its SERVING also waits for every stage's,

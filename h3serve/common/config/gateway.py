@@ -100,7 +100,8 @@ class GatewayConfig(Section):
     max_rows: PositiveInt = MAX_ROWS  # admission (at most the DiT's): packed DiT rows per request (text,
     # conditioning, generated)
     # The encoder, DiT and VAE share one card too small for two of their stages at once: every stage call waits for
-    # the card (one at a time, in arrival order) instead of overlapping with another job's (docs/deploy/small-gpus.md)
+    # the card (one at a time, in arrival order) instead of overlapping with another job's (docs/deploy/small-gpus.md);
+    # `h3serve up` starts the model services one at a time too, each once the one before it serves (cli/launcher.py)
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor

@@ -1,0 +1,126 @@
+"""Where the stages take turns on one card (`[gateway] stages_take_turns`), the model services start one at a time:
+each once the one before it serves, under `h3serve up`'s watch and under a ServiceGroup's wait (the demo's, the
+benches'); the gateway starts with the first. Without turns they start together. Stand-in children hold their
+SERVING until the test opens their gate, so the order is seen, not timed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from stand_ins import StandIns, meminfo, no_signals
+from up_process import wait_until
+
+from h3serve.cli.supervise import Watch
+from h3serve.common.config import load_deploy
+from h3serve.common.free_ports import free_port
+from h3serve.common.supervision import STARTING
+
+pytestmark = pytest.mark.processes
+
+MODELS = ("encoder", "dit", "vae")
+HELD_S = 1.0  # how long a test watches a service that must not start yet
+
+
+def gated_server(port: int, gate: Path, log: Path, name: str) -> list[str]:
+    """A child that writes its name to `log` at once, and serves gRPC health (SERVING) on `port` once `gate` exists."""
+    code = (
+        "import os, threading, time\n"
+        "from h3serve.common.server import start_server\n"
+        f"open({str(log)!r}, 'a').write({name!r} + '\\n')\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.05)\n"
+        f"server = start_server(lambda s: None, [], '127.0.0.1:{port}')\n"
+        "threading.Event().wait()\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+class Stack:
+    """Four stand-ins on free ports under a deployment with or without turns; `started()` lists them in start order,
+    `open(name)` lets one serve."""
+
+    def __init__(self, root: Path, turns: bool) -> None:
+        self.root, self.log = root, root / "started"
+        ports = {name: free_port() for name in (*MODELS, "gateway")}
+        sections = "".join(f"[{name}]\nport = {port}\n\n" for name, port in ports.items() if name != "gateway")
+        path = root / "deploy.toml"
+        path.write_text(
+            f"{sections}[gateway]\nport = {ports['gateway']}\nstages_take_turns = {str(turns).lower()}\n\n"
+            "[supervisor]\nstop_grace_s = 5.0\nstart_timeout_s = 60.0\nfork_server = false\n"
+        )
+        commands = {name: gated_server(port, root / f"{name}.gate", self.log, name) for name, port in ports.items()}
+        self.group = StandIns(load_deploy(str(path)), commands)
+
+    def started(self) -> list[str]:
+        """The model services started, in order, and the gateway last once it has (it starts beside the first)."""
+        names = self.log.read_text().split() if self.log.exists() else []
+        return [name for name in names if name != "gateway"] + [name for name in names if name == "gateway"]
+
+    def open(self, name: str) -> None:
+        (self.root / f"{name}.gate").touch()
+
+    def held(self, started: list[str]) -> None:
+        """Exactly `started` have started, and for HELD_S nothing more does (the next one waits for its turn)."""
+        wait_until(lambda: self.started() == started, 30, f"{started} started")
+        threading.Event().wait(HELD_S)
+        assert self.started() == started
+
+    def take_turns(self) -> None:
+        """Let each model service serve in turn: the next one starts then and not before."""
+        self.held(["encoder", "gateway"])
+        for done, name in enumerate(MODELS[:-1], start=2):
+            self.open(name)
+            self.held([*MODELS[:done], "gateway"])
+
+
+def test_with_turns_up_starts_each_model_service_once_the_one_before_it_serves(tmp_path):
+    stack = Stack(tmp_path, turns=True)
+    stack.group.start()
+    stop, healthy = no_signals(), threading.Event()
+    watch = Watch(stack.group, stop, meminfo(tmp_path / "meminfo", 16, 8.0))
+    thread = threading.Thread(target=watch.run, args=(healthy.set,))
+    thread.start()
+    try:
+        stack.open("gateway")
+        stack.held(["encoder", "gateway"])
+        assert set(watch.states.services) == {"encoder", "gateway"}, "a service waiting for its turn is not starting"
+        stack.take_turns()
+        assert watch.states.services["vae"].state == STARTING
+        assert not healthy.is_set(), "up says it serves only once every service does"
+        stack.open("vae")
+        assert healthy.wait(30)
+        assert [item.name for item in stack.group.running] == [*MODELS, "gateway"], "a stop goes in reverse of this"
+    finally:
+        stop.signum = signal.SIGTERM
+        thread.join()
+        stack.group.stop()
+
+
+def test_with_turns_a_service_groups_wait_starts_them_one_at_a_time(tmp_path):
+    stack = Stack(tmp_path, turns=True)
+    stack.group.start()
+    waited = threading.Thread(target=stack.group.wait_healthy)
+    waited.start()
+    try:
+        stack.take_turns()
+        assert waited.is_alive()
+        stack.open("vae")
+        stack.open("gateway")
+        waited.join(30)
+        assert not waited.is_alive()
+    finally:
+        stack.group.stop()
+
+
+def test_without_turns_every_service_starts_at_once(tmp_path):
+    stack = Stack(tmp_path, turns=False)
+    stack.group.start()
+    try:
+        wait_until(lambda: sorted(stack.started()) == sorted([*MODELS, "gateway"]), 30, "all four started")
+        assert not stack.group.waiting
+    finally:
+        stack.group.stop()
