@@ -92,6 +92,16 @@ def test_a_box_no_profile_fits_is_refused_with_every_reason(tmp_path, capsys):
     assert "not single-24gb-gguf.toml: it serves the DiT from your GGUF: give --transformer-file" in out
 
 
+def test_a_box_without_a_gpu_is_refused_and_pointed_at_the_tiny_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        run_init(tmp_path, {"gpus": [], "host_gib": 64, "disk_gib": 200}, "--dry-run")
+    out = capsys.readouterr().out
+    assert exit.value.code == init.REFUSED and out.rstrip().endswith("no shipped profile fits this box")
+    assert "not single-h100.toml: it places its services on 1 GPU, the box has 0" in out
+    assert f"without a GPU only the tiny random model runs ({init.TINY}): `h3serve demo --config {init.TINY}`" in out
+    assert Path(init.TINY).is_file() and not (tmp_path / "deploy.toml").exists()
+
+
 def test_a_small_disk_turns_off_the_stores_that_only_speed_a_start_up_and_says_so(tmp_path, capsys):
     """The lent H100 has 64 GiB of disk: the DiT's fp8 store (43.8 GiB) and the encoder's int8 one (25.7) do not fit
     together, so the encoder's, which saves less, is turned off in the file; at 20 GiB both are."""

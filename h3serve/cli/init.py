@@ -13,6 +13,7 @@ from h3serve.cli import box as boxes
 from h3serve.cli import profiles
 
 REFUSED = 2
+TINY = "docs/deploy/tiny-cpu.toml"  # the demo's: not among the profiles, as it serves no released model
 
 
 def report(box: boxes.Box, verdicts: list[profiles.Verdict]) -> list[str]:
@@ -28,6 +29,9 @@ def report(box: boxes.Box, verdicts: list[profiles.Verdict]) -> list[str]:
                 out.append(f"  {unused} GPU(s) of the box unused: no shipped layout places a stage on them")
         else:
             out.append(f"not {name}: " + "; ".join(verdict.why_not))
+    if not verdicts[-1].fits and not box.gpus:
+        out.append(f"without a GPU only the tiny random model runs ({TINY}): `h3serve demo --config {TINY}`")
+        out.append("  (`make demo`) tries the API and every service end to end; random weights make noise, not video")
     if not verdicts[-1].fits:
         out.append("no shipped profile fits this box")
     return out

@@ -163,7 +163,8 @@ def assess(profile: Profile, box: Box, directory: Path, model_dir: str = "", ggu
         return Verdict(profile, shipped, ("it serves the DiT from your GGUF: give --transformer-file",))
     needed = gpus_named(_load(shipped))
     if needed > len(box.gpus):
-        return Verdict(profile, shipped, (f"it places its services on {needed} GPUs, the box has {len(box.gpus)}",))
+        placed = f"{needed} GPU{'s' if needed > 1 else ''}"
+        return Verdict(profile, shipped, (f"it places its services on {placed}, the box has {len(box.gpus)}",))
     cards = box.gpus[:needed]
     oldest = min(gpu.capability for gpu in cards)
     if oldest < profile.capability:
