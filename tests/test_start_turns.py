@@ -1,23 +1,28 @@
 """Where the stages take turns on one card (`[gateway] stages_take_turns`), the model services start one at a time:
 each once the one before it serves, under `h3serve up`'s watch and under a ServiceGroup's wait (the demo's, the
 benches'); the gateway starts with the first. Without turns they start together. Stand-in children hold their
-SERVING until the test opens their gate, so the order is seen, not timed."""
+SERVING until the test opens their gate, so the order is seen, not timed. And a service `up` restarts has the card
+to itself too: the tiny model's stack under `up`, a job held mid-denoise while the encoder is killed and restarted."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from dit_holding import HELD
 from stand_ins import StandIns, meminfo, no_signals
-from up_process import wait_until
+from up_process import CLEAN_EXIT, Up, environment, wait_until
 
 from h3serve.cli.supervise import Watch
+from h3serve.client import GatewayClient
 from h3serve.common.config import load_deploy
 from h3serve.common.free_ports import free_port
-from h3serve.common.supervision import STARTING
+from h3serve.common.supervision import STARTING, STATE_ENV, read_live
+from h3serve.v1 import gateway_pb2
 
 pytestmark = pytest.mark.processes
 
@@ -124,3 +129,35 @@ def test_without_turns_every_service_starts_at_once(tmp_path):
         assert not stack.group.waiting
     finally:
         stack.group.stop()
+
+
+def test_under_up_a_stage_call_waits_for_the_card_while_a_restarted_service_starts(tmp_path, dit_hold, tiny_model_dir):
+    """The job's decode comes while the encoder `up` restarted is starting: its call waits for the card until the
+    encoder serves, and the job is told so; then it succeeds."""
+    up = Up(tmp_path, tiny_model_dir, {}, "[supervisor]\nbackoff_s = 0.5\n", {"stages_take_turns": True})
+    try:
+        up.wait_serving()
+        state_file = environment(up.service("gateway"))[STATE_ENV]
+        with GatewayClient(f"127.0.0.1:{up.ports['gateway']}") as client, dit_hold.armed():
+            job = client.submit(gateway_pb2.GenerateRequest(prompt="a heron on one leg", **HELD))
+            events = client.events(job.job_id)
+            next(event for event in events if dit_hold.holds(event))
+            old = up.service("encoder")
+            os.kill(old, signal.SIGKILL)
+            wait_until(lambda: _state(state_file, "encoder") == (STARTING, True), 30, "the encoder restarting")
+            dit_hold.release()
+            rest = list(events)
+        assert rest[-1].HasField("done"), rest[-1]
+        waits = [(event.waiting.stage, event.waiting.reason) for event in rest if event.HasField("waiting")]
+        told = "the card is encoder's while it starts: encoder is restarting under h3serve up: started "
+        assert [stage for stage, reason in waits if reason.startswith(told)] == ["vae"], waits
+        up.process.send_signal(signal.SIGTERM)
+        assert up.end() == CLEAN_EXIT, up.output.read_text()[-2000:]
+    finally:
+        up.close()
+
+
+def _state(path: str, name: str) -> tuple[str, bool] | None:
+    live = read_live(path)
+    service = live.services.get(name) if live else None
+    return (service.state, service.restart) if service else None

@@ -84,10 +84,18 @@ CLEAN_EXIT = Ended(0, [], [])
 class Up:
     """`h3serve up` as from a terminal (its own process group), with every process it started collected as seen."""
 
-    def __init__(self, root: Path, model_dir: Path, dit: dict, supervisor: str = "") -> None:
+    def __init__(
+        self, root: Path, model_dir: Path, dit: dict, supervisor: str = "", gateway: dict | None = None
+    ) -> None:
         self.ports = {name: free_port() for name in ("encoder", "dit", "vae", "gateway")}
         self.config = write_config(
-            root / "deploy.toml", str(model_dir), root / "gateway", self.ports, service_keys={"threads": 1}, dit=dit
+            root / "deploy.toml",
+            str(model_dir),
+            root / "gateway",
+            self.ports,
+            service_keys={"threads": 1},
+            dit=dit,
+            **(gateway or {}),
         )
         self.config.write_text(self.config.read_text() + "\n" + supervisor)
         self.log_dir, self.output = root / "logs", root / "up.out"

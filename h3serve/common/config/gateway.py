@@ -101,7 +101,8 @@ class GatewayConfig(Section):
     # conditioning, generated)
     # The encoder, DiT and VAE share one card too small for two of their stages at once: every stage call waits for
     # the card (one at a time, in arrival order) instead of overlapping with another job's (docs/deploy/small-gpus.md);
-    # `h3serve up` starts the model services one at a time too, each once the one before it serves (cli/launcher.py)
+    # `h3serve up` starts the model services one at a time too, each once the one before it serves (cli/launcher.py),
+    # and no stage call takes a turn while `up` (re)starts one (gateway/stages/card.py)
     stages_take_turns: bool = False
     geometry: Geometry = Field(default_factory=Geometry)  # from [model]
     model_dir: str = ""  # from [model] dir: admission counts text rows with its tokenizer and processor

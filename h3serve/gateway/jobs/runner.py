@@ -51,6 +51,7 @@ from h3serve.gateway.jobs.retention import Retention
 from h3serve.gateway.jobs.store import Fenced, JobStore, Lease, StoreUnavailable, Unfinished
 from h3serve.gateway.metrics import GatewayMetrics
 from h3serve.gateway.stages.calls import CallRecord, StageCaller, StageFailed
+from h3serve.gateway.stages.card import Card
 from h3serve.gateway.stages.queue import StageQueue
 from h3serve.gateway.stages.stage import JobContext, Stage, StageOutput
 from h3serve.gateway.stages.watchdog import Stuck, Watchdog
@@ -130,7 +131,7 @@ class JobRunner:
             name: StageQueue(name, len(caller.replicas[stage.service].replicas))
             for name, stage in caller.stages.items()
         }
-        self.card = StageQueue("card", 1) if config.stages_take_turns else None  # stage calls one at a time
+        self.card = Card(caller.supervisor_state) if config.stages_take_turns else None  # stage calls one at a time
         self.retention = Retention(
             store, artifacts, config.artifact_max_age_s, config.artifact_max_bytes, assets, config.asset_max_age_s
         )
@@ -507,7 +508,10 @@ class JobRunner:
             job_id, lambda: self.store.stage_enqueued(job_id, attempt, stage.name, lease=self._lease(job_id))
         )
         waited = time.monotonic()
-        async with self.queues[stage.name].worker(), self.card.worker() if self.card else contextlib.nullcontext():
+        async with (
+            self.queues[stage.name].worker(),
+            self.card.turn(job, stage.name) if self.card else contextlib.nullcontext(),
+        ):
             started = time.monotonic()
             self.metrics.queue_seconds.labels(stage.name).observe(started - waited)
             now = time.time()
