@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import io
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 
@@ -147,6 +148,20 @@ def ignore(*_) -> None:
     return None
 
 
+# One x264 thread gives the same frames the same bytes all but about once in 80 to 400 encodes (docs/performance.md,
+# x264_threads; the cause is not found): MP4 bytes are called different only after fresh encodes on both sides differ
+# too.
+MP4_TRIES = 3
+
+
+def same_mp4(served: bytes, serve_again: Callable[[], bytes], expect: Callable[[], bytes]) -> bool:
+    for _ in range(MP4_TRIES - 1):
+        if served == expect():
+            return True
+        served = serve_again()
+    return served == expect()
+
+
 def test_decode_returns_an_mp4_of_the_decoded_geometry(events):
     video = files_of(events)["video.mp4"]
     summary = events[-1].summary
@@ -200,7 +215,9 @@ def test_offload_idle_refuses_fp8_and_decoder_replicas():
 
 
 @pytest.mark.fidelity
-def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(events, components, latents, in_process):
+def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(
+    stub, events, components, latents, in_process
+):
     handed: list[np.ndarray] = []
     checked = decode_checked(
         VaeDecoder(*components), latents["latents"], latents["audio_latents"], ignore, ignore, on_pixels=handed.append
@@ -211,15 +228,27 @@ def test_uint8_frames_and_mp4_equal_the_in_process_block_quantized_on_the_cpu(ev
     assert np.array_equal(checked.audio, in_process["audio"][0].numpy())
     # The MP4 the in-process pipeline's float frames make is the one the service sends, byte for byte, though the
     # service muxed its frames chunk by chunk while the decoder ran.
-    expected = encode_mp4(frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore, threads=1)
-    assert files_of(events)["video.mp4"] == expected
+    assert same_mp4(
+        files_of(events)["video.mp4"],
+        lambda: files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"],
+        functools.partial(
+            encode_mp4, frames, in_process["audio"][0].numpy(), in_process["sampling_rate"], ignore, threads=1
+        ),
+    )
 
 
 def test_the_x264_preset_is_the_configured_one(components, latents, in_process):
-    with vae_service(*components, VaeConfig(x264_preset="ultrafast", x264_threads=1)) as stub:
-        video = files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"]
     frames, audio = in_process["videos"][0], in_process["audio"][0].numpy()
-    assert video == encode_mp4(frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast", threads=1)
+    with vae_service(*components, VaeConfig(x264_preset="ultrafast", x264_threads=1)) as stub:
+
+        def served() -> bytes:
+            return files_of(list(stub.Decode(iter(requests(latents)))))["video.mp4"]
+
+        video = served()
+        expected = functools.partial(
+            encode_mp4, frames, audio, in_process["sampling_rate"], ignore, preset="ultrafast", threads=1
+        )
+        assert same_mp4(video, served, expected)
     assert video != encode_mp4(frames, audio, in_process["sampling_rate"], ignore, threads=1)  # medium, the default
     with pytest.raises(ValueError, match="x264_preset"):
         VaeConfig(x264_preset="warp")
