@@ -70,7 +70,7 @@ class ServiceGroup:
         self.grace = config.supervisor.stop_grace_s
         self.supervisor_state = supervisor_state  # `up`'s state file, which the gateway reads (common/supervision.py)
         self.running: list[Running] = []
-        self.waiting = self._later_turns()  # model services not started yet: they wait for their turn on the card
+        self.waiting: list[str] = []  # model services not started yet: they wait for their turn on the card
         self.fork_server: forkserver.ForkServer | None = None
         self.owns_fork_server = False
 
@@ -220,6 +220,7 @@ class ServiceGroup:
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
         self._start_fork_server()
+        self.waiting = self._later_turns()
         self.running.extend(self._spawn(name) for name in self.names if name not in self.waiting)
 
     def restart(self, name: str, signum: int = signal.SIGTERM) -> None:
