@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,41 +83,68 @@ class Stack:
             self.held([*MODELS[:done], "gateway"])
 
 
+def beside(supervise: Callable[[], object], steps: Callable[[], None]) -> None:
+    """`supervise` on this thread, the test's `steps` on another; what the steps raised is raised here. The
+    supervisor spawns the services, so it keeps the main thread: a child forked from another thread of a busy process
+    can hang before it runs (subprocess's preexec_fn, which the launcher's death signal uses, is not thread-safe)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            steps()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        supervise()
+    finally:
+        thread.join()
+        if failed:  # the cause, also of a supervisor that then timed out
+            raise failed[0]
+
+
 def test_with_turns_up_starts_each_model_service_once_the_one_before_it_serves(tmp_path):
     stack = Stack(tmp_path, turns=True)
     stack.group.start()
     stop, healthy = no_signals(), threading.Event()
     watch = Watch(stack.group, stop, meminfo(tmp_path / "meminfo", 16, 8.0))
-    thread = threading.Thread(target=watch.run, args=(healthy.set,))
-    thread.start()
+
+    def steps() -> None:
+        try:
+            stack.open("gateway")
+            stack.held(["encoder", "gateway"])
+            assert set(watch.states.services) == {"encoder", "gateway"}, "one waiting for its turn is not starting"
+            stack.take_turns()
+            assert watch.states.services["vae"].state == STARTING
+            assert not healthy.is_set(), "up says it serves only once every service does"
+            stack.open("vae")
+            assert healthy.wait(30)
+        finally:
+            stop.signum = signal.SIGTERM
+
     try:
-        stack.open("gateway")
-        stack.held(["encoder", "gateway"])
-        assert set(watch.states.services) == {"encoder", "gateway"}, "a service waiting for its turn is not starting"
-        stack.take_turns()
-        assert watch.states.services["vae"].state == STARTING
-        assert not healthy.is_set(), "up says it serves only once every service does"
-        stack.open("vae")
-        assert healthy.wait(30)
+        beside(lambda: watch.run(healthy.set), steps)
         assert [item.name for item in stack.group.running] == [*MODELS, "gateway"], "a stop goes in reverse of this"
     finally:
-        stop.signum = signal.SIGTERM
-        thread.join()
         stack.group.stop()
 
 
 def test_with_turns_a_service_groups_wait_starts_them_one_at_a_time(tmp_path):
     stack = Stack(tmp_path, turns=True)
     stack.group.start()
-    waited = threading.Thread(target=stack.group.wait_healthy)
-    waited.start()
-    try:
+    healthy = threading.Event()
+
+    def steps() -> None:
         stack.take_turns()
-        assert waited.is_alive()
+        assert not healthy.is_set()
         stack.open("vae")
         stack.open("gateway")
-        waited.join(30)
-        assert not waited.is_alive()
+
+    try:
+        beside(lambda: (stack.group.wait_healthy(), healthy.set()), steps)
+        assert sorted(stack.started()) == sorted([*MODELS, "gateway"])
     finally:
         stack.group.stop()
 
