@@ -81,6 +81,10 @@ class ServiceGroup:
             return []
         return [name for name in self.names if name in SERVICES][1:]
 
+    def turn_due(self, serving: set[str]) -> bool:
+        """Whether a model service waits for its turn and every model service started so far is in `serving`."""
+        return bool(self.waiting) and all(item.name in serving for item in self.running if item.name in SERVICES)
+
     def start_next(self) -> Running:
         """Start the next model service waiting for its turn, in its place in the start order (a stop goes in reverse
         of it)."""
@@ -243,7 +247,7 @@ class ServiceGroup:
                     raise RuntimeError(f"{item.name} {describe_exit(code)} during start-up{self.log_tail(item.name)}")
                 if self.ready(item.address, root_pem=self.root_pem(item.name)):
                     pending.remove(item)
-            if self.waiting and not any(item.name in SERVICES for item in pending):
+            if self.turn_due({item.name for item in self.running if item not in pending}):
                 pending.append(self.start_next())
             if overdue := [item.name for item in pending if time.monotonic() - item.started > timeout]:
                 raise TimeoutError(

@@ -88,11 +88,8 @@ class Watch:
             if item.name not in self.ready and self._serving(item):
                 self.ready.add(item.name)
                 self.states.set(item.name, replace(self.states.services[item.name], state=SERVING, since=time.time()))
-        if self.group.waiting and all(item.name in self.ready for item in self._models()):
+        if self.group.turn_due(self.ready):
             self._starting(self.group.start_next(), restart=False)  # its turn on the card (launcher.py)
-
-    def _models(self) -> list[Running]:
-        return [item for item in self.group.running if item.name != "gateway"]
 
     def _serving(self, item: Running) -> bool:
         """A model service once it says SERVING; the gateway once it answers: its SERVING also waits for every stage's,
