@@ -11,12 +11,16 @@ The baseline is the muxer's default preset (`medium`) in the same run; ratio = i
 
     python -m bench.mux --sizes 768x1344x124 --content scene,noise --write
     python -m bench.mux --quick                                           # a small clip, two presets
+    python -m bench.mux --same-bytes 600 --sizes 32x64x124 --content noise  # one x264 thread: how often the
+                                                                          # same frames give other bytes (no row)
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import hashlib
 import io
 import os
 import platform
@@ -27,7 +31,7 @@ import numpy as np
 
 from bench.common import Size
 from bench.results import Record, add_output_arguments, command_line, update_results
-from h3serve.services.vae.mux import PRESET, Muxer
+from h3serve.services.vae.mux import PRESET, THREADS, Muxer
 
 SAMPLE_RATE = 32000
 
@@ -47,10 +51,11 @@ def frames_of(content: str, size: Size) -> np.ndarray:
     return clip
 
 
-def encode(frames: np.ndarray, preset: str) -> tuple[float, bytes]:
-    audio = np.zeros((2, SAMPLE_RATE * len(frames) // 24), dtype=np.float32)
+def encode(frames: np.ndarray, preset: str, threads: int = THREADS) -> tuple[float, bytes]:
+    audio = np.random.default_rng(0).uniform(-0.5, 0.5, (2, SAMPLE_RATE * len(frames) // 24)).astype(np.float32)
     started = time.perf_counter()
-    with Muxer(len(frames), frames.shape[1], frames.shape[2], SAMPLE_RATE, 2, lambda *_: None, preset) as muxer:
+    shape = (len(frames), frames.shape[1], frames.shape[2])
+    with Muxer(*shape, SAMPLE_RATE, 2, lambda *_: None, preset, threads) as muxer:
         for first in range(0, len(frames), 17):  # the decoder's chunk of frames
             muxer.add(frames[first : first + 17])
         video = muxer.finish(audio)
@@ -64,14 +69,26 @@ def psnr(video: bytes, frames: np.ndarray) -> float:
     return float("inf") if error == 0 else 10 * np.log10(255**2 / error)
 
 
+def same_bytes(frames: np.ndarray, count: int) -> collections.Counter:
+    """Encode `frames` `count` times with one x264 thread (what [vae] x264_threads = 1 promises the same bytes for),
+    as the VAE service does (`Muxer`, the decoder's chunks); prints how many files of each kind came out."""
+    files = collections.Counter(hashlib.sha256(encode(frames, PRESET, 1)[1]).hexdigest()[:12] for _ in range(count))
+    print(f"{count} encodes of the same {len(frames)} frames, one x264 thread: {len(files)} files: {dict(files)}")
+    return files
+
+
 def main(argv: list[str] | None = None) -> list[Record]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a 240x416x124 clip, presets medium and veryfast")
     p.add_argument("--sizes", default="768x1344x124,480x832x124")
     p.add_argument("--content", default="scene,noise")
     p.add_argument("--presets", default="medium,fast,faster,veryfast,superfast,ultrafast")
+    p.add_argument("--same-bytes", type=int, default=0, help="encode the first clip this often with one x264 thread")
     add_output_arguments(p)
     args = p.parse_args(argv)
+    if args.same_bytes:
+        same_bytes(frames_of(args.content.split(",")[0], Size.parse(args.sizes.split(",")[0])), args.same_bytes)
+        return []
     if args.quick:
         args.sizes, args.presets = "240x416x124", "medium,veryfast"
     presets = args.presets.split(",")

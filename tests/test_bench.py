@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -343,8 +344,6 @@ def test_the_dit_forward_flop_count_matches_the_released_model_arithmetic():
 
 @pytest.mark.processes
 def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_psnr(tmp_path):
-    import re
-
     from bench import mux
 
     results, markdown = tmp_path / "results.json", tmp_path / "BENCHMARKS.md"
@@ -369,6 +368,16 @@ def test_quick_mux_bench_times_presets_against_the_default_and_measures_their_ps
     assert veryfast["ratio"] == medium["seconds"] / veryfast["seconds"]
     for record in (medium, veryfast):  # a smooth scene survives CRF 23 well; a broken decode-back would not
         assert float(re.search(r"PSNR ([\d.]+) dB", record["variant"]).group(1)) > 30
+
+
+def test_mux_same_bytes_counts_the_files_of_repeated_single_threaded_encodes(capsys):
+    from bench import mux
+
+    assert mux.main(["--same-bytes", "3", "--sizes", "16x32x22", "--content", "scene"]) == []
+    out = capsys.readouterr().out
+    assert out.startswith("3 encodes of the same 22 frames, one x264 thread: ")
+    counts = [int(n) for n in re.findall(r"'[0-9a-f]{12}': (\d+)", out)]
+    assert sum(counts) == 3 and counts
 
 
 class _StandInSmi:

@@ -148,7 +148,7 @@ def ignore(*_) -> None:
     return None
 
 
-# One x264 thread gives the same frames the same bytes all but about once in 80 to 400 encodes (docs/performance.md,
+# One x264 thread gives the same frames the same bytes all but rarely (a few in a thousand encodes: docs/performance.md,
 # x264_threads; the cause is not found): MP4 bytes are called different only after fresh encodes on both sides differ
 # too.
 MP4_TRIES = 3

@@ -72,7 +72,7 @@ class VaeConfig(CompiledServiceConfig):
         "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"
     ] = "medium"  # libx264's speed / size trade at CRF 23 (bench/mux.py)
     x264_threads: NonNegativeInt = 0  # libx264's threads; 0: its own count. 1 gives the same bytes for the same frames
-    # all but once in 80 to 400 encodes; threaded ones differed 3 times in ~140 under CPU load (docs/performance.md)
+    # all but rarely (docs/performance.md); threaded encodes of identical frames differed 3 times in ~140 under load
     # "idle": the weights (5.75 GiB for the released VAEs) in pinned host memory between requests, on the GPU only
     # during one, so that a card shared with the DiT holds none of them while it denoises (h3serve/runtime/offload.py)
     offload: Literal["none", "idle"] = "none"
